@@ -1,0 +1,72 @@
+"""Layout strategies: turn a model, a memory budget and scheduler limits into a memory plan.
+
+>>> from hybridkv import models, layouts
+>>> plan = layouts.make_plan(models.load("qwen3.5-4b"), "inflate", memory="8GiB")
+>>> plan.block_size
+528
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.model import HybridModel
+from ..plan import MemoryPlan, PlanConfig
+from ..units import parse_bytes
+from .per_group import plan_per_group
+from .shared import auto_pack_size, plan_shared
+from .two_level import plan_two_level
+
+LAYOUTS = ("inflate", "pack", "aggregate", "per_group", "two_level")
+
+__all__ = ["LAYOUTS", "make_plan", "plan_all"]
+
+
+def make_plan(
+    model: HybridModel,
+    layout: str,
+    *,
+    memory: int | str,
+    max_num_seqs: int = 256,
+    block_size: int | None = None,
+    pack_size: int | str = "auto",
+    state_slots_per_seq: int = 1,
+    cache_state_slots: int = 0,
+    kernel_alignment: int | None = None,
+) -> MemoryPlan:
+    """Plan ``model`` (already :meth:`~HybridModel.configure`-d for TP and dtypes) with
+    ``layout`` in ``memory`` bytes per rank (an int or a string such as ``"40GiB"``)."""
+    config = PlanConfig(
+        memory_bytes=parse_bytes(memory),
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+        state_slots_per_seq=state_slots_per_seq,
+        cache_state_slots=cache_state_slots,
+        kernel_alignment=kernel_alignment,
+        pack_size=pack_size,
+    )
+    return plan_with_config(model, layout, config)
+
+
+def plan_with_config(model: HybridModel, layout: str, config: PlanConfig) -> MemoryPlan:
+    if layout == "inflate":
+        return plan_shared(model, config, layout="inflate", pack_size=1)
+    if layout == "pack":
+        n = config.pack_size
+        if n == "auto":
+            n = auto_pack_size(model, config)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"pack_size must be a positive integer or 'auto', got {n!r}")
+        return plan_shared(model, config, layout="pack", pack_size=n)
+    if layout == "aggregate":
+        return plan_shared(model, config, layout="aggregate", pack_size=None)
+    if layout == "per_group":
+        return plan_per_group(model, config)
+    if layout == "two_level":
+        return plan_two_level(model, config)
+    raise ValueError(f"unknown layout {layout!r}; choose one of: {', '.join(LAYOUTS)}")
+
+
+def plan_all(model: HybridModel, **kwargs: Any) -> dict[str, MemoryPlan]:
+    """Every layout for the same model and budget (``hybridkv compare``)."""
+    return {layout: make_plan(model, layout, **kwargs) for layout in LAYOUTS}

@@ -1,0 +1,157 @@
+"""Pieces shared by the layout strategies: buckets of layers, page contents, capacity."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..models.model import CacheLayer, HybridModel
+from ..plan import Capacity, PlanConfig, StateComponent
+from ..specs import AttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
+
+DEFAULT_BLOCK_SIZE = 16
+#: byte alignment of a state component or a state slot inside a dedicated state pool
+STATE_ALIGN = 16
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def attention_kind(spec: AttentionSpec) -> str:
+    if isinstance(spec, MLASpec):
+        return "mla"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    return "full_attention"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Layers with identical specs; they can share a group."""
+
+    kind: str  # attention kind or "state"
+    layers: tuple[CacheLayer, ...]
+
+    @property
+    def spec(self):
+        return self.layers[0].spec
+
+
+def buckets(model: HybridModel) -> tuple[list[Bucket], list[Bucket]]:
+    """(attention buckets, state buckets), each a list of layers with one spec, in layer order."""
+    attn: dict[object, list[CacheLayer]] = {}
+    state: dict[object, list[CacheLayer]] = {}
+    for layer in model.layers:
+        target = attn if isinstance(layer.spec, AttentionSpec) else state
+        target.setdefault(layer.spec, []).append(layer)
+    return (
+        [Bucket(attention_kind(ls[0].spec), tuple(ls)) for ls in attn.values()],
+        [Bucket("state", tuple(ls)) for ls in state.values()],
+    )
+
+
+def kernel_alignment(model: HybridModel, config: PlanConfig) -> int:
+    if config.kernel_alignment is not None:
+        return config.kernel_alignment
+    aligns = [layer.spec.kernel_alignment for layer in model.attention_layers]  # type: ignore[attr-defined]
+    return max(aligns, default=16)
+
+
+def requested_block_size(model: HybridModel, config: PlanConfig) -> int:
+    """The user's block size (default 16), checked against the kernel alignment."""
+    align = kernel_alignment(model, config)
+    if config.block_size is None:
+        return round_up(DEFAULT_BLOCK_SIZE, align)
+    if config.block_size % align:
+        lower = max(align, config.block_size // align * align)
+        raise ValueError(
+            f"block size {config.block_size} is not a multiple of the kernel alignment "
+            f"({align} tokens for {model.name}); use {lower} or {lower + align}"
+        )
+    return config.block_size
+
+
+def group_size_vllm(counts: list[int]) -> int:
+    """vLLM's group size for buckets of ``counts`` layers: the smallest bucket, unless the
+    largest is under 1.5x the smallest, in which case the largest (fewer padding layers)."""
+    lo, hi = min(counts), max(counts)
+    return hi if hi < 1.5 * lo else lo
+
+
+def split_bucket(items: list, group_size: int) -> list[list]:
+    """vLLM's split of a bucket into ``cdiv(len, group_size)`` groups, assigned with stride so
+    that pipeline stages stay balanced: group ``i`` gets ``items[i::num_groups]``."""
+    num_groups = cdiv(len(items), group_size)
+    return [items[i::num_groups] for i in range(num_groups)]
+
+
+def state_components(spec: StateSpec, *, align: int = 1) -> tuple[tuple[StateComponent, ...], int]:
+    """The state tensors of one layer laid out back to back in a slot (conv first, as vLLM).
+
+    Each component starts at a multiple of ``max(align, its dtype size)``; returns the
+    components and the bytes they span.
+    """
+    comps = []
+    offset = 0
+    for t in spec.state_tensors():
+        from ..dtypes import dtype_bytes
+
+        offset = round_up(offset, max(align, dtype_bytes(t.dtype)))
+        comps.append(StateComponent(t.name, offset, t.shape, t.dtype))
+        offset += t.nbytes
+    return tuple(comps), offset
+
+
+def state_reservation(model: HybridModel, config: PlanConfig) -> int:
+    """Requests' state slots to reserve: ``max_num_seqs * state_slots_per_seq``."""
+    return config.max_num_seqs * config.state_slots_per_seq
+
+
+def ideal_capacity(model: HybridModel, config: PlanConfig) -> tuple[int, int]:
+    """(ideal token capacity, bytes of real state for the reserved slots)."""
+    state = state_reservation(model, config) * model.state_bytes_per_seq
+    kv = model.kv_bytes_per_token
+    if kv == 0:
+        return 0, state
+    return max(0, (config.memory_bytes - state) // kv), state
+
+
+def too_small(model: HybridModel, config: PlanConfig, need: int, what: str) -> ValueError:
+    gib = need / 2**30
+    return ValueError(
+        f"{config.memory_bytes / 2**30:.2f} GiB is too small for {model.name}: {what} needs "
+        f"{gib:.2f} GiB for max_num_seqs={config.max_num_seqs} (x{config.state_slots_per_seq} "
+        f"state slots each) plus one KV block; give the cache more memory (--gpu-memory) or "
+        f"lower --max-num-seqs"
+    )
+
+
+def make_capacity(
+    *,
+    model: HybridModel,
+    config: PlanConfig,
+    token_capacity: int,
+    padding_bytes: int,
+    unusable_bytes: int,
+    state_reserved_bytes: int,
+    kv_reserved_bytes: int,
+) -> Capacity:
+    ideal, state = ideal_capacity(model, config)
+    return Capacity(
+        token_capacity=int(token_capacity),
+        ideal_token_capacity=int(ideal),
+        padding_bytes=int(padding_bytes),
+        unusable_bytes=int(unusable_bytes),
+        state_bytes=int(state),
+        state_reserved_bytes=int(state_reserved_bytes),
+        kv_reserved_bytes=int(kv_reserved_bytes),
+    )
+
+
+def lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)

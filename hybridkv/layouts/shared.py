@@ -1,0 +1,320 @@
+"""One shared pool of equal pages: ``inflate`` (vLLM), ``pack(N)`` (vLLM PR #35703) and
+``aggregate`` (the layout proposed in vLLM PR #21123).
+
+All three keep vLLM's hybrid design: every KV cache group draws block ids from one pool, a block
+id is one page in each of ``group_size`` tensors, and attention and state pages have the same size
+so that a freed attention block can hold a state and vice versa. They differ in how many
+attention layers share a page:
+
+- ``inflate``: one attention layer per page. The page must hold one layer's state, so the
+  attention block is raised to ``align * cdiv(state_bytes, align * bytes_per_token)`` tokens
+  (Qwen3.5-4B: 528 tokens) and the state page is padded up to the attention page.
+- ``pack(N)``: N attention layers per page, each on ``1/N`` of it: layer ``j`` of a pack has its K
+  at ``2*j*sub`` and V at ``(2j+1)*sub`` of the page, so the block size drops about N-fold while
+  every page still fits a state.
+- ``aggregate``: all attention layers of a kind in one page (``N`` = their count), so the attention
+  group has a single tensor slot and every state layer becomes its own group.
+"""
+
+from __future__ import annotations
+
+from ..dtypes import dtype_bytes
+from ..models.model import CacheLayer, HybridModel
+from ..plan import (
+    KVCacheGroup,
+    KVPlacement,
+    MemoryPlan,
+    PlanConfig,
+    PoolPlan,
+    StatePlacement,
+    TensorPlan,
+)
+from ..specs import FullAttentionSpec, MLASpec
+from ._common import (
+    Bucket,
+    buckets,
+    cdiv,
+    group_size_vllm,
+    kernel_alignment,
+    make_capacity,
+    requested_block_size,
+    split_bucket,
+    state_components,
+    state_reservation,
+    too_small,
+)
+
+
+def _attn1(layer: CacheLayer) -> int:
+    return layer.spec.bytes_per_token  # type: ignore[attr-defined]
+
+
+def _kv_placement(
+    layer: CacheLayer,
+    *,
+    group_id: int,
+    tensor: str,
+    block_size: int,
+    num_blocks: int,
+    page_offset: int,
+    block_stride: int,
+    pack_index: int,
+) -> KVPlacement:
+    """Placement of one layer whose K+V region starts ``page_offset`` bytes into each page.
+
+    Inside that region: K as ``[block_size, heads, head_dim]``, then V likewise (vLLM's
+    ``(num_blocks, 2, block_size, heads, head_dim)`` hybrid layout); MLA: one latent.
+    """
+    spec = layer.spec
+    ds = dtype_bytes(spec.kv_dtype)  # type: ignore[attr-defined]
+    if isinstance(spec, MLASpec):
+        return KVPlacement(
+            layer=layer.name,
+            group_id=group_id,
+            tensor=tensor,
+            dtype=spec.kv_dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_kv_heads=1,
+            head_dim=spec.latent_dim,
+            head_dim_v=None,
+            k_offset=page_offset,
+            v_offset=None,
+            block_stride=block_stride,
+            token_stride=spec.latent_dim * ds,
+            head_stride=spec.latent_dim * ds,
+            pack_index=pack_index,
+        )
+    assert isinstance(spec, FullAttentionSpec)
+    heads, d, dv = spec.kv_heads_per_rank, spec.head_dim, spec.head_dim_v
+    assert dv is not None
+    return KVPlacement(
+        layer=layer.name,
+        group_id=group_id,
+        tensor=tensor,
+        dtype=spec.kv_dtype,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_kv_heads=heads,
+        head_dim=d,
+        head_dim_v=dv,
+        k_offset=page_offset,
+        v_offset=page_offset + block_size * heads * d * ds,
+        block_stride=block_stride,
+        token_stride=heads * d * ds,
+        head_stride=d * ds,
+        pack_index=pack_index,
+    )
+
+
+def _packs(bucket: Bucket, n: int) -> list[tuple[CacheLayer, ...]]:
+    layers = bucket.layers
+    return [layers[i : i + n] for i in range(0, len(layers), n)]
+
+
+def plan_shared(
+    model: HybridModel, config: PlanConfig, *, layout: str, pack_size: int | None
+) -> MemoryPlan:
+    """Plan a shared-pool layout; ``pack_size=None`` packs every attention layer of a kind."""
+    attn_buckets, state_buckets = buckets(model)
+    align = kernel_alignment(model, config)
+    requested = requested_block_size(model, config)
+    notes: list[str] = []
+
+    # attention layers per page, per bucket
+    packs_per_bucket: list[list[tuple[CacheLayer, ...]]] = []
+    for b in attn_buckets:
+        n = len(b.layers) if pack_size is None else min(pack_size, len(b.layers))
+        packs_per_bucket.append(_packs(b, n))
+        if pack_size is not None and len(b.layers) % n:
+            notes.append(
+                f"{len(b.layers)} {b.kind} layers do not divide into packs of {n}: the last pack "
+                f"holds {len(b.layers) % n} layers and its other sub-pages are padding"
+            )
+
+    # the largest state of a single layer decides the page (conv + ssm packed back to back)
+    state_span = {
+        layer.name: state_components(layer.spec)[1]  # type: ignore[arg-type]
+        for b in state_buckets
+        for layer in b.layers
+    }
+    max_state = max(state_span.values(), default=0)
+
+    # block size: the smallest multiple of the alignment whose page fits the largest state
+    block_size = requested
+    if max_state:
+        needed = max(
+            align * cdiv(max_state, align * sum(_attn1(layer) for layer in pack))
+            for packs in packs_per_bucket
+            for pack in packs[:1]
+        )
+        if needed > requested:
+            block_size = needed
+            notes.append(
+                f"block size raised from {requested} to {block_size} tokens so that one page "
+                f"holds the largest layer state ({max_state} B)"
+            )
+    page = max(
+        block_size * sum(_attn1(layer) for layer in pack)
+        for packs in packs_per_bucket
+        for pack in packs
+    )
+    if max_state > page:  # only possible for a model without attention layers
+        page = max_state
+    if max_state and page > max_state:
+        notes.append(
+            f"state pages padded from {max_state} B to {page} B "
+            f"({100 * (page - max_state) / max_state:.2f}%)"
+        )
+
+    # grouping (vLLM's uniform-page-size rule)
+    items_per_bucket: list[tuple[str, list]] = [
+        (b.kind, packs) for b, packs in zip(attn_buckets, packs_per_bucket)
+    ] + [("state", [(layer,) for layer in b.layers]) for b in state_buckets]
+    group_size = group_size_vllm([len(items) for _, items in items_per_bucket])
+    group_items: list[tuple[str, list[tuple[CacheLayer, ...]]]] = []
+    for kind, items in items_per_bucket:
+        for members in split_bucket(items, group_size):
+            group_items.append((kind, members))
+
+    block_bytes = page * group_size
+    num_blocks = config.memory_bytes // block_bytes
+    tensors = tuple(TensorPlan(f"kv_cache.{i}", page * num_blocks) for i in range(group_size))
+
+    groups: list[KVCacheGroup] = []
+    kv_placements: list[KVPlacement] = []
+    state_placements: list[StatePlacement] = []
+    attn_padding_per_block = 0  # padding inside one block of every attention group together
+    state_padding_per_block = 0
+    for gid, (kind, members) in enumerate(group_items):
+        names: list[str] = []
+        window = None
+        for slot, pack in enumerate(members):
+            tensor = tensors[slot].name
+            if kind == "state":
+                (layer,) = pack
+                comps, span = state_components(layer.spec)  # type: ignore[arg-type]
+                state_placements.append(
+                    StatePlacement(layer.name, gid, tensor, num_blocks, 0, page, comps)
+                )
+                state_padding_per_block += page - span
+                names.append(layer.name)
+                continue
+            offset = 0
+            for j, layer in enumerate(pack):
+                kv_placements.append(
+                    _kv_placement(
+                        layer,
+                        group_id=gid,
+                        tensor=tensor,
+                        block_size=block_size,
+                        num_blocks=num_blocks,
+                        page_offset=offset,
+                        block_stride=page,
+                        pack_index=j,
+                    )
+                )
+                offset += block_size * _attn1(layer)
+                names.append(layer.name)
+                window = getattr(layer.spec, "sliding_window", None)
+            attn_padding_per_block += page - offset
+        pad_slots = group_size - len(members)
+        if kind == "state":
+            state_padding_per_block += pad_slots * page
+        else:
+            attn_padding_per_block += pad_slots * page
+        groups.append(
+            KVCacheGroup(
+                group_id=gid,
+                kind=kind,
+                layers=tuple(names),
+                pool="shared",
+                block_size=block_size,
+                page_bytes=page,
+                padding_slots=pad_slots,
+                sliding_window=window,
+            )
+        )
+    if any(g.padding_slots for g in groups):
+        pad = sum(g.padding_slots for g in groups)
+        notes.append(f"{pad} padding layer slot(s) added so that every group has {group_size}")
+
+    # capacity once max_num_seqs requests hold their states
+    n_state = sum(g.is_state for g in groups)
+    n_attn = len(groups) - n_state
+    reserved_state_blocks = state_reservation(model, config) * n_state
+    usable = num_blocks - 1  # block 0 is the null block
+    remaining = usable - reserved_state_blocks
+    if remaining < max(1, n_attn):
+        need = (1 + reserved_state_blocks + max(1, n_attn)) * block_bytes
+        raise too_small(model, config, need, f"layout {layout!r}")
+    token_blocks = remaining // n_attn if n_attn else 0
+    kv_blocks = token_blocks * n_attn
+    padding = (
+        reserved_state_blocks // max(1, n_state) * state_padding_per_block
+        + token_blocks * attn_padding_per_block
+    )
+    unusable = config.memory_bytes - (reserved_state_blocks + kv_blocks) * block_bytes
+    capacity = make_capacity(
+        model=model,
+        config=config,
+        token_capacity=token_blocks * block_size,
+        padding_bytes=padding,
+        unusable_bytes=unusable,
+        state_reserved_bytes=reserved_state_blocks * block_bytes,
+        kv_reserved_bytes=kv_blocks * block_bytes,
+    )
+    pool = PoolPlan(
+        name="shared",
+        kind="shared",
+        tensors=tuple(t.name for t in tensors),
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        groups=tuple(g.group_id for g in groups),
+    )
+    pack_report = max((len(p[0]) for p in packs_per_bucket), default=1)
+    return MemoryPlan(
+        layout=layout,
+        model_name=model.name,
+        config=config,
+        tp_size=model.tp_size,
+        kv_dtype=model.kv_dtype,
+        block_size=block_size,
+        tensors=tensors,
+        pools=(pool,),
+        groups=tuple(groups),
+        kv_placements=tuple(kv_placements),
+        state_placements=tuple(state_placements),
+        capacity=capacity,
+        kernel_alignment=align,
+        pack_size=pack_report,
+        notes=tuple(notes),
+        extra={"page_bytes": page, "group_size": group_size, "max_state_bytes": max_state},
+    )
+
+
+def auto_pack_size(model: HybridModel, config: PlanConfig) -> int:
+    """The pack size ``pack("auto")`` uses.
+
+    Candidates are the divisors of the attention-layer count (so no pack is left half empty).
+    Among those whose token capacity is within 2% of the best candidate's, take the one with the
+    smallest block size (finer prefix caching), ties to the smaller pack.
+    """
+    attn_buckets, _ = buckets(model)
+    if not attn_buckets:
+        return 1
+    n_min = min(len(b.layers) for b in attn_buckets)
+    candidates = [
+        n for n in range(1, n_min + 1) if all(len(b.layers) % n == 0 for b in attn_buckets)
+    ]
+    plans = []
+    for n in candidates:
+        try:
+            plans.append((n, plan_shared(model, config, layout="pack", pack_size=n)))
+        except ValueError:
+            continue
+    if not plans:
+        return 1
+    best = max(p.capacity.token_capacity for _, p in plans)
+    ok = [(p.block_size, n) for n, p in plans if p.capacity.token_capacity >= 0.98 * best]
+    return min(ok)[1]

@@ -1,0 +1,237 @@
+"""A hybrid model as the cache sees it: an ordered list of cache-holding layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..dtypes import canonical_dtype
+from ..specs import (
+    AttentionSpec,
+    KDASpec,
+    LayerSpec,
+    RGLRUSpec,
+    StateSpec,
+    spec_from_dict,
+    with_runtime,
+)
+
+__all__ = ["CacheLayer", "HybridModel"]
+
+
+@dataclass(frozen=True)
+class CacheLayer:
+    """One cache-holding mixer: ``name`` is unique in the model, ``index`` is the decoder layer.
+
+    A decoder layer may hold two mixers (Falcon-H1 runs attention and Mamba-2 in parallel; Zamba2
+    adds a shared attention block to some Mamba layers), hence names rather than indices.
+    """
+
+    name: str
+    index: int
+    spec: LayerSpec
+
+
+@dataclass(frozen=True)
+class HybridModel:
+    """A model's cache-holding layers, with the runtime options they were resolved for.
+
+    Build one with :func:`hybridkv.models.load` or :func:`hybridkv.models.from_hf_config`, then
+    :meth:`configure` it for a TP size and cache dtypes.
+    """
+
+    name: str
+    layers: tuple[CacheLayer, ...]
+    num_hidden_layers: int
+    dtype: str = "bfloat16"
+    ssm_dtype_declared: str | None = None
+    max_position_embeddings: int | None = None
+    display_name: str = ""
+    family: str = ""
+    hf_repo: str = ""
+    sources: tuple[str, ...] = ()
+    verified: bool = False
+    doubts: str = ""
+    # runtime options the layer specs were built with
+    tp_size: int = 1
+    kv_dtype: str = "bfloat16"
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "bfloat16"
+    num_spec_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {self.name!r} has duplicate cache-layer names")
+        if not self.layers:
+            raise ValueError(f"model {self.name!r} has no cache-holding layers")
+
+    # ---- views ------------------------------------------------------------------------------
+    @property
+    def attention_layers(self) -> tuple[CacheLayer, ...]:
+        return tuple(layer for layer in self.layers if isinstance(layer.spec, AttentionSpec))
+
+    @property
+    def state_layers(self) -> tuple[CacheLayer, ...]:
+        return tuple(layer for layer in self.layers if isinstance(layer.spec, StateSpec))
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.attention_layers) and bool(self.state_layers)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token adds to the KV cache of one TP rank, over all attention layers."""
+        return sum(layer.spec.bytes_per_token for layer in self.attention_layers)  # type: ignore[attr-defined]
+
+    @property
+    def state_bytes_per_seq(self) -> int:
+        """Bytes of one request's recurrent state on one TP rank, over all state layers."""
+        return sum(layer.spec.state_bytes for layer in self.state_layers)  # type: ignore[attr-defined]
+
+    @property
+    def layer_kinds(self) -> dict[str, int]:
+        kinds: dict[str, int] = {}
+        for layer in self.layers:
+            kinds[layer.spec.kind] = kinds.get(layer.spec.kind, 0) + 1
+        return kinds
+
+    def layer(self, name: str) -> CacheLayer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"model {self.name!r} has no cache layer {name!r}")
+
+    # ---- runtime options --------------------------------------------------------------------
+    def configure(
+        self,
+        *,
+        tp_size: int = 1,
+        kv_dtype: str = "auto",
+        conv_dtype: str = "auto",
+        ssm_dtype: str = "auto",
+        num_spec_tokens: int = 0,
+    ) -> HybridModel:
+        """The same model on one rank of ``tp_size``, with cache dtypes resolved like vLLM.
+
+        - ``kv_dtype`` (``--kv-cache-dtype``): ``auto`` is the model dtype; ``fp8`` is 1 byte.
+        - ``conv_dtype`` (``--mamba-cache-dtype``): ``auto`` is the model dtype.
+        - ``ssm_dtype`` (``--mamba-ssm-cache-dtype``): ``auto`` is the dtype the config declares
+          (Qwen3.5's ``mamba_ssm_dtype``, Nemotron's ``mamba_ssm_cache_dtype``), else the conv
+          dtype; KDA and RG-LRU recurrent states default to float32, as their engines keep them.
+        """
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+        kv = canonical_dtype(kv_dtype, auto=self.dtype, what="kv_dtype")
+        conv = canonical_dtype(conv_dtype, auto=self.dtype, what="conv_dtype")
+        ssm_auto = ssm_dtype.strip().lower() == "auto" if isinstance(ssm_dtype, str) else False
+        ssm = canonical_dtype(ssm_dtype, auto=self.ssm_dtype_declared or conv, what="ssm_dtype")
+        layers = []
+        for layer in self.layers:
+            spec = layer.spec
+            layer_ssm = ssm
+            if ssm_auto and isinstance(spec, (KDASpec, RGLRUSpec)):
+                layer_ssm = "float32"
+            try:
+                new_spec = with_runtime(
+                    spec,
+                    tp_size=tp_size,
+                    kv_dtype=kv,
+                    conv_dtype=conv,
+                    ssm_dtype=layer_ssm,
+                    num_spec_tokens=num_spec_tokens,
+                )
+            except ValueError as exc:
+                raise ValueError(f"{self.name}, layer {layer.name}: {exc}") from None
+            layers.append(replace(layer, spec=new_spec))
+        return replace(
+            self,
+            layers=tuple(layers),
+            tp_size=tp_size,
+            kv_dtype=kv,
+            conv_dtype=conv,
+            ssm_dtype=ssm,
+            num_spec_tokens=num_spec_tokens,
+        )
+
+    # ---- (de)serialisation ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Zoo JSON form: mixers grouped by identical spec, with the layers that use them."""
+        mixers: list[dict[str, Any]] = []
+        for layer in self.layers:
+            entry = layer.spec.to_dict()
+            for mixer in mixers:
+                if {k: v for k, v in mixer.items() if k != "layers"} == entry:
+                    mixer["layers"].append(layer.index)
+                    break
+            else:
+                mixers.append({**entry, "layers": [layer.index]})
+        return {
+            "name": self.name,
+            "display_name": self.display_name,
+            "family": self.family,
+            "hf_repo": self.hf_repo,
+            "num_hidden_layers": self.num_hidden_layers,
+            "torch_dtype": self.dtype,
+            "ssm_dtype_declared": self.ssm_dtype_declared,
+            "max_position_embeddings": self.max_position_embeddings,
+            "mixers": mixers,
+            "sources": list(self.sources),
+            "verified": self.verified,
+            "doubts": self.doubts,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HybridModel:
+        """Inverse of :meth:`to_dict`; errors name the missing or malformed field."""
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"a model description must be a JSON object, got {type(data).__name__}"
+            )
+        for key in ("name", "num_hidden_layers", "mixers"):
+            if key not in data:
+                raise ValueError(f"model description is missing {key!r}")
+        name = data["name"]
+        dtype = canonical_dtype(data.get("torch_dtype") or "bfloat16", what="torch_dtype")
+        declared = data.get("ssm_dtype_declared")
+        declared = canonical_dtype(declared, what="ssm_dtype_declared") if declared else None
+        layers: list[CacheLayer] = []
+        n = data["num_hidden_layers"]
+        for mixer in data["mixers"]:
+            mixer = dict(mixer)
+            indices: Sequence[int] = mixer.pop("layers", None) or []
+            if not indices:
+                raise ValueError(f"model {name!r}: mixer {mixer.get('kind')!r} lists no layers")
+            spec = spec_from_dict(
+                mixer, kv_dtype=dtype, conv_dtype=dtype, ssm_dtype=declared or dtype
+            )
+            suffix = "attn" if isinstance(spec, AttentionSpec) else "mixer"
+            for i in indices:
+                if not 0 <= i < n:
+                    raise ValueError(
+                        f"model {name!r}: layer index {i} is outside 0..{n - 1} "
+                        "(num_hidden_layers)"
+                    )
+                layers.append(CacheLayer(f"layers.{i}.{suffix}", i, spec))
+        layers.sort(key=lambda layer: (layer.index, not isinstance(layer.spec, AttentionSpec)))
+        model = cls(
+            name=name,
+            layers=tuple(layers),
+            num_hidden_layers=n,
+            dtype=dtype,
+            ssm_dtype_declared=declared,
+            max_position_embeddings=data.get("max_position_embeddings"),
+            display_name=data.get("display_name", name),
+            family=data.get("family", ""),
+            hf_repo=data.get("hf_repo", ""),
+            sources=tuple(data.get("sources", ())),
+            verified=bool(data.get("verified", False)),
+            doubts=data.get("doubts", ""),
+        )
+        return model.configure()
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in self.layer_kinds.items())
+        return f"{self.name}: {self.num_hidden_layers} layers ({kinds})"

@@ -1,0 +1,447 @@
+"""Memory plans: where every byte of a hybrid model's cache lives.
+
+A :class:`MemoryPlan` is what a layout strategy (:mod:`hybridkv.layouts`) produces for a model,
+a memory budget and a scheduler limit. It names
+
+- the backing **tensors** (raw byte buffers),
+- the **pools** that hand out block ids (one shared pool, one per group, or two levels),
+- the **KV cache groups** (layers that share block tables, as in vLLM),
+- for every attention layer a :class:`KVPlacement` and for every state layer a
+  :class:`StatePlacement`: byte offsets and strides from which the kernels address
+  ``(layer, block id, token, head)`` as ``tensor + offset + block_id * block_stride + ...``,
+- capacity figures: tokens of KV that fit once ``max_num_seqs`` states are reserved, the bytes
+  lost to padding, and the ideal capacity of a layout with no padding at all.
+
+All sizes are bytes on one tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .dtypes import dtype_bytes, torch_dtype
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "Capacity",
+    "KVCacheGroup",
+    "KVPlacement",
+    "MemoryPlan",
+    "PlanConfig",
+    "PoolPlan",
+    "Region",
+    "StateComponent",
+    "StatePlacement",
+    "TensorPlan",
+]
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What a layout is asked to plan for (one TP rank).
+
+    - ``memory_bytes``: bytes given to the cache on each rank (after weights and activations).
+    - ``max_num_seqs``: requests that may run at once; each needs its recurrent states.
+    - ``block_size``: requested tokens per attention block (``None``: 16, vLLM's default). Layouts
+      that must raise it to fit a state page (``inflate``, ``pack``, ``aggregate``) do so and say
+      so in :attr:`MemoryPlan.notes`; it must be a multiple of the kernel alignment.
+    - ``state_slots_per_seq``: state pages one running request holds (1 without prefix caching;
+      vLLM's ``align`` mode holds 2, the running and the previous step's).
+    - ``cache_state_slots``: extra state slots kept for prefix-cache checkpoints in the layouts
+      with a dedicated state pool (``per_group``, ``two_level`` reserves them too).
+    - ``kernel_alignment``: tokens a block must be a multiple of (``None``: 16, or 64 for MLA).
+    - ``pack_size``: attention layers per page for ``pack`` (an int or ``"auto"``).
+    """
+
+    memory_bytes: int
+    max_num_seqs: int = 256
+    block_size: int | None = None
+    state_slots_per_seq: int = 1
+    cache_state_slots: int = 0
+    kernel_alignment: int | None = None
+    pack_size: int | str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be a positive integer, got {self.memory_bytes!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        if self.block_size is not None and (
+            not isinstance(self.block_size, int) or self.block_size < 1
+        ):
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.state_slots_per_seq < 1:
+            raise ValueError("state_slots_per_seq must be >= 1 (a running request needs a state)")
+        if self.cache_state_slots < 0:
+            raise ValueError("cache_state_slots must be >= 0")
+        if self.kernel_alignment is not None and self.kernel_alignment < 1:
+            raise ValueError("kernel_alignment must be a positive number of tokens")
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One backing allocation: ``nbytes`` raw bytes."""
+
+    name: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per request (vLLM's ``KVCacheGroupSpec``).
+
+    ``kind`` is ``full_attention``, ``sliding_window``, ``mla`` or ``state``. ``layers`` lists the
+    cache-layer names; ``padding_slots`` counts slots of the group that hold no layer (vLLM's
+    "padding layers"). For a state group ``block_size`` is the token granularity a state
+    checkpoint corresponds to (the attention block size in the shared layouts).
+    """
+
+    group_id: int
+    kind: str
+    layers: tuple[str, ...]
+    pool: str
+    block_size: int
+    page_bytes: int
+    padding_slots: int = 0
+    sliding_window: int | None = None
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind == "state"
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """A source of block ids.
+
+    In a ``shared`` pool every group draws ids from ``1..num_blocks-1`` (0 is the null block) and
+    one id covers ``block_bytes`` spread over the pool's tensors. A ``two_level`` pool has
+    ``num_blocks`` large pages of ``large_page_bytes``; large page ``g`` holds ids
+    ``g*k .. g*k+k-1`` of a group, ``k = ids_per_large_page[group]``, and is owned by one group
+    kind at a time (large page 0 is reserved for the null ids).
+    """
+
+    name: str
+    kind: str  # "shared" | "per_group" | "two_level"
+    tensors: tuple[str, ...]
+    num_blocks: int
+    block_bytes: int
+    groups: tuple[int, ...]
+    large_page_bytes: int | None = None
+    ids_per_large_page: tuple[tuple[int, int], ...] = ()
+
+    def ids_per_page(self, group_id: int) -> int:
+        """Ids of ``group_id`` in one allocation unit (1 except in a two-level pool)."""
+        for gid, k in self.ids_per_large_page:
+            if gid == group_id:
+                return k
+        return 1
+
+    def num_ids(self, group_id: int) -> int:
+        """Number of valid block ids (null id included) of ``group_id`` in this pool."""
+        return self.num_blocks * self.ids_per_page(group_id)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes ``[start, end)`` of ``tensor``."""
+
+    tensor: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class KVPlacement:
+    """Where one attention layer's K and V live.
+
+    For block id ``b`` the K page starts at byte ``k_offset + b * block_stride`` of ``tensor``
+    and element ``[t, h, d]`` of it at ``+ t * token_stride + h * head_stride + d * dsize``; the
+    same for V with ``v_offset``. MLA layers have one latent (``v_offset`` is None).
+    """
+
+    layer: str
+    group_id: int
+    tensor: str
+    dtype: str
+    block_size: int
+    num_blocks: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int | None
+    k_offset: int
+    v_offset: int | None
+    block_stride: int
+    token_stride: int
+    head_stride: int
+    pack_index: int = 0
+
+    @property
+    def k_bytes_per_block(self) -> int:
+        return self.block_size * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+
+    @property
+    def v_bytes_per_block(self) -> int:
+        if self.v_offset is None:
+            return 0
+        assert self.head_dim_v is not None
+        return self.block_size * self.num_kv_heads * self.head_dim_v * dtype_bytes(self.dtype)
+
+    def k_byte_offset(self, block_id: int) -> int:
+        return self.k_offset + block_id * self.block_stride
+
+    def v_byte_offset(self, block_id: int) -> int:
+        if self.v_offset is None:
+            raise ValueError(f"layer {self.layer} has a single latent cache and no V")
+        return self.v_offset + block_id * self.block_stride
+
+    def regions(self, block_id: int) -> list[Region]:
+        """The byte ranges block ``block_id`` of this layer occupies (K, then V)."""
+        k0 = self.k_byte_offset(block_id)
+        out = [Region(self.tensor, k0, k0 + self.k_bytes_per_block)]
+        if self.v_offset is not None:
+            v0 = self.v_byte_offset(block_id)
+            out.append(Region(self.tensor, v0, v0 + self.v_bytes_per_block))
+        return out
+
+    def element_strides(self) -> tuple[int, int, int, int]:
+        """(block, token, head, dim) strides in elements of :attr:`dtype`."""
+        ds = dtype_bytes(self.dtype)
+        return (self.block_stride // ds, self.token_stride // ds, self.head_stride // ds, 1)
+
+
+@dataclass(frozen=True)
+class StateComponent:
+    """One tensor of a layer's state inside a slot: ``offset`` bytes from the slot start."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class StatePlacement:
+    """Where one state layer's per-request state lives: slot ``s`` starts at byte
+    ``offset + s * slot_stride`` of ``tensor``; components follow at their own offsets."""
+
+    layer: str
+    group_id: int
+    tensor: str
+    num_slots: int
+    offset: int
+    slot_stride: int
+    components: tuple[StateComponent, ...]
+
+    def slot_byte_offset(self, slot: int) -> int:
+        return self.offset + slot * self.slot_stride
+
+    def regions(self, slot: int) -> list[Region]:
+        base = self.slot_byte_offset(slot)
+        return [
+            Region(self.tensor, base + c.offset, base + c.offset + c.nbytes)
+            for c in self.components
+        ]
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How well a plan uses its budget.
+
+    - ``token_capacity``: tokens of KV (all attention layers) that fit once ``max_num_seqs``
+      requests hold their states.
+    - ``ideal_token_capacity``: the same with no padding, no block rounding and no null block:
+      ``(memory - max_num_seqs * state_slots_per_seq * state_bytes) / kv_bytes_per_token``.
+    - ``padding_bytes``: bytes inside used pages that hold nothing (state pages padded to the
+      attention page, padding layer slots, unfilled packs, alignment inside slots).
+    - ``unusable_bytes``: bytes of the budget no id can use (tail of the budget, null blocks,
+      blocks left over when groups need whole sets of blocks).
+    - ``state_bytes``: bytes holding real recurrent state for ``max_num_seqs`` requests.
+    - ``max_seqs_at_full_length``: requests that fit at ``max_model_len`` tokens each.
+    """
+
+    token_capacity: int
+    ideal_token_capacity: int
+    padding_bytes: int
+    unusable_bytes: int
+    state_bytes: int
+    state_reserved_bytes: int
+    kv_reserved_bytes: int
+
+    @property
+    def fraction_of_ideal(self) -> float:
+        if self.ideal_token_capacity <= 0:
+            return 0.0
+        return self.token_capacity / self.ideal_token_capacity
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A concrete memory plan; see the module docstring."""
+
+    layout: str
+    model_name: str
+    config: PlanConfig
+    tp_size: int
+    kv_dtype: str
+    block_size: int
+    tensors: tuple[TensorPlan, ...]
+    pools: tuple[PoolPlan, ...]
+    groups: tuple[KVCacheGroup, ...]
+    kv_placements: tuple[KVPlacement, ...]
+    state_placements: tuple[StatePlacement, ...]
+    capacity: Capacity
+    kernel_alignment: int
+    pack_size: int = 1
+    notes: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    # ---- lookups ----------------------------------------------------------------------------
+    def tensor(self, name: str) -> TensorPlan:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def pool(self, name: str) -> PoolPlan:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def group(self, group_id: int) -> KVCacheGroup:
+        return self.groups[group_id]
+
+    def pool_of(self, group_id: int) -> PoolPlan:
+        return self.pool(self.groups[group_id].pool)
+
+    def placement(self, layer: str) -> KVPlacement | StatePlacement:
+        for p in self.kv_placements:
+            if p.layer == layer:
+                return p
+        for s in self.state_placements:
+            if s.layer == layer:
+                return s
+        raise KeyError(f"plan has no layer {layer!r}")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def attention_groups(self) -> tuple[KVCacheGroup, ...]:
+        return tuple(g for g in self.groups if not g.is_state)
+
+    @property
+    def state_groups(self) -> tuple[KVCacheGroup, ...]:
+        return tuple(g for g in self.groups if g.is_state)
+
+    def num_ids(self, group_id: int) -> int:
+        """Valid block ids of a group (null id 0 included)."""
+        return self.pool_of(group_id).num_ids(group_id)
+
+    def allocation_unit(self, group_id: int, block_id: int) -> tuple[str, int]:
+        """The (pool, unit) that block ``block_id`` of ``group_id`` belongs to.
+
+        Two (layer, block) regions may overlap only when they belong to the same unit: the
+        allocator hands a unit to one group at a time, which is how vLLM's groups share tensors.
+        """
+        pool = self.pool_of(group_id)
+        return pool.name, block_id // pool.ids_per_page(group_id)
+
+    # ---- real memory ------------------------------------------------------------------------
+    def allocate(self, device: str | torch.device = "meta", *, fill: int | None = None):
+        """Allocate the backing tensors (int8, one per :class:`TensorPlan`).
+
+        Use ``device="meta"`` for large budgets (no memory is touched). ``fill`` sets every byte
+        (e.g. 0 as vLLM zeroes state memory before first use).
+        """
+        import torch
+
+        buffers = {}
+        for t in self.tensors:
+            buf = torch.empty(t.nbytes, dtype=torch.int8, device=device)
+            if fill is not None and buf.device.type != "meta":
+                buf.fill_(fill)
+            buffers[t.name] = buf
+        return buffers
+
+    def kv_views(self, buffers: dict[str, torch.Tensor], layer: str):
+        """``(k_cache, v_cache)`` views ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
+        one attention layer over ``buffers`` (``v_cache`` is None for MLA)."""
+        import torch
+
+        p = self.placement(layer)
+        if not isinstance(p, KVPlacement):
+            raise ValueError(f"{layer} is a state layer; use state_views()")
+        typed = buffers[p.tensor].view(torch_dtype(p.dtype))
+        ds = dtype_bytes(p.dtype)
+        sb, st, sh, _ = p.element_strides()
+
+        def view(offset: int, dim: int) -> torch.Tensor:
+            if offset % ds:
+                raise ValueError(f"{layer}: offset {offset} is not aligned to {p.dtype}")
+            return torch.as_strided(
+                typed,
+                (p.num_blocks, p.block_size, p.num_kv_heads, dim),
+                (sb, st, sh, 1),
+                offset // ds,
+            )
+
+        k = view(p.k_offset, p.head_dim)
+        v = None if p.v_offset is None else view(p.v_offset, p.head_dim_v or p.head_dim)
+        return k, v
+
+    def state_views(self, buffers: dict[str, torch.Tensor], layer: str) -> dict[str, torch.Tensor]:
+        """``{component: view [num_slots, *shape]}`` of one state layer over ``buffers``."""
+        import torch
+
+        p = self.placement(layer)
+        if not isinstance(p, StatePlacement):
+            raise ValueError(f"{layer} is an attention layer; use kv_views()")
+        out = {}
+        for c in p.components:
+            ds = dtype_bytes(c.dtype)
+            start = p.offset + c.offset
+            if start % ds or p.slot_stride % ds:
+                raise ValueError(f"{layer}.{c.name}: offset/stride not aligned to {c.dtype}")
+            typed = buffers[p.tensor].view(torch_dtype(c.dtype))
+            inner = [math.prod(c.shape[i + 1 :]) for i in range(len(c.shape))]
+            out[c.name] = torch.as_strided(
+                typed, (p.num_slots, *c.shape), (p.slot_stride // ds, *inner), start // ds
+            )
+        return out
+
+    # ---- reporting --------------------------------------------------------------------------
+    def summary_row(self) -> dict[str, Any]:
+        """One row of ``hybridkv compare``."""
+        cap = self.capacity
+        return {
+            "layout": self.layout if self.pack_size <= 1 else f"{self.layout}({self.pack_size})",
+            "block_size": self.block_size,
+            "groups": len(self.groups),
+            "tensors": len(self.tensors),
+            "token_capacity": cap.token_capacity,
+            "pct_of_ideal": 100.0 * cap.fraction_of_ideal,
+            "padding_bytes": cap.padding_bytes,
+            "unusable_bytes": cap.unusable_bytes,
+            "padding_pct": 100.0 * cap.padding_bytes / max(1, self.config.memory_bytes),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra", None)
+        d["capacity"]["fraction_of_ideal"] = self.capacity.fraction_of_ideal
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)

@@ -1,0 +1,504 @@
+"""Layer state specs: what one layer keeps per token (attention) or per request (recurrent state).
+
+Every spec is a frozen dataclass of plain numbers describing **one tensor-parallel rank**: the
+architecture numbers are the model's (from its ``config.json``), ``tp_size`` says how they are
+split, and the byte properties give what one rank stores. Shapes follow vLLM's
+``MambaStateShapeCalculator`` (conv states keep ``kernel - 1`` columns, laid out as
+``(kernel - 1 + num_spec_tokens, conv_dim / tp)``; GDN's recurrent state is
+``(num_v_heads / tp, head_v_dim, head_k_dim)`` as in vLLM >= 0.18).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, ClassVar
+
+from .dtypes import STATE_DTYPES, canonical_dtype, dtype_bytes
+
+__all__ = [
+    "SPEC_KINDS",
+    "AttentionSpec",
+    "FullAttentionSpec",
+    "GatedDeltaNetSpec",
+    "KDASpec",
+    "LayerSpec",
+    "LinearAttentionSpec",
+    "MLASpec",
+    "Mamba1Spec",
+    "Mamba2Spec",
+    "RGLRUSpec",
+    "ShortConvSpec",
+    "SlidingWindowSpec",
+    "StateSpec",
+    "StateTensor",
+    "spec_from_dict",
+]
+
+
+def _divide(total: int, tp: int, what: str, hint: str) -> int:
+    if total % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide {what}={total}; {hint}")
+    return total // tp
+
+
+def _positive(spec: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(
+                f"{type(spec).__name__}.{name} must be a positive integer, got {value!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """Base class: one cache-holding layer (or mixer) of a model, on one TP rank."""
+
+    kind: ClassVar[str] = ""
+    is_attention: ClassVar[bool] = False
+
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "tp_size")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (architecture numbers only, runtime options omitted)."""
+        out: dict[str, Any] = {"kind": self.kind}
+        for f in fields(self):
+            if f.name in _RUNTIME_FIELDS:
+                continue
+            out[f.name] = getattr(self, f.name)
+        return out
+
+
+_RUNTIME_FIELDS = {"tp_size", "kv_dtype", "conv_dtype", "ssm_dtype", "num_spec_tokens"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention: memory grows with every token.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec(LayerSpec):
+    """A layer whose cache grows by :attr:`bytes_per_token` per token."""
+
+    is_attention: ClassVar[bool] = True
+    kv_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype, what="kv_dtype"))
+
+    @property
+    def bytes_per_token(self) -> int:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one page holding ``block_size`` tokens of this layer."""
+        return block_size * self.bytes_per_token
+
+    @property
+    def kernel_alignment(self) -> int:
+        """Tokens a kernel block must be a multiple of (FlashAttention / Triton: 16)."""
+        return 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Multi-head / grouped-query attention with a K and a V cache.
+
+    KV heads are split across TP ranks; when TP exceeds the KV head count each rank keeps one
+    replicated head (vLLM's ``max(1, num_kv_heads // tp)``), which needs
+    ``tp % num_kv_heads == 0``.
+    """
+
+    kind: ClassVar[str] = "full_attention"
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        _positive(self, "num_heads", "num_kv_heads", "head_dim", "head_dim_v")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}; grouped-query attention needs whole groups"
+            )
+        tp, kv = self.tp_size, self.num_kv_heads
+        if tp <= kv:
+            _divide(kv, tp, "num_kv_heads", f"use a TP size that divides {kv}")
+        elif tp % kv:
+            raise ValueError(
+                f"tensor-parallel size {tp} exceeds num_kv_heads={kv} but is not a multiple of "
+                f"it, so KV heads cannot be replicated evenly; use a TP size that divides {kv} "
+                f"or a multiple of {kv}"
+            )
+        _divide(self.num_heads, tp, "num_heads", "use a TP size that divides the query heads")
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.tp_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        assert self.head_dim_v is not None
+        return (
+            self.kv_heads_per_rank * (self.head_dim + self.head_dim_v) * dtype_bytes(self.kv_dtype)
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """Local attention: a token attends to the last ``sliding_window`` tokens (itself incl.)."""
+
+    kind: ClassVar[str] = "sliding_window"
+
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "sliding_window")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLASpec(AttentionSpec):
+    """Multi-head latent attention: one latent of ``kv_lora_rank + qk_rope_head_dim`` per token.
+
+    The latent is shared by all heads, so every TP rank keeps the whole of it; kernels need
+    blocks that are multiples of 64 tokens (vLLM's MLA alignment).
+    """
+
+    kind: ClassVar[str] = "mla"
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "num_heads", "kv_lora_rank", "qk_rope_head_dim")
+        _divide(self.num_heads, self.tp_size, "num_heads", "use a TP size that divides the heads")
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.latent_dim * dtype_bytes(self.kv_dtype)
+
+    @property
+    def kernel_alignment(self) -> int:
+        return 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Recurrent state: a fixed number of bytes per request.
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a layer's recurrent state for one request (one TP rank)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateSpec(LayerSpec):
+    """A layer whose per-request state has a fixed size, whatever the sequence length.
+
+    ``conv_dtype`` is vLLM's ``mamba_cache_dtype``, ``ssm_dtype`` its ``mamba_ssm_cache_dtype``.
+    ``num_spec_tokens`` lengthens conv states for speculative decoding, as vLLM does.
+    """
+
+    conv_dtype: str = "bfloat16"
+    ssm_dtype: str = "bfloat16"
+    num_spec_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("conv_dtype", "ssm_dtype"):
+            value = canonical_dtype(getattr(self, name), what=name)
+            if value not in STATE_DTYPES:
+                raise ValueError(
+                    f"{name}={value!r} is not a supported recurrent-state dtype; "
+                    f"use one of {', '.join(STATE_DTYPES)}"
+                )
+            object.__setattr__(self, name, value)
+        if self.num_spec_tokens < 0:
+            raise ValueError(f"num_spec_tokens must be >= 0, got {self.num_spec_tokens}")
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's state for this layer (all its tensors, unpadded)."""
+        return sum(t.nbytes for t in self.state_tensors())
+
+    def _conv(self, conv_dim: int, kernel: int, *, name: str = "conv") -> StateTensor:
+        return StateTensor(name, (kernel - 1 + self.num_spec_tokens, conv_dim), self.conv_dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba1Spec(StateSpec):
+    """Mamba-1 selective SSM (Jamba): ``d_inner = expand * hidden_size``."""
+
+    kind: ClassVar[str] = "mamba1"
+
+    d_inner: int
+    d_state: int
+    d_conv: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "d_inner", "d_state", "d_conv")
+        _divide(self.d_inner, self.tp_size, "d_inner", "use a TP size that divides d_inner")
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        inner = self.d_inner // self.tp_size
+        return (
+            self._conv(inner, self.d_conv),
+            StateTensor("ssm", (inner, self.d_state), self.ssm_dtype),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mamba2Spec(StateSpec):
+    """Mamba-2 SSD (NemotronH, Bamba, Granite-4.0-H, Falcon-H1, Zamba2).
+
+    When TP does not divide ``n_groups`` (only allowed for ``n_groups == 1`` or fewer groups
+    than ranks) the groups are replicated so each rank holds one, as vLLM's
+    ``extra_groups_for_head_shards`` does.
+    """
+
+    kind: ClassVar[str] = "mamba2"
+
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    d_state: int
+    d_conv: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "num_heads", "head_dim", "n_groups", "d_state", "d_conv")
+        tp = self.tp_size
+        _divide(self.num_heads, tp, "mamba num_heads", "use a TP size that divides the heads")
+        if self.n_groups % tp and self.n_groups > tp:
+            raise ValueError(
+                f"tensor-parallel size {tp} does not divide n_groups={self.n_groups} and there "
+                f"are more groups than ranks, so groups cannot be replicated; use a TP size that "
+                f"divides {self.n_groups}"
+            )
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def padded_groups(self) -> int:
+        """Groups after replication so that every rank holds whole groups."""
+        extra = 0 if self.n_groups % self.tp_size == 0 else self.tp_size - self.n_groups
+        return self.n_groups + extra
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        tp = self.tp_size
+        conv_dim = self.d_inner + 2 * self.padded_groups * self.d_state
+        return (
+            self._conv(conv_dim // tp, self.d_conv),
+            StateTensor(
+                "ssm", (self.num_heads // tp, self.head_dim, self.d_state), self.ssm_dtype
+            ),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatedDeltaNetSpec(StateSpec):
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): conv over q, k, v then a delta-rule state."""
+
+    kind: ClassVar[str] = "gated_deltanet"
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel")
+        hint = "use a TP size that divides both the key and value head counts"
+        _divide(self.num_k_heads, self.tp_size, "linear_num_key_heads", hint)
+        _divide(self.num_v_heads, self.tp_size, "linear_num_value_heads", hint)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        tp = self.tp_size
+        return (
+            self._conv(self.conv_dim // tp, self.conv_kernel),
+            StateTensor(
+                "ssm", (self.num_v_heads // tp, self.head_v_dim, self.head_k_dim), self.ssm_dtype
+            ),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class KDASpec(StateSpec):
+    """Kimi Delta Attention (Kimi-Linear): short convs on q, k, v fused into one conv state
+    (vLLM >= 0.33 layout), and a ``(heads, head_dim, head_dim)`` recurrent state."""
+
+    kind: ClassVar[str] = "kda"
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "num_heads", "head_dim", "conv_kernel")
+        _divide(self.num_heads, self.tp_size, "KDA num_heads", "use a TP size that divides it")
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        tp = self.tp_size
+        conv_dim = 3 * self.num_heads * self.head_dim
+        return (
+            self._conv(conv_dim // tp, self.conv_kernel),
+            StateTensor(
+                "ssm", (self.num_heads // tp, self.head_dim, self.head_dim), self.ssm_dtype
+            ),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearAttentionSpec(StateSpec):
+    """Lightning / linear attention (MiniMax): a ``(heads, d, d)`` state, no conv.
+
+    vLLM stores it in the ``mamba_cache_dtype`` (here ``conv_dtype``), the one state dtype.
+    """
+
+    kind: ClassVar[str] = "linear_attention"
+
+    num_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "num_heads", "head_dim")
+        _divide(
+            self.num_heads, self.tp_size, "linear-attention heads", "use a TP size dividing it"
+        )
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        shape = (self.num_heads // self.tp_size, self.head_dim, self.head_dim)
+        return (StateTensor("ssm", shape, self.conv_dtype),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShortConvSpec(StateSpec):
+    """Gated short convolution (LFM2): one conv state of ``L_cache - 1`` columns."""
+
+    kind: ClassVar[str] = "short_conv"
+
+    conv_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "conv_dim", "conv_kernel")
+        _divide(self.conv_dim, self.tp_size, "conv_dim", "use a TP size that divides it")
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        return (self._conv(self.conv_dim // self.tp_size, self.conv_kernel),)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RGLRUSpec(StateSpec):
+    """Real-gated linear recurrent unit (RecurrentGemma / Griffin): a conv1d state and a
+    ``lru_width`` recurrent vector. vLLM does not serve this family; the recurrent vector is kept
+    in ``ssm_dtype`` (transformers keeps it in float32)."""
+
+    kind: ClassVar[str] = "rglru"
+
+    lru_width: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "lru_width", "conv_kernel")
+        _divide(self.lru_width, self.tp_size, "lru_width", "use a TP size that divides it")
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        width = self.lru_width // self.tp_size
+        return (self._conv(width, self.conv_kernel), StateTensor("ssm", (width,), self.ssm_dtype))
+
+
+SPEC_KINDS: dict[str, type[LayerSpec]] = {
+    cls.kind: cls
+    for cls in (
+        FullAttentionSpec,
+        SlidingWindowSpec,
+        MLASpec,
+        Mamba1Spec,
+        Mamba2Spec,
+        GatedDeltaNetSpec,
+        KDASpec,
+        LinearAttentionSpec,
+        ShortConvSpec,
+        RGLRUSpec,
+    )
+}
+
+
+def spec_from_dict(data: dict[str, Any], **runtime: Any) -> LayerSpec:
+    """Build a spec from its :meth:`LayerSpec.to_dict` form plus runtime fields
+    (``tp_size``, ``kv_dtype``, ``conv_dtype``, ``ssm_dtype``, ``num_spec_tokens``); runtime
+    fields that do not apply to the spec's class are ignored."""
+    data = dict(data)
+    kind = data.pop("kind", None)
+    if kind not in SPEC_KINDS:
+        raise ValueError(f"unknown layer kind {kind!r}; known kinds: {', '.join(SPEC_KINDS)}")
+    cls = SPEC_KINDS[kind]
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(
+            f"{kind} spec has unknown fields {sorted(unknown)}; known: {sorted(names)}"
+        )
+    kwargs = {**data, **{k: v for k, v in runtime.items() if k in names and v is not None}}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # missing required field
+        raise ValueError(f"{kind} spec is incomplete: {exc}") from None
+
+
+def with_runtime(spec: LayerSpec, **runtime: Any) -> LayerSpec:
+    """A copy of ``spec`` with the runtime fields that apply to it replaced."""
+    names = {f.name for f in fields(spec)}
+    return replace(spec, **{k: v for k, v in runtime.items() if k in names and v is not None})

@@ -1,0 +1,48 @@
+"""Byte sizes written the way people write them: ``"80GiB"``, ``"512 MiB"``, ``"1.5e9"``."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Bytes in ``value``: an int, or a string with a unit (``KiB``/``MiB``/``GiB``/``TiB`` are
+    powers of 2, ``KB``/``MB``/``GB``/``TB`` powers of 10)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte size: {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        n = int(value)
+    else:
+        match = _PATTERN.match(str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"cannot read {value!r} as a byte size; write e.g. '80GiB', '512MiB' or '1e9'"
+            )
+        n = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"a memory size must be positive, got {value!r}")
+    return n
+
+
+def format_bytes(n: int | float) -> str:
+    """``n`` bytes with a binary unit, e.g. ``1.50 GiB``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"

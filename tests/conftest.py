@@ -1,0 +1,10 @@
+"""Test configuration.
+
+Kernels run on the CPU under the Triton interpreter. The mode is fixed when ``@triton.jit`` runs, so
+``TRITON_INTERPRET`` must be set before any kernel module (or triton) is imported.
+"""
+
+import os
+
+if not os.environ.get("HYBRIDKV_TEST_GPU"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
