@@ -426,7 +426,7 @@ class MemoryPlan:
         """One row of ``hybridkv compare``."""
         cap = self.capacity
         return {
-            "layout": self.layout if self.pack_size <= 1 else f"{self.layout}({self.pack_size})",
+            "layout": f"pack({self.pack_size})" if self.layout == "pack" else self.layout,
             "block_size": self.block_size,
             "groups": len(self.groups),
             "tensors": len(self.tensors),

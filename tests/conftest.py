@@ -1,7 +1,7 @@
 """Test configuration.
 
-Kernels run on the CPU under the Triton interpreter. The mode is fixed when ``@triton.jit`` runs, so
-``TRITON_INTERPRET`` must be set before any kernel module (or triton) is imported.
+Kernels run on the CPU under the Triton interpreter. The mode is fixed when ``@triton.jit``
+runs, so ``TRITON_INTERPRET`` must be set before any kernel module (or triton) is imported.
 """
 
 import os

@@ -71,7 +71,9 @@ def load(name: str, **configure: Any) -> HybridModel:
     return model.configure(**configure) if configure else model
 
 
-def from_hf_config(path_or_dict: str | Path | dict[str, Any], name: str | None = None, **configure):
+def from_hf_config(
+    path_or_dict: str | Path | dict[str, Any], name: str | None = None, **configure
+):
     """A model from a Hugging Face ``config.json`` (a file, a folder holding one, or a dict)."""
     from .hf_config import parse_hf_config
 

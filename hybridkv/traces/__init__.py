@@ -1,0 +1,48 @@
+"""Workload traces: requests with real, shared token ids.
+
+- :mod:`~hybridkv.traces.request`: :class:`Request` and :class:`Trace`.
+- :mod:`~hybridkv.traces.dists`: log-normal lengths and Poisson arrivals.
+- :mod:`~hybridkv.traces.synthetic`: seeded generators (:data:`WORKLOADS`).
+- :mod:`~hybridkv.traces.jsonl`: reading and writing real traces.
+- :mod:`~hybridkv.traces.reuse`: what block granularity alone costs a prefix cache.
+
+>>> from hybridkv import traces
+>>> chat = traces.multi_turn_chat(1000, seed=0)
+>>> chat[1].prompt[: chat[1].shared_prefix_length].size == chat[1].shared_prefix_length
+True
+"""
+
+from .dists import LogNormal, poisson_arrivals
+from .jsonl import load_jsonl, save_jsonl, synthetic_tokens
+from .request import Request, Trace
+from .reuse import block_hit_tokens, hashed_shared_prefix, hit_fraction, infinite_cache_hits
+from .synthetic import (
+    VOCAB_SIZE,
+    WORKLOADS,
+    agentic,
+    generate,
+    multi_turn_chat,
+    no_sharing,
+    shared_prefix,
+)
+
+__all__ = [
+    "VOCAB_SIZE",
+    "WORKLOADS",
+    "LogNormal",
+    "Request",
+    "Trace",
+    "agentic",
+    "block_hit_tokens",
+    "generate",
+    "hashed_shared_prefix",
+    "hit_fraction",
+    "infinite_cache_hits",
+    "load_jsonl",
+    "multi_turn_chat",
+    "no_sharing",
+    "poisson_arrivals",
+    "save_jsonl",
+    "shared_prefix",
+    "synthetic_tokens",
+]

@@ -1,0 +1,255 @@
+"""Memory maps of a plan: which bytes of one allocation unit hold which layer's K, V or state.
+
+Everything is read from the plan's placements (:meth:`KVPlacement.regions`,
+:meth:`StatePlacement.regions`), so a drawing shows what the kernels would address, not a
+diagram drawn by hand. An *allocation unit* is what the allocator hands to one group at a time:
+
+- a shared pool (``inflate``, ``pack``, ``aggregate``): block id ``u``, one page in each of the
+  pool's tensors (one row per tensor);
+- a two-level pool: large page ``u``, carved into small pages (one row per small page);
+- a per-group pool: block id ``u`` of the group, one page per layer of the group, pages that lie
+  far apart in the pool's tensor (one row per layer).
+
+:func:`unit_map` computes the segments; :func:`draw_unit` and :func:`memory_map_figure` draw them
+with matplotlib (imported lazily, so the rest of the package does not need it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .plan import KVPlacement, MemoryPlan, Region, StatePlacement
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["PART_COLORS", "Segment", "UnitMap", "draw_unit", "memory_map_figure", "unit_map"]
+
+#: colour of each kind of bytes (K, V, MLA latent, conv state, SSM/recurrent state, padding)
+PART_COLORS = {
+    "K": "#1f77b4",
+    "V": "#ff7f0e",
+    "latent": "#17becf",
+    "conv": "#2ca02c",
+    "ssm": "#9467bd",
+    "state": "#bcbd22",
+    "padding": "#d9d9d9",
+}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[start, end)`` of row ``row`` of a unit: ``part`` of ``layer`` for block id
+    ``block_id`` (``layer`` is empty for padding)."""
+
+    row: int
+    start: int
+    end: int
+    layer: str
+    part: str
+    block_id: int
+
+
+@dataclass(frozen=True)
+class UnitMap:
+    """One allocation unit owned by one group, as rows of equal width ``row_bytes``."""
+
+    layout: str
+    group_id: int
+    group_kind: str
+    unit: int
+    row_labels: tuple[str, ...]
+    row_bytes: int
+    segments: tuple[Segment, ...]
+    hidden_rows: int = 0  # rows left out (they look like the ones shown)
+
+    def bytes_by_part(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.segments:
+            out[s.part] = out.get(s.part, 0) + s.end - s.start
+        return out
+
+
+def _placement_regions(p: KVPlacement | StatePlacement, block_id: int) -> list[tuple[Region, str]]:
+    if isinstance(p, KVPlacement):
+        regions = p.regions(block_id)
+        parts = ["K", "V"] if p.v_offset is not None else ["latent"]
+        return list(zip(regions, parts))
+    names = [c.name if c.name in PART_COLORS else "state" for c in p.components]
+    return list(zip(p.regions(block_id), names))
+
+
+def _page_bytes(p: KVPlacement | StatePlacement) -> int:
+    return p.block_stride if isinstance(p, KVPlacement) else p.slot_stride
+
+
+def _base(p: KVPlacement | StatePlacement, block_id: int) -> int:
+    return (
+        p.k_byte_offset(block_id) if isinstance(p, KVPlacement) else p.slot_byte_offset(block_id)
+    )
+
+
+def unit_map(plan: MemoryPlan, group_id: int, unit: int = 1, *, max_rows: int = 8) -> UnitMap:
+    """The segments of allocation unit ``unit`` while group ``group_id`` owns it.
+
+    Unit 0 holds the null block in every pool, so the default is unit 1. Rows past ``max_rows``
+    are left out and counted in :attr:`UnitMap.hidden_rows`.
+    """
+    group = plan.group(group_id)
+    pool = plan.pool_of(group_id)
+    members = [p for p in (*plan.kv_placements, *plan.state_placements) if p.group_id == group_id]
+    if not members:
+        raise ValueError(f"group {group_id} of {plan.layout} has no layers")
+    raw: list[tuple[int, Region, str, str, int]] = []  # (row, region, layer, part, block id)
+    if pool.kind == "shared":
+        width = _page_bytes(members[0])
+        labels = list(pool.tensors)
+        for p in members:
+            row = labels.index(p.tensor)
+            for region, part in _placement_regions(p, unit):
+                raw.append((row, region, p.layer, part, unit))
+        bases = [unit * width] * len(labels)
+    elif pool.kind == "two_level":
+        k = pool.ids_per_page(group_id)
+        width = _page_bytes(members[0])
+        ids = [unit * k + j for j in range(k)]
+        labels = [f"id {b}" for b in ids]
+        bases = [b * width for b in ids]
+        for row, b in enumerate(ids):
+            for p in members:
+                for region, part in _placement_regions(p, b):
+                    raw.append((row, region, p.layer, part, b))
+    elif pool.kind == "per_group":
+        width = _page_bytes(members[0])
+        labels = [p.layer for p in members]
+        bases = [_base(p, unit) for p in members]
+        for row, p in enumerate(members):
+            for region, part in _placement_regions(p, unit):
+                raw.append((row, region, p.layer, part, unit))
+    else:  # pragma: no cover - a new pool kind needs a drawing rule
+        raise ValueError(f"cannot draw pool kind {pool.kind!r}")
+
+    shown = min(len(labels), max_rows)
+    segments: list[Segment] = []
+    for row, region, layer, part, b in raw:
+        if row >= shown:
+            continue
+        start, end = region.start - bases[row], region.end - bases[row]
+        if not 0 <= start < end <= width:
+            raise ValueError(
+                f"{layer} block {b}: bytes {start}..{end} fall outside its unit row of {width} B"
+            )
+        segments.append(Segment(row, start, end, layer, part, b))
+    # what no layer uses inside a row is padding
+    for row in range(shown):
+        cursor = 0
+        for s in sorted((s for s in segments if s.row == row), key=lambda s: s.start):
+            if s.start > cursor:
+                segments.append(Segment(row, cursor, s.start, "", "padding", -1))
+            cursor = max(cursor, s.end)
+        if cursor < width:
+            segments.append(Segment(row, cursor, width, "", "padding", -1))
+    segments.sort(key=lambda s: (s.row, s.start))
+    return UnitMap(
+        layout=plan.layout if plan.pack_size <= 1 else f"{plan.layout}({plan.pack_size})",
+        group_id=group_id,
+        group_kind=group.kind,
+        unit=unit,
+        row_labels=tuple(labels[:shown]),
+        row_bytes=width,
+        segments=tuple(segments),
+        hidden_rows=len(labels) - shown,
+    )
+
+
+def _scale(nbytes: int) -> tuple[float, str]:
+    if nbytes >= 2 * 2**20:
+        return 2**20, "MiB"
+    if nbytes >= 2 * 2**10:
+        return 2**10, "KiB"
+    return 1, "B"
+
+
+def _short(layer: str) -> str:
+    # "layers.11.attn" -> "11"
+    parts = layer.split(".")
+    return parts[1] if len(parts) >= 2 and parts[1].isdigit() else layer
+
+
+def draw_unit(ax: Axes, m: UnitMap, *, title: str | None = None) -> None:
+    """Draw one unit map on ``ax``: a bar per row, coloured by part, layer numbers inside."""
+    scale, unit = _scale(m.row_bytes)
+    layer_rank = {name: i for i, name in enumerate(dict.fromkeys(s.layer for s in m.segments))}
+    for s in m.segments:
+        x0, w = s.start / scale, (s.end - s.start) / scale
+        # alternate the shade of neighbouring layers so their boundaries show
+        alpha = 0.55 if layer_rank.get(s.layer, 0) % 2 else 0.95
+        ax.barh(
+            s.row,
+            w,
+            left=x0,
+            height=0.8,
+            color=PART_COLORS[s.part],
+            alpha=1.0 if s.part == "padding" else alpha,
+            hatch="//" if s.part == "padding" else None,
+            edgecolor="white",
+            linewidth=0.4,
+        )
+        if s.layer and w / (m.row_bytes / scale) > 0.06:
+            ax.text(
+                x0 + w / 2,
+                s.row,
+                f"{s.part}{_short(s.layer)}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="black",
+            )
+    ax.set_yticks(range(len(m.row_labels)))
+    ax.set_yticklabels(m.row_labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, m.row_bytes / scale)
+    ax.set_xlabel(f"offset within the row ({unit})", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    more = f"; {m.hidden_rows} more rows alike" if m.hidden_rows else ""
+    ax.set_title(
+        title or f"{m.layout}: unit {m.unit} owned by group {m.group_id} ({m.group_kind}){more}",
+        fontsize=8,
+    )
+
+
+def _legend_handles():
+    from matplotlib.patches import Patch
+
+    return [
+        Patch(facecolor=c, hatch="//" if k == "padding" else None, edgecolor="white", label=k)
+        for k, c in PART_COLORS.items()
+    ]
+
+
+def memory_map_figure(plans: dict[str, MemoryPlan], *, model_label: str = "") -> Figure:
+    """One row per plan: a unit owned by its first attention group and one owned by its first
+    state group, side by side, with a shared legend."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(plans), 2, figsize=(11, 1.9 * len(plans) + 0.8), squeeze=False)
+    for (name, plan), row in zip(plans.items(), axes):
+        attn = plan.attention_groups[0].group_id
+        state = plan.state_groups[0].group_id if plan.state_groups else None
+        draw_unit(row[0], unit_map(plan, attn))
+        if state is None:
+            row[1].axis("off")
+        else:
+            draw_unit(row[1], unit_map(plan, state))
+        row[0].set_ylabel(name, fontsize=9)
+    fig.legend(handles=_legend_handles(), loc="lower center", ncol=len(PART_COLORS), fontsize=8)
+    fig.suptitle(
+        "Memory map of one allocation unit per layout"
+        + (f" ({model_label})" if model_label else "")
+        + ": K/V pages of attention layers (left), recurrent states (right)",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    return fig
