@@ -1,0 +1,299 @@
+"""The configurations the paper studies, and the plans and numbers computed from them.
+
+Everything here is computed from the zoo and the layouts; the only literal numbers are the ones
+quoted from sources (the seeds and the reference facts), each with where it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from hybridkv import models
+from hybridkv.layouts import LAYOUTS, make_plan
+from hybridkv.models.model import HybridModel
+from hybridkv.plan import MemoryPlan
+
+GiB = 2**30
+
+#: layouts in the order figures show them
+LAYOUT_ORDER = LAYOUTS
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A model served at ``tp`` ranks with ``kv_dtype`` KV, ``memory`` bytes of cache per rank and
+    at most ``max_num_seqs`` running requests."""
+
+    model: str
+    tp: int = 1
+    kv_dtype: str = "auto"
+    memory: int = 40 * GiB
+    max_num_seqs: int = 256
+
+    @property
+    def label(self) -> str:
+        kv = "" if self.kv_dtype == "auto" else f" {self.kv_dtype}"
+        tp = f" TP{self.tp}" if self.tp > 1 else ""
+        return f"{self.model}{tp}{kv}"
+
+
+#: the zoo models the layout figures compare (those missing from the zoo are left out)
+STUDY = (
+    Deployment("qwen3-next-80b-a3b"),
+    Deployment("qwen3.5-4b"),
+    Deployment("qwen3.5-35b-a3b"),
+    Deployment("qwen3.5-397b-a17b", tp=2),
+    Deployment("nemotron-nano-12b-v2"),
+    Deployment("nemotron-3-nano-30b-a3b"),
+    Deployment("granite-4.0-h-small"),
+    Deployment("jamba-1.5-mini"),
+    Deployment("falcon-h1-7b"),
+    Deployment("kimi-linear-48b-a3b"),
+    Deployment("minimax-text-01", tp=8),
+    Deployment("lfm2-1.2b"),
+)
+SMALL_STUDY = STUDY[:3]
+
+
+def available(deployments: tuple[Deployment, ...]) -> list[Deployment]:
+    """The deployments whose model is in the zoo."""
+    zoo = set(models.list_models())
+    return [d for d in deployments if d.model in zoo]
+
+
+@cache
+def load(model: str, tp: int = 1, kv_dtype: str = "auto") -> HybridModel:
+    return models.load(model, tp_size=tp, kv_dtype=kv_dtype)
+
+
+@cache
+def plan(d: Deployment, layout: str, pack_size: int | str = "auto") -> MemoryPlan | None:
+    """The plan of ``d`` with ``layout``, or None when the budget cannot hold it."""
+    try:
+        return make_plan(
+            load(d.model, d.tp, d.kv_dtype),
+            layout,
+            memory=d.memory,
+            max_num_seqs=d.max_num_seqs,
+            pack_size=pack_size,
+        )
+    except ValueError:
+        return None
+
+
+def layout_label(p: MemoryPlan) -> str:
+    return f"{p.layout}({p.pack_size})" if p.layout == "pack" else p.layout
+
+
+# ---- the seeds' numbers -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SeedNumber:
+    """A block size someone reported, and the configuration that reproduces it here."""
+
+    quoted: int
+    source: str
+    what: str
+    deployment: Deployment | None  # None: the source names no model
+    layout: str = "inflate"
+    pack_size: int | str = "auto"
+    observed: bool = True  # False: the source derived it by arithmetic, nobody logged it
+    family: str = ""  # unnamed model: list only zoo models whose name contains this
+
+
+SEED_NUMBERS = (
+    SeedNumber(
+        2096,
+        "seed 001 (vLLM PR #35703)",
+        "Qwen3.5-397B-A17B-FP8, TP2 (FP8 weights, bf16 KV)",
+        Deployment("qwen3.5-397b-a17b", tp=2),
+    ),
+    SeedNumber(
+        1056,
+        "seed 001 (vLLM PR #35703 benchmark)",
+        "Qwen3.6-35B-A3B, main (Qwen3.5-35B-A3B dimensions)",
+        Deployment("qwen3.5-35b-a3b"),
+    ),
+    SeedNumber(
+        272,
+        "seed 001 (vLLM PR #35703 benchmark)",
+        "the same with --attn-pack-size 4",
+        Deployment("qwen3.5-35b-a3b"),
+        layout="pack",
+        pack_size=4,
+    ),
+    SeedNumber(
+        528,
+        "vLLM issue #40696 (facts section 7)",
+        "Qwen3.5-4B, bf16 KV",
+        Deployment("qwen3.5-4b"),
+    ),
+    SeedNumber(
+        1056,
+        "facts section 1.4 (arithmetic)",
+        "Qwen3.5-4B, fp8 KV",
+        Deployment("qwen3.5-4b", kv_dtype="fp8"),
+        observed=False,
+    ),
+    SeedNumber(
+        544,
+        "facts section 1.7 (arithmetic)",
+        "Qwen3-Next-80B-A3B, TP1, bf16 state",
+        Deployment("qwen3-next-80b-a3b"),
+        observed=False,
+    ),
+    SeedNumber(
+        272,
+        "facts section 1.7 (arithmetic)",
+        "Qwen3-Next-80B-A3B, TP4",
+        Deployment("qwen3-next-80b-a3b", tp=4),
+        observed=False,
+    ),
+    SeedNumber(
+        672,
+        "facts section 1.7 (PyTorch blog via a third-party note)",
+        "Nemotron-Nano-12B-v2, bf16 SSM state",
+        None,  # needs ssm_dtype=bfloat16; filled in by seed_rows()
+    ),
+    SeedNumber(
+        784,
+        "vLLM issue #36010; LMCache PR #5079 (facts sections 7-8)",
+        "Qwen3.5/3.6-27B",
+        Deployment("qwen3.5-27b"),
+    ),
+    SeedNumber(400, "seed 000 (vLLM PR #21123)", '"~400 tokens", no model named', None),
+    SeedNumber(2176, "seed 003 (vLLM PR #43258)", "a hybrid model, not named", None),
+    SeedNumber(
+        2096, "vLLM issue #53749 (facts section 7)", "a NemotronH model", None, family="nemotron"
+    ),
+    SeedNumber(
+        8320, "vLLM issue #48401 (facts section 7)", "a NemotronH model", None, family="nemotron"
+    ),
+    SeedNumber(
+        864,
+        "vLLM issue #51250 (facts section 7)",
+        "Qwen3.6-35B-A3B (not in the zoo)",
+        None,
+        family="qwen",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class HitRateAnchor:
+    """A prefix-cache hit rate someone measured for a repeated prompt of ``prompt`` tokens."""
+
+    quoted: str
+    source: str
+    deployment: Deployment
+    layout: str
+    prompt: int
+    pack_size: int | str = "auto"
+
+
+HIT_RATE_ANCHORS = (
+    HitRateAnchor(
+        "0%", "vLLM issue #40696 (below 528 tokens)", Deployment("qwen3.5-4b"), "inflate", 500
+    ),
+    HitRateAnchor("~95%", "vLLM issue #40696", Deployment("qwen3.5-4b"), "inflate", 552),
+    HitRateAnchor("~54%", "vLLM issue #40696", Deployment("qwen3.5-4b"), "inflate", 979),
+    HitRateAnchor("52.6%", "vLLM PR #35703, main", Deployment("qwen3.5-35b-a3b"), "inflate", 2000),
+    HitRateAnchor(
+        "94.9%",
+        "vLLM PR #35703, --attn-pack-size 4",
+        Deployment("qwen3.5-35b-a3b"),
+        "pack",
+        2000,
+        4,
+    ),
+)
+
+
+def hit_rate_rows() -> list[dict[str, str]]:
+    """The anchors next to ``floor(P/B)*B/P`` and the align rule with our block sizes."""
+    from hybridkv.traces import block_hit_tokens
+
+    zoo = set(models.list_models())
+    rows = []
+    for a in HIT_RATE_ANCHORS:
+        row = {"quoted": a.quoted, "source": a.source, "prompt": f"{a.prompt:,}"}
+        b = _block_size(a.deployment, a.layout, a.pack_size) if a.deployment.model in zoo else None
+        if b is None:
+            row.update(block="model not in zoo", full="-", align="-")
+        else:
+            label = f"pack({a.pack_size})" if a.layout == "pack" else a.layout
+            row["block"] = f"{b:,} ({a.deployment.model}, {label})"
+            row["full"] = f"{100 * block_hit_tokens(a.prompt, b) / a.prompt:.1f}%"
+            row["align"] = f"{100 * block_hit_tokens(a.prompt, b, 'align') / a.prompt:.1f}%"
+        rows.append(row)
+    return rows
+
+
+def _block_size(d: Deployment, layout: str, pack_size: int | str = "auto", **cfg) -> int | None:
+    try:
+        model = models.load(d.model, tp_size=d.tp, kv_dtype=d.kv_dtype, **cfg)
+        return make_plan(
+            model, layout, memory=d.memory, max_num_seqs=1, pack_size=pack_size
+        ).block_size
+    except (ValueError, KeyError):
+        return None
+
+
+def inflate_block_sizes() -> dict[tuple[str, int, str], int]:
+    """Inflate block size of every zoo model at TP 1, 2, 4, 8 and bf16/fp8 KV (where valid)."""
+    out = {}
+    for name in models.list_models():
+        for tp in (1, 2, 4, 8):
+            for kv in ("auto", "fp8"):
+                b = _block_size(Deployment(name, tp, kv), "inflate")
+                if b is not None:
+                    out[(name, tp, kv)] = b
+    return out
+
+
+def seed_rows(small: bool = False) -> list[dict[str, str]]:
+    """One row per quoted number: the source, our configuration, our number, and whether the
+    two agree. Numbers without a named model list the zoo configurations that give them."""
+    zoo = set(models.list_models())
+    census = None
+    rows = []
+    for s in SEED_NUMBERS:
+        row = {
+            "quoted": f"{s.quoted:,}" + ("" if s.observed else " (derived)"),
+            "source": s.source,
+            "configuration": s.what,
+        }
+        if s.deployment is not None or s.quoted == 672:
+            d = s.deployment or Deployment("nemotron-nano-12b-v2")
+            cfg = {"ssm_dtype": "bfloat16"} if s.quoted == 672 else {}
+            ours = _block_size(d, s.layout, s.pack_size, **cfg) if d.model in zoo else None
+            layout = f"pack({s.pack_size})" if s.layout == "pack" else s.layout
+            row["hybridkv"] = "model not in zoo" if ours is None else f"{ours:,} ({layout})"
+            row["match"] = "-" if ours is None else ("yes" if ours == s.quoted else "**no**")
+        else:
+            if small:
+                row["hybridkv"], row["match"] = "(full run only)", "-"
+            else:
+                census = census if census is not None else inflate_block_sizes()
+                tol = 16 if s.quoted == 400 else 0  # "~400": within one alignment step
+                hits = sorted(
+                    f"{m} TP{tp}{'' if kv == 'auto' else ' fp8'}"
+                    for (m, tp, kv), b in census.items()
+                    if abs(b - s.quoted) <= tol and s.family in m
+                )
+                shown = ", ".join(hits[:6]) + (
+                    f" and {len(hits) - 6} more" if len(hits) > 6 else ""
+                )
+                row["hybridkv"] = (
+                    f"inflate gives it for: {shown}" if hits else "no zoo configuration gives it"
+                )
+                row["match"] = "consistent" if hits else "-"
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict[str, str]], columns: list[tuple[str, str]]) -> str:
+    head = "| " + " | ".join(h for _, h in columns) + " |"
+    rule = "| " + " | ".join("---" for _ in columns) + " |"
+    body = ["| " + " | ".join(str(r[k]) for k, _ in columns) + " |" for r in rows]
+    return "\n".join([head, rule, *body])

@@ -1,0 +1,655 @@
+"""Every figure and table of the paper, one function each, and the command that makes them.
+
+    python -m paper.figures [--small] [--out paper/figures] [--only NAME ...] [--list]
+
+``--small`` runs a fast subset (three models, short traces) for the tests. Figures that need a
+part of hybridkv that is not there yet (the simulator) are skipped with the reason printed and
+written to ``MANIFEST.md``; they never draw placeholder numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from hybridkv import costmodel, traces, viz
+
+from . import data
+from .data import Deployment, GiB, available, layout_label, markdown_table, plan
+from .registry import FIGURES, Context, Skip, register, run
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+LAYOUT_COLORS = {
+    "inflate": "#d62728",
+    "pack": "#ff7f0e",
+    "aggregate": "#bcbd22",
+    "per_group": "#1f77b4",
+    "two_level": "#2ca02c",
+}
+
+
+def _study(ctx: Context) -> list[Deployment]:
+    found = available(data.SMALL_STUDY if ctx.small else data.STUDY)
+    if not found:
+        raise Skip("none of the study's models is in the zoo")
+    return found
+
+
+# ---- (i) block size per layout ------------------------------------------------------------------
+@register(
+    "block_sizes",
+    "Sharing one page size forces attention blocks of hundreds to thousands of tokens; per-group "
+    "and two-level pools keep 16.",
+)
+def block_sizes(ctx: Context) -> list[Path]:
+    deps = _study(ctx)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(deps) + 2), 4))
+    width = 0.8 / len(data.LAYOUT_ORDER)
+    rows = []
+    for j, layout in enumerate(data.LAYOUT_ORDER):
+        xs, ys = [], []
+        for i, d in enumerate(deps):
+            p = plan(d, layout)
+            if p is None:
+                continue
+            xs.append(i + (j - (len(data.LAYOUT_ORDER) - 1) / 2) * width)
+            ys.append(p.block_size)
+            rows.append((d.label, layout_label(p), p.block_size))
+        bars = ax.bar(xs, ys, width, label=layout, color=LAYOUT_COLORS[layout])
+        ax.bar_label(bars, labels=[str(y) for y in ys], fontsize=6, rotation=90, padding=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(range(len(deps)))
+    ax.set_xticklabels([d.label for d in deps], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("attention block size (tokens, log scale)")
+    ax.set_title("Block size per layout (vLLM's rule is 'inflate'; pack size chosen by 'auto')")
+    ax.legend(fontsize=8, ncol=5, loc="upper left")
+    ax.set_ylim(8, 2 ** math.ceil(math.log2(max(r[2] for r in rows)) + 2))
+    table = markdown_table(
+        [{"model": m, "layout": lay, "block": f"{b:,}"} for m, lay, b in rows],
+        [("model", "deployment"), ("layout", "layout"), ("block", "block size (tokens)")],
+    )
+    return [ctx.save(fig, "block_sizes"), ctx.table("block_sizes", table)]
+
+
+# ---- (ii) the pack effect -----------------------------------------------------------------------
+PACK_CASES = (
+    Deployment("qwen3.5-397b-a17b", tp=2),
+    Deployment("qwen3.5-397b-a17b", tp=2, kv_dtype="fp8"),
+    Deployment("qwen3.5-35b-a3b"),
+)
+
+
+@register(
+    "pack_effect",
+    "Packing N attention layers per page divides the inflated block by about N (2096 -> 272 at "
+    "N=8 for Qwen3.5-397B-A17B TP2) at a small capacity cost when N does not divide the layers.",
+)
+def pack_effect(ctx: Context) -> list[Path]:
+    cases = available(PACK_CASES[2:] if ctx.small else PACK_CASES)
+    if not cases:
+        raise Skip("the Qwen3.5 models are not in the zoo")
+    fig, (ax_b, ax_c) = plt.subplots(1, 2, figsize=(10, 3.8))
+    rows = []
+    for d in cases:
+        n_attn = len(data.load(d.model, d.tp, d.kv_dtype).attention_layers)
+        ns, blocks, caps = [], [], []
+        for n in range(1, n_attn + 1):
+            p = plan(d, "pack", n)
+            if p is None:
+                continue
+            ns.append(n)
+            blocks.append(p.block_size)
+            caps.append(100 * p.capacity.fraction_of_ideal)
+            rows.append(
+                {
+                    "deployment": d.label,
+                    "n": str(n),
+                    "block": f"{p.block_size:,}",
+                    "cap": f"{caps[-1]:.2f}",
+                }
+            )
+        (line,) = ax_b.plot(ns, blocks, marker="o", ms=3, label=d.label)
+        ax_c.plot(ns, caps, marker="o", ms=3, color=line.get_color(), label=d.label)
+        ax_b.annotate(
+            f"{blocks[0]}",
+            (ns[0], blocks[0]),
+            textcoords="offset points",
+            xytext=(4, 2),
+            fontsize=7,
+            color=line.get_color(),
+        )
+        if 4 in ns:
+            k = ns.index(4)
+            ax_b.annotate(
+                f"{blocks[k]}",
+                (4, blocks[k]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color=line.get_color(),
+            )
+    ax_b.set_yscale("log", base=2)
+    ax_b.set_xlabel("pack size N (attention layers per page)")
+    ax_b.set_ylabel("block size (tokens, log scale)")
+    ax_b.set_title("Block size vs pack size (N=1 is vLLM's inflate)")
+    ax_c.set_xlabel("pack size N (attention layers per page)")
+    ax_c.set_ylabel("token capacity (% of ideal)")
+    ax_c.set_title("Capacity vs pack size (40 GiB/rank, 256 requests)")
+    ax_b.legend(fontsize=8)
+    table = markdown_table(
+        rows,
+        [
+            ("deployment", "deployment"),
+            ("n", "pack size N"),
+            ("block", "block size (tokens)"),
+            ("cap", "capacity (% of ideal)"),
+        ],
+    )
+    return [ctx.save(fig, "pack_effect"), ctx.table("pack_effect", table)]
+
+
+# ---- (iii) capacity as % of ideal ---------------------------------------------------------------
+@register(
+    "capacity",
+    "At a fixed budget most layouts keep over 97% of the ideal token capacity; the outliers are "
+    "padding: inflate's padded state pages and aggregate's whole-kind pages.",
+)
+def capacity(ctx: Context) -> list[Path]:
+    deps = _study(ctx)
+    grid = np.full((len(deps), len(data.LAYOUT_ORDER)), np.nan)
+    rows = []
+    for i, d in enumerate(deps):
+        for j, layout in enumerate(data.LAYOUT_ORDER):
+            p = plan(d, layout)
+            if p is None:
+                continue
+            grid[i, j] = 100 * p.capacity.fraction_of_ideal
+            rows.append(
+                {
+                    "deployment": d.label,
+                    "layout": layout_label(p),
+                    "tokens": f"{p.capacity.token_capacity:,}",
+                    "ideal": f"{p.capacity.ideal_token_capacity:,}",
+                    "pct": f"{grid[i, j]:.2f}",
+                }
+            )
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(deps) + 1.6))
+    finite = grid[np.isfinite(grid)]
+    im = ax.imshow(grid, cmap="viridis", vmin=float(finite.min()), vmax=100, aspect="auto")
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            text = "n/a" if np.isnan(grid[i, j]) else f"{grid[i, j]:.1f}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white")
+    ax.set_xticks(range(len(data.LAYOUT_ORDER)))
+    ax.set_xticklabels(data.LAYOUT_ORDER)
+    ax.set_yticks(range(len(deps)))
+    ax.set_yticklabels([d.label for d in deps], fontsize=8)
+    ax.grid(False)
+    ax.set_title("Token capacity, % of ideal (40 GiB/rank, 256 running requests' states)")
+    fig.colorbar(im, ax=ax, label="% of ideal token capacity")
+    table = markdown_table(
+        rows,
+        [
+            ("deployment", "deployment"),
+            ("layout", "layout"),
+            ("tokens", "token capacity"),
+            ("ideal", "ideal"),
+            ("pct", "% of ideal"),
+        ],
+    )
+    return [ctx.save(fig, "capacity"), ctx.table("capacity", table)]
+
+
+# ---- (iv) padding -------------------------------------------------------------------------------
+@register(
+    "padding",
+    "Padded state pages and unfilled packs are where shared-page layouts lose memory; dedicated "
+    "pools pad only to 16 bytes.",
+)
+def padding(ctx: Context) -> list[Path]:
+    deps = _study(ctx)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(deps) + 2), 4))
+    width = 0.8 / len(data.LAYOUT_ORDER)
+    rows = []
+    for j, layout in enumerate(data.LAYOUT_ORDER):
+        xs, pad, unusable = [], [], []
+        for i, d in enumerate(deps):
+            p = plan(d, layout)
+            if p is None:
+                continue
+            xs.append(i + (j - (len(data.LAYOUT_ORDER) - 1) / 2) * width)
+            pad.append(100 * p.capacity.padding_bytes / p.config.memory_bytes)
+            unusable.append(100 * p.capacity.unusable_bytes / p.config.memory_bytes)
+            rows.append(
+                {
+                    "deployment": d.label,
+                    "layout": layout_label(p),
+                    "pad": f"{pad[-1]:.3f}",
+                    "unusable": f"{unusable[-1]:.3f}",
+                }
+            )
+        ax.bar(xs, pad, width, color=LAYOUT_COLORS[layout], label=f"{layout}: padding")
+        ax.bar(
+            xs,
+            unusable,
+            width,
+            bottom=pad,
+            color=LAYOUT_COLORS[layout],
+            alpha=0.35,
+            hatch="//",
+            edgecolor="white",
+        )
+    ax.set_xticks(range(len(deps)))
+    ax.set_xticklabels([d.label for d in deps], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("% of the cache budget")
+    ax.set_title("Padding (solid) and unusable tail (hatched) by layout, 40 GiB/rank")
+    ax.legend(fontsize=7, ncol=3)
+    table = markdown_table(
+        rows,
+        [
+            ("deployment", "deployment"),
+            ("layout", "layout"),
+            ("pad", "padding (% of budget)"),
+            ("unusable", "unusable (% of budget)"),
+        ],
+    )
+    return [ctx.save(fig, "padding"), ctx.table("padding", table)]
+
+
+# ---- (v) memory maps ----------------------------------------------------------------------------
+MAP_MODELS = ("qwen3.5-0.8b", "qwen3.5-4b", "qwen3-next-80b-a3b")
+
+
+@register(
+    "memory_maps",
+    "Where each layer's K, V and state bytes sit in one allocation unit of each layout, drawn "
+    "from the plans' placements.",
+)
+def memory_maps(ctx: Context) -> list[Path]:
+    zoo = [m for m in MAP_MODELS if m in set(data.models.list_models())]
+    if not zoo:
+        raise Skip("none of the memory-map models is in the zoo")
+    d = Deployment(zoo[0], memory=8 * GiB, max_num_seqs=16)
+    plans = {}
+    for layout in data.LAYOUT_ORDER:
+        p = plan(d, layout, 2 if layout == "pack" else "auto")
+        if p is not None:
+            plans[layout_label(p)] = p
+    fig = viz.memory_map_figure(plans, model_label=d.model)
+    return [ctx.save(fig, "memory_maps")]
+
+
+# ---- (vi) the seeds' numbers --------------------------------------------------------------------
+@register(
+    "seed_numbers",
+    "hybridkv reproduces the block sizes reported in the seeds and issues (2096, 1056, 528, "
+    "544/272, 672, pack 4 -> 272).",
+)
+def seed_numbers(ctx: Context) -> list[Path]:
+    rows = data.seed_rows(small=ctx.small)
+    table = markdown_table(
+        rows,
+        [
+            ("quoted", "quoted"),
+            ("source", "source"),
+            ("configuration", "configuration"),
+            ("hybridkv", "hybridkv"),
+            ("match", "match"),
+        ],
+    )
+    return [ctx.table("seed_numbers", table)]
+
+
+@register(
+    "hit_rate_anchors",
+    "Measured hit rates on repeated prompts follow floor(P/B)*B/P with hybridkv's block sizes.",
+)
+def hit_rate_anchors(ctx: Context) -> list[Path]:
+    table = markdown_table(
+        data.hit_rate_rows(),
+        [
+            ("quoted", "measured hit rate"),
+            ("source", "source"),
+            ("prompt", "repeated prompt P (tokens)"),
+            ("block", "block size B here"),
+            ("full", "floor(P/B)*B/P"),
+            ("align", "align rule"),
+        ],
+    )
+    note = (
+        "\n\nPR #35703's prompts are a 2,000-token shared prefix plus a suffix whose length the "
+        "thread does not give, so its rates are over whole prompts; the formula column is over "
+        "the prefix."
+    )
+    return [ctx.table("hit_rate_anchors", table + note)]
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+def _workloads(ctx: Context) -> dict[str, traces.Trace]:
+    n = 300 if ctx.small else 3000
+    return {name: traces.generate(name, n, seed=0) for name in traces.WORKLOADS}
+
+
+@register(
+    "workloads",
+    "The four synthetic workloads: sizes, lengths and how much of their prompts is shared.",
+)
+def workloads(ctx: Context) -> list[Path]:
+    rows = []
+    for name, tr in _workloads(ctx).items():
+        s = tr.summary()
+        rows.append(
+            {
+                "name": f"`{name}`",
+                "requests": f"{int(s['requests']):,}",
+                "sessions": f"{int(s['sessions']):,}",
+                "median": f"{s['prompt_median']:,.0f}",
+                "p99": f"{s['prompt_p99']:,.0f}",
+                "out": f"{s['output_median']:,.0f}",
+                "shared": f"{100 * s.get('shared_fraction', 0):.1f}",
+            }
+        )
+    table = markdown_table(
+        rows,
+        [
+            ("name", "workload"),
+            ("requests", "requests"),
+            ("sessions", "sessions"),
+            ("median", "median prompt (tokens)"),
+            ("p99", "p99 prompt (tokens)"),
+            ("out", "median output (tokens)"),
+            ("shared", "shared prompt tokens (%)"),
+        ],
+    )
+    note = (
+        "\n\nGenerated with `hybridkv.traces.generate(name, n, seed=0)` and the default "
+        "parameters documented in `hybridkv/traces/synthetic.py`."
+    )
+    return [ctx.table("workloads", table + note)]
+
+
+# ---- prefix reuse bound -------------------------------------------------------------------------
+BLOCKS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@register(
+    "prefix_reuse_bound",
+    "Block granularity alone caps the prefix-cache hit rate: with an unlimited cache, 2096-token "
+    "blocks serve far less of the shared prompt tokens than 16-token blocks.",
+)
+def prefix_reuse_bound(ctx: Context) -> list[Path]:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = []
+    for name, tr in _workloads(ctx).items():
+        full = [100 * traces.hit_fraction(tr, b, "full") for b in BLOCKS]
+        align = [100 * traces.hit_fraction(tr, b, "align") for b in BLOCKS]
+        (line,) = ax.plot(BLOCKS, full, marker="o", ms=3, label=f"{name}")
+        ax.plot(BLOCKS, align, ls="--", color=line.get_color(), lw=1)
+        for b, f, a in zip(BLOCKS, full, align):
+            rows.append({"w": name, "b": str(b), "f": f"{f:.1f}", "a": f"{a:.1f}"})
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size (tokens, log scale)")
+    ax.set_ylabel("prompt tokens served from cache (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("Upper bound on token hit rate, unlimited cache (dashed: vLLM align rule)")
+    ax.legend(fontsize=8)
+    table = markdown_table(
+        rows,
+        [("w", "workload"), ("b", "block size"), ("f", "full blocks (%)"), ("a", "align (%)")],
+    )
+    return [ctx.save(fig, "prefix_reuse_bound"), ctx.table("prefix_reuse_bound", table)]
+
+
+# ---- roofline TTFT and decode throughput --------------------------------------------------------
+#: a dense and a mixture-of-experts model of similar size, each at TP2 (weights + 40 GiB of cache
+#: per rank fit an 80 GB H100)
+COST_MODELS = (Deployment("qwen3.5-27b", tp=2), Deployment("qwen3.5-35b-a3b", tp=2))
+
+
+def _cost_deployments(ctx: Context) -> list[Deployment]:
+    found = available(COST_MODELS[1:] if ctx.small else COST_MODELS)
+    if not found:
+        raise Skip("the cost-model deployments' models are not in the zoo")
+    return found
+
+
+@register(
+    "ttft_roofline",
+    "Prompt tokens that block granularity keeps out of the cache are recomputed: it shows in "
+    "TTFT where prefill is compute-bound (dense), hardly where it is bound by reading an MoE's "
+    "weights.",
+)
+def ttft_roofline(ctx: Context) -> list[Path]:
+    deps = _cost_deployments(ctx)
+    gpu = costmodel.H100_SXM
+    suffix = 256
+    prefixes = np.arange(0, 16385, 256 if ctx.small else 64)
+    fig, axes = plt.subplots(1, len(deps), figsize=(5.2 * len(deps), 3.8), squeeze=False)
+    rows = []
+    for d, ax in zip(deps, axes[0]):
+        model = data.load(d.model, d.tp, d.kv_dtype)
+        cases = []
+        for layout in ("per_group", "pack", "inflate"):
+            p = plan(d, layout, 4 if layout == "pack" else "auto")
+            if p is not None:
+                cases.append((f"{layout_label(p)}: {p.block_size}-token blocks", p, "full"))
+        inflate = plan(d, "inflate")
+        if inflate is not None:
+            cases.append((f"inflate, align rule: {inflate.block_size}", inflate, "align"))
+        for label, p, mode in cases:
+            t = [
+                1e3
+                * costmodel.ttft(
+                    model,
+                    gpu,
+                    int(pfx) + suffix,
+                    int(traces.block_hit_tokens(int(pfx), p.block_size, mode)),
+                )
+                for pfx in prefixes
+            ]
+            color = LAYOUT_COLORS[p.layout] if mode == "full" else "black"
+            ax.plot(prefixes, t, label=label, ls=":" if mode == "align" else "-", color=color)
+            for pfx in (512, 1024, 2048, 4096, 8192, 16384):
+                k = int(np.searchsorted(prefixes, pfx))
+                rows.append({"d": d.label, "case": label, "p": f"{pfx:,}", "t": f"{t[k]:.2f}"})
+        ax.set_xlabel("shared prefix already in the cache (tokens)")
+        ax.set_ylabel("roofline TTFT (ms)")
+        ax.set_title(f"{d.label} on {gpu.name}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"TTFT of a {suffix}-token question after a cached shared prefix", fontsize=10)
+    fig.tight_layout()
+    table = markdown_table(
+        rows,
+        [
+            ("d", "deployment"),
+            ("case", "layout"),
+            ("p", "shared prefix (tokens)"),
+            ("t", "TTFT (ms)"),
+        ],
+    )
+    return [ctx.save(fig, "ttft_roofline"), ctx.table("ttft_roofline", table)]
+
+
+@register(
+    "decode_roofline",
+    "Roofline decode throughput follows the batch each layout can hold at a given context; the "
+    "layouts' capacities differ by little, so their throughputs do too.",
+)
+def decode_roofline(ctx: Context) -> list[Path]:
+    deps = _cost_deployments(ctx)
+    gpu = costmodel.H100_SXM
+    contexts = [512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+    fig, axes = plt.subplots(1, len(deps), figsize=(5.2 * len(deps), 3.8), squeeze=False)
+    rows = []
+    for d, ax in zip(deps, axes[0]):
+        model = data.load(d.model, d.tp, d.kv_dtype)
+        for layout in data.LAYOUT_ORDER:
+            p = plan(d, layout)
+            if p is None:
+                continue
+            batch = [costmodel.requests_that_fit(p, c) for c in contexts]
+            tput = [costmodel.decode_throughput(model, gpu, b, c) for b, c in zip(batch, contexts)]
+            ax.plot(
+                contexts,
+                tput,
+                marker="o",
+                ms=3,
+                label=layout_label(p),
+                color=LAYOUT_COLORS[layout],
+            )
+            for c, b, t in zip(contexts, batch, tput):
+                rows.append(
+                    {
+                        "d": d.label,
+                        "l": layout_label(p),
+                        "c": f"{c:,}",
+                        "b": str(b),
+                        "t": f"{t:,.0f}",
+                    }
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context per request (tokens, log scale)")
+        ax.set_ylabel("decode throughput (tokens/s per rank, log scale)")
+        ax.set_title(f"{d.label}, 40 GiB/rank, at most {d.max_num_seqs} requests", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"Roofline decode throughput with the batch each layout holds ({gpu.name})", fontsize=10
+    )
+    fig.tight_layout()
+    table = markdown_table(
+        rows,
+        [
+            ("d", "deployment"),
+            ("l", "layout"),
+            ("c", "context (tokens)"),
+            ("b", "requests that fit"),
+            ("t", "tokens/s per rank"),
+        ],
+    )
+    return [ctx.save(fig, "decode_roofline"), ctx.table("decode_roofline", table)]
+
+
+# ---- (vii) kernel results -----------------------------------------------------------------------
+def _numeric(rows: list[dict[str, str]], column: str) -> bool:
+    try:
+        for r in rows:
+            float(r[column])
+    except (ValueError, TypeError):
+        return False
+    return bool(rows)
+
+
+@register(
+    "kernels",
+    "Measured kernel bandwidth on the GPU (from paper/results/kernels-*.csv, when committed).",
+)
+def kernels(ctx: Context) -> list[Path]:
+    files = sorted(RESULTS.glob("kernels-*.csv"))
+    if not files:
+        note = (
+            "No GPU results: `paper/results/kernels-*.csv` is not committed yet, so the paper "
+            "reports no measured kernel numbers. Run `python paper/bench_kernels.py` on a GPU "
+            "and rerun `python -m paper.figures`."
+        )
+        return [ctx.table("kernels", note)]
+    out = []
+    sections = []
+    for f in files:
+        with f.open() as fh:
+            rows = list(csv.DictReader(fh))
+        if not rows:
+            continue
+        cols = list(rows[0])
+        shown = rows[:40]
+        sections.append(
+            f"### {f.name}\n\n"
+            + markdown_table(shown, [(c, c) for c in cols])
+            + (f"\n\n({len(rows) - 40} more rows in the file)" if len(rows) > 40 else "")
+        )
+        metric = next(
+            (
+                c
+                for c in cols
+                if any(k in c.lower() for k in ("gb/s", "gbps", "bandwidth")) and _numeric(rows, c)
+            ),
+            None,
+        )
+        if metric is None:
+            continue
+        label_cols = [c for c in cols if c != metric and not _numeric(rows, c)] or cols[:1]
+        labels = [" ".join(r[c] for c in label_cols) for r in rows]
+        values = [float(r[metric]) for r in rows]
+        fig, ax = plt.subplots(figsize=(7, 0.25 * len(rows) + 1.5))
+        ax.barh(range(len(rows)), values)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels(labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_xlabel(metric)
+        ax.set_title(f"Kernel results: {f.name}")
+        out.append(ctx.save(fig, f"kernels_{f.stem}"))
+    out.append(ctx.table("kernels", "\n\n".join(sections) or "Kernel CSV files are empty."))
+    return out
+
+
+# ---- simulator hooks ----------------------------------------------------------------------------
+# These figures need ``hybridkv.sim`` (a cache simulator with a memory budget and eviction). Until
+# it exists they are skipped with that reason; when it lands, fill the bodies in: run each
+# workload of ``_workloads(ctx)`` through the simulator for each layout's plan and plot the
+# measured hit rate against block size (beside ``prefix_reuse_bound``) and the TTFT percentiles.
+def _simulator_hook(what: str) -> None:
+    raise Skip(f"hybridkv.sim exists but the {what} figure is not written yet")
+
+
+@register(
+    "sim_hit_rate",
+    "Simulated prefix-cache hit rate vs block size per layout under a memory budget.",
+    requires=("hybridkv.sim",),
+)
+def sim_hit_rate(ctx: Context) -> list[Path]:
+    _simulator_hook("hit-rate")
+    return []  # pragma: no cover
+
+
+@register(
+    "sim_ttft",
+    "Simulated TTFT percentiles per layout on the chat and agentic workloads.",
+    requires=("hybridkv.sim",),
+)
+def sim_ttft(ctx: Context) -> list[Path]:
+    _simulator_hook("TTFT")
+    return []  # pragma: no cover
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m paper.figures", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--small", action="store_true", help="fast subset (for tests)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "figures")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="make only these figures")
+    parser.add_argument("--list", action="store_true", help="list the figures and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for f in FIGURES.values():
+            req = f"  (needs {', '.join(f.requires)})" if f.requires else ""
+            print(f"{f.name:<22} {f.message}{req}")
+        return 0
+    try:
+        run(Context(args.out, small=args.small), args.only)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""A registry of figure functions and the plumbing that makes their output reproducible.
+
+One figure is one function that makes one point (its ``message``); it writes its files through
+:class:`Context` and returns their paths, or raises :class:`Skip` with the reason it cannot run
+(e.g. the simulator it needs is not there yet). :func:`run` calls them in order and writes
+``MANIFEST.md``: every figure, its message, its files or why it was skipped.
+
+Reproducibility: matplotlib runs on the Agg backend with fixed rcParams; PNGs are written
+without the ``Software`` text chunk, SVGs with a fixed ``svg.hashsalt`` and no date, so two runs
+on the same software give byte-identical files. Nothing random is drawn without a fixed seed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+
+__all__ = ["FIGURES", "Context", "Figure", "Outcome", "Skip", "register", "run"]
+
+_RC = {
+    "figure.dpi": 100,
+    "savefig.dpi": 130,
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "svg.hashsalt": "hybridkv",
+    "path.simplify": True,
+}
+
+
+class Skip(Exception):
+    """Raised by a figure function that cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where figures go and how big the runs are (``small``: a fast subset for tests)."""
+
+    out: Path
+    small: bool = False
+
+    def save(self, fig: Any, name: str) -> Path:
+        """Save a matplotlib figure as ``name.png`` deterministically and close it."""
+        path = self.out / f"{name}.png"
+        fig.savefig(path, metadata={"Software": None}, bbox_inches="tight")
+        plt.close(fig)
+        return path
+
+    def table(self, name: str, text: str) -> Path:
+        """Write a Markdown table (or note) ``name.md``."""
+        path = self.out / f"{name}.md"
+        path.write_text(text.rstrip() + "\n")
+        return path
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A registered figure: ``fn(ctx) -> paths``; ``requires`` lists modules it needs."""
+
+    name: str
+    fn: Callable[[Context], Sequence[Path]]
+    message: str
+    requires: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    message: str
+    files: tuple[Path, ...] = ()
+    skipped: str | None = None
+    seconds: float = field(default=0.0, compare=False)
+
+
+FIGURES: dict[str, Figure] = {}
+
+
+def register(name: str, message: str, *, requires: Sequence[str] = ()) -> Callable:
+    """Decorator: add a figure function to :data:`FIGURES` under ``name``."""
+
+    def wrap(fn: Callable[[Context], Sequence[Path]]) -> Callable[[Context], Sequence[Path]]:
+        if name in FIGURES:
+            raise ValueError(f"figure {name!r} registered twice")
+        FIGURES[name] = Figure(name, fn, message, tuple(requires))
+        return fn
+
+    return wrap
+
+
+def _missing(modules: Sequence[str]) -> list[str]:
+    out = []
+    for mod in modules:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            out.append(mod)
+    return out
+
+
+def run(ctx: Context, names: Sequence[str] | None = None, *, echo: bool = True) -> list[Outcome]:
+    """Make the figures ``names`` (all by default) in registry order; write ``MANIFEST.md``."""
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    unknown = sorted(set(names or ()) - set(FIGURES))
+    if unknown:
+        raise ValueError(f"unknown figure(s) {unknown}; known: {', '.join(FIGURES)}")
+    outcomes = []
+    for fig in FIGURES.values():
+        if names and fig.name not in names:
+            continue
+        start = time.perf_counter()
+        missing = _missing(fig.requires)
+        try:
+            if missing:
+                raise Skip(f"needs {', '.join(missing)}, which is not in this checkout yet")
+            with plt.rc_context(_RC):
+                files = tuple(Path(p) for p in fig.fn(ctx))
+            outcome = Outcome(fig.name, fig.message, files, None, time.perf_counter() - start)
+        except Skip as why:
+            outcome = Outcome(fig.name, fig.message, (), str(why), time.perf_counter() - start)
+        outcomes.append(outcome)
+        if echo:
+            what = (
+                f"skipped: {outcome.skipped}"
+                if outcome.skipped
+                else ", ".join(p.name for p in outcome.files)
+            )
+            print(f"{fig.name:<28} {outcome.seconds:6.2f}s  {what}", flush=True)
+    if names is None:
+        _manifest(ctx, outcomes)
+    return outcomes
+
+
+def _manifest(ctx: Context, outcomes: Sequence[Outcome]) -> None:
+    lines = [
+        "# Figures and tables",
+        "",
+        f"Generated by `python -m paper.figures{' --small' if ctx.small else ''}`. "
+        "Do not edit by hand.",
+        "",
+        "| figure | message | files |",
+        "| --- | --- | --- |",
+    ]
+    for o in outcomes:
+        files = (
+            f"skipped: {o.skipped}"
+            if o.skipped
+            else ", ".join(f"[{p.name}]({p.name})" for p in o.files)
+        )
+        lines.append(f"| `{o.name}` | {o.message} | {files} |")
+    ctx.table("MANIFEST", "\n".join(lines))

@@ -1,0 +1,211 @@
+"""The roofline cost model against numbers worked out by hand on a toy model."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv import costmodel as cm
+from hybridkv.layouts import make_plan
+from hybridkv.models.model import HybridModel
+
+# One attention layer (8 query heads, 2 KV heads of 128) and one Gated DeltaNet layer
+# (2 key heads, 4 value heads of 64, conv kernel 4), everything bf16.
+TOY = {
+    "name": "toy",
+    "num_hidden_layers": 2,
+    "torch_dtype": "bfloat16",
+    "mixers": [
+        {
+            "kind": "full_attention",
+            "num_heads": 8,
+            "num_kv_heads": 2,
+            "head_dim": 128,
+            "layers": [1],
+        },
+        {
+            "kind": "gated_deltanet",
+            "num_k_heads": 2,
+            "num_v_heads": 4,
+            "head_k_dim": 64,
+            "head_v_dim": 64,
+            "conv_kernel": 4,
+            "layers": [0],
+        },
+    ],
+}
+KV_PER_TOKEN = 2 * (128 + 128) * 2  # 2 KV heads x (K + V dims) x 2 bytes = 1,024 B
+CONV_ELEMS = 3 * (2 * 2 * 64 + 4 * 64)  # (kernel - 1) x conv_dim = 1,536
+SSM_ELEMS = 4 * 64 * 64  # 16,384
+STATE_BYTES = 2 * (CONV_ELEMS + SSM_ELEMS)  # 35,840 B
+ATTN_PER_CTX = 2 * 8 * (128 + 128)  # QK^T + PV: 4,096 FLOPs per context token
+STATE_FLOPS = 6 * (CONV_ELEMS + SSM_ELEMS)  # 107,520 per token
+DENSE = cm.ParamCount(1e9, 1e9, "test")
+MOE = cm.ParamCount(10e9, 1e9, "test")
+
+
+@pytest.fixture
+def toy():
+    return HybridModel.from_dict(TOY)
+
+
+def test_toy_constants_match_the_specs(toy):
+    assert toy.kv_bytes_per_token == KV_PER_TOKEN
+    assert toy.state_bytes_per_seq == STATE_BYTES
+    assert cm.state_flops_per_token(toy) == STATE_FLOPS
+
+
+def test_gpu_presets():
+    assert cm.H100_SXM.hbm_bandwidth == 3.35e12
+    assert cm.H200.hbm_bandwidth == 4.8e12
+    assert cm.H100_SXM.flops_bf16 == cm.H200.flops_bf16 == 989e12
+    assert cm.H100_SXM.flops("fp8") == 1979e12
+    assert cm.GPUS["h200"].memory_bytes == 141 * 10**9
+
+
+@pytest.mark.parametrize(
+    "new, cached, window, expected",
+    [
+        (4, 0, None, 1 + 2 + 3 + 4),
+        (4, 0, 2, 1 + 2 + 2 + 2),
+        (2, 3, 4, 4 + 4),
+        (3, 1, 3, 2 + 3 + 3),
+        (1, 99, None, 100),
+        (0, 5, None, 0),
+    ],
+)
+def test_context_sum(new, cached, window, expected):
+    assert cm._context_sum(new, cached, window) == expected
+
+
+def test_prefill_by_hand(toy):
+    s = cm.prefill(toy, cm.H100_SXM, 100, params=DENSE)
+    flops = 2e9 * 100 + ATTN_PER_CTX * (100 * 101 // 2) + STATE_FLOPS * 100
+    bytes_ = 1e9 * 2 + KV_PER_TOKEN * 100 + KV_PER_TOKEN * 100 + 2 * STATE_BYTES
+    assert s.flops == pytest.approx(flops)
+    assert s.bytes == pytest.approx(bytes_)
+    assert s.compute_s == pytest.approx(flops / 989e12)
+    assert s.memory_s == pytest.approx(bytes_ / 3.35e12)
+    assert s.time_s == s.memory_s and s.bound == "memory"
+
+
+def test_prefill_after_a_cache_hit(toy):
+    s = cm.prefill(toy, cm.H100_SXM, 10, 90, params=DENSE)
+    # tokens 91..100 attend to 91..100 context tokens; the whole context is read once
+    assert s.flops == pytest.approx(
+        2e9 * 10 + ATTN_PER_CTX * sum(range(91, 101)) + STATE_FLOPS * 10
+    )
+    assert s.bytes == pytest.approx(2e9 + KV_PER_TOKEN * 100 + KV_PER_TOKEN * 10 + 2 * STATE_BYTES)
+
+
+def test_long_prefill_is_compute_bound(toy):
+    s = cm.prefill(toy, cm.H100_SXM, 32_768, params=DENSE)
+    assert s.bound == "compute"
+
+
+def test_decode_by_hand(toy):
+    s = cm.decode_step(toy, cm.H200, [10, 30], params=DENSE)
+    flops = 2e9 * 2 + ATTN_PER_CTX * (11 + 31) + STATE_FLOPS * 2
+    bytes_ = 1e9 * 2 + KV_PER_TOKEN * 40 + KV_PER_TOKEN * 2 + 2 * STATE_BYTES * 2
+    assert s.flops == pytest.approx(flops)
+    assert s.bytes == pytest.approx(bytes_)
+    assert s.time_s == pytest.approx(max(flops / 989e12, bytes_ / 4.8e12))
+    assert cm.decode_throughput(toy, cm.H200, 2, 20, params=DENSE) == pytest.approx(
+        2 / cm.decode_step(toy, cm.H200, [20, 20], params=DENSE).time_s
+    )
+
+
+def test_moe_weights_read_grow_with_tokens_up_to_the_total(toy):
+    rest = lambda n, ctx: KV_PER_TOKEN * (ctx + n) + 2 * STATE_BYTES * n
+    one = cm.decode_step(toy, cm.H100_SXM, [0], params=MOE)
+    four = cm.decode_step(toy, cm.H100_SXM, [0] * 4, params=MOE)
+    many = cm.prefill(toy, cm.H100_SXM, 100, params=MOE)
+    assert one.bytes == pytest.approx(2e9 + rest(1, 0))  # 1e9 active parameters x 2 bytes
+    assert four.bytes == pytest.approx(8e9 + rest(4, 0))
+    # prefill: min(total, active x 100) = all 10e9 parameters, read once
+    assert many.bytes == pytest.approx(20e9 + 2 * KV_PER_TOKEN * 100 + 2 * STATE_BYTES)
+
+
+def test_tensor_parallel_splits_parameters(toy):
+    tp2 = HybridModel.from_dict(TOY).configure(tp_size=2)
+    s1 = cm.prefill(toy, cm.H100_SXM, 1, params=DENSE)
+    s2 = cm.prefill(tp2, cm.H100_SXM, 1, params=DENSE)
+    # weights: 2e9 -> 1e9 bytes per rank; KV heads and GDN heads halve too
+    assert s2.bytes == pytest.approx(1e9 + KV_PER_TOKEN + STATE_BYTES)
+    assert s1.bytes == pytest.approx(2e9 + 2 * KV_PER_TOKEN + 2 * STATE_BYTES)
+
+
+def test_weight_dtype_and_efficiency(toy):
+    bf16 = cm.prefill(toy, cm.H100_SXM, 4096, params=DENSE)
+    fp8 = cm.prefill(toy, cm.H100_SXM, 4096, params=DENSE, weight_dtype="fp8")
+    assert fp8.compute_s == pytest.approx(bf16.flops / 1979e12)
+    assert fp8.bytes == pytest.approx(bf16.bytes - 1e9)
+    half = cm.prefill(toy, cm.H100_SXM, 4096, params=DENSE, mfu=0.5, mbu=0.5)
+    assert half.compute_s == pytest.approx(2 * bf16.compute_s)
+    with pytest.raises(ValueError, match="mfu"):
+        cm.prefill(toy, cm.H100_SXM, 1, params=DENSE, mfu=0)
+
+
+def test_ttft_is_the_prefill_of_the_uncached_part(toy):
+    t = cm.ttft(toy, cm.H100_SXM, 1000, 600, params=DENSE)
+    assert t == cm.prefill(toy, cm.H100_SXM, 400, 600, params=DENSE).time_s
+    # a fully cached prompt still computes its last token
+    assert cm.ttft(toy, cm.H100_SXM, 1000, 1000, params=DENSE) == (
+        cm.prefill(toy, cm.H100_SXM, 1, 999, params=DENSE).time_s
+    )
+    with pytest.raises(ValueError, match="cached_tokens"):
+        cm.ttft(toy, cm.H100_SXM, 10, 11, params=DENSE)
+
+
+def test_sliding_window_caps_the_context():
+    swa = dict(TOY)
+    swa["mixers"] = [
+        {**TOY["mixers"][0], "kind": "sliding_window", "sliding_window": 64},
+        TOY["mixers"][1],
+    ]
+    model = HybridModel.from_dict(swa)
+    assert cm.attention_flops(model, 1, 1000) == ATTN_PER_CTX * 64
+
+
+def test_requests_that_fit_uses_whole_blocks(toy):
+    plan = make_plan(toy, "inflate", memory="1GiB", max_num_seqs=4)
+    b = plan.block_size
+    cap = plan.capacity.token_capacity
+    assert cm.requests_that_fit(plan, 1) == min(4, cap // b)
+    assert cm.requests_that_fit(plan, b + 1) == min(4, cap // (2 * b))
+    plan = make_plan(toy, "per_group", memory="64MiB", max_num_seqs=1000)
+    assert cm.requests_that_fit(plan, 17) == min(1000, plan.capacity.token_capacity // 32)
+
+
+@pytest.mark.parametrize(
+    "name, active",
+    [
+        ("qwen3-next-80b-a3b", 3e9),
+        ("Qwen/Qwen3-Next-80B-A3B-Instruct", 3e9),
+        ("nvidia/NVIDIA-Nemotron-Nano-12B-v2", 12e9),
+        ("qwen3.5-397b-a17b", 17e9),
+        ("ai21labs/AI21-Jamba-1.5-Mini", 12e9),
+    ],
+)
+def test_param_count_lookup(name, active):
+    assert cm.param_count(name).active == active
+
+
+def test_param_count_unknown_model():
+    with pytest.raises(KeyError, match="pass params=ParamCount"):
+        cm.param_count("llama-3-8b")
+    with pytest.raises(ValueError, match="active"):
+        cm.ParamCount(1e9, 2e9, "bad")
+
+
+def test_every_zoo_model_has_a_parameter_count():
+    from hybridkv import models
+
+    if not hasattr(models, "list_models"):
+        pytest.skip("the model zoo has not landed yet")
+    missing = []
+    for name in models.list_models():
+        try:
+            cm.param_count(models.load(name))
+        except KeyError:
+            missing.append(name)
+    assert not missing, f"add these to costmodel.PARAMS: {missing}"

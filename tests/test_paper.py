@@ -1,0 +1,91 @@
+"""``python -m paper.figures`` makes every registered figure, and makes it the same way twice."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridkv import models
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(models, "list_models"), reason="the model zoo has not landed yet"
+)
+
+
+def make(out: Path) -> str:
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "paper.figures", "--small", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def registry():
+    sys.path.insert(0, str(ROOT))
+    try:
+        from paper import registry
+        from paper.figures import FIGURES  # registers every figure
+
+        yield registry, FIGURES
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def test_figures_command(tmp_path, registry):
+    # one test, so that parallel workers do not each run the command twice
+    a, b = tmp_path / "a", tmp_path / "b"
+    stdout = make(a)
+    make(b)
+    check_every_figure_is_made_or_skipped_for_a_reason(a, stdout, registry)
+    check_simulator_hooks_wait_for_the_simulator(stdout, registry)
+    check_two_runs_are_identical(a, b)
+    if not list((ROOT / "paper" / "results").glob("kernels-*.csv")):
+        assert "No GPU results" in (a / "kernels.md").read_text()
+
+
+def check_every_figure_is_made_or_skipped_for_a_reason(out, stdout, registry):
+    reg, figures = registry
+    manifest = (out / "MANIFEST.md").read_text()
+    for name, fig in figures.items():
+        assert f"`{name}`" in manifest
+        line = next(x for x in manifest.splitlines() if x.startswith(f"| `{name}` |"))
+        if reg._missing(fig.requires):
+            assert "skipped: needs" in line and name in stdout
+            continue
+        assert "skipped" not in line, line
+        files = re.findall(r"\]\(([^)]+)\)", line)
+        assert files, name
+        for f in files:
+            assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+
+
+def check_simulator_hooks_wait_for_the_simulator(stdout, registry):
+    reg, figures = registry
+    hooks = [f for f in figures.values() if "hybridkv.sim" in f.requires]
+    assert hooks, "the simulator figures should be registered as hooks"
+    if reg._missing(["hybridkv.sim"]):
+        for f in hooks:
+            line = next(x for x in stdout.splitlines() if x.startswith(f.name))
+            assert "skipped" in line
+
+
+def check_two_runs_are_identical(a, b):
+    files_a = sorted(p.name for p in a.iterdir())
+    assert files_a == sorted(p.name for p in b.iterdir())
+    assert len([n for n in files_a if n.endswith(".md")]) >= 5
+    for name in files_a:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name} differs between runs"
