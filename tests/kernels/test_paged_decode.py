@@ -1,0 +1,106 @@
+"""Paged decode attention against the torch reference on every layout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridkv.layouts import LAYOUTS
+from hybridkv_kernels.cache_write import write_kv_cache_ref
+from hybridkv_kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
+
+from .paged import SYNTHETIC, plan_caches, synthetic_caches
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def _fill(k_cache, v_cache, seq_lens, dtype, num_blocks_used=None):
+    """Random K/V for every request, written through shuffled, non-contiguous block tables."""
+    num_blocks, block_size = k_cache.shape[:2]
+    need = [math.ceil(n / block_size) for n in seq_lens]
+    width = max(need) + 2
+    free = torch.randperm(num_blocks - 1)[: sum(need)] + 1  # block 0 is the null block
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    start = 0
+    for b, (n, nb) in enumerate(zip(seq_lens, need)):
+        tables[b, :nb] = free[start : start + nb].int()
+        tables[b, nb:] = 10**6  # garbage past the request's blocks: must never be read
+        start += nb
+        slots = tables[b, (torch.arange(n) // block_size)].long() * block_size + (
+            torch.arange(n) % block_size
+        )
+        k = torch.randn(n, k_cache.shape[2], k_cache.shape[3]).to(dtype)
+        v = torch.randn(n, v_cache.shape[2], v_cache.shape[3]).to(dtype)
+        one = torch.tensor(1.0)  # fp8 caches store the raw values; the test scales on read
+        write_kv_cache_ref(k, v, k_cache, v_cache, slots, one, one)
+    return tables
+
+
+def _check(q, k_cache, v_cache, tables, lens, scale, window=None, splits=None):
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = paged_decode_attention(
+        q, k_cache, v_cache, tables, seq_lens, scale, sliding_window=window, num_splits=splits
+    )
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq_lens, scale, window)
+    assert not torch.isnan(got).any()
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOL[q.dtype], err
+
+
+@pytest.mark.parametrize("layout", SYNTHETIC)
+@pytest.mark.parametrize(
+    "lens, hq, hkv, dk, dv, block_size, dtype, window, splits",
+    [
+        pytest.param([1], 4, 4, 16, 16, 16, torch.float32, None, None, id="len1-mha-fp32"),
+        pytest.param(
+            [97, 3, 33], 8, 2, 40, 40, 16, torch.float16, None, 1, id="B3-gqa4-D40-nosplit"
+        ),
+        pytest.param([300, 17], 5, 1, 32, 24, 32, torch.float32, None, 3, id="B2-Hkv1-Hq5-split3"),
+        pytest.param([257, 64], 6, 3, 64, 64, 48, torch.float16, 50, 2, id="B2-window50-bs48"),
+    ],
+)
+def test_decode_synthetic(layout, lens, hq, hkv, dk, dv, block_size, dtype, window, splits):
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 6
+    _, k_cache, v_cache = synthetic_caches(layout, num_blocks, block_size, hkv, dk, dv, dtype)
+    tables = _fill(k_cache, v_cache, lens, dtype)
+    q = torch.randn(len(lens), hq, dk).to(dtype)
+    _check(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(dk), window, splits)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_on_real_plans(layout):
+    # Qwen3.5-0.8B at TP2: 4 query heads per rank over 1 KV head of 256 dims
+    _, k_cache, v_cache = plan_caches(layout, "float16")
+    lens = [40, 1, 75]
+    tables = _fill(k_cache, v_cache, lens, torch.float16)
+    q = torch.randn(3, 4, 256, dtype=torch.float16)
+    _check(q, k_cache, v_cache, tables, lens, 1 / 16, splits=2)
+
+
+def test_decode_fp8_cache():
+    _, k32, v32 = synthetic_caches("classic", 12, 16, 2, 32, 32, torch.float32)
+    backing = torch.zeros(12 * 2 * 16 * 2 * 32 + 5, dtype=torch.float8_e4m3fn)
+    k8 = torch.as_strided(backing, k32.shape, k32.stride(), k32.storage_offset())
+    v8 = torch.as_strided(backing, v32.shape, v32.stride(), v32.storage_offset())
+    lens = [70, 9]
+    tables = _fill(k8, v8, lens, torch.float8_e4m3fn)
+    q = torch.randn(2, 4, 32, dtype=torch.float16)
+    ks, vs = torch.tensor(0.5), torch.tensor(0.25)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    got = paged_decode_attention(q, k8, v8, tables, seq, 0.2, k_scale=ks, v_scale=vs)
+    want = paged_decode_attention_ref(q, k8, v8, tables, seq, 0.2, k_scale=ks, v_scale=vs)
+    assert (got.float() - want.float()).abs().max() < 3e-3
+
+
+def test_decode_errors():
+    _, k, v = synthetic_caches("classic", 4, 16, 2, 16, 16, torch.float32)
+    q = torch.randn(1, 4, 16)
+    tables = torch.ones(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="seq_len >= 1"):
+        paged_decode_attention(q, k, v, tables, torch.tensor([0], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        paged_decode_attention(q, k, v, tables, torch.tensor([40], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        paged_decode_attention(torch.randn(1, 3, 16), k, v, tables, torch.tensor([4]).int(), 1.0)
