@@ -104,3 +104,33 @@ def test_decode_errors():
         paged_decode_attention(q, k, v, tables, torch.tensor([40], dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         paged_decode_attention(torch.randn(1, 3, 16), k, v, tables, torch.tensor([4]).int(), 1.0)
+
+
+def test_decode_and_prefill_int64_addressing():
+    """Block 2 of this cache starts at element 2**31 of a ~4 GiB (never touched) buffer."""
+    from hybridkv_kernels.paged_prefill import (
+        paged_prefill_attention,
+        paged_prefill_attention_ref,
+    )
+
+    block_size, heads, d = 16, 1, 16
+    stride = 2**30
+    backing = torch.empty(2 * stride + 2 * block_size * heads * d, dtype=torch.float16)
+    k = torch.as_strided(backing, (3, block_size, heads, d), (stride, heads * d, d, 1), 0)
+    v = torch.as_strided(
+        backing, (3, block_size, heads, d), (stride, heads * d, d, 1), block_size * heads * d
+    )
+    for b in (0, 2):
+        k[b] = torch.randn(block_size, heads, d).half()
+        v[b] = torch.randn(block_size, heads, d).half()
+    tables = torch.tensor([[2, 0]], dtype=torch.int32)
+    seq = torch.tensor([29], dtype=torch.int32)
+    q = torch.randn(1, 2, d).half()
+    got = paged_decode_attention(q, k, v, tables, seq, 0.25)
+    want = paged_decode_attention_ref(q, k, v, tables, seq, 0.25)
+    assert (got.float() - want.float()).abs().max() < 2e-3
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    qp = torch.randn(5, 2, d).half()
+    got = paged_prefill_attention(qp, k, v, tables, cu, seq, 0.25)
+    want = paged_prefill_attention_ref(qp, k, v, tables, cu, seq, 0.25)
+    assert (got.float() - want.float()).abs().max() < 2e-3
