@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..dtypes import dtype_bytes
 from ..models.model import CacheLayer, HybridModel
 from ..plan import Capacity, PlanConfig, StateComponent
 from ..specs import AttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
@@ -99,8 +100,6 @@ def state_components(spec: StateSpec, *, align: int = 1) -> tuple[tuple[StateCom
     comps = []
     offset = 0
     for t in spec.state_tensors():
-        from ..dtypes import dtype_bytes
-
         offset = round_up(offset, max(align, dtype_bytes(t.dtype)))
         comps.append(StateComponent(t.name, offset, t.shape, t.dtype))
         offset += t.nbytes
