@@ -38,7 +38,7 @@ def test_shared_prefix_hits_whole_blocks_and_copies_the_checkpoint():
     copies = alloc.take_state_copies()
     assert [c[0] for c in copies] == [g.group_id for g in plan.state_groups]
     assert alloc.allocate_slots("a", 4)
-    hit = alloc.add_request("b", prompt[:96] + [7, 7, 7])
+    hit = alloc.add_request("b", [*prompt[:96], 7, 7, 7])
     assert hit.num_cached_tokens == 96
     # the state resumes from a copy of the checkpoint into b's own running block
     (group, src, dst), *_ = hit.state_copies
@@ -60,7 +60,7 @@ def test_align_mode_cannot_hit_inside_a_large_block():
     assert alloc.allocate_slots("a", 300) and alloc.allocate_slots("a", block - 300)
     assert alloc.allocate_slots("a", 20)
     assert alloc.add_request("b", prompt[:300] + [1] * 10).num_cached_tokens == 0
-    assert alloc.add_request("c", prompt[:block] + [2]).num_cached_tokens == block
+    assert alloc.add_request("c", [*prompt[:block], 2]).num_cached_tokens == block
 
 
 def test_last_policy_only_checkpoints_the_prompt_end():
@@ -72,8 +72,8 @@ def test_last_policy_only_checkpoints_the_prompt_end():
     assert alloc.take_state_copies() == []  # 32 is not the prompt's last boundary (64)
     assert alloc.allocate_slots("a", 32)
     assert len(alloc.take_state_copies()) == len(plan.state_groups)
-    assert alloc.add_request("b", prompt[:40] + [1]).num_cached_tokens == 0
-    assert alloc.add_request("c", prompt + [1]).num_cached_tokens == 64
+    assert alloc.add_request("b", [*prompt[:40], 1]).num_cached_tokens == 0
+    assert alloc.add_request("c", [*prompt, 1]).num_cached_tokens == 64
 
 
 def test_sliding_window_releases_blocks():

@@ -21,6 +21,7 @@ import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..plan import MemoryPlan
@@ -77,6 +78,7 @@ class _Request:
     num_computed: int = 0
     hashes: list[bytes] = field(default_factory=list)
     cached_upto: list[int] = field(default_factory=list)  # per group: blocks already cached
+    room: int = 0  # tokens the request's attention blocks hold
 
 
 class HybridAllocator:
@@ -121,6 +123,7 @@ class HybridAllocator:
                 pools[p.name] = BlockPool(p.name, range(1, p.num_blocks), self._on_evict)
         self.pools = pools
         self.group_pools = [_GroupPool(pools[g.pool], g.group_id) for g in plan.groups]
+        self._attn = [(g, gp) for g, gp in zip(plan.groups, self.group_pools) if not g.is_state]
         self.requests: dict[Hashable, _Request] = {}
         self._freed: set[Hashable] = set()
 
@@ -179,6 +182,9 @@ class HybridAllocator:
                 req.blocks[g.group_id] = list(hit_blocks[g.group_id])
                 req.cached_upto[g.group_id] = len(hit_blocks[g.group_id])
         req.num_computed = hit
+        req.room = min(
+            (len(req.blocks[g.group_id]) * g.block_size for g, _ in self._attn), default=1 << 62
+        )
         self.requests[req_id] = req
         self._freed.discard(req_id)
         return HitInfo(hit, copies)
@@ -249,11 +255,14 @@ class HybridAllocator:
                 f"request {req_id!r} knows {len(req.tokens)} tokens, cannot compute up to "
                 f"{target}; append_tokens first"
             )
+        if target <= req.room and target // self.hbs == req.num_computed // self.hbs:
+            # decode fast path: no new block, no newly full hash unit, so nothing to cache,
+            # checkpoint or release
+            req.num_computed = target
+            return True
         taken: list[tuple[_GroupPool, list[int]]] = []
         try:
-            for g, gp in zip(self.plan.groups, self.group_pools):
-                if g.is_state:
-                    continue
+            for g, gp in self._attn:
                 need = -(-target // g.block_size) - len(req.blocks[g.group_id])
                 if need > 0:
                     taken.append((gp, gp.allocate(need)))
@@ -264,6 +273,9 @@ class HybridAllocator:
         for gp, blocks in taken:
             req.blocks[gp.group].extend(blocks)
         req.num_computed = target
+        req.room = min(
+            (len(req.blocks[g.group_id]) * g.block_size for g, _ in self._attn), default=1 << 62
+        )
         self._release_out_of_window(req)
         if self.caching:
             self._cache_full_blocks(req)
@@ -381,13 +393,12 @@ class HybridAllocator:
         reqs = [self._get(r) for r in req_ids]
         tables = []
         for g in self.plan.groups:
-            width = max((len(r.blocks[g.group_id]) for r in reqs), default=0)
-            t = torch.zeros((len(reqs), max(1, width)), dtype=torch.int32)
-            for i, r in enumerate(reqs):
-                row = r.blocks[g.group_id]
-                if row:
-                    t[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-            tables.append(t)
+            rows = [r.blocks[g.group_id] for r in reqs]
+            width = max(1, max(map(len, rows), default=0))
+            t = np.zeros((len(rows), width), dtype=np.int32)
+            for i, row in enumerate(rows):
+                t[i, : len(row)] = row
+            tables.append(torch.from_numpy(t))
         return tables
 
     def cached_keys(self) -> set[tuple[int, bytes]]:
