@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm.auto import tqdm
 
-from .allocator import HybridAllocator, PoolExhausted
+from .alloc import HybridAllocator, PoolExhausted
 from .costmodel import GPU, H100_SXM, decode_step, prefill
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -179,20 +179,20 @@ def simulate(
         for live in list(running):
             if live not in running or live.first_token_s is None:
                 continue  # preempted meanwhile, or still prefilling
-            if alloc.num_computed(live.rid) >= len(live.tokens):
+            if alloc.num_tokens(live.rid) >= len(live.tokens):
                 continue
             while not alloc.allocate_slots(live.rid, 1):
                 if not preempt_one() or live not in running:
                     break
-            if live not in running or alloc.num_computed(live.rid) < len(live.tokens):
+            if live not in running or alloc.num_tokens(live.rid) < len(live.tokens):
                 continue
-            decode_ctx.append(alloc.num_computed(live.rid))
+            decode_ctx.append(alloc.num_tokens(live.rid))
             budget -= 1
         # 2. prefill chunks of running requests, then admissions
         for live in list(running):
             if budget <= 0:
                 break
-            done = alloc.num_computed(live.rid)
+            done = alloc.num_tokens(live.rid)
             if done >= len(live.tokens):
                 continue
             chunk = _chunk(len(live.tokens) - done, budget, done, align)
@@ -244,7 +244,7 @@ def simulate(
         alloc.take_events()
         # 4. tokens produced: requests that finished their prompt or decoded
         for live in list(running):
-            if alloc.num_computed(live.rid) < len(live.tokens):
+            if alloc.num_tokens(live.rid) < len(live.tokens):
                 continue
             if live.first_token_s is None:
                 live.first_token_s = t
@@ -309,16 +309,16 @@ def _insert(queue: deque, item: tuple[float, int]) -> None:
 def _held_bytes(alloc: HybridAllocator, plan: MemoryPlan) -> tuple[int, int]:
     """Bytes held (by running requests or as cache) by attention groups and by state groups."""
     held: list[set[int]] = [set() for _ in plan.groups]
-    for req in alloc.requests.values():
+    for req in alloc.reqs.values():
         for gid, blocks in enumerate(req.blocks):
             held[gid].update(b for b in blocks if b)
     seen = set()
-    for gp in alloc.group_pools:
-        if id(gp.pool) in seen:
+    for pool in alloc.pool.values():
+        if id(pool) in seen:
             continue
-        seen.add(id(gp.pool))
-        for b in gp.pool.free_cached_blocks():
-            held[gp.pool.hash_of[b][0]].add(b)
+        seen.add(id(pool))
+        for (gid, _), bid in pool.cached_items().items():
+            held[gid].add(bid)
     kv = state = 0
     for g in plan.groups:
         pool = plan.pool_of(g.group_id)

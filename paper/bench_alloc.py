@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from hybridkv import models
-from hybridkv.allocator import HybridAllocator
+from hybridkv.alloc import HybridAllocator
 from hybridkv.layouts import LAYOUTS, make_plan
 
 RESULTS = Path(__file__).parent / "results"

@@ -57,6 +57,10 @@ def test_figures_command(tmp_path, registry):
         assert "No GPU results" in (a / "kernels.md").read_text()
 
 
+#: simulator figures registered as hooks until their bodies are written
+PENDING = {"sim_hit_rate", "sim_ttft"}
+
+
 def check_every_figure_is_made_or_skipped_for_a_reason(out, stdout, registry):
     reg, figures = registry
     manifest = (out / "MANIFEST.md").read_text()
@@ -65,6 +69,9 @@ def check_every_figure_is_made_or_skipped_for_a_reason(out, stdout, registry):
         line = next(x for x in manifest.splitlines() if x.startswith(f"| `{name}` |"))
         if reg._missing(fig.requires):
             assert "skipped: needs" in line and name in stdout
+            continue
+        if name in PENDING:  # hooks whose figure is not written yet say so
+            assert "not written yet" in line
             continue
         assert "skipped" not in line, line
         files = re.findall(r"\]\(([^)]+)\)", line)
