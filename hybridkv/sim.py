@@ -100,12 +100,12 @@ class _Live:
     outputs: list[int] = field(default_factory=list)
 
 
-def _output_ids(req, n: int) -> list[int]:
-    if req.output_ids is not None and len(req.output_ids) >= n:
-        return [int(x) for x in req.output_ids[:n]]
-    # unknown outputs: ids no prompt contains, unique per request
-    base = 1_000_000_000 + req.request_id * 65_536
-    return list(range(base, base + n))
+def _output_id(req, i: int) -> int:
+    """The ``i``-th generated token (0-based): the trace's when known, else an id no prompt
+    contains, unique per request."""
+    if req.output_ids is not None and i < len(req.output_ids):
+        return int(req.output_ids[i])
+    return 1_000_000_000 + req.request_id * 65_536 + i
 
 
 def simulate(
@@ -262,7 +262,7 @@ def simulate(
                     c = reqs[child]
                     _insert(ready_q, (max(c.arrival_s, t + c.think_time_s), child))
                 continue
-            (tok,) = _output_ids(reqs[live.rid], live.generated)[-1:]
+            tok = _output_id(reqs[live.rid], live.generated - 1)
             live.outputs.append(tok)
             live.tokens.append(tok)
             alloc.append_tokens(live.rid, [tok])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any, ClassVar
 
 from .dtypes import STATE_DTYPES, canonical_dtype, dtype_bytes
@@ -254,7 +255,7 @@ class StateSpec(LayerSpec):
     def state_tensors(self) -> tuple[StateTensor, ...]:
         raise NotImplementedError  # pragma: no cover - abstract
 
-    @property
+    @cached_property  # specs are frozen: compute once (the simulator asks every step)
     def state_bytes(self) -> int:
         """Bytes of one request's state for this layer (all its tensors, unpadded)."""
         return sum(t.nbytes for t in self.state_tensors())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from ..dtypes import canonical_dtype
@@ -69,11 +70,11 @@ class HybridModel:
             raise ValueError(f"model {self.name!r} has no cache-holding layers")
 
     # ---- views ------------------------------------------------------------------------------
-    @property
+    @cached_property
     def attention_layers(self) -> tuple[CacheLayer, ...]:
         return tuple(layer for layer in self.layers if isinstance(layer.spec, AttentionSpec))
 
-    @property
+    @cached_property
     def state_layers(self) -> tuple[CacheLayer, ...]:
         return tuple(layer for layer in self.layers if isinstance(layer.spec, StateSpec))
 
@@ -81,12 +82,12 @@ class HybridModel:
     def is_hybrid(self) -> bool:
         return bool(self.attention_layers) and bool(self.state_layers)
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         """Bytes one token adds to the KV cache of one TP rank, over all attention layers."""
         return sum(layer.spec.bytes_per_token for layer in self.attention_layers)  # type: ignore[attr-defined]
 
-    @property
+    @cached_property
     def state_bytes_per_seq(self) -> int:
         """Bytes of one request's recurrent state on one TP rank, over all state layers."""
         return sum(layer.spec.state_bytes for layer in self.state_layers)  # type: ignore[attr-defined]
