@@ -195,6 +195,47 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_advise(args: argparse.Namespace) -> int:
+    from . import traces
+    from .advise import advise
+
+    model = _load_model(args)
+    path = Path(args.trace)
+    if path.suffix == ".jsonl":
+        trace = traces.load_jsonl(path)
+    else:
+        trace = traces.generate(args.trace, args.requests, seed=args.seed)
+    rows = advise(
+        model,
+        trace,
+        memory=args.gpu_memory,
+        max_num_seqs=args.max_num_seqs,
+        progress=args.progress,
+    )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{model.name}  memory={args.gpu_memory}  trace={args.trace} ({len(trace)} requests)")
+    good = [r for r in rows if "error" not in r]
+    cols = [
+        ("config", "configuration"),
+        ("block_size", "block"),
+        ("capacity_pct", "capacity %"),
+        ("hit_rate", "hit rate"),
+        ("ttft_p50_ms", "TTFT p50 ms"),
+        ("ttft_p90_ms", "TTFT p90 ms"),
+        ("throughput_tok_s", "tok/s"),
+        ("preemptions", "preempt"),
+    ]
+    print(_table(good, cols))
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['config']}: {r['error']}")
+    if good:
+        print(f"\nrecommended: {good[0]['config']} (lowest median TTFT on this workload)")
+    return 0
+
+
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="zoo name or path to a config.json")
     p.add_argument(
@@ -238,6 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="all layouts side by side")
     _add_plan_options(p)
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("advise", help="simulate a workload under each layout and recommend one")
+    _add_plan_options(p)
+    p.add_argument(
+        "--trace",
+        default="multi_turn_chat",
+        help="a workload name (multi_turn_chat, shared_prefix, agentic, no_sharing) or a .jsonl",
+    )
+    p.add_argument("--requests", type=int, default=200, help="requests of a generated workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true")
+    p.set_defaults(func=cmd_advise, max_num_seqs=64)
     return parser
 
 

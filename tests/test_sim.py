@@ -51,3 +51,17 @@ def test_a_request_larger_than_memory_is_an_error():
     plan = make_plan(model, "per_group", memory="400MiB", max_num_seqs=16, block_size=16)
     with pytest.raises(RuntimeError, match="cannot fit in the plan's memory"):
         simulate(plan, model, trace)
+
+
+def test_advise_ranks_and_reports_what_does_not_fit(capsys):
+    from hybridkv.cli import main
+
+    argv = ["advise", "--model", "qwen3.5-0.8b", "--gpu-memory", "2GiB", "--requests", "20"]
+    assert main([*argv, "--json"]) == 0
+    rows = __import__("json").loads(capsys.readouterr().out)
+    ok = [r for r in rows if "error" not in r]
+    assert ok and any("too small" in r["error"] for r in rows if "error" in r)
+    keys = [(r["ttft_p50_ms"], -r["throughput_tok_s"], -r["hit_rate"]) for r in ok]
+    assert keys == sorted(keys)
+    assert main(argv) == 0
+    assert "recommended:" in capsys.readouterr().out
