@@ -291,9 +291,9 @@ class Mamba1Spec(StateSpec):
 class Mamba2Spec(StateSpec):
     """Mamba-2 SSD (NemotronH, Bamba, Granite-4.0-H, Falcon-H1, Zamba2).
 
-    When TP does not divide ``n_groups`` (only allowed for ``n_groups == 1`` or fewer groups
-    than ranks) the groups are replicated so each rank holds one, as vLLM's
-    ``extra_groups_for_head_shards`` does.
+    When TP does not divide ``n_groups`` the groups are replicated so each rank holds one, as
+    vLLM's ``extra_groups_for_head_shards`` does; vLLM's ``MambaMixer2`` allows that only for
+    ``n_groups == 1``.
     """
 
     kind: ClassVar[str] = "mamba2"
@@ -309,11 +309,11 @@ class Mamba2Spec(StateSpec):
         _positive(self, "num_heads", "head_dim", "n_groups", "d_state", "d_conv")
         tp = self.tp_size
         _divide(self.num_heads, tp, "mamba num_heads", "use a TP size that divides the heads")
-        if self.n_groups % tp and self.n_groups > tp:
+        if self.n_groups % tp and self.n_groups != 1:
             raise ValueError(
-                f"tensor-parallel size {tp} does not divide n_groups={self.n_groups} and there "
-                f"are more groups than ranks, so groups cannot be replicated; use a TP size that "
-                f"divides {self.n_groups}"
+                f"tensor-parallel size {tp} does not divide n_groups={self.n_groups}, and only a "
+                f"single group can be replicated across ranks (vLLM's MambaMixer2); use a TP "
+                f"size that divides {self.n_groups}"
             )
 
     @property
