@@ -20,18 +20,28 @@ from pathlib import Path
 
 from hybridkv import models
 from hybridkv.alloc import HybridAllocator
+from hybridkv.alloc.hashing import extend_unit_hashes, get_hash_fn, token_array
 from hybridkv.layouts import LAYOUTS, make_plan
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def bench_layout(layout: str, num_reqs: int, steps: int, prompt_len: int) -> dict:
+def bench_layout(
+    layout: str, num_reqs: int, steps: int, prompt_len: int, synchronized: bool, policy: str
+) -> dict:
+    """``synchronized``: every prompt has the same length, so all requests cross a block
+    boundary (allocate, hash, cache, checkpoint) in the same step: the worst case. Otherwise
+    prompt lengths spread over 64 tokens, as in a real batch."""
     model = models.load("qwen3-next-80b-a3b")
     plan = make_plan(model, layout, memory="40GiB", max_num_seqs=num_reqs, block_size=16)
-    alloc = HybridAllocator(plan, hash_block_size=16, max_model_len=1 << 20)
+    alloc = HybridAllocator(
+        plan, hash_block_size=16, max_model_len=1 << 20, checkpoint_policy=policy
+    )
     for r in range(num_reqs):
-        alloc.add_request(r, list(range(r * 100_000, r * 100_000 + prompt_len)))
-        assert alloc.allocate_slots(r, prompt_len)
+        n = prompt_len if synchronized else prompt_len + (r * 37) % 64
+        alloc.add_request(r, list(range(r * 100_000, r * 100_000 + n)))
+        assert alloc.allocate_slots(r, n)
+    alloc.take_state_copies()  # the prefill's commit
     alloc.take_events()
     reqs = list(range(num_reqs))
     times = []
@@ -58,12 +68,35 @@ def bench_layout(layout: str, num_reqs: int, steps: int, prompt_len: int) -> dic
     churn = time.perf_counter() - t0
     return {
         "layout": layout,
+        "phases": "synchronized" if synchronized else "spread",
+        "policy": policy,
         "block_size": plan.block_size,
         "requests": num_reqs,
         "decode_step_ms_median": 1e3 * times[len(times) // 2],
         "decode_step_ms_p90": 1e3 * times[int(0.9 * len(times))],
+        "decode_step_ms_p99": 1e3 * times[int(0.99 * len(times))],
         "request_ops_per_s": ops / churn,
     }
+
+
+def bench_hashing(num_tokens: int = 1 << 20, h: int = 16) -> list[dict]:
+    """Chained hash units per second over one long prompt, per algorithm."""
+    tokens = token_array(range(num_tokens))
+    rows = []
+    for algo in ("sha256", "blake2b", "builtin"):
+        fn = get_hash_fn(algo)
+        t0 = time.perf_counter()
+        units = extend_unit_hashes([], tokens, num_tokens, h, b"", fn)
+        dt_s = time.perf_counter() - t0
+        rows.append(
+            {
+                "algo": algo,
+                "hash_block_size": h,
+                "units_per_s": len(units) / dt_s,
+                "tokens_per_s": num_tokens / dt_s,
+            }
+        )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--requests", type=int, default=256)
     args = parser.parse_args(argv)
-    rows = [bench_layout(layout, args.requests, args.steps, 1000) for layout in LAYOUTS]
+    rows = [
+        bench_layout(layout, args.requests, args.steps, 1000, sync, policy)
+        for sync, policy in ((False, "align"), (False, "last"), (True, "align"))
+        for layout in LAYOUTS
+    ]
+    hashing = bench_hashing()
     try:
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):
@@ -86,12 +124,20 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "alloc-cpu.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "alloc-cpu.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "hashing": hashing}, indent=1)
+    )
     for r in rows:
         print(
-            f"{r['layout']:<10} block {r['block_size']:>4}  decode step "
+            f"{r['layout']:<10} {r['phases']:<12} {r['policy']:<6} "
+            f"block {r['block_size']:>4}  decode step "
             f"{r['decode_step_ms_median']:.3f} ms (p90 {r['decode_step_ms_p90']:.3f})  "
             f"{r['request_ops_per_s']:,.0f} request ops/s"
+        )
+    for r in hashing:
+        print(
+            f"hash {r['algo']:<8} {r['units_per_s']:,.0f} units/s "
+            f"({r['tokens_per_s']:,.0f} tokens/s)"
         )
     return 0
 

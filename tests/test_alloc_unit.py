@@ -1,4 +1,6 @@
-"""Unit tests for hybridkv.alloc: pools, hit rules, sliding window, errors, events."""
+"""Unit tests for hybridkv.alloc: pools, hashes, hit rules, checkpoint policies, partial-block
+hits, sliding windows, errors, events. The random-sequence checks are in
+test_alloc_state_machine.py."""
 
 from __future__ import annotations
 
@@ -9,27 +11,74 @@ import torch
 
 from hybridkv import models
 from hybridkv.alloc import (
+    AllBlocksCleared,
     BlockPool,
+    BlockRemoved,
+    BlockStored,
+    CacheIndex,
+    ConfigError,
     DoubleFree,
+    DuplicateRequest,
     HybridAllocator,
     MaxLengthExceeded,
     PoolExhausted,
     TwoLevelPool,
     UnknownRequest,
 )
-from hybridkv.alloc.hashing import extend_hashes, hash_unit
-from hybridkv.alloc.zmq_events import CacheIndex
+from hybridkv.alloc.check import check_consistency
+from hybridkv.alloc.hashing import (
+    encode_extra_keys,
+    extend_unit_hashes,
+    get_hash_fn,
+    hash_tokens,
+    token_array,
+)
+from hybridkv.alloc.policies import MarconiEvictor
 from hybridkv.layouts import make_plan
 
 
 @functools.cache
-def plan(model: str, layout: str, memory: int = 1 << 30, seqs: int = 8):
-    return make_plan(models.load(model), layout, memory=memory, max_num_seqs=seqs, block_size=16)
+def plan(model: str, layout: str, memory: int = 1 << 30, seqs: int = 8, ckpt_slots: int = 0):
+    return make_plan(
+        models.load(model),
+        layout,
+        memory=memory,
+        max_num_seqs=seqs,
+        block_size=16,
+        cache_state_slots=ckpt_slots,
+    )
 
 
+def _step(a: HybridAllocator, copies: list | None = None) -> list:
+    """The end of one forward pass: commit, keep the checkpoint copies, check everything."""
+    got = a.take_state_copies()
+    if copies is not None:
+        copies.extend(got)
+    check_consistency(a)
+    return got
+
+
+def _prefill_to(a: HybridAllocator, rid, prompt, chunks, copies: list | None = None):
+    hit = a.add_request(rid, prompt)
+    done = hit.num_cached_tokens
+    for c in chunks:
+        assert a.allocate_slots(rid, c - done)
+        _step(a, copies)
+        done = c
+    return hit
+
+
+def _decode(a: HybridAllocator, rid, tokens, copies: list | None = None) -> None:
+    for t in tokens:
+        a.append_tokens(rid, [t])
+        assert a.allocate_slots(rid, 1)
+        _step(a, copies)
+
+
+# ---- pools ------------------------------------------------------------------------------------
 def test_block_pool_lru_and_refcounts():
     evicted = []
-    p = BlockPool(6, "t", evicted.append)
+    p = BlockPool(6, "t", lambda key, bid: evicted.append(key))
     a = p.allocate(3)
     assert a == [1, 2, 3] and p.num_free == 2
     assert p.cache(a[0], "k1") and p.cache(a[1], "k2")
@@ -46,11 +95,13 @@ def test_block_pool_lru_and_refcounts():
     p.free([a[0]])
     with pytest.raises(DoubleFree):
         p.free([a[0]])
+    with pytest.raises(ValueError, match="at least 2 ids"):
+        BlockPool(1)
 
 
 def test_two_level_pages_move_between_groups():
     evicted = []
-    tl = TwoLevelPool(3, {0: 4, 1: 2}, first_gid=0, on_evict=evicted.append)
+    tl = TwoLevelPool(3, {0: 4, 1: 2}, first_gid=0, on_evict=lambda key, bid: evicted.append(key))
     g0, g1 = tl.view(0), tl.view(1)
     a = g0.allocate(3)  # page 0 holds ids 1..3 (0 is null)
     assert all(x // 4 == 0 for x in a) and 0 not in a
@@ -62,49 +113,67 @@ def test_two_level_pages_move_between_groups():
     g1.cache(b[0], "x")
     g1.free(b)
     assert tl.can_allocate({0: 4})
-    d = g0.allocate(4)  # reclaims group 1's page, evicting its cached id
+    d = g0.allocate(4)  # reclaims group 1's idle page, evicting its cached id
     assert evicted == ["x"] and tl.page_owner[page_b] == 0 and d[0] // 4 == page_b
     g0.free(a + c + d)
     assert tl.usage() == 0.0
 
 
-def test_hash_chain():
-    toks = list(range(40))
-    hs = extend_hashes([], toks, 16)
-    assert len(hs) == 2 and hs[1] == hash_unit(hs[0], toks[16:32])
-    assert extend_hashes([], toks, 16, extra_keys=("lora", 1))[0] != hs[0]
+# ---- hashes -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", ["sha256", "blake2b", "builtin"])
+def test_hash_chain(algo):
+    fn = get_hash_fn(algo)
+    toks = token_array(range(40))
+    hs = extend_unit_hashes([], toks, len(toks), 16, b"", fn)
+    assert len(hs) == 2  # the 8-token tail is not a full unit
+    assert hs[1] == hash_tokens(hs[0], range(16, 32), b"", fn)
+    # incremental extension gives the same chain
+    assert extend_unit_hashes(hs[:1], toks, 40, 16, b"", fn) == hs
+    lora = encode_extra_keys(("lora", 1))
+    assert extend_unit_hashes([], toks, 40, 16, lora, fn)[0] != hs[0]
+    with pytest.raises(ValueError, match="sha256"):
+        get_hash_fn("md5")
 
 
-def _prefill_to(a: HybridAllocator, rid, prompt, chunks):
-    hit = a.add_request(rid, prompt)
-    done = hit.num_cached_tokens
-    for c in chunks:
-        assert a.allocate_slots(rid, c - done)
-        done = c
-    return hit
+def test_extra_keys_and_lora_separate_caches():
+    a = HybridAllocator(plan("qwen3.5-0.8b", "per_group"), checkpoint_policy="last")
+    prompt = list(range(64))
+    _prefill_to(a, "a", prompt, [64])
+    a.free("a")
+    assert a.find_longest_cache_hit([*prompt, 1]) == 64
+    assert a.find_longest_cache_hit([*prompt, 1], lora_id=3) == 0
+    assert a.find_longest_cache_hit([*prompt, 1], extra_keys="salt") == 0
 
 
+# ---- hit rules and checkpoint policies -------------------------------------------------------
 def test_state_hit_needs_checkpoint_at_hit_length():
     p = plan("qwen3.5-0.8b", "inflate")
-    B = p.groups[1].block_size  # 544: the state checkpoint granularity
+    B = p.groups[1].block_size  # 544: the state checkpoint granularity in align mode
     a = HybridAllocator(p, checkpoint_policy="align", max_model_len=8192)
     base = list(range(1000, 1000 + 2 * B))
-    # Only 300 shared tokens: attention cannot hit a full 544 block, state has no checkpoint.
+    # Only 300 shared tokens: the state group has no checkpoint there.
     _prefill_to(a, "a", base[:300] + [1] * 400, [700])
     a.free("a")
     assert a.add_request("b", base[:300] + [2] * 400).num_cached_tokens == 0
     a.free("b")
     # Chunked at the block boundary, align mode checkpoints the state at 544.
-    _prefill_to(a, "c", base[: B + 100], [B, B + 100])
-    copies = a.take_state_copies()
+    assert a.add_request("c", base[: B + 100]).num_cached_tokens == 0
+    assert a.next_checkpoint("c") == B
+    copies: list = []
+    assert a.allocate_slots("c", B)
+    _step(a, copies)
     assert {g for g, _, _ in copies} == {1, 2, 3}
+    assert a.allocate_slots("c", 100)
+    _step(a)
     a.free("c")
     hit = a.add_request("d", base[: B + 200])
     assert hit.num_cached_tokens == B
     assert sorted(g for g, _, _ in hit.state_copies) == [1, 2, 3]
     ckpts = {g: c for g, _, c in copies}  # (group, running, checkpoint)
     assert all(ckpts[g] == src for g, src, _ in hit.state_copies)
+    assert all(dst == a.state_slot("d", g) for g, _, dst in hit.state_copies)
     a.free("d")
+    check_consistency(a)
 
 
 def test_state_unchunked_prefill_cannot_hit_in_align_mode():
@@ -117,15 +186,140 @@ def test_state_unchunked_prefill_cannot_hit_in_align_mode():
     assert a.add_request("b", [*prompt, 9]).num_cached_tokens == 0
 
 
-def test_last_policy_checkpoints_at_free():
-    p = plan("qwen3.5-0.8b", "per_group")
-    a = HybridAllocator(p, checkpoint_policy="last", max_model_len=4096)
+def test_checkpoint_is_visible_only_after_the_commit():
+    """A hit may not read a checkpoint (or KV) the running forward pass has not written."""
+    p = plan("qwen3.5-0.8b", "per_group", ckpt_slots=4)
+    a = HybridAllocator(p, checkpoint_policy="align")
+    prompt = list(range(64))
+    a.add_request("a", prompt)
+    assert a.allocate_slots("a", 64)
+    assert a.find_longest_cache_hit([*prompt, 1]) == 0  # forward not done yet
+    copies = _step(a)
+    assert copies and all(src == a.state_slot("a", g) for g, src, _ in copies)
+    assert a.find_longest_cache_hit([*prompt, 1]) == 64
+
+
+def test_hit_sources_are_held_until_the_commit_only():
+    p = plan("qwen3.5-0.8b", "per_group", ckpt_slots=4)
+    a = HybridAllocator(p, checkpoint_policy="align")
     prompt = list(range(64))
     _prefill_to(a, "a", prompt, [64])
-    assert a.take_state_copies() == []
     a.free("a")
-    hit = a.add_request("b", [*prompt, 5, 6])
-    assert hit.num_cached_tokens == 64 and len(hit.state_copies) == 1
+    hit = a.add_request("b", [*prompt, 1, 2])
+    ((g, src, _dst),) = hit.state_copies
+    pool = a.pool[g]
+    assert pool.refcount(src) == 1  # held: the copy has not run yet
+    assert a.allocate_slots("b", 2)
+    _step(a)
+    assert pool.refcount(src) == 0 and pool.lookup(pool.key_of(src)) == src  # cached, free
+    a.free("b")
+
+
+def test_last_policy_keeps_a_rolling_end_state():
+    p = plan("qwen3.5-0.8b", "per_group", ckpt_slots=4)
+    a = HybridAllocator(p, checkpoint_policy="last", max_model_len=4096)
+    prompt = list(range(37))  # not on a hash unit: no checkpoint at the end of prefill
+    copies: list = []
+    _prefill_to(a, "a", prompt, [37], copies)
+    assert copies == []
+    _decode(a, "a", range(11), copies)  # token 48 ends a hash unit: the rolling state moves
+    assert len(copies) == 1
+    g, src, dst = copies[0]
+    assert src == a.state_slot("a", g)
+    assert a.find_longest_cache_hit([*prompt, *range(11), 5]) == 0  # private while running
+    a.free("a")
+    turn2 = [*prompt, *range(11), 5, 6]
+    hit = a.add_request("b", turn2)
+    assert hit.num_cached_tokens == 48 and hit.state_copies == [(g, dst, a.state_slot("b", g))]
+    a.free("b")
+
+
+def test_partial_block_hit_copies_the_reused_tokens():
+    """With large blocks (inflate: 544 tokens) and an end-of-request state, the next turn
+    resumes inside the last attention block: the reused tokens are copied into a new block."""
+    p = plan("qwen3.5-0.8b", "inflate")
+    B = p.groups[0].block_size
+    turn1 = list(range(300))
+    for partial in (True, False):
+        a = HybridAllocator(p, checkpoint_policy="last", partial_block_hits=partial)
+        _prefill_to(a, "a", turn1, [300])
+        _decode(a, "a", [7, 7, 7, 7])  # 304 = 19 hash units
+        tail = a.block_ids("a")[0][0]
+        a.free("a")
+        hit = a.add_request("b", [*turn1, 7, 7, 7, 7, 8, 9])
+        if not partial:
+            assert hit.num_cached_tokens == 0  # the state hit is inside block 0
+            continue
+        assert hit.num_cached_tokens == 304 < B
+        ((g, src, dst, n),) = hit.kv_copies
+        assert (g, src, n) == (0, tail, 304) and dst == a.block_ids("b")[0][0] != src
+        assert len(hit.state_copies) == 3
+        assert a.allocate_slots("b", 2)
+        _step(a)
+        a.free("b")
+        check_consistency(a)
+
+
+def test_marconi_checkpoints_the_branch_point():
+    """Two requests share 200 tokens: the second is a branch. Marconi checkpoints the state at
+    the branch point so the third request sharing them hits; ``last`` does not."""
+    p = plan("qwen3.5-0.8b", "per_group", ckpt_slots=8)
+    X = list(range(200))
+    results = {}
+    for policy in ("last", "marconi"):
+        a = HybridAllocator(p, checkpoint_policy=policy)
+        _prefill_to(a, "a", X + [1] * 100, [300])
+        _decode(a, "a", [1] * 4)
+        a.free("a")
+        b = X + [2] * 50
+        assert a.add_request("b", b).num_cached_tokens == 0  # no state at 192 yet
+        nxt = a.next_checkpoint("b")
+        copies: list = []
+        if policy == "marconi":
+            assert nxt == 192  # the last full hash unit inside the shared prefix
+            assert a.allocate_slots("b", nxt)
+            _step(a, copies)
+            assert copies  # the branch-point checkpoint
+        else:
+            assert nxt is None
+        assert a.allocate_slots("b", len(b) - a.num_tokens("b"))
+        _step(a)
+        a.free("b")
+        results[policy] = a.add_request("c", X + [3] * 30).num_cached_tokens
+        a.free("c")
+        check_consistency(a)
+    assert results == {"last": 0, "marconi": 192}
+
+
+def test_marconi_eviction_weighs_recency_against_value():
+    p = plan("qwen3.5-0.8b", "per_group")
+
+    class Fake:
+        def __init__(self, info):
+            self.info = info
+
+        def key_of(self, bid):
+            return bid
+
+        def entry_info(self, key):
+            return self.info[key]
+
+    # ids 1..3 oldest first: an attention block, another, a checkpoint after 16 tokens
+    info = {1: (16, False), 2: (32, False), 3: (16, True)}
+    fake = Fake(info)
+    ev = MarconiEvictor(fake, fake, p, alpha=0.0)
+    assert ev([1, 2, 3]) == 1  # alpha 0: plain LRU
+    assert ev.efficiency(16, True) < ev.efficiency(100_000, True) < 1 == ev.efficiency(16, False)
+    ev = MarconiEvictor(fake, fake, p, alpha=2.0)
+    assert ev([1, 2, 3]) == 3  # a short-prefix state saves little per byte: evicted first
+
+
+def test_policy_errors():
+    p = plan("qwen3.5-0.8b", "per_group")
+    with pytest.raises(ValueError, match="checkpoint_policy"):
+        HybridAllocator(p, checkpoint_policy="first")
+    with pytest.raises(ConfigError, match="hash_block_size"):
+        HybridAllocator(p, hash_block_size=5)
 
 
 def test_full_attention_hit_and_block_tables():
@@ -134,22 +328,25 @@ def test_full_attention_hit_and_block_tables():
     prompt = list(range(100))
     _prefill_to(a, "a", prompt, [100])
     ids_a = a.block_ids("a")
+    attn = next(g.group_id for g in p.groups if not g.is_state)
     hit = a.add_request("b", prompt[:80] + [7] * 10)
-    # attention would hit 80, but the state group has no checkpoint: fixed point is 0
+    # attention would hit 80, but the state group has no checkpoint there: fixed point is 0
     assert hit.num_cached_tokens == 0
     a.free("b")
-    for t in range(12):  # decode to a block boundary (112) so align mode checkpoints
-        a.append_tokens("a", [t])
-        assert a.allocate_slots("a", 1)
+    _decode(a, "a", range(12))  # decode to a block boundary (112): align checkpoints
     a.append_tokens("a", [99])
     hit = a.add_request("c", prompt + list(range(12)) + [3] * 5)
     assert hit.num_cached_tokens == 112
-    assert a.block_ids("c")[0][:7] == ids_a[0][:7]
+    assert a.block_ids("c")[attn][:7] == ids_a[attn][:7]
     tables = a.block_tables(["a", "c"])
     assert len(tables) == len(p.groups) and all(t.dtype == torch.int32 for t in tables)
-    assert tables[0].shape[0] == 2 and tables[0][1, 7:].eq(0).all()
+    assert tables[attn].shape[0] == 2 and tables[attn][1, 7:].eq(0).all()
+    assert tables[attn][0, :7].tolist() == ids_a[attn][:7]
+    with pytest.raises(UnknownRequest):
+        a.block_tables(["a", "nope"])
 
 
+# ---- sliding window ---------------------------------------------------------------------------
 def test_sliding_window_frees_out_of_window_blocks():
     p = plan("recurrentgemma-2b", "per_group")
     g = next(g for g in p.groups if g.kind == "sliding_window")
@@ -159,25 +356,59 @@ def test_sliding_window_frees_out_of_window_blocks():
     a.add_request("a", list(range(n)))
     assert a.allocate_slots("a", n)
     pool = a.pool[g.group_id]
-    used_before = pool.num_ids - 1 - pool.num_free
+    used_before = pool.num_used
     a.append_tokens("a", [1])
     assert a.allocate_slots("a", 1)
     blocks = a.block_ids("a")[g.group_id]
     nulls = (n - W + 1) // B
     assert blocks[:nulls] == [0] * nulls and all(blocks[nulls:])
-    assert pool.num_ids - 1 - pool.num_free == used_before - nulls + (len(blocks) > -(-n // B))
+    assert pool.num_used == used_before - nulls + (len(blocks) > -(-n // B))
+    assert a.block_tables(["a"])[g.group_id][0, :nulls].eq(0).all()
     a.free("a")
-    assert pool.num_free == pool.num_ids - 1
+    assert pool.num_used == 0
 
 
+def test_sliding_window_hit_past_the_window_needs_only_the_window():
+    """A prompt longer than the window hits without the blocks that left the window: the new
+    request's table starts with null blocks and those blocks are never referenced."""
+    p = plan("recurrentgemma-2b", "per_group", ckpt_slots=4)
+    g = next(g for g in p.groups if g.kind == "sliding_window")
+    W, B = g.sliding_window, g.block_size
+    a = HybridAllocator(p, max_model_len=8192)
+    n = W + 5 * B
+    prompt = list(range(n))
+    _prefill_to(a, "a", prompt, [n // 2, n])
+    a.free("a")
+    pool = a.pool[g.group_id]
+    hit = a.add_request("b", [*prompt, 1, 2, 3])
+    assert hit.num_cached_tokens == n
+    blocks = a.block_ids("b")[g.group_id]
+    lead = (n - W + 1) // B
+    assert lead > 0 and blocks[:lead] == [0] * lead and all(blocks[lead:])
+    # the early blocks are still cached but nobody holds them
+    early = [pool.lookup(k) for k in pool.cached_items() if k[0] == g.group_id]
+    assert sum(1 for b in early if pool.refcount(b) == 0) >= lead
+    check_consistency(a)
+    a.free("b")
+
+
+# ---- errors -----------------------------------------------------------------------------------
 def test_errors():
     p = plan("qwen3.5-0.8b", "per_group")
     a = HybridAllocator(p, max_model_len=64)
     with pytest.raises(UnknownRequest, match="add_request"):
         a.allocate_slots("nope", 1)
     a.add_request("a", [1, 2, 3])
+    with pytest.raises(DuplicateRequest):
+        a.add_request("a", [1])
     with pytest.raises(MaxLengthExceeded, match="max_model_len"):
         a.allocate_slots("a", 65)
+    with pytest.raises(ValueError, match=">= 0"):
+        a.allocate_slots("a", -1)
+    with pytest.raises(MaxLengthExceeded):
+        a.add_request("long", list(range(65)))
+    with pytest.raises(ValueError, match="attention group"):
+        a.state_slot("a", 1)
     assert a.allocate_slots("a", 3)
     a.free("a")
     with pytest.raises(DoubleFree):
@@ -201,8 +432,10 @@ def test_exhaustion_returns_false_and_changes_nothing():
         a.add_request(i, [i])
     with pytest.raises(PoolExhausted):  # 8 state slots are all taken
         a.add_request("x", [0])
+    check_consistency(a)
 
 
+# ---- events -----------------------------------------------------------------------------------
 def test_events_replay_matches_cache():
     p = plan("qwen3.5-0.8b", "inflate")
     a = HybridAllocator(p, max_model_len=8192)
@@ -212,8 +445,72 @@ def test_events_replay_matches_cache():
     batch = a.take_events()
     stored = [(e.group_idx, h) for e in batch.events for h in e.block_hashes]
     assert len(stored) == len(set(stored))  # no duplicate hash-unit events
-    for e in batch.events:  # one event per block, hash_block_size units, chained parents
+    attn = [e for e in batch.events if e.group_idx == 0]
+    assert len(attn) == 2  # one event per attention block, hash_block_size units each
+    for e in attn:
         assert e.block_size == 16 and len(e.block_hashes) == B // 16
+        assert len(e.token_ids) == B
+    assert attn[1].parent_block_hash == attn[0].block_hashes[-1]
     idx.apply(batch)
-    assert idx.keys == a.cached_hashes()
+    assert idx.parent == a.cached_units() and idx.errors == 0
     a.free("a")
+
+
+def test_blocks_sharing_leading_units_emit_each_unit_once():
+    """Two partly filled 544-token blocks agree on their first 288 tokens: the second request's
+    entry stores only its new units, chained to the shared ones, and evicting one entry removes
+    only the units nothing else covers."""
+    p = plan("qwen3.5-0.8b", "inflate", memory=64 << 20, seqs=2)
+    a = HybridAllocator(p, checkpoint_policy="last")
+    idx = CacheIndex()
+    base = list(range(300))
+    _prefill_to(a, "a", base, [300])
+    _decode(a, "a", [1] * 4)  # end state at 304: 19 units
+    a.free("a")
+    events_a = a.take_events().events
+    idx.apply(events_a)
+    ev_a = [e for e in events_a if isinstance(e, BlockStored) and e.group_idx == 0]
+    b = base[:290] + [5] * 30  # diverges inside unit 18
+    _prefill_to(a, "b", b, [320])
+    a.free("b")
+    ev = a.take_events().events
+    idx.apply(ev)
+    ev_b = [e for e in ev if isinstance(e, BlockStored) and e.group_idx == 0]
+    ((e,),) = (ev_b,)
+    assert len(e.block_hashes) == 2  # units 18 and 19 of b; 0..17 were stored by a
+    assert e.parent_block_hash == ev_a[0].block_hashes[17]
+    assert idx.errors == 0 and idx.parent == a.cached_units()
+    # New requests evict a's entry (freed first, so oldest): only its unit 18 goes, units 0..17
+    # are still covered by b's entry.
+    i = 0
+    while a.pool[0].lookup((0, ev_a[0].block_hashes[-1])) is not None:
+        a.add_request(i, list(range(10_000 * (i + 1), 10_000 * (i + 1) + 600)))
+        assert a.allocate_slots(i, 600)
+        a.free(i)
+        i += 1
+    events = a.take_events().events
+    idx.apply(events)
+    removed = [
+        (e.group_idx, h) for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes
+    ]
+    assert len(removed) == len(set(removed))
+    assert (0, ev_a[0].block_hashes[18]) in removed
+    assert (0, ev_a[0].block_hashes[0]) not in removed and (0, e.block_hashes[-1]) not in removed
+    assert idx.errors == 0 and idx.parent == a.cached_units()
+
+
+def test_reset_prefix_cache_emits_all_blocks_cleared():
+    a = HybridAllocator(plan("qwen3.5-0.8b", "per_group", ckpt_slots=2))
+    idx = CacheIndex()
+    _prefill_to(a, "a", list(range(64)), [64])
+    assert not a.reset_prefix_cache()  # a request still runs
+    a.free("a")
+    idx.apply(a.take_events())
+    assert idx.parent
+    assert a.reset_prefix_cache()
+    events = a.take_events().events
+    assert events == [AllBlocksCleared()]  # no BlockRemoved storm before it
+    idx.apply(events)
+    assert not idx.parent and not a.cached_hashes()
+    assert a.find_longest_cache_hit([*range(64), 1]) == 0
+    check_consistency(a)

@@ -1,4 +1,5 @@
-"""Loopback ZMQ: a subscriber rebuilds the allocator's cached (group, hash) set."""
+"""Loopback ZMQ: a real publisher and subscriber; the index rebuilt from the stream equals the
+allocator's cached (group, unit) -> parent map."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import time
 import pytest
 
 from hybridkv import models
-from hybridkv.alloc import HybridAllocator, KVEventBatch
-from hybridkv.alloc.zmq_events import CacheIndex, EventPublisher, EventSubscriber
+from hybridkv.alloc import CacheIndex, HybridAllocator, KVEventBatch
+from hybridkv.alloc.zmq_events import EventPublisher, EventSubscriber
 from hybridkv.layouts import make_plan
 
 pytest.importorskip("zmq")
@@ -16,9 +17,9 @@ pytest.importorskip("zmq")
 
 def test_zmq_loopback_index_matches_allocator():
     plan = make_plan(
-        models.load("lfm2-350m"), "per_group", memory=8 << 20, max_num_seqs=3, block_size=16
+        models.load("lfm2-350m"), "per_group", memory=4 << 20, max_num_seqs=3, block_size=16
     )
-    a = HybridAllocator(plan, max_model_len=512)
+    a = HybridAllocator(plan, max_model_len=512, checkpoint_policy="last")
     pub = EventPublisher("tcp://127.0.0.1:*")
     sub = EventSubscriber(pub.endpoint)
     try:
@@ -31,20 +32,26 @@ def test_zmq_loopback_index_matches_allocator():
             assert time.monotonic() < deadline, "subscriber never connected"
         while sub.recv(timeout_ms=50) is not None:
             pass
-        n = 0
-        for i in range(12):  # enough traffic to cause evictions in the tiny pools
-            prompt = list(range(i % 3 * 100, i % 3 * 100 + 40 + 16 * (i % 4)))
+        first = pub.seq
+        removed = 0
+        for i in range(16):  # enough traffic to cause evictions in the tiny pools
+            prompt = list(range(i % 5 * 100, i % 5 * 100 + 40 + 16 * (i % 4)))
             hit = a.add_request(i, prompt)
             assert a.allocate_slots(i, len(prompt) - hit.num_cached_tokens)
+            a.take_state_copies()  # the step's commit: its full blocks become cache entries
             a.free(i)
-            pub.publish(a.take_events())
-            n += 1
+            batch = a.take_events()
+            removed += sum(type(e).__name__ == "BlockRemoved" for e in batch.events)
+            pub.publish(batch)
+        assert removed, "the pools were meant to be small enough to evict"
         index = CacheIndex()
-        for _ in range(n):
-            batch = sub.recv(timeout_ms=2000)
-            assert batch is not None, "event batch lost on loopback"
-            index.apply(batch)
-        assert index.keys == a.cached_hashes() and index.keys
+        for seq in range(first, pub.seq):
+            got = sub.recv(timeout_ms=2000)
+            assert got is not None, "event batch lost on loopback"
+            assert got[0] == seq
+            index.apply(got[1])
+        assert sub.missed == 0 and index.errors == 0
+        assert index.parent == a.cached_units() and index.parent
     finally:
         sub.close()
         pub.close()

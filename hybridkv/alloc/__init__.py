@@ -1,17 +1,40 @@
-"""Block allocator for hybrid (attention + state) KV caches over a ``MemoryPlan``."""
+"""Block allocator for hybrid (attention + state) KV caches over a ``MemoryPlan``.
 
-from .block_pool import BlockPool, TwoLevelPool
-from .errors import AllocatorError, DoubleFree, MaxLengthExceeded, PoolExhausted, UnknownRequest
+- :class:`HybridAllocator` (:mod:`.manager`): per-request block lists for every KV cache group,
+  all-or-nothing allocation, prefix caching with state checkpoints, block tables, KV events.
+- :class:`BlockPool` / :class:`TwoLevelPool`: the id pools behind a plan's pools.
+- :mod:`.prefix_cache`, :mod:`.policies`, :mod:`.hashing`: hit rules, checkpoint policies,
+  chained hashes. :mod:`.events`, :mod:`.index`, :mod:`.zmq_events`: KV events, a subscriber's
+  index, ZMQ transport.
+"""
+
+from .block_pool import BlockPool
+from .errors import (
+    AllocatorError,
+    ConfigError,
+    DoubleFree,
+    DuplicateRequest,
+    MaxLengthExceeded,
+    PoolExhausted,
+    UnknownRequest,
+)
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from .index import CacheIndex
 from .manager import HitInfo, HybridAllocator
+from .policies import POLICIES
+from .two_level import TwoLevelPool
 
 __all__ = [
+    "POLICIES",
     "AllBlocksCleared",
     "AllocatorError",
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "CacheIndex",
+    "ConfigError",
     "DoubleFree",
+    "DuplicateRequest",
     "HitInfo",
     "HybridAllocator",
     "KVEventBatch",

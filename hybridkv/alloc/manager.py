@@ -1,431 +1,736 @@
-"""``HybridAllocator``: per-request block tables over a ``MemoryPlan``'s pools, with prefix
-caching across attention and state groups (vLLM's KVCacheManager + HybridKVCacheCoordinator)."""
+"""``HybridAllocator``: block tables for every KV cache group of every request over a
+``MemoryPlan``'s pools, with prefix caching across attention and state groups (vLLM's
+``KVCacheManager`` + ``HybridKVCacheCoordinator``).
+
+Engine protocol, once per scheduler step::
+
+    hit = alloc.add_request(rid, prompt)          # new requests; raises PoolExhausted if full
+    run(hit.state_copies, hit.kv_copies)          # before the forward pass that uses them
+    ok = alloc.allocate_slots(rid, n)             # False: nothing changed, preempt and retry
+    tables = alloc.block_tables(batch)            # int32 [batch, blocks] per group
+    forward(...)
+    run(alloc.take_state_copies())                # after the forward, before the next one
+    alloc.append_tokens(rid, [sampled])
+    alloc.free(rid)                               # finished or preempted requests
+
+``take_state_copies()`` is the step's commit: the tokens allocated since the last one now hold
+computed KV, so their full blocks become cache entries (and KV events), state checkpoints are
+taken (the running state only exists after the forward pass, which is why checkpoint copies
+come back here), and the cached states that hits copied from are released. Nothing computed in
+a step is visible to prefix hits before this call, so a hit never reads memory still being
+written.
+
+A request's block list for a state group is ``[running slot, spare slots...]``: it reserves
+``state_slots_per_seq`` slots, the running state in the first; spares become checkpoints, so
+with 2 slots a checkpoint can always be taken even when the pool is full (vLLM's ``align`` mode
+reserves 2 pages per request for the same reason). Once spent, checkpoints come from free or
+evictable ids, best effort: a checkpoint never makes an allocation fail.
+"""
 
 from __future__ import annotations
 
-import functools
-import math
 import time
-from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from ..plan import MemoryPlan
-from .block_pool import BlockPool, TwoLevelPool
-from .errors import DoubleFree, MaxLengthExceeded, PoolExhausted, UnknownRequest
-from .events import BlockRemoved, BlockStored, KVEventBatch
-from .hashing import extend_hashes
+from .block_pool import BlockPool
+from .errors import (
+    ConfigError,
+    DoubleFree,
+    DuplicateRequest,
+    MaxLengthExceeded,
+    PoolExhausted,
+    UnknownRequest,
+)
+from .events import AllBlocksCleared, KVEventBatch
+from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
+from .policies import CACHE, NONE, ROLLING, CheckpointPolicy, MarconiEvictor
+from .prefix_cache import GroupRule, PrefixIndex, longest_hit
+from .tables import BlockTables
+from .two_level import GroupView, TwoLevelPool
 
-ATTENTION_KINDS = ("full_attention", "mla")
+__all__ = ["HitInfo", "HybridAllocator"]
+
+ATTENTION_KINDS = ("full_attention", "mla", "sliding_window")
+_INF = 1 << 62
+_FREED_MEMORY = 65536  # freed request ids remembered to tell a double free from a typo
 
 
 @dataclass
 class HitInfo:
-    """Result of ``add_request``: cached prefix length and state copies (group, src, dst) the
-    runner must do before computing the rest (checkpoint -> running slot)."""
+    """What ``add_request`` found: ``num_cached_tokens`` need no compute. Before the forward
+    pass that computes the rest, the runner copies each ``state_copies`` entry
+    ``(group, src slot, dst slot)`` (cached checkpoint -> the request's running slot) and each
+    ``kv_copies`` entry ``(group, src block, dst block, num_tokens)`` (the first tokens of a
+    partly reused attention block)."""
 
     num_cached_tokens: int
     state_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    kv_copies: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
-@dataclass
 class _Request:
-    req_id: Any
-    tokens: list[int]
-    extra_keys: Any
-    unit_hashes: list[bytes]
-    blocks: list[list[int]]  # per group; a state group holds its running slots
-    num_alloc: int = 0  # tokens that have slots
-    num_cached_blocks: list[int] = field(default_factory=list)  # per group, blocks hashed
-    held: list[tuple[int, int]] = field(default_factory=list)  # (gid, id) extra refs (hits)
-    ckpt: dict[int, tuple[int, int]] = field(default_factory=dict)  # gid -> (L, id) held
-    mark: tuple[int, int] = (-1, -1)  # (known, allocated) // grain at the last cache pass
+    __slots__ = (
+        "blocks",
+        "branch_at",
+        "end_ckpt",
+        "extra",
+        "hashes",
+        "lead",
+        "limit",
+        "lora_id",
+        "ncached",
+        "num_alloc",
+        "req_id",
+        "row",
+        "sources",
+        "tokens",
+        "work_at",
+    )
+
+    def __init__(
+        self,
+        req_id: Any,
+        tokens: Any,
+        extra: bytes,
+        lora_id: int | None,
+        hashes: list[bytes],
+        num_groups: int,
+    ) -> None:
+        self.req_id = req_id
+        self.tokens = tokens  # array('i'): no Python object per token
+        self.extra = extra
+        self.lora_id = lora_id
+        self.hashes = hashes  # one per full hash unit of the known tokens
+        self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
+        self.num_alloc = 0  # tokens with slots in every group
+        self.ncached = [0] * num_groups  # attention blocks already considered for caching
+        self.lead = [0] * num_groups  # sliding window: leading null blocks
+        self.row = -1
+        self.limit = 0  # allocate_slots may take the fast path while num_alloc < limit
+        self.work_at = _INF  # num_alloc at which the next commit has caching work
+        self.end_ckpt: dict[int, list[int]] = {}  # state gid -> [position, slot], private
+        self.sources: list[tuple[int, int]] = []  # (gid, id) hits copy from, held to commit
+        self.branch_at = -1  # marconi: position of this request's branch point
 
 
 class HybridAllocator:
+    """See the module docstring. Arguments:
+
+    - ``hash_block_size``: tokens per prefix-cache hash unit; divides every group's block size.
+    - ``checkpoint_policy``: ``align``, ``last`` or ``marconi`` (:mod:`.policies`).
+    - ``partial_block_hits``: let attention hit inside a block (at hash-unit granularity) by
+      copying the reused tokens into a new block; pays off where state checkpoints are finer
+      than the attention block (``last``/``marconi`` with large blocks).
+    - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
+    - ``marconi_alpha`` / ``eviction_window``: the Marconi eviction trade-off and how many of the
+      oldest cached ids it compares.
+    """
+
     def __init__(
         self,
         plan: MemoryPlan,
         *,
         enable_prefix_caching: bool = True,
         hash_block_size: int = 16,
-        checkpoint_policy: Literal["align", "last"] = "align",
+        checkpoint_policy: str = "align",
         max_model_len: int = 32768,
+        partial_block_hits: bool = True,
+        hash_algo: str = "sha256",
+        marconi_alpha: float = 1.0,
+        eviction_window: int = 32,
     ) -> None:
-        if checkpoint_policy not in ("align", "last"):
-            raise ValueError(
-                f"checkpoint_policy must be 'align' or 'last', got {checkpoint_policy!r}"
-            )
+        if hash_block_size < 1:
+            raise ConfigError(f"hash_block_size must be >= 1, got {hash_block_size}")
+        for g in plan.groups:
+            if g.block_size % hash_block_size:
+                raise ConfigError(
+                    f"group {g.group_id} block_size {g.block_size} is not a multiple of "
+                    f"hash_block_size {hash_block_size}; pick a divisor of every block size"
+                )
+        if max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}")
         self.plan = plan
         self.groups = plan.groups
         self.caching = enable_prefix_caching
         self.h = hash_block_size
-        self.policy = checkpoint_policy
         self.max_model_len = max_model_len
         self.slots_per_seq = plan.config.state_slots_per_seq
+        self.policy = CheckpointPolicy(checkpoint_policy, plan, hash_block_size)
+        self.hash_fn = get_hash_fn(hash_algo)
+        self.partial = partial_block_hits
+        self.index = PrefixIndex(hash_block_size)
+        self._build_pools()
+        self._attn: list[tuple[int, int]] = []
+        self._swa: list[tuple[int, int, int]] = []
+        self._state: list[int] = []
+        self._window = [0] * len(self.groups)
         for g in self.groups:
-            if g.block_size % hash_block_size:
-                raise ValueError(
-                    f"group {g.group_id} block_size {g.block_size} is not a multiple of "
-                    f"hash_block_size {hash_block_size}; pick a divisor of every block size"
-                )
-        self._events: list[Any] = []
-        self._copies: list[tuple[int, int, int]] = []  # checkpoint copies not yet taken
-        self._stored_units: dict[tuple[int, bytes], list[bytes]] = {}
-        # Per group: the object to allocate from, and a key naming the capacity it shares.
-        self.pool: dict[int, Any] = {}
-        self._capacity_key: dict[int, str] = {}
-        self._pools: dict[str, Any] = {}
-        for p in plan.pools:
+            if g.is_state:
+                self._state.append(g.group_id)
+            elif g.kind in ATTENTION_KINDS:
+                self._attn.append((g.group_id, g.block_size))
+                if g.kind == "sliding_window" and g.sliding_window:
+                    self._swa.append((g.group_id, g.block_size, g.sliding_window))
+                    self._window[g.group_id] = g.sliding_window
+            else:
+                raise ConfigError(f"group {g.group_id} has unknown kind {g.kind!r}")
+        self._attn_rules, self._rules = self._hit_rules()
+        # state groups by the pool object their ids come from (one pool for all of them in the
+        # shared layouts, so a checkpoint takes its ids in one call)
+        by_pool: dict[int, tuple[Any, list[int]]] = {}
+        for gid in self._state:
+            by_pool.setdefault(id(self.pool[gid]), (self.pool[gid], []))[1].append(gid)
+        self._state_pools = list(by_pool.values())
+        if self.policy.name == "marconi":
+            seen: set[int] = set()
+            for gid in range(len(self.groups)):
+                p = self.pool[gid]
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    p.evictor = MarconiEvictor(p, self.index, plan, marconi_alpha)
+                    p.evictor_window = max(1, eviction_window)
+        self.reqs: dict[Any, _Request] = {}
+        self.tables = BlockTables(len(self.groups))
+        self._freed: OrderedDict[Any, None] = OrderedDict()
+        self._dirty: dict[Any, _Request] = {}  # allocated this step: commit has work
+        self._sourced: dict[Any, _Request] = {}  # hold hit sources until the commit
+        self.num_queries = self.num_query_tokens = self.num_hit_tokens = 0
+
+    # ---- construction -----------------------------------------------------------------------
+    def _build_pools(self) -> None:
+        on_evict = self.index.remove
+        self.pool: dict[int, BlockPool | GroupView] = {}  # group -> where its ids come from
+        self._cap: dict[int, BlockPool | TwoLevelPool] = {}  # group -> capacity it shares
+        self._pools: dict[str, BlockPool | TwoLevelPool] = {}
+        for p in self.plan.pools:
             if p.kind == "shared":
-                bp = BlockPool(p.num_blocks, p.name, self._on_evict)
+                bp = BlockPool(p.num_blocks, p.name, on_evict)
                 self._pools[p.name] = bp
                 for gid in p.groups:
-                    self.pool[gid], self._capacity_key[gid] = bp, p.name
+                    self.pool[gid] = self._cap[gid] = bp
             elif p.kind == "per_group":
                 for gid in p.groups:
                     name = f"{p.name}/g{gid}" if len(p.groups) > 1 else p.name
-                    bp = BlockPool(p.num_ids(gid), name, self._on_evict)
+                    bp = BlockPool(p.num_ids(gid), name, on_evict)
                     self._pools[name] = bp
-                    self.pool[gid], self._capacity_key[gid] = bp, name
+                    self.pool[gid] = self._cap[gid] = bp
             elif p.kind == "two_level":
                 attn = [g for g in p.groups if not self.groups[g].is_state]
                 first = attn[0] if attn else p.groups[0]
-                tl = TwoLevelPool(
-                    p.num_blocks,
-                    {g: p.ids_per_page(g) for g in p.groups},
-                    first,
-                    p.name,
-                    self._on_evict,
-                )
+                ids = {g: p.ids_per_page(g) for g in p.groups}
+                tl = TwoLevelPool(p.num_blocks, ids, first, p.name, on_evict)
                 self._pools[p.name] = tl
                 for gid in p.groups:
-                    self.pool[gid], self._capacity_key[gid] = tl.view(gid), p.name
+                    self.pool[gid] = tl.view(gid)
+                    self._cap[gid] = tl
             else:
-                raise ValueError(f"unknown pool kind {p.kind!r}")
-        self.reqs: dict[Any, _Request] = {}
-        self._freed: set[Any] = set()
-        # Decode fast paths: block-table growth only concerns attention groups, and cache work
-        # only happens when a token count crosses a multiple of the gcd of all block sizes.
-        self._attn = [(g.group_id, g.block_size) for g in self.groups if not g.is_state]
-        self._grain = functools.reduce(math.gcd, (g.block_size for g in self.groups))
-        self._version = 0  # bumps on add/free; state tables only change then
-        self._state_tables: tuple[Any, int, dict[int, torch.Tensor]] | None = None
+                raise ConfigError(f"unknown pool kind {p.kind!r}")
 
-    # ---- events -----------------------------------------------------------------------------
-    def _on_evict(self, key: tuple[int, bytes]) -> None:
-        units = self._stored_units.pop(key)
-        self._events.append(BlockRemoved(block_hashes=units, group_idx=key[0]))
+    def _hit_rules(self) -> tuple[list[GroupRule], list[GroupRule]]:
+        """Full attention first (its hits bound everything and are downward closed), then
+        sliding window, then states (vLLM's order)."""
+        h = self.h
+        full, window, state = [], [], []
+        for g in self.groups:
+            step = h if self.partial else g.block_size
+            if g.is_state:
+                state.append(GroupRule(g.group_id, "state", g.block_size, self.policy.step))
+            elif g.kind == "sliding_window" and g.sliding_window:
+                window.append(
+                    GroupRule(g.group_id, "window", g.block_size, step, g.sliding_window)
+                )
+            else:
+                full.append(GroupRule(g.group_id, "full", g.block_size, step))
+        return full + window, full + window + state
 
-    def take_events(self) -> KVEventBatch:
-        batch = KVEventBatch(ts=time.time(), events=self._events)
-        self._events = []
-        return batch
-
-    def cached_hashes(self) -> set[tuple[int, bytes]]:
-        """(group, hash-unit hash) pairs currently cached, at hash granularity."""
-        return {(k[0], u) for k, units in self._stored_units.items() for u in units}
-
-    def _cache_block(self, r: _Request, gid: int, i: int, bid: int) -> None:
-        """Cache block ``i`` of ``gid`` (held in ``bid``); emit one BlockStored per new block."""
-        B = self.groups[gid].block_size
-        s = B // self.h
-        key = (gid, r.unit_hashes[(i + 1) * s - 1])
-        if not self.pool[gid].cache(bid, key):
-            return  # already cached elsewhere: no duplicate entry, no duplicate event
-        units = r.unit_hashes[i * s : (i + 1) * s]
-        self._stored_units[key] = units
-        parent = r.unit_hashes[i * s - 1] if i else None
-        self._events.append(
-            BlockStored(
-                block_hashes=list(units),
-                parent_block_hash=parent,
-                token_ids=list(r.tokens[i * B : (i + 1) * B]),
-                block_size=self.h,
-                group_idx=gid,
-            )
-        )
-
-    # ---- lookup -----------------------------------------------------------------------------
-    def _key(self, gid: int, hashes: list[bytes], length: int) -> tuple[int, bytes]:
-        return (gid, hashes[length // self.h - 1])
-
-    def _group_hit(self, gid: int, hashes: list[bytes], limit: int) -> int:
-        """Longest hit length <= ``limit`` that group ``gid`` alone can serve."""
-        g = self.groups[gid]
-        B, pool = g.block_size, self.pool[gid]
-        if g.is_state:
-            # Resume only from a checkpoint exactly at the hit length.
-            for L in range(limit // B * B, 0, -B):
-                if pool.lookup(self._key(gid, hashes, L)) is not None:
-                    return L
-            return 0
-        if g.kind == "sliding_window" and g.sliding_window:
-            W = g.sliding_window
-            for L in range(limit // B * B, 0, -B):
-                first = max(0, L - W + 1) // B
-                if all(
-                    pool.lookup(self._key(gid, hashes, (j + 1) * B)) is not None
-                    for j in range(first, L // B)
-                ):
-                    return L
-            return 0
-        n = 0  # full attention: hits are prefixes of full blocks
-        while (n + 1) * B <= limit and pool.lookup(
-            self._key(gid, hashes, (n + 1) * B)
-        ) is not None:
-            n += 1
-        return n * B
-
-    def find_longest_cache_hit(self, hashes: list[bytes], max_len: int) -> int:
-        """Fixed point over groups: every group shrinks the candidate until none does."""
-        curr = max_len
-        while True:
-            prev = curr
-            for g in self.groups:
-                curr = self._group_hit(g.group_id, hashes, curr)
-            if curr == prev:
-                return curr
-
-    # ---- capacity ---------------------------------------------------------------------------
-    def _can_allocate(self, needs: dict[int, int]) -> bool:
-        by_pool: dict[str, dict[int, int]] = {}
-        for gid, n in needs.items():
-            if n > 0:
-                by_pool.setdefault(self._capacity_key[gid], {})[gid] = n
-        for name, gneeds in by_pool.items():
-            p = self._pools[name]
-            if isinstance(p, TwoLevelPool):
-                if not p.can_allocate(gneeds):
-                    return False
-            elif not p.can_allocate(sum(gneeds.values())):
-                return False
-        return True
+    # ---- lookups ----------------------------------------------------------------------------
+    def _lookup(self, gid: int, unit: bytes) -> int | None:
+        return self.pool[gid].lookup((gid, unit))
 
     def _get(self, req_id: Any) -> _Request:
         r = self.reqs.get(req_id)
         if r is None:
-            if req_id in self._freed:
-                raise DoubleFree(f"request {req_id!r}")
-            raise UnknownRequest(req_id)
-        return r
+            self._missing(req_id)
+        return r  # type: ignore[return-value]
 
-    # ---- API --------------------------------------------------------------------------------
-    def add_request(
-        self, req_id: Any, prompt_token_ids: list[int], extra_keys: Any = None
-    ) -> HitInfo:
-        """Register a request, take its prefix hit and its running state slots.
+    def _missing(self, req_id: Any) -> None:
+        if req_id in self._freed:
+            raise DoubleFree(f"request {req_id!r}")
+        raise UnknownRequest(req_id)
 
-        Raises ``PoolExhausted`` (changing nothing) when the state slots do not fit."""
-        if req_id in self.reqs:
-            raise ValueError(f"request {req_id!r} already added; free it before reusing the id")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise MaxLengthExceeded(req_id, len(prompt_token_ids), self.max_model_len)
-        tokens = list(prompt_token_ids)
-        hashes = extend_hashes([], tokens, self.h, extra_keys) if self.caching else []
-        G = len(self.groups)
-        r = _Request(req_id, tokens, extra_keys, hashes, [[] for _ in range(G)], 0, [0] * G)
-        L = self.find_longest_cache_hit(hashes, len(tokens) - 1) if self.caching and tokens else 0
-        touched: list[tuple[int, int]] = []
-        copies: list[tuple[int, int, int]] = []
-        for g in self.groups:
-            gid, B, pool = g.group_id, g.block_size, self.pool[g.group_id]
-            if g.is_state:
-                if L:
-                    src = pool.lookup(self._key(gid, hashes, L))
-                    pool.touch([src])
-                    touched.append((gid, src))
-                    r.held.append((gid, src))
-                continue
-            first = max(0, L - g.sliding_window + 1) // B if g.kind == "sliding_window" else 0
-            ids = [0] * first + [
-                pool.lookup(self._key(gid, hashes, (j + 1) * B)) for j in range(first, L // B)
-            ]
-            pool.touch(ids)
-            touched.extend((gid, b) for b in ids if b)
-            r.blocks[gid] = ids
-            r.num_cached_blocks[gid] = L // B
-        state = {g.group_id: self.slots_per_seq for g in self.groups if g.is_state}
-        if not self._can_allocate(state):
-            for gid, b in reversed(touched):
-                self.pool[gid].free([b])
-            raise PoolExhausted(
-                ",".join(sorted({self._capacity_key[g] for g in state})), sum(state.values()), 0
-            )
-        for gid, n in state.items():
-            r.blocks[gid] = self.pool[gid].allocate(n)
-            if L:
-                copies.append(
-                    (gid, r.held[[h[0] for h in r.held].index(gid)][1], r.blocks[gid][0])
-                )
-                r.ckpt[gid] = (L, -1)
-        r.num_alloc = L
-        self.reqs[req_id] = r
-        self._version += 1
-        self._freed.discard(req_id)
-        return HitInfo(L, copies)
+    def find_longest_cache_hit(
+        self, prompt_token_ids: list[int], extra_keys: Any = None, *, lora_id: int | None = None
+    ) -> int:
+        """Cached prefix length a new request with this prompt would get (changes nothing)."""
+        if not self.caching or len(prompt_token_ids) < 2:
+            return 0
+        tokens = token_array(prompt_token_ids)
+        extra = encode_extra_keys(extra_keys if lora_id is None else (extra_keys, lora_id))
+        hashes = extend_unit_hashes([], tokens, len(tokens), self.h, extra, self.hash_fn)
+        return longest_hit(
+            self._rules, hashes, len(tokens) - 1, self.h, self._lookup, self.index.holder
+        )
 
-    def allocate_slots(self, req_id: Any, num_new_tokens: int) -> bool:
-        """Give slots for ``num_new_tokens`` more tokens in every group, atomically.
-
-        False means the pools are exhausted and nothing changed: preempt someone and retry."""
-        r = self._get(req_id)
-        total = r.num_alloc + num_new_tokens
-        if total > self.max_model_len:
-            raise MaxLengthExceeded(req_id, total, self.max_model_len)
-        needs: dict[int, int] = {}
-        for gid, B in self._attn:
-            n = -(-total // B) - len(r.blocks[gid])
-            if n > 0:
-                needs[gid] = n
-        if needs and not self._can_allocate(needs):
-            return False
-        for g in self.groups:
-            if g.kind == "sliding_window" and g.sliding_window:
-                self._free_outside_window(r, g.group_id, r.num_alloc - g.sliding_window + 1)
-        done: list[tuple[int, list[int]]] = []
-        try:
-            for gid, n in needs.items():
-                if n > 0:
-                    ids = self.pool[gid].allocate(n)
-                    done.append((gid, ids))
-        except PoolExhausted:  # only possible in a two-level pool with awkward fragmentation
-            for gid, ids in reversed(done):
-                self.pool[gid].free(reversed(ids))
-            return False
-        for gid, ids in done:
-            r.blocks[gid].extend(ids)
-        r.num_alloc = total
-        self._cache_new(r)
+    # ---- capacity ---------------------------------------------------------------------------
+    def _can_allocate(
+        self, needs: dict[int, int], touch: dict[int, list[int]] | None = None
+    ) -> bool:
+        by_cap: dict[int, tuple[Any, dict[int, int], dict[int, list[int]]]] = {}
+        for gid in set(needs) | set(touch or ()):
+            cap = self._cap[gid]
+            entry = by_cap.setdefault(id(cap), (cap, {}, {}))
+            if needs.get(gid):
+                entry[1][gid] = needs[gid]
+            if touch and touch.get(gid):
+                entry[2][gid] = touch[gid]
+        for cap, gneeds, gtouch in by_cap.values():
+            if isinstance(cap, TwoLevelPool):
+                if not cap.can_allocate(gneeds, gtouch):
+                    return False
+            else:
+                touched = [b for ids in gtouch.values() for b in ids]
+                if sum(gneeds.values()) > cap.available_after_touch(touched):
+                    return False
         return True
 
-    def _free_outside_window(self, r: _Request, gid: int, first_needed: int) -> None:
-        """Blocks ending before the window's first token are freed and become null."""
+    def _one_more(self, gid: int) -> int | None:
+        """A best-effort extra id for ``gid`` (a checkpoint): free or evictable, else None."""
+        cap = self._cap[gid]
+        ok = cap.can_allocate({gid: 1}) if isinstance(cap, TwoLevelPool) else cap.num_free > 0
+        return self.pool[gid].allocate_one() if ok else None
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        req_id: Any,
+        prompt_token_ids: Any,
+        extra_keys: Any = None,
+        *,
+        lora_id: int | None = None,
+    ) -> HitInfo:
+        """Register a request: take its longest prefix hit and its state slots.
+
+        ``extra_keys`` (anything msgpack can encode: a LoRA name, a cache salt, multimodal ids)
+        and ``lora_id`` enter every hash, so only requests that agree on them share blocks.
+        The request then has ``num_cached_tokens`` tokens with slots; call
+        :meth:`allocate_slots` for the rest. Raises :class:`PoolExhausted`, changing nothing,
+        when the slots and hit blocks do not fit."""
+        if req_id in self.reqs:
+            raise DuplicateRequest(req_id)
+        n = len(prompt_token_ids)
+        if n > self.max_model_len:
+            raise MaxLengthExceeded(req_id, n, self.max_model_len)
+        tokens = token_array(prompt_token_ids)
+        extra = encode_extra_keys(extra_keys if lora_id is None else (extra_keys, lora_id))
+        hashes: list[bytes] = []
+        h = self.h
+        L, branch_at = 0, -1
+        if self.caching:
+            extend_unit_hashes(hashes, tokens, n, h, extra, self.hash_fn)
+            if n > 1 and self.index.entries:
+                L = longest_hit(self._rules, hashes, n - 1, h, self._lookup, self.index.holder)
+                if self.policy.branches and self._state:
+                    D = longest_hit(
+                        self._attn_rules, hashes, n - 1, h, self._lookup, self.index.holder
+                    )
+                    if D > L:
+                        branch_at = D // h * h
+            self.num_queries += 1
+            self.num_query_tokens += n
+            self.num_hit_tokens += L
+        r = _Request(req_id, tokens, extra, lora_id, hashes, len(self.groups))
+        touch: dict[int, list[int]] = {}
+        needs: dict[int, int] = {}
+        partial: dict[int, tuple[int, int]] = {}  # gid -> (src block, tokens to copy)
+        state_src: dict[int, int] = {}
+        for gid, B in self._attn:
+            full = L // B
+            W = self._window[gid]
+            first = min(full, max(0, L - W + 1) // B) if W else 0
+            r.lead[gid] = first
+            s = B // h
+            ids = [0] * first
+            ids += [self._lookup(gid, hashes[(j + 1) * s - 1]) for j in range(first, full)]
+            r.blocks[gid] = ids  # type: ignore[assignment]
+            r.ncached[gid] = full
+            held = [b for b in ids if b]
+            if full * B < L:
+                src = self.index.holder(gid, hashes[L // h - 1])
+                assert src is not None
+                partial[gid] = (src, L - full * B)
+                held.append(src)
+                needs[gid] = 1
+            touch[gid] = held
+        for gid in self._state:
+            needs[gid] = self.slots_per_seq
+            if L:
+                src = self._lookup(gid, hashes[L // h - 1])
+                assert src is not None
+                state_src[gid] = src
+                touch[gid] = [src]
+        if not self._can_allocate(needs, touch):
+            short = sorted({self._cap[g].name for g in needs})
+            raise PoolExhausted(",".join(short), sum(needs.values()), 0)
+        for gid, ids in touch.items():
+            self.pool[gid].touch(ids)
+        hit = HitInfo(L)
+        for gid, k in needs.items():
+            new = self.pool[gid].allocate(k)
+            if gid in state_src:
+                hit.state_copies.append((gid, state_src[gid], new[0]))
+                r.sources.append((gid, state_src[gid]))
+            if gid in partial:
+                src, ntok = partial[gid]
+                hit.kv_copies.append((gid, src, new[0], ntok))
+                r.sources.append((gid, src))
+            r.blocks[gid].extend(new)
+        r.num_alloc = L
+        r.branch_at = branch_at
+        r.row = self.tables.add_row()
+        for gid, blocks in enumerate(r.blocks):
+            if blocks:
+                self.tables.write(gid, r.row, 0, blocks)
+        self.reqs[req_id] = r
+        self._freed.pop(req_id, None)
+        if r.sources:
+            self._sourced[req_id] = r
+        self._set_limit(r)
+        return hit
+
+    def allocate_slots(self, req_id: Any, num_new_tokens: int) -> bool:
+        """Give ``num_new_tokens`` more tokens slots in every group, all or nothing.
+
+        False means the pools are exhausted and nothing changed: preempt a request (``free``
+        it) and retry. The only change that survives a False is the release of sliding-window
+        blocks that no longer hold any token the request can attend to. Raises
+        :class:`MaxLengthExceeded` past ``max_model_len``."""
+        r = self.reqs.get(req_id)
+        if r is None:
+            self._missing(req_id)
+        total = r.num_alloc + num_new_tokens  # type: ignore[union-attr]
+        # Fast path (most decode steps): no new block, no cache or checkpoint work.
+        if num_new_tokens >= 0 and total < r.limit:  # type: ignore[union-attr]
+            r.num_alloc = total  # type: ignore[union-attr]
+            return True
+        return self._allocate_slow(r, num_new_tokens, total)  # type: ignore[arg-type]
+
+    def _allocate_slow(self, r: _Request, num_new: int, total: int) -> bool:
+        if num_new < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new}")
+        if total > self.max_model_len:
+            raise MaxLengthExceeded(r.req_id, total, self.max_model_len)
+        for gid, B, W in self._swa:
+            self._free_outside_window(r, gid, B, r.num_alloc - W + 1)
+        needs: dict[int, int] = {}
+        for gid, B in self._attn:
+            k = -(-total // B) - len(r.blocks[gid])
+            if k > 0:
+                needs[gid] = k
+        if needs:
+            if len(needs) == 1 and isinstance(self._cap[next(iter(needs))], BlockPool):
+                ((gid, k),) = needs.items()
+                if k > self._cap[gid].num_free:  # type: ignore[union-attr]
+                    return False
+            elif not self._can_allocate(needs):
+                return False
+            for gid, k in needs.items():
+                ids = self.pool[gid].allocate(k)
+                blocks = r.blocks[gid]
+                self.tables.write(gid, r.row, len(blocks), ids)
+                blocks.extend(ids)
+        r.num_alloc = total
+        if self.caching and total >= r.work_at:
+            self._dirty[r.req_id] = r
+        self._set_limit(r)
+        return True
+
+    def _free_outside_window(self, r: _Request, gid: int, B: int, first_needed: int) -> None:
+        """Blocks ending at or before the first token the next one attends to become null."""
         blocks = r.blocks[gid]
-        B = self.groups[gid].block_size
-        for i in range(min(max(0, first_needed) // B, len(blocks)) - 1, -1, -1):
-            if blocks[i] == 0:
-                break  # everything before is already null
-            self.pool[gid].free([blocks[i]])
-            blocks[i] = 0
+        lead = r.lead[gid]
+        end = min(max(0, first_needed) // B, len(blocks))
+        if end <= lead:
+            return
+        # Oldest first, as vLLM: the oldest of them is the nearest to eviction.
+        self.pool[gid].free(blocks[lead:end])
+        blocks[lead:end] = [0] * (end - lead)
+        self.tables.write(gid, r.row, lead, blocks[lead:end])
+        r.lead[gid] = end
 
-    def append_tokens(self, req_id: Any, token_ids: list[int]) -> list[tuple[int, int, int]]:
-        """Record generated tokens; cache newly full blocks; return state checkpoint copies."""
-        r = self._get(req_id)
-        r.tokens.extend(token_ids)
-        return self._cache_new(r)
+    def _set_limit(self, r: _Request) -> None:
+        """Recompute how far allocate_slots may go on the fast path."""
+        limit = self.max_model_len + 1
+        work = _INF
+        for gid, B in self._attn:
+            cap = len(r.blocks[gid]) * B + 1
+            if cap < limit:
+                limit = cap
+            if self.caching:
+                nxt = (r.ncached[gid] + 1) * B
+                if nxt < work:
+                    work = nxt
+        for gid, B, W in self._swa:
+            thr = (r.lead[gid] + 1) * B + W - 1
+            if thr < limit:
+                limit = thr
+        if self.caching and self._state:
+            nxt = self.policy.next_position(r.num_alloc, r.branch_at)
+            if nxt < work:
+                work = nxt
+        r.work_at = work
+        r.limit = min(limit, work)
 
-    def _cache_new(self, r: _Request) -> list[tuple[int, int, int]]:
-        if not self.caching:
-            return []
-        known = min(len(r.tokens), r.num_alloc)
-        mark = (known // self._grain, r.num_alloc // self._grain)
-        if mark == r.mark:
-            return []  # no block boundary crossed since the last pass: nothing to cache
-        r.mark = mark
-        if len(r.unit_hashes) < known // self.h:
-            extend_hashes(r.unit_hashes, r.tokens[:known], self.h, r.extra_keys)
+    def append_tokens(self, req_id: Any, token_ids: Any) -> None:
+        """Record tokens the model produced (they enter the hashes of later blocks)."""
+        r = self.reqs.get(req_id)
+        if r is None:
+            self._missing(req_id)
+        toks = r.tokens  # type: ignore[union-attr]
+        if len(toks) + len(token_ids) > self.max_model_len:
+            raise MaxLengthExceeded(req_id, len(toks) + len(token_ids), self.max_model_len)
+        toks.extend(token_ids)
+
+    # ---- the step's commit ------------------------------------------------------------------
+    def take_state_copies(self) -> list[tuple[int, int, int]]:
+        """Commit the step (see the module docstring) and return the state copies
+        ``(group, running slot, checkpoint slot)`` to run after this forward pass."""
         copies: list[tuple[int, int, int]] = []
-        for g in self.groups:
-            gid, B = g.group_id, g.block_size
-            full = known // B
-            if g.is_state:
-                # align: the running state after this step sits exactly at a block boundary.
-                if self.policy == "align" and full and r.num_alloc == full * B:
-                    copy = self._checkpoint(r, gid, full * B)
-                    if copy:
-                        copies.append(copy)
-                        self._copies.append(copy)
-                continue
-            blocks = r.blocks[gid]
-            for i in range(r.num_cached_blocks[gid], full):
-                if blocks[i]:
-                    self._cache_block(r, gid, i, blocks[i])
-            r.num_cached_blocks[gid] = max(r.num_cached_blocks[gid], full)
+        held: list[tuple[Any, int]] = []
+        if self._dirty:
+            for r in self._dirty.values():
+                self._commit(r, copies, held)
+            self._dirty.clear()
+        if self._sourced:
+            for r in self._sourced.values():
+                self._release_sources(r)
+            self._sourced.clear()
+        for pool, sid in held:
+            pool.free((sid,))
         return copies
 
-    def _checkpoint(self, r: _Request, gid: int, L: int) -> tuple[int, int, int] | None:
-        prev = r.ckpt.get(gid)
-        if prev is not None and prev[0] >= L:
-            return None
-        pool = self.pool[gid]
-        key = self._key(gid, r.unit_hashes, L)
-        if pool.lookup(key) is not None or not self._can_allocate({gid: 1}):
-            return None  # already cached, or no room: checkpoints are best effort
-        (cid,) = pool.allocate(1)
-        self._cache_block(r, gid, L // self.groups[gid].block_size - 1, cid)
-        # The checkpoint goes straight to the LRU (cached, ref 0): a state pool may hold only
-        # max_num_seqs running slots, so checkpoints must never block a running request.
-        # The runner performs the copies from take_state_copies() before the next allocation.
-        pool.free([cid])
-        r.ckpt[gid] = (L, -1)
-        return (gid, r.blocks[gid][0], cid)
+    def _commit(self, r: _Request, copies: list, held: list) -> None:
+        h = self.h
+        known = min(r.num_alloc, len(r.tokens))
+        if len(r.hashes) < known // h:
+            extend_unit_hashes(r.hashes, r.tokens, known, h, r.extra, self.hash_fn)
+        hashes = r.hashes
+        index = self.index
+        for gid, B in self._attn:
+            full = known // B
+            i0 = r.ncached[gid]
+            if full <= i0:
+                continue
+            blocks, pool, s = r.blocks[gid], self.pool[gid], B // h
+            for i in range(i0, full):
+                bid = blocks[i]
+                if bid:
+                    key = (gid, hashes[(i + 1) * s - 1])
+                    if pool.cache(bid, key):
+                        index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
+            r.ncached[gid] = full
+        P = r.num_alloc
+        if self._state and known == P:
+            action = self.policy.at_step_end(P, r.branch_at)
+            if action != NONE and P % h == 0:
+                if action == CACHE:
+                    self._checkpoint(r, P, copies, held)
+                    if r.branch_at == P:
+                        r.branch_at = -1
+                elif action == ROLLING:
+                    self._roll(r, P, copies)
+        self._set_limit(r)
 
-    def take_state_copies(self) -> list[tuple[int, int, int]]:
-        """(group, running id, checkpoint id) copies to do after this step's forward pass."""
-        out, self._copies = self._copies, []
-        return out
+    def _spare_or_new(self, r: _Request, gid: int) -> int | None:
+        blocks = r.blocks[gid]
+        if len(blocks) > 1:
+            sid = blocks.pop()
+            self.tables.set_row(gid, r.row, blocks)
+            return sid
+        return self._one_more(gid)
 
+    def _checkpoint(self, r: _Request, P: int, copies: list, held: list) -> None:
+        """Copy the running state into a new slot cached at ``P`` (released after the commit,
+        so that no other checkpoint of this commit evicts it). Best effort per group: a group
+        whose pool has no free or evictable id skips this checkpoint."""
+        unit = P // self.h - 1
+        u = r.hashes[unit]
+        taken: list[tuple[int, int]] = []
+        for pool, gids in self._state_pools:
+            need = []
+            for gid in gids:
+                if pool.lookup((gid, u)) is not None:
+                    continue
+                blocks = r.blocks[gid]
+                if len(blocks) > 1:  # a reserved spare slot
+                    taken.append((gid, blocks.pop()))
+                    self.tables.set_row(gid, r.row, blocks)
+                else:
+                    need.append(gid)
+            if need:
+                cap = self._cap[need[0]]
+                if isinstance(cap, TwoLevelPool):
+                    ids = [self._one_more(gid) for gid in need]
+                else:
+                    ids = pool.allocate(min(len(need), cap.num_free))  # type: ignore[union-attr]
+                taken.extend((gid, sid) for gid, sid in zip(need, ids) if sid is not None)
+        if not taken:
+            return
+        pool_of = self.pool
+        for gid, dst in taken:
+            pool = pool_of[gid]
+            copies.append((gid, r.blocks[gid][0], dst))
+            pool.cache(dst, (gid, u))
+            held.append((pool, dst))
+        self.index.add_checkpoints(taken, unit, r.hashes, r.tokens, r.lora_id)
+
+    def _roll(self, r: _Request, P: int, copies: list) -> None:
+        """Refresh the request's private end-of-request checkpoint to position ``P``."""
+        for gid in self._state:
+            ck = r.end_ckpt.get(gid)
+            if ck is None:
+                dst = self._spare_or_new(r, gid)
+                if dst is None:
+                    continue
+                ck = r.end_ckpt[gid] = [P, dst]
+            ck[0] = P
+            copies.append((gid, r.blocks[gid][0], ck[1]))
+
+    def _release_sources(self, r: _Request) -> None:
+        for gid, sid in r.sources:
+            self.pool[gid].free((sid,))
+        r.sources = []
+
+    # ---- free -------------------------------------------------------------------------------
     def free(self, req_id: Any) -> None:
+        """Release a finished or preempted request. Its computed full blocks stay cached (they
+        were cached at the commits); with ``last``/``marconi`` its end state becomes a cache
+        entry. Raises :class:`DoubleFree` or :class:`UnknownRequest` for ids not running."""
         r = self._get(req_id)
-        if self.caching and self.policy == "last":
-            known = min(len(r.tokens), r.num_alloc)
-            # The running state is exactly at ``known``: keep it as a checkpoint if that is a
-            # block boundary whose hash is known.
-            hashed = len(r.unit_hashes) >= known // self.h
-            for g in self.groups:
-                if g.is_state and known and known % g.block_size == 0 and hashed:
-                    self._cache_block(
-                        r, g.group_id, known // g.block_size - 1, r.blocks[g.group_id][0]
+        self._dirty.pop(req_id, None)  # allocated but never committed: not computed
+        if self.caching and self.partial and r.end_ckpt:
+            self._cache_tail_blocks(r, min(p for p, _ in r.end_ckpt.values()))
+        for gid, (P, sid) in r.end_ckpt.items():
+            pool = self.pool[gid]
+            if self.caching and len(r.hashes) >= P // self.h:
+                key = (gid, r.hashes[P // self.h - 1])
+                if pool.cache(sid, key):
+                    self.index.add(
+                        key, sid, P // self.h - 1, r.hashes, 1, r.tokens, r.lora_id, True
                     )
-        for g in self.groups:
-            # Tail first, so the tail of a freed request is evicted before its shared prefix.
-            self.pool[g.group_id].free(reversed(r.blocks[g.group_id]))
-            c = r.ckpt.get(g.group_id)
-            if c is not None and c[1] > 0:
-                self.pool[g.group_id].free([c[1]])
-        for gid, b in r.held:
-            self.pool[gid].free([b])
+            pool.free((sid,))
+        r.end_ckpt = {}
+        if r.sources:
+            self._release_sources(r)
+            self._sourced.pop(req_id, None)
+        for gid, blocks in enumerate(r.blocks):
+            # Tail first: among this request's blocks the tail is evicted first (vLLM).
+            self.pool[gid].free(reversed(blocks))
+        self.tables.release_row(r.row)
         del self.reqs[req_id]
-        self._freed.add(req_id)
-        self._version += 1
+        self._freed[req_id] = None
+        if len(self._freed) > _FREED_MEMORY:
+            self._freed.popitem(last=False)
 
+    def _cache_tail_blocks(self, r: _Request, P: int) -> None:
+        """At free, cache the partly filled attention block holding token ``P - 1`` (``P``:
+        where the end state was kept) as a *partial* entry covering its units up to ``P``.
+
+        A full block is cached at commit, but the last block of a request is never full, and
+        with large blocks it holds most of what a follow-up turn could reuse. Its first tokens
+        are final, so a later hit at ``P`` copies them into a new block (``kv_copies``)."""
+        h = self.h
+        for gid, B in self._attn:
+            j = (P - 1) // B
+            if P % B == 0 or j >= len(r.blocks[gid]) or not r.blocks[gid][j]:
+                continue  # a full block was cached at its commit
+            s = B // h
+            key = (gid, r.hashes[P // h - 1])
+            bid = r.blocks[gid][j]
+            if self.pool[gid].cache(bid, key):
+                self.index.add(
+                    key, bid, j * s, r.hashes, P // h - j * s, r.tokens, r.lora_id, False
+                )
+
+    # ---- queries ----------------------------------------------------------------------------
     def block_ids(self, req_id: Any) -> list[list[int]]:
+        """One list of block ids per group (state groups: running slot, then spares)."""
         return [list(b) for b in self._get(req_id).blocks]
 
     def num_tokens(self, req_id: Any) -> int:
+        """Tokens of the request that have slots (cached hit + allocated)."""
         return self._get(req_id).num_alloc
 
+    def state_slot(self, req_id: Any, group_id: int) -> int:
+        """The running state slot of a state group."""
+        if not self.groups[group_id].is_state:
+            raise ValueError(f"group {group_id} is an attention group; use block_ids()")
+        return self._get(req_id).blocks[group_id][0]
+
+    def next_checkpoint(self, req_id: Any) -> int | None:
+        """Where the policy wants a prefill chunk to end so that a state checkpoint is taken
+        (``align``: the next block multiple; ``marconi``: a pending branch point), or None."""
+        r = self._get(req_id)
+        if not self.caching or not self._state:
+            return None
+        if self.policy.branches:
+            return r.branch_at if r.branch_at > r.num_alloc else None
+        if self.policy.name == "align":
+            return self.policy.next_position(r.num_alloc, -1)
+        return None
+
     def block_tables(self, req_ids: list[Any]) -> list[torch.Tensor]:
-        """One int32 [len(req_ids), max_blocks] table per group, padded with the null id 0."""
-        rs = [self._get(q) for q in req_ids]
-        key = tuple(req_ids)
-        cached = self._state_tables
-        if cached is None or cached[0] != key or cached[1] != self._version:
-            cached = self._state_tables = (key, self._version, {})
-        out = []
-        for gid in range(len(self.groups)):
-            if self.groups[gid].is_state and gid in cached[2]:
-                out.append(cached[2][gid].clone())  # running slots change only on add/free
-                continue
-            rows = [r.blocks[gid] for r in rs]
-            width = max((len(x) for x in rows), default=0)
-            if width and rows:
-                # A flat C int array converts ~10x faster than torch.tensor(nested lists).
-                buf = array("i")
-                pad = [0] * width
-                for x in rows:
-                    buf.extend(x)
-                    buf.extend(pad[: width - len(x)])
-                t = torch.frombuffer(buf, dtype=torch.int32).view(len(rows), width)
-            else:
-                t = torch.zeros((len(rows), width), dtype=torch.int32)
-            if self.groups[gid].is_state:
-                cached[2][gid] = t.clone()
-            out.append(t)
-        return out
+        """One int32 ``[len(req_ids), max blocks]`` table per group, padded with the null id."""
+        reqs = self.reqs
+        try:
+            rows = [reqs[q].row for q in req_ids]
+        except KeyError as e:
+            self._missing(e.args[0])
+            raise  # pragma: no cover
+        return self.tables.gather(rows)
+
+    def take_events(self) -> KVEventBatch:
+        """KV events since the last call, as one batch."""
+        return KVEventBatch(ts=time.time(), events=self.index.take_events())
+
+    def cached_hashes(self) -> set[tuple[int, bytes]]:
+        """(group, hash unit) pairs some cache entry covers."""
+        return set(self.index.parent)
+
+    def cached_units(self) -> dict[tuple[int, bytes], bytes | None]:
+        """(group, hash unit) -> parent unit: what a subscriber's :class:`CacheIndex` holds."""
+        return self.index.units()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cache entry (one ``AllBlocksCleared`` event). Only when no request runs,
+        as in vLLM; returns whether it did."""
+        if self.reqs:
+            return False
+        self.index.emit = False
+        try:
+            for p in self._pools.values():
+                p.evict_all_free()
+        finally:
+            self.index.emit = True
+        self.index.clear()
+        self.index.events.append(AllBlocksCleared())
+        return True
 
     def usage(self) -> dict[str, float]:
+        """Per pool: fraction in use by running requests (cached free memory counts free)."""
         return {name: p.usage() for name, p in self._pools.items()}
+
+    def stats(self) -> dict[str, Any]:
+        q = max(1, self.num_query_tokens)
+        return {
+            "running": len(self.reqs),
+            "pools": {name: p.stats() for name, p in self._pools.items()},
+            "cache_entries": len(self.index),
+            "cached_units": len(self.index.parent),
+            "prefix_queries": self.num_queries,
+            "prefix_hit_rate": self.num_hit_tokens / q,
+        }

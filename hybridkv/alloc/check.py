@@ -1,0 +1,156 @@
+"""A full consistency check of a :class:`HybridAllocator` (slow: for tests and debugging).
+
+``check_consistency(alloc)`` raises ``AssertionError`` naming the first broken invariant:
+
+- reference counts equal what running requests hold (block lists, private end checkpoints,
+  hit sources awaiting the commit); the null id is never held or cached;
+- an id held by two holders, or twice, is a cache entry (sharing only happens through the cache);
+- every allocation unit in use or cached belongs to one group at a time;
+- free lists hold exactly the free ids, cached ones in the LRU and the rest in the plain list;
+- cache maps are mutual inverses, every entry is in the prefix index with the id the pool has,
+  and every cached hash unit is covered by exactly the entries the index lists;
+- two-level pools: every large page is free, active (an id in use), or idle (no id in use, some
+  cached) and owned by at most one group; ids in use or cached lie in pages their group owns;
+- block tables equal the block lists.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING, Any
+
+from .block_pool import BlockPool
+from .two_level import TwoLevelPool
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .manager import HybridAllocator
+
+__all__ = ["check_consistency", "holdings"]
+
+
+def holdings(a: HybridAllocator) -> Counter:
+    """(id of the pool object, block id) -> references running requests hold."""
+    held: Counter = Counter()
+    for r in a.reqs.values():
+        for gid, blocks in enumerate(r.blocks):
+            for b in blocks:
+                if b:
+                    held[(id(a.pool[gid]), b)] += 1
+        for gid, (_, sid) in r.end_ckpt.items():
+            held[(id(a.pool[gid]), sid)] += 1
+        for gid, sid in r.sources:
+            held[(id(a.pool[gid]), sid)] += 1
+    return held
+
+
+def _refs(p: Any) -> dict[int, int]:
+    return {i: n for i, n in enumerate(p.ref) if n}
+
+
+def check_consistency(a: HybridAllocator) -> None:
+    views = {}
+    for gid in range(len(a.groups)):
+        views.setdefault(id(a.pool[gid]), a.pool[gid])
+    held = holdings(a)
+    actual = Counter()
+    for pid, p in views.items():
+        assert p.ref[0] == 0 and p.key_of(0) is None, f"{p.name}: the null id is in use"
+        for b, n in _refs(p).items():
+            actual[(pid, b)] = n
+    assert actual == held, f"reference counts differ from holdings: {actual ^ held}"
+    for (pid, b), n in held.items():
+        if n > 1:
+            assert views[pid].key_of(b) is not None, f"{views[pid].name}: id {b} shared, uncached"
+
+    # one group per allocation unit
+    owner: dict[tuple[str, int], int] = {}
+    for r in a.reqs.values():
+        for gid, blocks in enumerate(r.blocks):
+            for b in blocks:
+                if b:
+                    _own(a, owner, gid, b)
+        for gid, (_, sid) in r.end_ckpt.items():
+            _own(a, owner, gid, sid)
+    for p in views.values():
+        for key, bid in p.cached_items().items():
+            _own(a, owner, key[0], bid)
+
+    # free lists and cache maps
+    entries = a.index.entries
+    keys_in_pools = {}
+    for p in views.values():
+        cached = p.cached_items()
+        for key, bid in cached.items():
+            assert p.key_of(bid) == key, f"{p.name}: maps are not inverse at {bid}"
+            assert a.pool[key[0]] is p, f"{p.name}: key of group {key[0]} in the wrong pool"
+            keys_in_pools[key] = (p, bid)
+        assert len(set(p._plain) & set(p._lru)) == 0, f"{p.name}: id in both free lists"
+        for b in p._plain:
+            assert p.ref[b] == 0 and p.key_of(b) is None, f"{p.name}: plain id {b} held/cached"
+        for b in p._lru:
+            assert p.ref[b] == 0 and p.key_of(b) is not None, f"{p.name}: lru id {b} bad"
+        if isinstance(p, BlockPool):
+            free = {b for b in range(1, p.num_ids) if p.ref[b] == 0}
+            assert free == set(p._plain) | set(p._lru), f"{p.name}: free lists lost ids"
+    assert set(keys_in_pools) == set(entries), "prefix index and pools disagree on entries"
+    cover: dict[tuple[int, bytes], list[int]] = defaultdict(list)
+    for key, (bid, _, units, _) in entries.items():
+        assert keys_in_pools[key][1] == bid, f"entry {key!r} points to {bid}, pool disagrees"
+        assert key[1] == units[-1], "an entry is keyed by its last unit"
+        for u in units:
+            cover[(key[0], u)].append(bid)
+    assert set(cover) == set(a.index.holders) == set(a.index.parent), "unit index is stale"
+    for k, bids in cover.items():
+        assert sorted(bids) == sorted(a.index.holders[k]), f"unit {k!r} holders are wrong"
+
+    for pool in a._pools.values():
+        if isinstance(pool, TwoLevelPool):
+            _check_two_level(pool)
+
+    # block tables
+    for r in a.reqs.values():
+        tables = a.tables.gather([r.row])
+        for gid, blocks in enumerate(r.blocks):
+            row = tables[gid][0].tolist()
+            assert row[: len(blocks)] == blocks and not any(row[len(blocks) :]), (
+                f"block table row of {r.req_id!r} group {gid} is stale"
+            )
+
+
+def _own(a: HybridAllocator, owner: dict, gid: int, bid: int) -> None:
+    unit = a.plan.allocation_unit(gid, bid)
+    prev = owner.setdefault(unit, gid)
+    # Groups with the same kind of page may not share a unit either: each id is one group's.
+    assert prev == gid, f"allocation unit {unit} used by groups {prev} and {gid}"
+
+
+def _check_two_level(pool: TwoLevelPool) -> None:
+    owned: dict[int, int] = {}
+    for g, v in pool.views.items():
+        for page in v.pages:
+            assert page not in owned, f"large page {page} owned by groups {owned[page]} and {g}"
+            owned[page] = g
+            assert pool.page_owner[page] == g
+    for page in range(pool.num_pages):
+        free = page in pool.free_pages
+        assert free == (pool.page_owner[page] is None), f"page {page}: free list vs owner"
+        assert free == (page not in owned), f"page {page} free yet owned"
+    for g, v in pool.views.items():
+        k = v.k
+        for sid in range(v.num_ids):
+            if v.ref[sid] or v.key_of(sid) is not None:
+                assert pool.page_owner[sid // k] == g, f"id {sid} of g{g} outside its pages"
+        for page in v.pages:
+            ids = range(page * k, page * k + k)
+            in_use = sum(1 for s in ids if v.ref[s])
+            expect = in_use + (1 if page == 0 else 0)
+            assert pool.used[page] == expect, f"page {page}: used count {pool.used[page]}"
+            idle = page in v.idle_pages
+            assert idle == (page in pool.idle), f"page {page}: idle lists disagree"
+            if idle:
+                assert expect == 0 and any(v.key_of(s) is not None for s in ids)
+                assert not any(s in v._plain or s in v._lru for s in ids), "idle ids listed"
+            else:
+                assert expect > 0, f"page {page} of g{g} unused but neither idle nor free"
+                free_ids = {s for s in ids if not v.ref[s] and s != 0}
+                assert free_ids == {s for s in ids if s in v._plain or s in v._lru}

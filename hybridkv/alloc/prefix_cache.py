@@ -1,0 +1,299 @@
+"""Hybrid prefix caching: which hash units are cached, and how long a prefix every group can
+serve at once.
+
+**Entries and units.** A cached attention block of ``B`` tokens is keyed by its last hash unit
+and covers ``B / h`` units; a cached state checkpoint at token ``P`` is keyed by (and covers) the
+single unit ending at ``P``. :class:`PrefixIndex` counts, per ``(group, unit)``, the cached
+entries covering it, and emits KV events when a unit gains its first holder or loses its last
+one. Two blocks may share leading units (two prompts agreeing on 300 tokens of a 544-token
+block), so counting per unit is what keeps the event stream free of duplicates and of removals
+of units that are still cached.
+
+**Hit rules** (vLLM's ``find_longest_cache_hit`` fixed point, at hash-unit granularity):
+
+- full attention / MLA: every block before the hit, and with ``partial`` hits, a prefix of the
+  block holding the hit point (served by copying those tokens into a new block). Hits are
+  downward closed;
+- sliding window: the ``window - 1`` tokens before the hit point, in cached blocks (earlier blocks
+  are the null block); not downward closed, so candidates are scanned from the longest;
+- state: a checkpoint exactly at the hit point (the recurrent state cannot be rolled back).
+
+The hit is the longest length every group accepts: each group in turn shrinks the candidate until
+none does. It is at most ``len(prompt) - 1``: the last prompt token is always computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .block_pool import CacheKey
+from .events import MEDIUM_GPU, BlockRemoved, BlockStored
+
+__all__ = ["GroupRule", "PrefixIndex", "longest_hit"]
+
+UnitKey = tuple[int, bytes]
+
+
+class PrefixIndex:
+    """Cached hash units per group, their parent links, the entries covering them, and the KV
+    events describing every change."""
+
+    def __init__(self, hash_block_size: int, *, medium: str | None = MEDIUM_GPU) -> None:
+        self.h = hash_block_size
+        self.medium = medium
+        self.holders: dict[UnitKey, list[int]] = {}  # unit -> ids of the entries covering it
+        self.parent: dict[UnitKey, bytes | None] = {}
+        # entry key -> (id, first unit index, units covered, is a state checkpoint)
+        self.entries: dict[CacheKey, tuple[int, int, list[bytes], bool]] = {}
+        self.events: list[Any] = []
+        self.emit = True
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(
+        self,
+        key: CacheKey,
+        bid: int,
+        first_unit: int,
+        hashes: list[bytes],
+        num_units: int,
+        tokens: Any,
+        lora_id: int | None,
+        is_state: bool,
+    ) -> None:
+        """Record entry ``key`` (held in ``bid``) covering units ``first_unit ..
+        first_unit+num_units-1`` of a request's ``hashes``; emit BlockStored for new units."""
+        gid = key[0]  # type: ignore[index]
+        units = hashes[first_unit : first_unit + num_units]
+        self.entries[key] = (bid, first_unit, units, is_state)
+        holders, parent = self.holders, self.parent
+        if num_units == 1:  # every state checkpoint: the hot path of align mode
+            k = (gid, units[0])
+            lst = holders.get(k)
+            if lst is None:
+                holders[k] = [bid]
+                parent[k] = hashes[first_unit - 1] if first_unit else None
+                self._stored(gid, hashes, first_unit, 1, tokens, lora_id)
+            else:
+                lst.append(bid)
+            return
+        run_start = -1
+        for i, u in enumerate(units):
+            k = (gid, u)
+            lst = holders.get(k)
+            if lst is None:
+                holders[k] = [bid]
+                idx = first_unit + i
+                parent[k] = hashes[idx - 1] if idx else None
+                if run_start < 0:
+                    run_start = i
+            else:
+                lst.append(bid)
+                if run_start >= 0:  # a held unit after new ones: close the run
+                    start = first_unit + run_start
+                    self._stored(gid, hashes, start, i - run_start, tokens, lora_id)
+                    run_start = -1
+        if run_start >= 0:
+            self._stored(
+                gid, hashes, first_unit + run_start, num_units - run_start, tokens, lora_id
+            )
+
+    def add_checkpoints(
+        self,
+        gids_ids: list[tuple[int, int]],
+        unit: int,
+        hashes: list[bytes],
+        tokens: Any,
+        lora_id: int | None,
+    ) -> None:
+        """:meth:`add` for state checkpoints of several groups at one unit (one entry each).
+        A pack layout has one state group per layer (36 for Qwen3-Next), all checkpointing at
+        once, so this path shares the work the groups have in common."""
+        u = hashes[unit]
+        par = hashes[unit - 1] if unit else None
+        holders, parent, entries = self.holders, self.parent, self.entries
+        units = [u]
+        token_ids = None
+        for gid, bid in gids_ids:
+            k = (gid, u)
+            entries[k] = (bid, unit, units, True)
+            lst = holders.get(k)
+            if lst is not None:
+                lst.append(bid)
+                continue
+            holders[k] = [bid]
+            parent[k] = par
+            if self.emit:
+                if token_ids is None:
+                    token_ids = tokens[unit * self.h : (unit + 1) * self.h].tolist()
+                self._stored(gid, hashes, unit, 1, tokens, lora_id, token_ids)
+
+    def _stored(
+        self,
+        gid: int,
+        hashes: list[bytes],
+        start: int,
+        n: int,
+        tokens: Any,
+        lora_id: int | None,
+        token_ids: list[int] | None = None,
+    ) -> None:
+        if not self.emit:
+            return
+        h = self.h
+        if token_ids is None:
+            token_ids = tokens[start * h : (start + n) * h].tolist()
+        self.events.append(
+            BlockStored(
+                block_hashes=hashes[start : start + n],
+                parent_block_hash=hashes[start - 1] if start else None,
+                token_ids=token_ids,
+                block_size=h,
+                lora_id=lora_id,
+                medium=self.medium,
+                group_idx=gid,
+            )
+        )
+
+    def remove(self, key: CacheKey, bid: int) -> None:
+        """Entry ``key`` was evicted; emit BlockRemoved for units nothing covers any more."""
+        _, _, units, _ = self.entries.pop(key)
+        gid = key[0]  # type: ignore[index]
+        holders, parent = self.holders, self.parent
+        gone = []
+        for u in units:
+            k = (gid, u)
+            lst = holders[k]
+            if len(lst) == 1:
+                del holders[k]
+                del parent[k]
+                gone.append(u)
+            else:
+                lst.remove(bid)
+        if gone and self.emit:
+            self.events.append(BlockRemoved(block_hashes=gone, medium=self.medium, group_idx=gid))
+
+    def holder(self, gid: int, unit: bytes) -> int | None:
+        """An entry id covering ``unit`` of ``gid`` (for partial-block hits)."""
+        lst = self.holders.get((gid, unit))
+        return lst[0] if lst else None
+
+    def entry_info(self, key: CacheKey) -> tuple[int, bool]:
+        """(tokens of prefix the entry ends at, whether it is a state checkpoint)."""
+        _, first, units, is_state = self.entries[key]
+        return (first + len(units)) * self.h, is_state
+
+    def take_events(self) -> list[Any]:
+        out, self.events = self.events, []
+        return out
+
+    def clear(self) -> None:
+        self.holders.clear()
+        self.parent.clear()
+        self.entries.clear()
+
+    def units(self) -> dict[UnitKey, bytes | None]:
+        """Cached (group, unit) -> parent unit: what a subscriber's index must equal."""
+        return dict(self.parent)
+
+
+# ---- hit rules -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupRule:
+    """How one group serves hits: ``kind`` is ``full``, ``window`` or ``state``; ``step`` is the
+    token granularity of its hit points (the hash unit with partial hits, the block otherwise,
+    the checkpoint spacing for states)."""
+
+    gid: int
+    kind: str
+    block_size: int
+    step: int
+    window: int = 0
+
+
+Lookup = Callable[[int, bytes], int | None]  # (gid, unit hash) -> id of the entry keyed there
+
+
+def longest_hit(
+    rules: list[GroupRule],
+    hashes: list[bytes],
+    max_len: int,
+    h: int,
+    lookup: Lookup,
+    holder: Lookup,
+) -> int:
+    """The fixed point described in the module docstring, over ``rules``."""
+    curr = min(max_len, len(hashes) * h)
+    full_cache: dict[int, int] = {}
+    while True:
+        prev = curr
+        for rule in rules:
+            if curr == 0:
+                return 0
+            if rule.kind == "full":
+                if rule.gid not in full_cache:
+                    full_cache[rule.gid] = _full_prefix_h(rule, hashes, curr, h, lookup, holder)
+                a = full_cache[rule.gid]
+                curr = min(curr, a) // rule.step * rule.step
+            elif rule.kind == "window":
+                curr = _window_hit(rule, hashes, curr, h, lookup, holder)
+            else:
+                curr = _state_hit(rule, hashes, curr, h, lookup)
+        if curr == prev:
+            return curr
+
+
+def _full_prefix_h(
+    rule: GroupRule, hashes: list[bytes], limit: int, h: int, lookup: Lookup, holder: Lookup
+) -> int:
+    """Longest prefix <= ``limit`` served by a full-attention group (downward closed)."""
+    B, gid, s = rule.block_size, rule.gid, rule.block_size // h
+    nblocks = limit // B
+    n = 0
+    while n < nblocks and lookup(gid, hashes[(n + 1) * s - 1]) is not None:
+        n += 1
+    hit = n * B
+    if rule.step < B:  # partial hit inside block n, one step at a time
+        per = rule.step // h
+        i = n * s + per - 1
+        end = min((n + 1) * s, limit // h)
+        while i < end and holder(gid, hashes[i]) is not None:
+            hit = (i + 1) * h
+            i += per
+    return hit
+
+
+def _window_hit(
+    rule: GroupRule, hashes: list[bytes], limit: int, h: int, lookup: Lookup, holder: Lookup
+) -> int:
+    """Longest L <= ``limit`` (a multiple of ``step``) with the ``window - 1`` tokens before L
+    cached. One lookup per block, then a scan over runs of cached blocks."""
+    B, gid, s, W, step = rule.block_size, rule.gid, rule.block_size // h, rule.window, rule.step
+    nb = limit // B
+    run = [0] * (nb + 1)  # run[j]: cached full blocks ending just before block j
+    for j in range(nb):
+        run[j + 1] = run[j] + 1 if lookup(gid, hashes[(j + 1) * s - 1]) is not None else 0
+    L = limit // step * step
+    while L > 0:
+        first_block = max(0, L - W + 1) // B
+        last = L // B  # blocks [first_block, last) must be full and cached
+        # a hit inside a block needs a cached block agreeing with us up to L
+        ok = not L % B or holder(gid, hashes[L // h - 1]) is not None
+        if ok and (last <= first_block or run[last] >= last - first_block):
+            return L
+        L -= step
+    return 0
+
+
+def _state_hit(rule: GroupRule, hashes: list[bytes], limit: int, h: int, lookup: Lookup) -> int:
+    """Longest L <= ``limit`` with a checkpoint of this state group exactly at L."""
+    step, gid = rule.step, rule.gid
+    L = limit // step * step
+    while L > 0:
+        if lookup(gid, hashes[L // h - 1]) is not None:
+            return L
+        L -= step
+    return 0

@@ -1,0 +1,342 @@
+"""Two-level pool: large pages handed to one group at a time, split into that group's small ids.
+
+Large page ``p`` holds ids ``p*k .. p*k+k-1`` of a group with ``k`` ids per page. Each page is in
+exactly one of these states:
+
+- **free**: owned by nobody;
+- **active**: owned by a group, at least one id in use (page 0 is always active: it holds every
+  group's null id, stays with the first attention group and is never given back);
+- **idle**: owned, no id in use, some ids still hold cached blocks. Any group may reclaim it (its
+  cached entries are evicted); its owner may reactivate it and keep the cached entries it does
+  not need to overwrite.
+
+A page whose ids are all free and uncached goes straight back to the free pages, so memory moves
+between attention KV and recurrent states as the mix of requests changes.
+
+Free ids of active pages sit in the owner's ``plain`` (uncached, reused first) and ``lru``
+(cached, evicted oldest first) lists; ids of idle pages sit in no list. An allocation takes
+plain ids, then cached ids of active pages, then whole pages (free, then the owner's idle pages,
+then other groups' idle pages, oldest first). :meth:`TwoLevelPool.can_allocate` counts in
+exactly that order, which is what makes multi-group allocations all-or-nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from itertools import islice
+
+from .block_pool import CacheKey, Evictor, OnEvict
+from .errors import DoubleFree, PoolExhausted
+
+__all__ = ["GroupView", "TwoLevelPool"]
+
+
+class GroupView:
+    """One group's ids inside a :class:`TwoLevelPool`, with :class:`BlockPool`'s interface."""
+
+    def __init__(self, owner: TwoLevelPool, gid: int, k: int) -> None:
+        self.owner = owner
+        self.gid = gid
+        self.k = k
+        self.name = f"{owner.name}[g{gid}]"
+        self.num_ids = owner.num_pages * k
+        self.ref = [0] * self.num_ids
+        self._plain: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._key_to_id: dict[CacheKey, int] = {}
+        self._id_to_key: dict[int, CacheKey] = {}
+        self.pages: set[int] = set()
+        self.idle_pages: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.evictor: Evictor | None = None
+        self.evictor_window = 1
+        self.num_evictions = 0
+
+    # ---- capacity ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Ids this group could take now, evicting cached blocks and reclaiming pages."""
+        return len(self._plain) + len(self._lru) + self.k * self.owner.pages_available
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_to_id)
+
+    def can_allocate(self, n: int) -> bool:
+        return self.owner.can_allocate({self.gid: n})
+
+    def usage(self) -> float:
+        return self.owner.usage()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "pages": len(self.pages),
+            "idle_pages": len(self.idle_pages),
+            "used": sum(1 for r in self.ref if r),
+            "free_in_active_pages": len(self._plain),
+            "cached_free_in_active_pages": len(self._lru),
+            "cached": len(self._key_to_id),
+            "evictions": self.num_evictions,
+        }
+
+    # ---- pages ------------------------------------------------------------------------------
+    def _take_fresh_page(self, page: int) -> None:
+        self.pages.add(page)
+        self.owner.page_owner[page] = self.gid
+        self.owner.used[page] = 0
+        lo = page * self.k
+        plain = self._plain
+        for sid in range(lo + self.k - 1, lo - 1, -1):  # lowest id popped first
+            if sid:  # id 0 is the null id
+                plain[sid] = None
+
+    def _reactivate(self, page: int) -> None:
+        """An idle page of ours is needed again: its free ids rejoin the lists."""
+        del self.idle_pages[page]
+        del self.owner.idle[page]
+        lo = page * self.k
+        cached = self._id_to_key
+        for sid in range(lo + self.k - 1, lo - 1, -1):
+            if sid in cached:
+                self._lru[sid] = None
+            else:
+                self._plain[sid] = None
+
+    def _went_unused(self, page: int) -> None:
+        """The last id in use on ``page`` was freed: idle it or give it back."""
+        lo = page * self.k
+        cached = self._id_to_key
+        any_cached = False
+        for sid in range(lo, lo + self.k):
+            if sid in cached:
+                any_cached = True
+                del self._lru[sid]
+            else:
+                del self._plain[sid]
+        if any_cached:
+            self.idle_pages[page] = None
+            self.owner.idle[page] = None
+        else:
+            self._give_back(page)
+
+    def _give_back(self, page: int) -> None:
+        self.pages.discard(page)
+        self.owner.page_owner[page] = None
+        self.owner.free_pages[page] = None
+
+    def _surrender(self, page: int) -> None:
+        """Another group reclaims our idle ``page``: evict its cached entries."""
+        del self.idle_pages[page]
+        del self.owner.idle[page]
+        lo = page * self.k
+        for sid in range(lo, lo + self.k):
+            if sid in self._id_to_key:
+                self._drop_key(sid)
+        self.pages.discard(page)
+        self.owner.page_owner[page] = None
+
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        if not self.owner.can_allocate({self.gid: n}):
+            raise PoolExhausted(self.name, n, self.num_free)
+        return [self.allocate_one() for _ in range(n)]
+
+    def allocate_one(self) -> int:
+        if self._plain:
+            sid = self._plain.popitem()[0]
+        elif self._lru:
+            sid = self._pop_evict()
+        else:
+            self.owner.grant_page(self.gid)
+            return self.allocate_one()
+        self.ref[sid] = 1
+        self.owner.used[sid // self.k] += 1
+        return sid
+
+    def _pop_evict(self) -> int:
+        lru = self._lru
+        if self.evictor is None or len(lru) == 1:
+            sid = lru.popitem(last=False)[0]
+        else:
+            sid = self.evictor(list(islice(lru, self.evictor_window)))
+            del lru[sid]
+        self._drop_key(sid)
+        return sid
+
+    def _drop_key(self, sid: int) -> None:
+        key = self._id_to_key.pop(sid)
+        del self._key_to_id[key]
+        self.num_evictions += 1
+        if self.owner.on_evict is not None:
+            self.owner.on_evict(key, sid)
+
+    def free(self, ids: Iterable[int]) -> None:
+        ref, used, k = self.ref, self.owner.used, self.k
+        for sid in ids:
+            if sid == 0:
+                continue
+            r = ref[sid]
+            if r <= 0:
+                raise DoubleFree(f"block {sid} of {self.name!r}")
+            ref[sid] = r - 1
+            if r == 1:
+                if sid in self._id_to_key:
+                    self._lru[sid] = None
+                else:
+                    self._plain[sid] = None
+                page = sid // k
+                used[page] -= 1
+                if used[page] == 0:
+                    self._went_unused(page)
+
+    def touch(self, ids: Iterable[int]) -> None:
+        ref, used, k = self.ref, self.owner.used, self.k
+        for sid in ids:
+            if sid == 0:
+                continue
+            if ref[sid] == 0:
+                page = sid // k
+                if page in self.idle_pages:
+                    self._reactivate(page)
+                del self._lru[sid]
+                used[page] += 1
+            ref[sid] += 1
+
+    def refcount(self, sid: int) -> int:
+        return self.ref[sid]
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def lookup(self, key: CacheKey) -> int | None:
+        return self._key_to_id.get(key)
+
+    def key_of(self, sid: int) -> CacheKey | None:
+        return self._id_to_key.get(sid)
+
+    def cache(self, sid: int, key: CacheKey) -> bool:
+        if sid == 0 or key in self._key_to_id or sid in self._id_to_key:
+            return False
+        if self.ref[sid] <= 0:
+            raise ValueError(f"block {sid} of {self.name!r} is free; cache blocks while held")
+        self._key_to_id[key] = sid
+        self._id_to_key[sid] = key
+        return True
+
+    def uncache(self, sid: int) -> None:
+        if self.ref[sid] <= 0:
+            raise ValueError(f"block {sid} of {self.name!r} is free; only held ids are uncached")
+        if sid in self._id_to_key:
+            self._drop_key(sid)
+            self.num_evictions -= 1
+
+    def cached_items(self) -> dict[CacheKey, int]:
+        return dict(self._key_to_id)
+
+    def free_ids(self) -> set[int]:
+        """Free ids in active pages (for checks)."""
+        return set(self._plain) | set(self._lru)
+
+
+class TwoLevelPool:
+    """``num_pages`` large pages shared by ``ids_per_page`` groups; see the module docstring."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        ids_per_page: dict[int, int],
+        first_gid: int,
+        name: str = "pages",
+        on_evict: OnEvict | None = None,
+    ) -> None:
+        if num_pages < 2:
+            raise ValueError(f"two-level pool {name!r} needs at least 2 large pages")
+        self.name = name
+        self.num_pages = num_pages
+        self.on_evict = on_evict
+        self.page_owner: list[int | None] = [None] * num_pages
+        self.used = [0] * num_pages  # ids in use per page
+        self.free_pages: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))
+        self.idle: OrderedDict[int, None] = OrderedDict()  # every group's idle pages, oldest first
+        self.views = {g: GroupView(self, g, k) for g, k in ids_per_page.items()}
+        self.first_gid = first_gid
+        self.views[first_gid]._take_fresh_page(0)
+        self.used[0] = 1  # pinned: other groups' null ids live in page 0
+
+    def view(self, gid: int) -> GroupView:
+        return self.views[gid]
+
+    @property
+    def pages_available(self) -> int:
+        return len(self.free_pages) + len(self.idle)
+
+    def can_allocate(
+        self, needs: dict[int, int], touch: dict[int, list[int]] | None = None
+    ) -> bool:
+        """Whether every group ``g`` can get ``needs[g]`` new ids after ``touch[g]`` (cached ids a
+        hit will reference) left the free lists; counts pages in allocation order."""
+        pages = self.pages_available
+        demand = 0
+        for gid in set(needs) | set(touch or ()):
+            v = self.views[gid]
+            avail = len(v._plain) + len(v._lru)
+            revived: set[int] = set()
+            for sid in (touch or {}).get(gid, ()):
+                if sid == 0 or v.ref[sid]:
+                    continue
+                page = sid // v.k
+                if page in v.idle_pages and page not in revived:
+                    revived.add(page)
+                    pages -= 1
+                    avail += v.k
+                avail -= 1
+            rest = needs.get(gid, 0) - avail
+            if rest > 0:
+                demand += -(-rest // v.k)
+        return demand <= pages
+
+    def grant_page(self, gid: int) -> None:
+        """Give ``gid`` one more page: a free one, else its own idle page, else the oldest idle
+        page of another group (evicting the cached blocks on it)."""
+        v = self.views[gid]
+        if self.free_pages:
+            page = self.free_pages.popitem(last=False)[0]
+            v._take_fresh_page(page)
+        elif v.idle_pages:
+            v._reactivate(next(iter(v.idle_pages)))
+        elif self.idle:
+            page = next(iter(self.idle))
+            owner = self.page_owner[page]
+            assert owner is not None and owner != gid
+            self.views[owner]._surrender(page)
+            v._take_fresh_page(page)
+        else:
+            raise PoolExhausted(self.name, v.k, 0)
+
+    def evict_all_free(self) -> int:
+        """Drop every cached entry no request holds; idle pages go back to the free pages."""
+        n = 0
+        for v in self.views.values():
+            for page in list(v.idle_pages):
+                n += sum(1 for sid in range(page * v.k, page * v.k + v.k) if sid in v._id_to_key)
+                v._surrender(page)
+                self.free_pages[page] = None
+            while v._lru:
+                sid = v._lru.popitem(last=False)[0]
+                v._drop_key(sid)
+                v._plain[sid] = None
+                n += 1
+        return n
+
+    def usage(self) -> float:
+        """Fraction of large pages (page 0 excluded) with an id in use."""
+        return 1.0 - self.pages_available / (self.num_pages - 1)
+
+    def stats(self) -> dict[str, int]:
+        out = {
+            "pages": self.num_pages - 1,
+            "free_pages": len(self.free_pages),
+            "idle_pages": len(self.idle),
+        }
+        for g, v in self.views.items():
+            out[f"g{g}_pages"] = len(v.pages)
+            out[f"g{g}_cached"] = v.num_cached
+        return out
