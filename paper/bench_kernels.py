@@ -5,6 +5,9 @@ On a GPU it times, with CUDA events, over shapes from the zoo:
 - paged decode attention on every layout's real pages (a plan is made and allocated, and the
   kernel reads one attention layer's views), on a plain unpacked ``[blocks, 16, H, D]`` cache, and
   PyTorch's SDPA on contiguous K/V (the bandwidth a non-paged kernel gets);
+- absorbed MLA decode on Kimi-Linear's latent pages in every layout;
+- FlexAttention over PyTorch's own paged cache (``torch.nn.attention.experimental``), where the
+  installed torch has it (failures are listed in the JSON's ``flex_errors``);
 - the state gather / scatter kernels on a GDN or Mamba-2 state pool inside padded pages;
 - the cache-write kernel;
 
@@ -41,6 +44,7 @@ import triton
 from hybridkv import models
 from hybridkv.layouts import make_plan
 from hybridkv_kernels.cache_write import write_kv_cache
+from hybridkv_kernels.mla_decode import mla_decode_attention
 from hybridkv_kernels.paged_decode import paged_decode_attention
 from hybridkv_kernels.state_copy import gather_states, scatter_states
 
@@ -52,6 +56,10 @@ MODELS = {
     "nemotron-h-8b": ([1, 8, 32, 128, 256], [1024, 8192, 32768, 131072]),
 }
 QUICK = {"qwen3.5-0.8b": ([1, 2], [64, 200])}
+#: MLA + linear attention (KDA): the latent-cache decode kernel on every layout
+MLA_MODEL = "kimi-linear-48b-a3b"
+MLA_SHAPES = ([1, 32, 128], [8192, 32768])
+MLA_QUICK = ([1], [130])
 
 
 def _time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -117,6 +125,73 @@ def _decode_case(model_name, layout, batch, ctx, device, dtype, reps):
     # bytes one layer's decode must read: K and V of every request (plus q and out, negligible)
     moved = batch * ctx * hkv * 2 * d * k_cache.element_size()
     return {"block_size": block_size, "seconds": seconds, "bytes": moved, "hq": hq, "hkv": hkv}
+
+
+def _mla_case(layout, batch, ctx, device, dtype, reps):
+    """Absorbed MLA decode over one MLA layer's latent view in a real plan of Kimi-Linear."""
+    model = models.load(MLA_MODEL, kv_dtype="bfloat16" if dtype == torch.bfloat16 else "float16")
+    spec = model.attention_layers[0].spec
+    probe = make_plan(model, layout, memory=1 << 50, max_num_seqs=batch)
+    unit = max(p.block_bytes for p in probe.pools)
+    kv_bytes = batch * ctx * model.kv_bytes_per_token
+    memory = int(probe.capacity.state_reserved_bytes + 1.05 * kv_bytes + 4 * unit)
+    plan = make_plan(model, layout, memory=memory, max_num_seqs=batch)
+    buffers = plan.allocate(device, fill=0)
+    cache, _ = plan.kv_views(buffers, model.attention_layers[0].name)
+    cache.normal_()
+    per_req = math.ceil(ctx / plan.block_size)
+    usable = cache.shape[0] - 1
+    if batch * per_req > usable:
+        return None
+    ids = torch.randperm(usable, device=device)[: batch * per_req] + 1
+    tables = ids.view(batch, per_req).to(torch.int32)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    heads = spec.num_heads // spec.tp_size
+    q_nope = torch.randn(batch, heads, spec.kv_lora_rank, device=device).to(dtype)
+    q_pe = torch.randn(batch, heads, spec.qk_rope_head_dim, device=device).to(dtype)
+    scale = (spec.kv_lora_rank + spec.qk_rope_head_dim) ** -0.5
+    fn = lambda: mla_decode_attention(q_nope, q_pe, cache, tables, seq, scale, max_seq_len=ctx)
+    seconds = _time(fn, device, reps)
+    moved = batch * ctx * spec.latent_dim * cache.element_size()
+    return {"block_size": plan.block_size, "seconds": seconds, "bytes": moved, "hq": heads}
+
+
+def _flex_paged_case(model_name, batch, ctx, device, dtype, reps):
+    """PyTorch FlexAttention over its own paged cache (``torch.nn.attention.experimental``),
+    compiled; None where this torch or device lacks it."""
+    try:
+        from torch.nn.attention.experimental._paged_attention import PagedAttention
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    model = models.load(model_name)
+    spec = model.attention_layers[0].spec
+    hq, hkv, d = spec.heads_per_rank, spec.kv_heads_per_rank, spec.head_dim
+    page = 128  # flex's KV block: one page per KV block
+    per_req = math.ceil(ctx / page)
+    n_pages = batch * per_req
+    paged = PagedAttention(n_pages, page, batch, device=str(device))
+    for b in range(batch):  # shuffled pages, as an allocator hands them out
+        paged.reserve(torch.tensor(b, device=device), torch.tensor(ctx, device=device))
+    k_cache = torch.randn(1, hkv, n_pages * page, d, device=device).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    logical = create_block_mask(
+        lambda b, h, q_idx, kv_idx: kv_idx < ctx,
+        batch,
+        None,
+        1,
+        per_req * page,
+        device=str(device),
+        BLOCK_SIZE=page,
+    )
+    mask = paged.convert_logical_block_mask(logical)
+    score_mod = paged.get_score_mod(None)
+    flex = torch.compile(flex_attention)
+    q = torch.randn(batch, hq, 1, d, device=device).to(dtype)
+    fn = lambda: flex(q, k_cache, v_cache, score_mod=score_mod, block_mask=mask, enable_gqa=True)
+    fn()
+    seconds = _time(fn, device, reps)
+    return {"block_size": page, "seconds": seconds, "bytes": batch * ctx * hkv * 2 * d * 2}
 
 
 def _sdpa_case(model_name, batch, ctx, device, dtype, reps):
@@ -237,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         else 1 << 28
     )
     rows = []
+    flex_errors: list[str] = []
     for model_name, (batches, contexts) in (QUICK if quick else MODELS).items():
         kv_per_token = models.load(model_name).kv_bytes_per_token
         for batch in batches:
@@ -256,6 +332,23 @@ def main(argv: list[str] | None = None) -> int:
                                 **r,
                             }
                         )
+                if device.type == "cuda":  # compiling flex on the CPU takes minutes
+                    try:
+                        r = _flex_paged_case(model_name, batch, ctx, device, dtype, reps)
+                    except Exception as e:  # experimental API: record why, keep benchmarking
+                        flex_errors.append(f"{model_name} B={batch} ctx={ctx}: {e!r}"[:300])
+                        r = None
+                    if r is not None:
+                        rows.append(
+                            {
+                                "kernel": "flex_paged",
+                                "model": model_name,
+                                "layout": "flex",
+                                "batch": batch,
+                                "context": ctx,
+                                **r,
+                            }
+                        )
                 r = _sdpa_case(model_name, batch, ctx, device, dtype, reps)
                 rows.append(
                     {
@@ -268,6 +361,24 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
                 print(f"{model_name} B={batch} ctx={ctx} done", file=sys.stderr)
+    mla_kv = models.load(MLA_MODEL).kv_bytes_per_token
+    for batch in (MLA_QUICK if quick else MLA_SHAPES)[0]:
+        for ctx in (MLA_QUICK if quick else MLA_SHAPES)[1]:
+            if batch * ctx * mla_kv > limit:
+                continue
+            for layout in LAYOUTS:
+                r = _mla_case(layout, batch, ctx, device, dtype, reps)
+                if r is not None:
+                    rows.append(
+                        {
+                            "kernel": "mla_decode",
+                            "model": MLA_MODEL,
+                            "layout": layout,
+                            "batch": batch,
+                            "context": ctx,
+                            **r,
+                        }
+                    )
     rows.extend(_state_cases(device, reps, quick))
     rows.append(_write_case(device, dtype, reps, quick))
     for r in rows:
@@ -284,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
         "dtype": str(dtype),
+        "flex_errors": flex_errors,
     }
     tag = "cpu-interpreter" if device.type == "cpu" else name.replace(" ", "-")
     (out_dir / f"kernels-{tag}.json").write_text(

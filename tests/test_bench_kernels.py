@@ -15,7 +15,8 @@ def test_bench_kernels_quick(tmp_path):
     (path,) = tmp_path.glob("kernels-*.json")
     data = json.loads(path.read_text())
     kernels = {r["kernel"] for r in data["rows"]}
-    assert {"paged_decode", "sdpa_contiguous", "gather_states", "write_kv_cache"} <= kernels
+    want = {"paged_decode", "sdpa_contiguous", "gather_states", "write_kv_cache", "mla_decode"}
+    assert want <= kernels
     layouts = {r["layout"] for r in data["rows"] if r["kernel"] == "paged_decode"}
     assert layouts == {"unpacked", "inflate", "pack", "aggregate", "per_group", "two_level"}
     assert data["meta"]["interpreter"] is True

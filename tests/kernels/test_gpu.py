@@ -61,3 +61,24 @@ def test_fp8_write_rounds_like_torch():
     write_kv_cache(key, value, k8, v8, slots, ks, vs)
     write_kv_cache_ref(key, value, kr, vr, slots, ks, vs)
     assert torch.equal(b8.view(torch.uint8), r8.view(torch.uint8))
+
+
+@pytest.mark.parametrize("lens", [[1, 300, 4097], [16384]], ids=["mixed", "long"])
+def test_bf16_mla_decode(lens):
+    from hybridkv_kernels.mla_decode import mla_decode_attention, mla_decode_attention_ref
+
+    from .test_mla_decode import _tables
+
+    dtype, heads, dc, dr, bs = torch.bfloat16, 16, 512, 64, 64
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    cache = torch.full((num_blocks, bs, 1, dc + dr), float("nan"), dtype=dtype)
+    tables = _tables(cache, lens, dtype).cuda()
+    cache = cache.cuda()
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q_nope = torch.randn(len(lens), heads, dc, device="cuda", dtype=dtype)
+    q_pe = torch.randn(len(lens), heads, dr, device="cuda", dtype=dtype)
+    scale = (dc + dr) ** -0.5
+    got = mla_decode_attention(q_nope, q_pe, cache, tables, seq, scale)
+    want = mla_decode_attention_ref(q_nope, q_pe, cache, tables, seq, scale)
+    assert not got.isnan().any()
+    assert (got.float() - want.float()).abs().max() < 2e-2
