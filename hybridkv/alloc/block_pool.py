@@ -27,10 +27,84 @@ CacheKey = Hashable  # (group_id, hash of the last hash unit the entry covers)
 OnEvict = Callable[[CacheKey, int], None]
 Evictor = Callable[[list[int]], int]
 
-__all__ = ["BlockPool", "CacheKey", "Evictor", "OnEvict"]
+__all__ = ["BlockPool", "CacheKey", "Evictor", "IdCache", "OnEvict"]
 
 
-class BlockPool:
+class IdCache:
+    """What :class:`BlockPool` and a two-level pool's group view share: reference counts, the
+    LRU of cached free ids with its optional evictor, and the key <-> id cache map. Subclasses
+    set ``name``, ``ref``, ``_plain``, ``_lru``, ``_key_to_id``, ``_id_to_key``, ``on_evict``,
+    ``evictor``, ``evictor_window`` and ``num_evictions``."""
+
+    name: str
+    ref: list[int]
+    _plain: OrderedDict[int, None]
+    _lru: OrderedDict[int, None]
+    _key_to_id: dict[CacheKey, int]
+    _id_to_key: dict[int, CacheKey]
+    on_evict: OnEvict | None
+    evictor: Evictor | None
+    evictor_window: int
+    num_evictions: int
+
+    def _pop_evict(self) -> int:
+        lru = self._lru
+        if not lru:
+            raise PoolExhausted(self.name, 1, 0)
+        if self.evictor is None or len(lru) == 1:
+            bid = lru.popitem(last=False)[0]
+        else:
+            bid = self.evictor(list(islice(lru, self.evictor_window)))
+            del lru[bid]
+        self._drop_key(bid)
+        return bid
+
+    def _drop_key(self, bid: int) -> None:
+        key = self._id_to_key.pop(bid)
+        del self._key_to_id[key]
+        self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key, bid)
+
+    def refcount(self, bid: int) -> int:
+        return self.ref[bid]
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def lookup(self, key: CacheKey) -> int | None:
+        return self._key_to_id.get(key)
+
+    def key_of(self, bid: int) -> CacheKey | None:
+        return self._id_to_key.get(bid)
+
+    def cache(self, bid: int, key: CacheKey) -> bool:
+        """Record that ``bid`` (held by a request) holds ``key``. False, changing nothing, when
+        the key is cached already (another block computed the same tokens: vLLM keeps such
+        duplicates uncached so block tables stay append-only) or the id holds another key."""
+        if bid == 0 or key in self._key_to_id or bid in self._id_to_key:
+            return False
+        if self.ref[bid] <= 0:
+            raise ValueError(f"block {bid} of {self.name!r} is free; cache blocks while held")
+        self._key_to_id[key] = bid
+        self._id_to_key[bid] = key
+        return True
+
+    def uncache(self, bid: int) -> None:
+        """Forget a held id's cache entry (its content is about to be overwritten)."""
+        if self.ref[bid] <= 0:
+            raise ValueError(f"block {bid} of {self.name!r} is free; only held ids are uncached")
+        if bid in self._id_to_key:
+            self._drop_key(bid)
+            self.num_evictions -= 1  # an overwrite, not a capacity eviction
+
+    def cached_items(self) -> dict[CacheKey, int]:
+        return dict(self._key_to_id)
+
+    def free_ids(self) -> set[int]:
+        """Every free id an allocation could take without new pages (for checks)."""
+        return set(self._plain) | set(self._lru)
+
+
+class BlockPool(IdCache):
     """Ids ``1..num_ids-1`` of one id space. A shared pool serves several groups at once: cache
     keys carry the group id, and an id serves one group at a time."""
 
@@ -110,25 +184,6 @@ class BlockPool:
         self.ref[bid] = 1
         return bid
 
-    def _pop_evict(self) -> int:
-        lru = self._lru
-        if not lru:
-            raise PoolExhausted(self.name, 1, 0)
-        if self.evictor is None or len(lru) == 1:
-            bid = lru.popitem(last=False)[0]
-        else:
-            bid = self.evictor(list(islice(lru, self.evictor_window)))
-            del lru[bid]
-        self._drop_key(bid)
-        return bid
-
-    def _drop_key(self, bid: int) -> None:
-        key = self._id_to_key.pop(bid)
-        del self._key_to_id[key]
-        self.num_evictions += 1
-        if self.on_evict is not None:
-            self.on_evict(key, bid)
-
     def free(self, ids: Iterable[int]) -> None:
         """Drop one reference from each id (0 is skipped). Pass a request's blocks tail first."""
         ref = self.ref
@@ -155,39 +210,6 @@ class BlockPool:
                 del self._lru[bid]
             ref[bid] += 1
 
-    def refcount(self, bid: int) -> int:
-        return self.ref[bid]
-
-    # ---- prefix cache -----------------------------------------------------------------------
-    def lookup(self, key: CacheKey) -> int | None:
-        return self._key_to_id.get(key)
-
-    def key_of(self, bid: int) -> CacheKey | None:
-        return self._id_to_key.get(bid)
-
-    def cache(self, bid: int, key: CacheKey) -> bool:
-        """Record that ``bid`` (held by a request) holds ``key``. False, changing nothing, when
-        the key is cached already (another block computed the same tokens: vLLM keeps such
-        duplicates uncached so block tables stay append-only) or the id holds another key."""
-        if bid == 0 or key in self._key_to_id or bid in self._id_to_key:
-            return False
-        if self.ref[bid] <= 0:
-            raise ValueError(f"block {bid} of {self.name!r} is free; cache blocks while held")
-        self._key_to_id[key] = bid
-        self._id_to_key[bid] = key
-        return True
-
-    def uncache(self, bid: int) -> None:
-        """Forget a held id's cache entry (its content is about to be overwritten)."""
-        if self.ref[bid] <= 0:
-            raise ValueError(f"block {bid} of {self.name!r} is free; only held ids are uncached")
-        if bid in self._id_to_key:
-            self._drop_key(bid)
-            self.num_evictions -= 1  # an overwrite, not a capacity eviction
-
-    def cached_items(self) -> dict[CacheKey, int]:
-        return dict(self._key_to_id)
-
     def evict_all_free(self) -> int:
         """Drop every cached entry that no request holds; returns how many."""
         n = 0
@@ -197,7 +219,3 @@ class BlockPool:
             self._plain[bid] = None
             n += 1
         return n
-
-    def free_ids(self) -> set[int]:
-        """Every id an allocation could take (for checks)."""
-        return set(self._plain) | set(self._lru)

@@ -24,15 +24,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from itertools import islice
 
-from .block_pool import CacheKey, Evictor, OnEvict
+from .block_pool import CacheKey, Evictor, IdCache, OnEvict
 from .errors import DoubleFree, PoolExhausted
 
 __all__ = ["GroupView", "TwoLevelPool"]
 
 
-class GroupView:
+class GroupView(IdCache):
     """One group's ids inside a :class:`TwoLevelPool`, with :class:`BlockPool`'s interface."""
 
     def __init__(self, owner: TwoLevelPool, gid: int, k: int) -> None:
@@ -51,6 +50,7 @@ class GroupView:
         self.evictor: Evictor | None = None
         self.evictor_window = 1
         self.num_evictions = 0
+        self.on_evict = owner.on_evict
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -153,23 +153,6 @@ class GroupView:
         self.owner.used[sid // self.k] += 1
         return sid
 
-    def _pop_evict(self) -> int:
-        lru = self._lru
-        if self.evictor is None or len(lru) == 1:
-            sid = lru.popitem(last=False)[0]
-        else:
-            sid = self.evictor(list(islice(lru, self.evictor_window)))
-            del lru[sid]
-        self._drop_key(sid)
-        return sid
-
-    def _drop_key(self, sid: int) -> None:
-        key = self._id_to_key.pop(sid)
-        del self._key_to_id[key]
-        self.num_evictions += 1
-        if self.owner.on_evict is not None:
-            self.owner.on_evict(key, sid)
-
     def free(self, ids: Iterable[int]) -> None:
         ref, used, k = self.ref, self.owner.used, self.k
         for sid in ids:
@@ -201,39 +184,6 @@ class GroupView:
                 del self._lru[sid]
                 used[page] += 1
             ref[sid] += 1
-
-    def refcount(self, sid: int) -> int:
-        return self.ref[sid]
-
-    # ---- prefix cache -----------------------------------------------------------------------
-    def lookup(self, key: CacheKey) -> int | None:
-        return self._key_to_id.get(key)
-
-    def key_of(self, sid: int) -> CacheKey | None:
-        return self._id_to_key.get(sid)
-
-    def cache(self, sid: int, key: CacheKey) -> bool:
-        if sid == 0 or key in self._key_to_id or sid in self._id_to_key:
-            return False
-        if self.ref[sid] <= 0:
-            raise ValueError(f"block {sid} of {self.name!r} is free; cache blocks while held")
-        self._key_to_id[key] = sid
-        self._id_to_key[sid] = key
-        return True
-
-    def uncache(self, sid: int) -> None:
-        if self.ref[sid] <= 0:
-            raise ValueError(f"block {sid} of {self.name!r} is free; only held ids are uncached")
-        if sid in self._id_to_key:
-            self._drop_key(sid)
-            self.num_evictions -= 1
-
-    def cached_items(self) -> dict[CacheKey, int]:
-        return dict(self._key_to_id)
-
-    def free_ids(self) -> set[int]:
-        """Free ids in active pages (for checks)."""
-        return set(self._plain) | set(self._lru)
 
 
 class TwoLevelPool:
