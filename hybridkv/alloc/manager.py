@@ -195,7 +195,10 @@ class HybridAllocator:
                     p.evictor = MarconiEvictor(p, self.index, plan, marconi_alpha)
                     p.evictor_window = max(1, eviction_window)
         self.reqs: dict[Any, _Request] = {}
-        self.tables = BlockTables(len(self.groups))
+        # a state group's row is its running slot and spares: a fixed width
+        self.tables = BlockTables(
+            len(self.groups), fixed={g: max(1, self.slots_per_seq) for g in self._state}
+        )
         self._freed: OrderedDict[Any, None] = OrderedDict()
         self._dirty: dict[Any, _Request] = {}  # allocated this step: commit has work
         self._sourced: dict[Any, _Request] = {}  # hold hit sources until the commit
@@ -509,8 +512,12 @@ class HybridAllocator:
             for r in self._sourced.values():
                 self._release_sources(r)
             self._sourced.clear()
-        for pool, sid in held:
-            pool.free((sid,))
+        if held:
+            by_pool: dict[int, tuple[Any, list[int]]] = {}
+            for pool, sid in held:
+                by_pool.setdefault(id(pool), (pool, []))[1].append(sid)
+            for pool, sids in by_pool.values():
+                pool.free(sids)
         return copies
 
     def _commit(self, r: _Request, copies: list, held: list) -> None:
