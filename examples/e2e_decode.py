@@ -1,7 +1,10 @@
-"""Tiny random Bamba from transformers plus its hybridkv memory plan for every layout.
+"""Serve a tiny random Bamba (Mamba-2 + attention) and Qwen3-Next (Gated DeltaNet + attention)
+out of hybridkv memory plans, and check the tokens against transformers alone.
 
-Paged attention / state-slot decoding through hybridkv is not wired yet; this shows the pieces.
-Run: python examples/e2e_decode.py
+Block ids come from HybridAllocator; K/V live in the plan's pages (write_kv_cache,
+paged_prefill_attention, paged_decode_attention), recurrent states in its state slots
+(gather/scatter/copy_states); the second request reuses the first one's cached prefix.
+Run: python examples/e2e_decode.py   (CPU: the Triton interpreter, a few seconds per layout)
 """
 
 import os
@@ -11,34 +14,31 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from hybridkv.e2e import build_tiny_model, make_tiny_plan, tiny_bamba_config
+from hybridkv.e2e import (
+    build_tiny_model,
+    make_tiny_plan,
+    tiny_bamba_config,
+    tiny_qwen3_next_config,
+)
+from hybridkv.e2e.engine import Engine, hf_greedy
 from hybridkv.layouts import LAYOUTS
 
-cfg = tiny_bamba_config()
-model = build_tiny_model(cfg)
-prompt = torch.tensor([[1, 5, 9, 2, 7]])
-with torch.no_grad():
-    out = model.generate(prompt, max_new_tokens=8, do_sample=False)
-print("transformers greedy tokens:", out[0].tolist())
-for layout in LAYOUTS:
-    plan = make_tiny_plan(cfg, layout)
-    bufs = plan.allocate("cpu")
-    k, _ = plan.kv_views(bufs, "layers.1.attn")
-    conv = plan.state_views(bufs, "layers.0.mixer")["conv"]
-    print(f"{layout:10s} k_cache {tuple(k.shape)}  conv slots {tuple(conv.shape)}")
-
-# Prefill logits with attention through write_kv_cache + paged_prefill_attention (per_group plan).
-from hybridkv.e2e import attn  # noqa: E402
-
-plan = make_tiny_plan(cfg, "per_group")
-bufs = plan.allocate("cpu")
-with torch.no_grad():
-    ref = model(prompt).logits
-attn.register()
-attn.set_context(attn.PagedContext(plan, bufs, torch.tensor([[1]])))
-for m in model.modules():
-    if hasattr(m, "config"):
-        m.config._attn_implementation = attn.ATTN_NAME
-with torch.no_grad():
-    got = model(prompt).logits
-print("paged prefill vs transformers max abs diff:", (got - ref).abs().max().item())
+prefix = list(range(1, 51))
+prompts = {"a": [*prefix, 7, 7], "b": [*prefix, 9], "c": [5, 3, 8]}
+for make_config in (tiny_bamba_config, tiny_qwen3_next_config):
+    cfg = make_config()
+    model = build_tiny_model(cfg)
+    ref = {rid: hf_greedy(model, p, 6)[0] for rid, p in prompts.items()}
+    for layout in LAYOUTS:
+        plan = make_tiny_plan(cfg, layout, state_slots_per_seq=2, cache_state_slots=4)
+        engine = Engine(model, plan)  # cache memory starts as NaN: unwritten reads would show
+        engine.add_request("a", prompts["a"], 6)
+        engine.step()  # "a" prefills (and checkpoints its state) before "b" arrives
+        out = engine.generate({"b": prompts["b"], "c": prompts["c"]}, 6)
+        out["a"] = engine.finished["a"].output
+        hit = engine.finished["b"].hits[0]
+        print(
+            f"{cfg.model_type:10s} {layout:10s} block {plan.block_size:2d}  "
+            f"same tokens as transformers: {out == ref}  "
+            f"b reused {hit.num_cached_tokens} tokens, {len(hit.state_copies)} state checkpoint(s)"
+        )

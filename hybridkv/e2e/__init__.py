@@ -1,31 +1,83 @@
-"""End-to-end scaffolding: tiny randomly initialised hybrid models from transformers and their
-hybridkv memory plans. Prefill attention through paged pages is in `attn.py`; decode and
-state slots are not wired yet."""
+"""End to end: tiny randomly initialised hybrid models from transformers served out of hybridkv
+memory plans.
+
+- :func:`tiny_bamba_config` (Mamba-2 + attention) and :func:`tiny_qwen3_next_config` (Gated
+  DeltaNet + attention, small MoE): a few layers, small widths, fp32, built with a fixed seed by
+  :func:`build_tiny_model` (no downloads).
+- :func:`make_tiny_plan`: the model's :class:`~hybridkv.plan.MemoryPlan`, read from the HF config
+  by :func:`hybridkv.models.from_hf_config`.
+- :mod:`.attn`: attention through transformers' ``AttentionInterface``: K/V written into the
+  plan's pages by ``write_kv_cache``, read by ``paged_prefill_attention`` or
+  ``paged_decode_attention``.
+- :mod:`.engine`: :class:`~.engine.Engine`, a small continuous-batching server over
+  :class:`~hybridkv.alloc.HybridAllocator` (block ids, prefix hits, state checkpoints,
+  preemption), with the recurrent states living in the plan's state slots; and
+  :func:`~.engine.hf_greedy`, the same model run by transformers alone, as the reference.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+__all__ = [
+    "build_tiny_model",
+    "hybrid_model_for",
+    "make_tiny_plan",
+    "tiny_bamba_config",
+    "tiny_qwen3_next_config",
+]
 
-def tiny_bamba_config():
-    """A shrunk Bamba config: 2 layers (mamba, attention), hidden 64, head_dim 16, vocab 128."""
+
+def tiny_bamba_config(num_layers: int = 4):
+    """A shrunk Bamba config: Mamba-2 on even layers, attention on odd ones; hidden 64,
+    head_dim 16, vocab 128."""
     from transformers import BambaConfig
 
     return BambaConfig(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        attn_layer_indices=[1],
+        attn_layer_indices=list(range(1, num_layers, 2)),
         mamba_n_heads=4,
         mamba_d_head=32,
         mamba_n_groups=1,
         mamba_d_state=16,
         mamba_d_conv=4,
         mamba_expand=2,
-        max_position_embeddings=256,
+        mamba_chunk_size=32,  # the default 256 pads every short prefill to 256 in the torch scan
+        max_position_embeddings=512,
+    )
+
+
+def tiny_qwen3_next_config(num_layers: int = 4):
+    """A shrunk Qwen3-Next config: Gated DeltaNet on even layers, gated attention on odd ones,
+    a 4-expert MoE (top 2) with a shared expert; hidden 64, head_dim 16, vocab 128."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        full_attention_interval=2,
+        max_position_embeddings=512,
     )
 
 
@@ -37,12 +89,23 @@ def build_tiny_model(config, seed: int = 0):
     return AutoModelForCausalLM.from_config(config).float().eval()
 
 
-def make_tiny_plan(config, layout: str, *, memory="4MiB", max_num_seqs: int = 4):
-    """hybridkv memory plan for the tiny model's config."""
-    from hybridkv.layouts import make_plan
+def hybrid_model_for(config):
+    """The :class:`~hybridkv.models.HybridModel` of an HF config, with fp32 caches."""
     from hybridkv.models import from_hf_config
 
     d = config.to_dict()
     d["torch_dtype"] = d["dtype"] = "float32"  # else the plan assumes bf16 pages
-    model = from_hf_config(d)
-    return make_plan(model, layout, memory=memory, max_num_seqs=max_num_seqs, block_size=16)
+    return from_hf_config(d)
+
+
+def make_tiny_plan(
+    config, layout: str, *, memory: int | str = "4MiB", max_num_seqs: int = 4, **kwargs: Any
+):
+    """hybridkv memory plan for the tiny model's config (``kwargs`` go to ``make_plan``, e.g.
+    ``state_slots_per_seq=2`` for prefix caching)."""
+    from hybridkv.layouts import make_plan
+
+    kwargs.setdefault("block_size", 16)
+    return make_plan(
+        hybrid_model_for(config), layout, memory=memory, max_num_seqs=max_num_seqs, **kwargs
+    )

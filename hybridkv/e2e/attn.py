@@ -1,20 +1,47 @@
-"""Prefill-only paged attention for transformers' attention registry (single-step, no decode yet).
+"""Paged attention for transformers' attention registry (``ATTN_NAME``).
 
-K/V of each attention layer are written into the plan's pages with ``write_kv_cache`` and read
-back with ``paged_prefill_attention``. Block ids come from ``ctx.block_table`` (one row per
-sequence in the batch).
+Each attention layer writes its new K/V into the plan's pages with ``write_kv_cache`` and reads
+the whole context back from the pages: ``paged_decode_attention`` when every request of the
+batch brings one token, ``paged_prefill_attention`` (causal over cached prefix + new tokens)
+otherwise. The K/V transformers hands over are only the new tokens; whatever HF cache object
+the model was given keeps nothing that this function reads.
+
+Per-forward inputs come from a :class:`PagedContext` set with :func:`set_context`: the block
+table of every KV cache group (one row per request) and each request's number of tokens already
+in the cache, so that request ``b``'s token ``t`` sits at position ``start[b] + t``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 ATTN_NAME = "hybridkv_paged"
 
 
+@dataclass
 class PagedContext:
-    def __init__(self, plan, buffers, block_tables: torch.Tensor):
-        self.plan, self.buffers, self.block_tables = plan, buffers, block_tables
+    """``block_tables``: one int32 ``[B, max_blocks]`` table per KV cache group (a single
+    tensor serves every group); ``start``: ``[B]`` tokens already cached per request (None: 0).
+    ``views``: ``layer index -> (k_cache, v_cache, group id)``; filled lazily from the plan."""
+
+    plan: object
+    buffers: dict[str, torch.Tensor]
+    block_tables: list[torch.Tensor] | torch.Tensor
+    start: torch.Tensor | None = None
+    views: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if idx not in self.views:
+            name = f"layers.{idx}.attn"
+            k, v = self.plan.kv_views(self.buffers, name)  # type: ignore[attr-defined]
+            self.views[idx] = (k, v, self.plan.placement(name).group_id)  # type: ignore[attr-defined]
+        return self.views[idx]
+
+    def table(self, group_id: int) -> torch.Tensor:
+        t = self.block_tables
+        return t if isinstance(t, torch.Tensor) else t[group_id]
 
 
 _CTX: PagedContext | None = None
@@ -25,27 +52,46 @@ def set_context(ctx: PagedContext | None) -> None:
     _CTX = ctx
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention signature: ``query [B, Hq, T, D]``, ``key``/``value
+    [B, Hkv, T, D]`` (new tokens only); returns ``[B, T, Hq, D]``. The mask is ignored: the
+    kernels are causal by position and bounded by each request's length."""
     from hybridkv_kernels.cache_write import write_kv_cache
+    from hybridkv_kernels.paged_decode import paged_decode_attention
     from hybridkv_kernels.paged_prefill import paged_prefill_attention
 
     ctx = _CTX
-    k_cache, v_cache = ctx.plan.kv_views(ctx.buffers, f"layers.{module.layer_idx}.attn")
+    if ctx is None:
+        raise RuntimeError(f"{ATTN_NAME} attention called outside hybridkv.e2e.attn.set_context")
+    k_cache, v_cache, gid = ctx.layer(module.layer_idx)
+    table = ctx.table(gid).to(torch.int32).contiguous()
     b, hq, t, d = query.shape
     bs = k_cache.shape[1]
-    pos = torch.arange(t)
-    slots = ctx.block_tables[:, pos // bs] * bs + pos % bs  # [B, T]
+    start = ctx.start if ctx.start is not None else torch.zeros(b, dtype=torch.int64)
+    pos = start.to(torch.int64)[:, None] + torch.arange(t)  # [B, T]
+    slots = table.to(torch.int64).gather(1, pos // bs) * bs + pos % bs
     k = key.transpose(1, 2).reshape(b * t, key.shape[1], d).contiguous()
-    v = value.transpose(1, 2).reshape(b * t, value.shape[1], d).contiguous()
-    write_kv_cache(k, v, k_cache, v_cache, slots.reshape(-1).to(torch.int64))
-    q = query.transpose(1, 2).reshape(b * t, hq, d).contiguous()
-    cu = torch.arange(b + 1, dtype=torch.int32) * t
-    lens = torch.full((b,), t, dtype=torch.int32)
+    v = value.transpose(1, 2).reshape(b * t, value.shape[1], value.shape[3]).contiguous()
+    write_kv_cache(k, v, k_cache, v_cache, slots.reshape(-1))
+    seq_lens = (start + t).to(torch.int32)
     scale = scaling if scaling is not None else d**-0.5
-    out = paged_prefill_attention(
-        q, k_cache, v_cache, ctx.block_tables.to(torch.int32), cu, lens, scale
-    )
-    return out.reshape(b, t, hq, d), None
+    q = query.transpose(1, 2).reshape(b * t, hq, d).contiguous()
+    if t == 1:
+        out = paged_decode_attention(
+            q, k_cache, v_cache, table, seq_lens, scale, max_seq_len=int(seq_lens.max())
+        )
+    else:
+        cu = torch.arange(b + 1, dtype=torch.int32) * t
+        out = paged_prefill_attention(q, k_cache, v_cache, table, cu, seq_lens, scale)
+    return out.reshape(b, t, hq, out.shape[-1]), None
 
 
 def register() -> None:
