@@ -43,11 +43,13 @@ __all__ = [
     "STATE_FLOPS_PER_ELEMENT",
     "ParamCount",
     "StepCost",
+    "StepCoster",
     "attention_flops",
     "decode_step",
     "decode_throughput",
     "param_count",
     "prefill",
+    "prefill_flops",
     "requests_that_fit",
     "ttft",
 ]
@@ -348,6 +350,133 @@ def decode_step(
     return _step(
         model, gpu, flops=flops, bytes_=bytes_, weight_dtype=weight_dtype, mfu=mfu, mbu=mbu
     )
+
+
+def prefill_flops(
+    model: HybridModel,
+    new_tokens: int,
+    cached_tokens: int = 0,
+    *,
+    params: ParamCount | None = None,
+) -> float:
+    """FLOPs on one rank of prefilling ``new_tokens`` after ``cached_tokens`` (0 for none).
+
+    The work a prefix hit of ``n`` tokens saves is ``prefill_flops(model, n)``: the weights'
+    ``2 * active / tp`` per token, attention over each token's position (token ``j`` attends to
+    ``j`` tokens, or a sliding window), and the recurrent update of every state layer per token.
+    """
+    if new_tokens <= 0:
+        return 0.0
+    return StepCoster(model, H100_SXM, params=params).prefill_flops(new_tokens, cached_tokens)
+
+
+class StepCoster:
+    """:func:`prefill` and :func:`decode_step` times of one model on one GPU, with the per-model
+    constants worked out once: the simulator prices hundreds of thousands of steps.
+
+    Gives the same numbers as those functions, bit for bit: the attention FLOPs are a sum of
+    integer products, evaluated here as one exact integer and converted once (the functions'
+    float sum is exact too while below 2**53; past that this falls back to them). A decode step
+    needs only the batch size and the sum of its contexts, unless the model has sliding-window
+    layers (then pass ``contexts``)."""
+
+    def __init__(
+        self,
+        model: HybridModel,
+        gpu: GPU,
+        *,
+        params: ParamCount | None = None,
+        weight_dtype: str = "bfloat16",
+        mfu: float = 1.0,
+        mbu: float = 1.0,
+    ) -> None:
+        if not (0 < mfu <= 1 and 0 < mbu <= 1):
+            raise ValueError(f"mfu and mbu must be in (0, 1], got {mfu}, {mbu}")
+        self.model, self.gpu = model, gpu
+        self.kwargs = dict(params=params, weight_dtype=weight_dtype, mfu=mfu, mbu=mbu)
+        p = self.params = _resolve(model, params)
+        self.tp = model.tp_size
+        self.wbytes = dtype_bytes(canonical_dtype(weight_dtype))
+        self.per_token = 2 * p.active / self.tp
+        self.state_fpt = state_flops_per_token(model)
+        self.kv = model.kv_bytes_per_token
+        self.state2 = 2 * _state_bytes(model)
+        self.peak_flops = gpu.flops(weight_dtype) * mfu
+        self.peak_bw = gpu.hbm_bandwidth * mbu
+        full = 0
+        windows: list[tuple[int, int]] = []
+        for layer in model.attention_layers:
+            spec = layer.spec
+            if isinstance(spec, MLASpec):
+                full += (
+                    2 * (spec.num_heads // spec.tp_size) * (spec.latent_dim + spec.kv_lora_rank)
+                )
+                continue
+            assert isinstance(spec, FullAttentionSpec)
+            dv = spec.head_dim_v or spec.head_dim
+            per_ctx = 2 * spec.heads_per_rank * (spec.head_dim + dv)
+            w = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+            if w is None:
+                full += per_ctx
+            else:
+                windows.append((per_ctx, w))
+        self.full_per_ctx = full
+        self.windows = tuple(windows)
+
+    def _attention(self, new: int, cached: int) -> float:
+        exact = self.full_per_ctx * _context_sum(new, cached, None)
+        for per_ctx, w in self.windows:
+            exact += per_ctx * _context_sum(new, cached, w)
+        if exact < _EXACT:
+            return float(exact)
+        return attention_flops(self.model, new, cached)  # pragma: no cover - huge contexts
+
+    def prefill_flops(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """The FLOPs of :func:`prefill` (one rank)."""
+        return (
+            self.per_token * new_tokens
+            + self._attention(new_tokens, cached_tokens)
+            + self.state_fpt * new_tokens
+        )
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """``prefill(...).time_s``."""
+        if new_tokens < 1 or cached_tokens < 0:
+            raise ValueError(
+                f"need new_tokens >= 1 and cached_tokens >= 0, got {new_tokens}, {cached_tokens}"
+            )
+        flops = self.prefill_flops(new_tokens, cached_tokens)
+        bytes_ = (
+            _weights(self.params, new_tokens) / self.tp * self.wbytes
+            + self.kv * (cached_tokens + new_tokens)
+            + self.kv * new_tokens
+            + self.state2
+        )
+        return max(flops / self.peak_flops, bytes_ / self.peak_bw)
+
+    def decode_s(
+        self, batch: int, context_sum: int, contexts: Sequence[int] | None = None
+    ) -> float:
+        """``decode_step(...).time_s`` of ``batch`` requests whose contexts sum to
+        ``context_sum`` (``contexts``: the values themselves, needed for sliding windows)."""
+        if batch < 1:
+            raise ValueError(f"a decode step needs a batch of at least 1, got {batch}")
+        attn = self.full_per_ctx * (context_sum + batch)  # sum of (context + 1)
+        if self.windows or attn >= _EXACT:
+            if contexts is None:
+                raise ValueError("this model has sliding-window layers: pass contexts")
+            return decode_step(self.model, self.gpu, contexts, **self.kwargs).time_s
+        flops = self.per_token * batch + float(attn) + self.state_fpt * batch
+        bytes_ = (
+            _weights(self.params, batch) / self.tp * self.wbytes
+            + self.kv * float(context_sum)
+            + self.kv * batch
+            + self.state2 * batch
+        )
+        return max(flops / self.peak_flops, bytes_ / self.peak_bw)
+
+
+_EXACT = 1 << 53  # integers below this are exact in a float
 
 
 def ttft(

@@ -7,21 +7,39 @@ admitted one, which frees everything and starts over later (recompute). Prefix-c
 state checkpoints and block accounting are done by the real :class:`HybridAllocator` on the plan.
 Time advances by the roofline cost of each step (:mod:`hybridkv.costmodel`).
 
-Chunked prefills end on multiples of the state groups' block size, as vLLM's align mode does, so
-that checkpoints can be taken there.
+Chunked prefills end on multiples of the state groups' block size, and with the ``align`` policy a
+prefill that would cross the last block boundary of the request's tokens stops there first
+(vLLM's ``_mamba_block_aligned_split``: "force to cache the last chunk"), so that the state is
+checkpointed at that boundary and the last partial block is computed in the next step. With
+``marconi`` a chunk stops at the request's pending branch point (the allocator's
+``next_checkpoint``), where Marconi checkpoints a shared prefix's state.
+
+**Speed.** Most steps are decode steps in which most requests only take the allocator's fast
+path (no new block, no cache or checkpoint work), which changes nothing but a counter. So a
+decoding request is *parked*: the simulator asks the allocator how many tokens it can add on the
+fast path, and touches the request again only at the step where it leaves the fast path (a block
+boundary, a checkpoint position) or finishes; in between its tokens are given to the allocator in
+one call when it is next touched. Steps in which no request needs attention, nothing is waiting
+to be admitted and nothing arrives are priced and counted in a tight loop. The allocator sees the
+same calls that change its state, in the same order, as with one call per token and step, so the
+results are the same (``SimConfig(fast_decode=False)`` touches every request every step; the
+tests compare the two).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from .alloc import HybridAllocator, PoolExhausted
-from .costmodel import GPU, H100_SXM, decode_step, prefill
+from .alloc.block_pool import BlockPool
+from .costmodel import GPU, H100_SXM, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
 from .traces import Trace
@@ -29,7 +47,10 @@ from .traces import Trace
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Scheduler and cache options (vLLM's names where they exist)."""
+    """Scheduler and cache options (vLLM's names where they exist).
+
+    Memory is sampled every ``sample_every`` steps; once ``max_samples`` samples are taken the
+    interval doubles (every other sample is dropped), so long runs keep at most that many."""
 
     max_num_batched_tokens: int = 8192
     hash_block_size: int = 16
@@ -38,11 +59,17 @@ class SimConfig:
     gpu: GPU = H100_SXM
     max_model_len: int = 1 << 20
     sample_every: int = 16  # steps between memory samples
+    max_samples: int = 512
+    fast_decode: bool = True  # park decoding requests between allocator events (same results)
 
 
 @dataclass(frozen=True)
 class SimResult:
-    """What a replay measured. Token counts are over finished requests' first admission."""
+    """What a replay measured. Token counts are over finished requests' first admission.
+
+    ``saved_flops``: prefill FLOPs (one rank) of the prompt tokens served from the prefix cache,
+    :func:`hybridkv.costmodel.prefill_flops` of each admission's hit. ``sample_t_s``: the
+    simulated time of each memory sample."""
 
     layout: str
     num_requests: int
@@ -60,6 +87,8 @@ class SimResult:
     state_bytes: np.ndarray  # sampled bytes held by state groups
     padding_bytes: int
     memory_bytes: int
+    saved_flops: float = 0.0
+    sample_t_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def token_hit_rate(self) -> float:
@@ -76,6 +105,7 @@ class SimResult:
             "finished": self.finished,
             "token_hit_rate": round(self.token_hit_rate, 4),
             "compute_saved_tokens": self.hit_tokens,
+            "compute_saved_pflop": round(self.saved_flops / 1e15, 3),
             "preemptions": self.preemptions,
             "peak_running": self.peak_running,
             "ttft_p50_ms": round(1e3 * float(np.median(ttft)), 3) if ttft.size else 0.0,
@@ -85,19 +115,54 @@ class SimResult:
         }
 
 
-@dataclass
 class _Live:
-    rid: int
-    tokens: list[int]
-    prompt_len: int
-    output_len: int
-    arrival: float
-    admitted_order: int
-    generated: int = 0
-    first_token_s: float | None = None
-    hit: int = 0
-    counted: bool = False
-    outputs: list[int] = field(default_factory=list)
+    """A request the scheduler knows about (waiting or running).
+
+    A parked decoder has ``s0``/``n0``: at the start of step ``s0`` the allocator held ``n0`` of
+    its tokens and ``generated`` was current; at step ``s >= s0`` it decodes with context
+    ``n0 + (s - s0) + 1``, all on the allocator's fast path, until its event step."""
+
+    __slots__ = (
+        "arrival",
+        "counted",
+        "decoding",
+        "first_token_s",
+        "generated",
+        "n0",
+        "order",
+        "output_len",
+        "parked",
+        "prompt_len",
+        "req",
+        "rid",
+        "running",
+        "s0",
+        "ver",
+    )
+
+    def __init__(self, req, arrival: float) -> None:
+        self.req = req
+        self.rid = req.request_id
+        self.prompt_len = len(req.prompt)
+        self.output_len = int(req.output_length)
+        self.arrival = arrival
+        self.order = 0  # admission order: the running list is sorted by it
+        self.generated = 0
+        self.first_token_s: float | None = None
+        self.counted = False
+        self.running = False
+        self.decoding = False  # its prompt (and outputs so far) have slots; it decodes
+        self.parked = False
+        self.s0 = self.n0 = 0
+        self.ver = 0  # bumped to invalidate its entries in the event heap
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus the outputs generated so far (what a re-admission prefills)."""
+        return self.prompt_len + self.generated
+
+    def tokens(self) -> list[int]:
+        return self.req.prompt.tolist() + [_output_id(self.req, i) for i in range(self.generated)]
 
 
 def _output_id(req, i: int) -> int:
@@ -106,6 +171,17 @@ def _output_id(req, i: int) -> int:
     if req.output_ids is not None and i < len(req.output_ids):
         return int(req.output_ids[i])
     return 1_000_000_000 + req.request_id * 65_536 + i
+
+
+def _headroom(alloc: HybridAllocator, rid: int) -> int:
+    """Tokens ``allocate_slots`` can add to ``rid`` on its fast path (no block, cache or
+    checkpoint work): it takes the fast path while ``num_alloc`` stays below the request's
+    ``limit``. 0 (touch it every step) where the allocator does not say."""
+    r = alloc.reqs.get(rid)
+    limit = getattr(r, "limit", None)
+    if limit is None:
+        return 0
+    return max(0, int(limit) - 1 - int(r.num_alloc))
 
 
 def simulate(
@@ -125,151 +201,279 @@ def simulate(
         checkpoint_policy=config.checkpoint_policy,
         max_model_len=config.max_model_len,
     )
+    coster = StepCoster(model, config.gpu)
+    windows = bool(coster.windows)  # sliding-window layers: decode cost needs every context
+    fast = config.fast_decode
     align = math.lcm(*(g.block_size for g in plan.state_groups)) if plan.state_groups else 1
+    caching = config.enable_prefix_caching and bool(plan.state_groups)
+    stop_align = caching and config.checkpoint_policy == "align"
+    stop_branch = caching and config.checkpoint_policy == "marconi"
     max_seqs = plan.config.max_num_seqs
     reqs = trace.requests
     finish_time: dict[int, float] = {}
-    ready: list[tuple[float, int]] = []  # (time it may arrive, request id), kept sorted
     children: dict[int, list[int]] = {}
+    roots: list[tuple[float, int]] = []
     for r in reqs:
         if r.parent_id >= 0:
             children.setdefault(r.parent_id, []).append(r.request_id)
         else:
-            ready.append((r.arrival_s, r.request_id))
-    ready.sort()
-    ready_q = deque(ready)
+            roots.append((r.arrival_s, r.request_id))
+    roots.sort()
+    # (time it may arrive, insertion number, request id): ties leave in insertion order
+    ready: list[tuple[float, int, int]] = [(a, i, rid) for i, (a, rid) in enumerate(roots)]
+    pushed = len(ready)
     waiting: deque[_Live] = deque()
-    running: list[_Live] = []
+    running: list[_Live] = []  # by admission order
+    prefilling: list[_Live] = []  # running requests not decoding, by admission order
+    parked: dict[int, _Live] = {}  # order -> parked decoder (for sliding-window contexts)
+    events: list[tuple[int, int, int, _Live]] = []  # heap: (event step, order, ver, live)
+    n_parked = 0  # parked decoders, and the sum of their n0 - s0
+    base = 0
     t = 0.0
     steps = preemptions = peak = order = output_tokens = 0
     prompt_tokens = hit_tokens = shared_tokens = 0
+    saved_flops = 0.0
+    blocked = False  # the head of `waiting` failed to be admitted and nothing changed since
     ttft: list[float] = []
-    kv_samples: list[int] = []
-    state_samples: list[int] = []
+    samples: list[tuple[int, float, int, int]] = []  # (step, time, kv bytes, state bytes)
+    stride = max(1, config.sample_every)
+    held: tuple[int, int] | None = None  # memory held, while known not to have changed
     bar = tqdm(total=len(reqs), disable=not progress, desc=f"simulate {plan.layout}")
 
-    def preempt_one() -> bool:
+    def park(live: _Live, s: int) -> None:
+        """``live`` decodes from step ``s`` on; schedule the step it needs attention."""
+        nonlocal n_parked, base
+        live.decoding = live.parked = True
+        live.s0, live.n0 = s, alloc.num_tokens(live.rid)
+        room = _headroom(alloc, live.rid) if fast else 0
+        live.ver += 1
+        heapq.heappush(
+            events,
+            (s + min(room, live.output_len - live.generated - 1), live.order, live.ver, live),
+        )
+        n_parked += 1
+        base += live.n0 - s
+        parked[live.order] = live
+
+    def unpark(live: _Live) -> None:
+        nonlocal n_parked, base
+        live.parked = False
+        live.ver += 1
+        n_parked -= 1
+        base -= live.n0 - live.s0
+        del parked[live.order]
+
+    def catch_up(live: _Live, s: int) -> None:
+        """Give the allocator a decoder's fast-path tokens up to the start of step ``s``."""
+        lag = s - live.s0
+        if lag > 0:
+            if not alloc.allocate_slots(live.rid, lag):  # pragma: no cover - allocator changed
+                raise RuntimeError("the allocator refused tokens it promised on its fast path")
+            g = live.generated
+            alloc.append_tokens(live.rid, [_output_id(live.req, i) for i in range(g, g + lag)])
+            live.generated = g + lag
+            live.n0 += lag
+            live.s0 = s
+
+    def decode_cost(s: int, n: int, extra: list[int]) -> float:
+        """One decode step ``s``: the parked decoders plus ``extra`` contexts."""
+        total = base + n_parked * (s + 1) + sum(extra)
+        ctx = None
+        if windows:
+            ctx = [x.n0 + (s - x.s0) + 1 for x in parked.values()] + extra
+        return coster.decode_s(n, total, ctx)
+
+    def preempt_one(s: int) -> bool:
         nonlocal preemptions
         if len(running) <= 1:
             return False
-        victim = max(running, key=lambda x: x.admitted_order)
-        running.remove(victim)
+        victim = running.pop()  # the most recently admitted
+        victim.running = False
+        if victim.parked:
+            unpark(victim)
+        if victim.decoding:
+            catch_up(victim, s)  # it has not had its turn in step s yet
+            victim.decoding = False
+        else:
+            prefilling.remove(victim)
         alloc.free(victim.rid)
-        victim.tokens = victim.tokens[: victim.prompt_len] + victim.outputs
         waiting.appendleft(victim)
         preemptions += 1
         return True
 
-    while ready_q or waiting or running:
-        while ready_q and ready_q[0][0] <= t:
-            _, rid = ready_q.popleft()
-            r = reqs[rid]
-            waiting.append(
-                _Live(
-                    rid, [int(x) for x in r.prompt], len(r.prompt), r.output_length, r.arrival_s, 0
-                )
-            )
+    def finish(live: _Live) -> None:
+        nonlocal pushed
+        running.remove(live)
+        live.running = live.decoding = False
+        alloc.free(live.rid)
+        finish_time[live.rid] = t
+        bar.update(1)
+        for child in children.get(live.rid, ()):
+            c = reqs[child]
+            heapq.heappush(ready, (max(c.arrival_s, t + c.think_time_s), pushed, child))
+            pushed += 1
+
+    def stop_at(live: _Live) -> int:
+        """Where this prefill's chunk must end for a checkpoint (0: nowhere)."""
+        if stop_align:
+            return live.num_tokens // align * align
+        if stop_branch:
+            return alloc.next_checkpoint(live.rid) or 0
+        return 0
+
+    def sample() -> None:
+        nonlocal held, stride
+        if held is None:
+            held = _held_bytes(alloc, plan)
+        samples.append((steps, t, *held))
+        if len(samples) >= config.max_samples:
+            stride *= 2
+            samples[:] = [x for x in samples if x[0] % stride == 0]
+
+    while ready or waiting or running:
+        while ready and ready[0][0] <= t:
+            arrive, _, rid = heapq.heappop(ready)
+            waiting.append(_Live(reqs[rid], arrive))
         if not running and not waiting:
-            t = max(t, ready_q[0][0])
+            t = max(t, ready[0][0])
             continue
+        while events and events[0][2] != events[0][3].ver:
+            heapq.heappop(events)  # stale: preempted or re-parked
+        # 0. a run of steps in which only parked decoders work: price and count them
+        if (
+            n_parked
+            and not prefilling
+            and (not waiting or blocked or len(running) >= max_seqs)
+            and events[0][0] > steps
+        ):
+            stop = events[0][0]
+            arrival = ready[0][0] if ready else math.inf
+            while steps < stop and t < arrival:
+                t += decode_cost(steps, n_parked, [])
+                steps += 1
+                output_tokens += n_parked
+                if steps % stride == 0:
+                    sample()
+            continue
+        s = steps
+        held = None
+        blocked = False
         budget = config.max_num_batched_tokens
-        decode_ctx: list[int] = []
-        prefill_work: list[tuple[int, int]] = []  # (new tokens, cached tokens)
-        # 1. decode: one token for every request whose prefill is done
-        for live in list(running):
-            if live not in running or live.first_token_s is None:
-                continue  # preempted meanwhile, or still prefilling
-            if alloc.num_tokens(live.rid) >= len(live.tokens):
-                continue
+        # 1. decode: parked decoders take their token on the fast path; those whose event is
+        # this step are touched in admission order (a failed allocation preempts)
+        due: list[_Live] = []
+        while events and events[0][0] <= s:
+            _, _, ver, live = heapq.heappop(events)
+            if ver == live.ver:
+                unpark(live)
+                due.append(live)
+        decoded: list[_Live] = []
+        extra: list[int] = []
+        for live in due:
+            if not live.running:
+                continue  # preempted by an earlier one this step
+            catch_up(live, s)
             while not alloc.allocate_slots(live.rid, 1):
-                if not preempt_one() or live not in running:
+                if not preempt_one(s) or not live.running:
                     break
-            if live not in running or alloc.num_tokens(live.rid) < len(live.tokens):
+            if not live.running:
                 continue
-            decode_ctx.append(alloc.num_tokens(live.rid))
+            if alloc.num_tokens(live.rid) < live.num_tokens:  # no memory: retry as a prefill
+                live.decoding = False
+                _insort(prefilling, live)
+                continue
+            decoded.append(live)
+            extra.append(live.num_tokens)
             budget -= 1
+        budget -= n_parked
         # 2. prefill chunks of running requests, then admissions
-        for live in list(running):
+        prefill_work: list[tuple[int, int]] = []  # (new tokens, cached tokens)
+        admitted = False
+        for live in list(prefilling):
             if budget <= 0:
                 break
             done = alloc.num_tokens(live.rid)
-            if done >= len(live.tokens):
+            if done >= live.num_tokens:
                 continue
-            chunk = _chunk(len(live.tokens) - done, budget, done, align)
+            chunk = _chunk(live.num_tokens - done, budget, done, align, stop_at(live))
             if chunk and alloc.allocate_slots(live.rid, chunk):
                 prefill_work.append((chunk, done))
                 budget -= chunk
         while waiting and budget > 0 and len(running) < max_seqs:
             live = waiting[0]
             try:
-                hit = alloc.add_request(live.rid, live.tokens)
+                hit = alloc.add_request(live.rid, live.tokens())
             except PoolExhausted:
+                blocked = True
                 break
             waiting.popleft()
+            admitted = True
             order += 1
-            live.admitted_order = order
+            live.order = order
             if not live.counted:
                 live.counted = True
-                live.hit = hit.num_cached_tokens
+                got = min(hit.num_cached_tokens, live.prompt_len)
                 prompt_tokens += live.prompt_len
-                hit_tokens += min(hit.num_cached_tokens, live.prompt_len)
-                shared_tokens += reqs[live.rid].shared_prefix_length or 0
+                hit_tokens += got
+                if got:
+                    saved_flops += coster.prefill_flops(got)
+                shared_tokens += live.req.shared_prefix_length or 0
+            live.running = True
             running.append(live)
+            prefilling.append(live)
             done = hit.num_cached_tokens
-            chunk = _chunk(len(live.tokens) - done, budget, done, align)
+            chunk = _chunk(live.num_tokens - done, budget, done, align, stop_at(live))
             if chunk and alloc.allocate_slots(live.rid, chunk):
                 prefill_work.append((chunk, done))
                 budget -= chunk
         peak = max(peak, len(running))
-        if not decode_ctx and not prefill_work:
-            if running and not preempt_one():
+        batch = n_parked + len(decoded)
+        if not batch and not prefill_work:
+            if running and not preempt_one(s):
                 raise RuntimeError(
                     f"request {running[0].rid} cannot fit in the plan's memory even alone; "
                     f"give the plan more memory or lower max_model_len"
                 )
-            if not running and waiting and not ready_q:
+            if not running and waiting and not ready:
                 raise RuntimeError(
                     "a waiting request can never be admitted: the plan is too small"
                 )
             if not running:
-                t = ready_q[0][0] if ready_q else t
+                t = ready[0][0] if ready else t
             continue
         # 3. advance time by the step's roofline cost
-        dt_s = sum(prefill(model, config.gpu, n, c).time_s for n, c in prefill_work)
-        if decode_ctx:
-            dt_s += decode_step(model, config.gpu, decode_ctx).time_s
+        dt_s = 0.0
+        for n, c in prefill_work:
+            dt_s += coster.prefill_s(n, c)
+        if batch:
+            dt_s += decode_cost(s, batch, extra)
         t += dt_s
         steps += 1
+        output_tokens += n_parked
         alloc.take_state_copies()
         alloc.take_events()
-        # 4. tokens produced: requests that finished their prompt or decoded
-        for live in list(running):
-            if alloc.num_tokens(live.rid) < len(live.tokens):
-                continue
-            if live.first_token_s is None:
-                live.first_token_s = t
-                ttft.append(t - live.arrival)
-            if live.generated >= live.output_len:
-                continue
+        if decoded or prefill_work or admitted:
+            blocked = False  # the pools may have changed since the failed admission
+        # 4. tokens produced: requests that decoded or finished their prompt, in admission order
+        touched = sorted(decoded + prefilling, key=_by_order) if prefilling else decoded
+        for live in touched:
+            if not live.decoding:
+                if alloc.num_tokens(live.rid) < live.num_tokens:
+                    continue  # still prefilling
+                prefilling.remove(live)
+                if live.first_token_s is None:
+                    live.first_token_s = t
+                    ttft.append(t - live.arrival)
             live.generated += 1
             output_tokens += 1
             if live.generated >= live.output_len:
-                running.remove(live)
-                alloc.free(live.rid)
-                finish_time[live.rid] = t
-                bar.update(1)
-                for child in children.get(live.rid, ()):
-                    c = reqs[child]
-                    _insert(ready_q, (max(c.arrival_s, t + c.think_time_s), child))
+                blocked = False
+                finish(live)
                 continue
-            tok = _output_id(reqs[live.rid], live.generated - 1)
-            live.outputs.append(tok)
-            live.tokens.append(tok)
-            alloc.append_tokens(live.rid, [tok])
-        if steps % config.sample_every == 0:
-            kv, st = _held_bytes(alloc, plan)
-            kv_samples.append(kv)
-            state_samples.append(st)
+            alloc.append_tokens(live.rid, [_output_id(live.req, live.generated - 1)])
+            park(live, s + 1)
+        if steps % stride == 0:
+            sample()
     bar.close()
     return SimResult(
         layout=plan.layout,
@@ -284,48 +488,94 @@ def simulate(
         sim_time_s=t,
         ttft_s=np.asarray(ttft),
         output_tokens=output_tokens,
-        kv_bytes=np.asarray(kv_samples, dtype=np.int64),
-        state_bytes=np.asarray(state_samples, dtype=np.int64),
+        kv_bytes=np.asarray([x[2] for x in samples], dtype=np.int64),
+        state_bytes=np.asarray([x[3] for x in samples], dtype=np.int64),
         padding_bytes=plan.capacity.padding_bytes,
         memory_bytes=plan.config.memory_bytes,
+        saved_flops=saved_flops,
+        sample_t_s=np.asarray([x[1] for x in samples], dtype=np.float64),
     )
 
 
-def _chunk(remaining: int, budget: int, done: int, align: int) -> int:
-    """Prefill tokens this step: all that fit; a partial chunk ends on a checkpoint boundary."""
-    if remaining <= budget:
-        return remaining
-    end = (done + budget) // align * align
-    return max(0, end - done)
+def _by_order(live: _Live) -> int:
+    return live.order
 
 
-def _insert(queue: deque, item: tuple[float, int]) -> None:
-    i = len(queue)
-    while i > 0 and queue[i - 1][0] > item[0]:
+def _insort(lives: list[_Live], live: _Live) -> None:
+    i = len(lives)
+    while i > 0 and lives[i - 1].order > live.order:
         i -= 1
-    queue.insert(i, item)
+    lives.insert(i, live)
+
+
+def _chunk(remaining: int, budget: int, done: int, align: int, stop: int = 0) -> int:
+    """Prefill tokens this step: all that fit; a partial chunk ends on a checkpoint boundary;
+    a chunk that would cross ``stop`` ends there."""
+    n = remaining if remaining <= budget else max(0, (done + budget) // align * align - done)
+    if done < stop < done + n:
+        n = stop - done
+    return n
 
 
 def _held_bytes(alloc: HybridAllocator, plan: MemoryPlan) -> tuple[int, int]:
-    """Bytes held (by running requests or as cache) by attention groups and by state groups."""
-    held: list[set[int]] = [set() for _ in plan.groups]
-    for req in alloc.reqs.values():
-        for gid, blocks in enumerate(req.blocks):
-            held[gid].update(b for b in blocks if b)
-    seen = set()
-    for pool in alloc.pool.values():
-        if id(pool) in seen:
+    """Bytes held (by running requests or as cache) by attention groups and by state groups.
+
+    A :class:`BlockPool` holds every id that is not free and uncached (counted in O(1)). Where it
+    serves several groups, a state group holds its requests' slots (running, spare and private
+    end-of-request checkpoints) and its cached checkpoints; the attention groups hold the rest.
+    A two-level pool's groups each have their own small ids: the requests' block ids and the
+    cached ids of the group."""
+    groups_of: dict[int, list[int]] = {}
+    pools: dict[int, object] = {}
+    for gid, pool in alloc.pool.items():
+        groups_of.setdefault(id(pool), []).append(gid)
+        pools[id(pool)] = pool
+    state_gids = {g.group_id for g in plan.groups if g.is_state}
+    count: dict[int, int] = {}
+    for key, gids in groups_of.items():
+        pool = pools[key]
+        if isinstance(pool, BlockPool):
+            total = pool.num_ids - 1 - (pool.num_free - pool.num_cached_free)
+            if len(gids) == 1:
+                count[gids[0]] = total
+                continue
+            states = [g for g in gids if g in state_gids]
+            # the pool's own key map when it has one: copying tens of thousands of keys per
+            # sample was the largest cost of the aggregate layout's runs
+            keys = getattr(pool, "_key_to_id", None)
+            cached = Counter(map(itemgetter(0), pool.cached_items() if keys is None else keys))
+            for g in states:
+                n = cached[g]
+                for req in alloc.reqs.values():
+                    n += len(req.blocks[g]) + (g in getattr(req, "end_ckpt", ()))
+                count[g] = n
+                total -= n
+            attn = [g for g in gids if g not in state_gids]
+            for g in attn:
+                count[g] = 0
+            if attn:
+                count[attn[0]] = total
             continue
-        seen.add(id(pool))
-        for (gid, _), bid in pool.cached_items().items():
-            held[gid].add(bid)
+        held: dict[int, set[int]] = {g: set() for g in gids}
+        for req in alloc.reqs.values():
+            for g in gids:
+                held[g].update(req.blocks[g])
+        items = pool.cached_items()  # type: ignore[attr-defined]
+        if len(gids) == 1:
+            held[gids[0]].update(items.values())
+        else:
+            for (g, _), bid in items.items():
+                held[g].add(bid)
+        for g in gids:
+            held[g].discard(0)
+            count[g] = len(held[g])
     kv = state = 0
     for g in plan.groups:
         pool = plan.pool_of(g.group_id)
         # one id covers a whole block of the pool, except in a two-level pool (one small page)
         size = g.page_bytes if pool.kind == "two_level" else pool.block_bytes
         if g.is_state:
-            state += len(held[g.group_id]) * size
+            state += count[g.group_id] * size
         else:
-            kv += len(held[g.group_id]) * size
+            kv += count[g.group_id] * size
     return kv, state

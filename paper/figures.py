@@ -18,6 +18,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from hybridkv import costmodel, traces, viz
 
@@ -600,33 +602,313 @@ def kernels(ctx: Context) -> list[Path]:
     return out
 
 
-# ---- simulator hooks ----------------------------------------------------------------------------
-# These figures need ``hybridkv.sim`` (a cache simulator with a memory budget and eviction). Until
-# it exists they are skipped with that reason; when it lands, fill the bodies in: run each
-# workload of ``_workloads(ctx)`` through the simulator for each layout's plan and plot the
-# measured hit rate against block size (beside ``prefix_reuse_bound``) and the TTFT percentiles.
-def _simulator_hook(what: str) -> None:
-    raise Skip(f"hybridkv.sim exists but the {what} figure is not written yet")
+# ---- simulator ----------------------------------------------------------------------------------
+#: the deployment the simulator figures replay (40 GiB of cache, at most 256 running requests)
+SIM_DEPLOYMENT = Deployment("qwen3-next-80b-a3b")
+SIM_POLICIES = ("align", "last", "marconi")
+#: the workloads: (label, generator, parameters); seed 0
+SIM_TRACES = (
+    ("chat", "multi_turn_chat", {}),
+    ("shared system prompt", "shared_prefix", {}),
+)
+#: per_group with as many cached-checkpoint slots as running ones (the advisor's per_group)
+PER_GROUP_CACHED = "per_group+cache"
+POLICY_HATCH = {"align": "", "last": "//", "marconi": ".."}
+_SIM_RUNS: dict[tuple, object] = {}
+
+
+def _sim_requests(ctx: Context) -> int:
+    return 200 if ctx.small else 2000
+
+
+def _sim_plan(layout: str):
+    d = SIM_DEPLOYMENT
+    if layout == PER_GROUP_CACHED:
+        from hybridkv.layouts import make_plan
+
+        return make_plan(
+            data.load(d.model, d.tp, d.kv_dtype),
+            "per_group",
+            memory=d.memory,
+            max_num_seqs=d.max_num_seqs,
+            cache_state_slots=d.max_num_seqs,
+        )
+    return plan(d, layout)
+
+
+def _sim(ctx: Context, trace_label: str, layout: str, policy: str):
+    """One simulator run, memoised: the three simulator figures share their runs."""
+    from hybridkv.sim import SimConfig, simulate
+
+    key = (ctx.small, trace_label, layout, policy)
+    if key not in _SIM_RUNS:
+        gen, params = next((g, p) for lab, g, p in SIM_TRACES if lab == trace_label)
+        trace = _sim_trace(_sim_requests(ctx), gen, tuple(sorted(params.items())))
+        p = _sim_plan(layout)
+        if p is None:
+            raise Skip(f"{SIM_DEPLOYMENT.label} has no {layout} plan in {SIM_DEPLOYMENT.memory} B")
+        model = data.load(SIM_DEPLOYMENT.model, SIM_DEPLOYMENT.tp, SIM_DEPLOYMENT.kv_dtype)
+        _SIM_RUNS[key] = (p, simulate(p, model, trace, SimConfig(checkpoint_policy=policy)))
+    return _SIM_RUNS[key]
+
+
+_TRACES: dict[tuple, traces.Trace] = {}
+
+
+def _sim_trace(n: int, gen: str, params: tuple) -> traces.Trace:
+    key = (n, gen, params)
+    if key not in _TRACES:
+        _TRACES[key] = traces.generate(gen, n, seed=0, **dict(params))
+    return _TRACES[key]
+
+
+def _sim_available() -> None:
+    if SIM_DEPLOYMENT.model not in set(data.models.list_models()):
+        raise Skip(f"{SIM_DEPLOYMENT.model} is not in the zoo")
+
+
+def _sim_layouts() -> list[str]:
+    return [*data.LAYOUT_ORDER, PER_GROUP_CACHED]
+
+
+def _layout_color(layout: str) -> str:
+    return LAYOUT_COLORS.get(layout, "#17becf")
 
 
 @register(
     "sim_hit_rate",
-    "Simulated prefix-cache hit rate vs block size per layout under a memory budget.",
+    "Under a 40 GiB budget, the layout and the checkpoint policy decide the hit rate: states "
+    "checkpointed in a pool sized to max_num_seqs are evicted before the next turn arrives.",
     requires=("hybridkv.sim",),
 )
 def sim_hit_rate(ctx: Context) -> list[Path]:
-    _simulator_hook("hit-rate")
-    return []  # pragma: no cover
+    _sim_available()
+    layouts = _sim_layouts()
+    fig, axes = plt.subplots(1, len(SIM_TRACES), figsize=(6.2 * len(SIM_TRACES), 4), sharey=True)
+    width = 0.8 / len(SIM_POLICIES)
+    rows = []
+    for ax, (label, _, _) in zip(np.atleast_1d(axes), SIM_TRACES):
+        shared = None
+        for j, policy in enumerate(SIM_POLICIES):
+            xs, ys = [], []
+            for i, layout in enumerate(layouts):
+                p, r = _sim(ctx, label, layout, policy)
+                shared = 100 * r.shared_tokens / max(1, r.prompt_tokens)
+                xs.append(i + (j - (len(SIM_POLICIES) - 1) / 2) * width)
+                ys.append(100 * r.token_hit_rate)
+                rows.append(
+                    {
+                        "trace": label,
+                        "layout": layout,
+                        "block": str(p.block_size),
+                        "policy": policy,
+                        "hit": f"{100 * r.token_hit_rate:.1f}",
+                        "tokens": f"{r.hit_tokens:,}",
+                        "pflop": f"{r.saved_flops / 1e15:,.1f}",
+                        "pre": str(r.preemptions),
+                    }
+                )
+            ax.bar(
+                xs,
+                ys,
+                width,
+                color=[_layout_color(lay) for lay in layouts],
+                hatch=POLICY_HATCH[policy],
+                edgecolor="black",
+                linewidth=0.4,
+            )
+        if shared is not None:
+            ax.axhline(shared, ls="--", color="gray", lw=1)
+        ax.set_xticks(range(len(layouts)))
+        ax.set_xticklabels(layouts, rotation=25, ha="right", fontsize=8)
+        ax.set_ylim(0, 100)
+        ax.set_title(f"{label} ({_sim_requests(ctx):,} requests)", fontsize=9)
+    np.atleast_1d(axes)[0].set_ylabel("prompt tokens served from the prefix cache (%)")
+    handles = [
+        Patch(facecolor="white", edgecolor="black", hatch=POLICY_HATCH[p], label=f"{p} policy")
+        for p in SIM_POLICIES
+    ]
+    handles.append(Line2D([], [], ls="--", color="gray", label="prompt tokens shared at all"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(
+        f"Simulated token hit rate, {SIM_DEPLOYMENT.label}, 40 GiB, at most "
+        f"{SIM_DEPLOYMENT.max_num_seqs} requests (H100 roofline)",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    table = markdown_table(
+        rows,
+        [
+            ("trace", "workload"),
+            ("layout", "layout"),
+            ("block", "block (tokens)"),
+            ("policy", "policy"),
+            ("hit", "token hit rate (%)"),
+            ("tokens", "prompt tokens saved"),
+            ("pflop", "prefill PFLOP saved"),
+            ("pre", "preemptions"),
+        ],
+    )
+    note = (
+        f"\n\n`{PER_GROUP_CACHED}`: per_group with "
+        f"`cache_state_slots={SIM_DEPLOYMENT.max_num_seqs}` (a state slot for a cached "
+        "checkpoint per running request); every other plan has "
+        "`cache_state_slots=0` and one state slot per request. Traces: "
+        "`hybridkv.traces.generate(name, n, seed=0)`; PFLOP: prefill FLOPs of the hit tokens on "
+        "one rank (`hybridkv.costmodel.prefill_flops`)."
+    )
+    return [ctx.save(fig, "sim_hit_rate"), ctx.table("sim_hit_rate", table + note)]
 
 
 @register(
     "sim_ttft",
-    "Simulated TTFT percentiles per layout on the chat and agentic workloads.",
+    "With the align policy TTFT follows the hit rate (inflate's large blocks hit most); output "
+    "throughput is the offered load, the same for every layout.",
     requires=("hybridkv.sim",),
 )
 def sim_ttft(ctx: Context) -> list[Path]:
-    _simulator_hook("TTFT")
-    return []  # pragma: no cover
+    _sim_available()
+    layouts = _sim_layouts()
+    policy = "align"
+    fig, axes = plt.subplots(2, len(SIM_TRACES), figsize=(6.2 * len(SIM_TRACES), 6.4))
+    axes = np.asarray(axes).reshape(2, len(SIM_TRACES))
+    rows = []
+    for col, (label, _, _) in enumerate(SIM_TRACES):
+        p50, p90, tput = [], [], []
+        for layout in layouts:
+            for pol in SIM_POLICIES:
+                _, r = _sim(ctx, label, layout, pol)
+                s = r.summary()
+                rows.append(
+                    {
+                        "trace": label,
+                        "layout": layout,
+                        "policy": pol,
+                        "hit": f"{100 * r.token_hit_rate:.1f}",
+                        "p50": f"{s['ttft_p50_ms']:,.1f}",
+                        "p90": f"{s['ttft_p90_ms']:,.1f}",
+                        "tput": f"{s['throughput_tok_s']:,.0f}",
+                        "peak": str(r.peak_running),
+                    }
+                )
+                if pol == policy:
+                    p50.append(s["ttft_p50_ms"])
+                    p90.append(s["ttft_p90_ms"])
+                    tput.append(s["throughput_tok_s"])
+        x = np.arange(len(layouts))
+        colors = [_layout_color(lay) for lay in layouts]
+        ax = axes[0, col]
+        ax.bar(x - 0.2, p50, 0.4, color=colors, edgecolor="black", linewidth=0.4, label="p50")
+        ax.bar(
+            x + 0.2,
+            p90,
+            0.4,
+            color=colors,
+            edgecolor="black",
+            linewidth=0.4,
+            hatch="//",
+            alpha=0.6,
+            label="p90",
+        )
+        ax.set_ylabel("TTFT (ms)")
+        ax.set_title(f"{label}: time to first token, {policy} policy", fontsize=9)
+        ax.set_xticks(x)
+        ax.set_xticklabels(layouts, rotation=25, ha="right", fontsize=8)
+        ax.legend(fontsize=7)
+        ax = axes[1, col]
+        ax.bar(x, tput, 0.6, color=colors, edgecolor="black", linewidth=0.4)
+        ax.set_ylabel("output throughput (tokens/s per rank)")
+        ax.set_title(f"{label}: output tokens per simulated second", fontsize=9)
+        ax.set_xticks(x)
+        ax.set_xticklabels(layouts, rotation=25, ha="right", fontsize=8)
+    fig.suptitle(
+        f"Simulated TTFT and throughput, {SIM_DEPLOYMENT.label}, 40 GiB ({_sim_requests(ctx):,} "
+        "requests per workload, H100 roofline)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    table = markdown_table(
+        rows,
+        [
+            ("trace", "workload"),
+            ("layout", "layout"),
+            ("policy", "policy"),
+            ("hit", "token hit rate (%)"),
+            ("p50", "TTFT p50 (ms)"),
+            ("p90", "TTFT p90 (ms)"),
+            ("tput", "tokens/s"),
+            ("peak", "peak running"),
+        ],
+    )
+    note = (
+        "\n\nTTFT counts from the moment a request is sent (a chat turn: its think time after "
+        "the previous turn finished) to the end of the step that computes its last prompt token."
+    )
+    return [ctx.save(fig, "sim_ttft"), ctx.table("sim_ttft", table + note)]
+
+
+SIM_MEMORY_LAYOUTS = ("inflate", "per_group", "two_level")
+
+
+@register(
+    "sim_memory",
+    "Cached checkpoints take most of a pool they share with KV (inflate, two_level); per_group's "
+    "state pool stays at its max_num_seqs slots.",
+    requires=("hybridkv.sim",),
+)
+def sim_memory(ctx: Context) -> list[Path]:
+    _sim_available()
+    label, policy = SIM_TRACES[0][0], "align"
+    fig, axes = plt.subplots(
+        1, len(SIM_MEMORY_LAYOUTS), figsize=(4.6 * len(SIM_MEMORY_LAYOUTS), 3.6), sharey=True
+    )
+    rows = []
+    for ax, layout in zip(np.atleast_1d(axes), SIM_MEMORY_LAYOUTS):
+        p, r = _sim(ctx, label, layout, policy)
+        t = r.sample_t_s
+        kv, st = r.kv_bytes / GiB, r.state_bytes / GiB
+        ax.stackplot(
+            t,
+            kv,
+            st,
+            labels=["attention KV", "recurrent states"],
+            colors=["#1f77b4", "#ff7f0e"],
+            alpha=0.8,
+        )
+        ax.axhline(r.memory_bytes / GiB, color="black", ls="--", lw=1, label="cache budget")
+        ax.set_xlabel("simulated time (s)")
+        ax.set_title(f"{layout} (block {p.block_size})", fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+        if t.size:
+            rows.append(
+                {
+                    "layout": layout,
+                    "kv": f"{kv.mean():.2f}",
+                    "kvmax": f"{kv.max():.2f}",
+                    "st": f"{st.mean():.2f}",
+                    "stmax": f"{st.max():.2f}",
+                    "n": str(t.size),
+                }
+            )
+    np.atleast_1d(axes)[0].set_ylabel("memory held, in use or cached (GiB)")
+    fig.suptitle(
+        f"Cache memory over a simulated {label} run ({_sim_requests(ctx):,} requests, "
+        f"{policy} policy), {SIM_DEPLOYMENT.label}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    table = markdown_table(
+        rows,
+        [
+            ("layout", "layout"),
+            ("kv", "KV mean (GiB)"),
+            ("kvmax", "KV max (GiB)"),
+            ("st", "states mean (GiB)"),
+            ("stmax", "states max (GiB)"),
+            ("n", "samples"),
+        ],
+    )
+    return [ctx.save(fig, "sim_memory"), ctx.table("sim_memory", table)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,3 +65,117 @@ def test_advise_ranks_and_reports_what_does_not_fit(capsys):
     assert keys == sorted(keys)
     assert main(argv) == 0
     assert "recommended:" in capsys.readouterr().out
+
+
+def _same(a, b):
+    assert a.summary() == b.summary()
+    assert a.steps == b.steps and a.sim_time_s == b.sim_time_s
+    assert a.saved_flops == b.saved_flops
+    assert np.array_equal(a.ttft_s, b.ttft_s)
+    assert np.array_equal(a.kv_bytes, b.kv_bytes)
+    assert np.array_equal(a.state_bytes, b.state_bytes)
+    assert np.array_equal(a.sample_t_s, b.sample_t_s)
+
+
+@pytest.mark.parametrize(
+    "layout,policy",
+    [("inflate", "align"), ("per_group", "last"), ("two_level", "marconi"), ("pack", "align")],
+)
+def test_parked_decoders_give_the_step_by_step_results(layout, policy, chat):
+    # fast_decode parks decoding requests between allocator events and counts idle steps in a
+    # tight loop; fast_decode=False touches every request every step, as the allocator's
+    # protocol describes. The allocator sees the same state-changing calls in the same order.
+    from hybridkv.sim import SimConfig
+
+    model = models.load("qwen3.5-0.8b")
+    plan = make_plan(model, layout, memory="1GiB", max_num_seqs=8, block_size=16)
+    fast = simulate(plan, model, chat, SimConfig(checkpoint_policy=policy))
+    slow = simulate(plan, model, chat, SimConfig(checkpoint_policy=policy, fast_decode=False))
+    _same(fast, slow)
+
+
+def test_parked_decoders_under_preemption():
+    from hybridkv.sim import SimConfig
+
+    model = models.load("qwen3.5-0.8b")
+    trace = traces.no_sharing(30, seed=2, rate=1000.0)
+    plan = make_plan(model, "per_group", memory="600MiB", max_num_seqs=16, block_size=16)
+    fast = simulate(plan, model, trace)
+    assert fast.preemptions > 0
+    _same(fast, simulate(plan, model, trace, SimConfig(fast_decode=False)))
+
+
+def _repeat_trace(prompt_len: int):
+    from hybridkv.traces import Request, Trace
+
+    prompt = np.arange(1, prompt_len + 1)
+    # the second request arrives long after the first finished
+    reqs = (Request(0, 0.0, prompt, 4), Request(1, 100.0, prompt, 4))
+    return Trace("repeat", reqs)
+
+
+def test_saved_flops_by_hand():
+    # Qwen3.5-0.8B: 6 full-attention layers (8 query heads, head_dim 256 for K and V), 18 Gated
+    # DeltaNet layers (conv state 3 x 6144, recurrent state 16 x 128 x 128), 0.8e9 parameters.
+    # A 600-token prompt sent twice: align with 16-token blocks stops the first prefill at
+    # 592 = 600 // 16 * 16 to checkpoint the state there, so the second request hits 592 tokens.
+    model = models.load("qwen3.5-0.8b")
+    plan = make_plan(model, "per_group", memory="1GiB", max_num_seqs=4, block_size=16)
+    result = simulate(plan, model, _repeat_trace(600))
+    n = 592
+    assert result.hit_tokens == n
+    weights = 2 * 0.8e9 * n
+    attention = 6 * (2 * 8 * (256 + 256)) * (n * (n + 1) // 2)  # token j attends to j tokens
+    recurrent = 6 * 18 * (3 * 6144 + 16 * 128 * 128) * n  # 6 FLOPs per state element per token
+    assert result.saved_flops == pytest.approx(weights + attention + recurrent, rel=1e-12)
+    assert result.summary()["compute_saved_pflop"] == round(result.saved_flops / 1e15, 3)
+
+
+def test_align_stops_the_prefill_at_the_last_block_boundary():
+    model = models.load("qwen3.5-0.8b")
+    plan = make_plan(model, "per_group", memory="1GiB", max_num_seqs=4, block_size=16)
+    from hybridkv.sim import SimConfig
+
+    align = simulate(plan, model, _repeat_trace(600), SimConfig(checkpoint_policy="align"))
+    assert align.hit_tokens == 592  # 600 // 16 * 16, checkpointed before the last 8 tokens
+    last = simulate(plan, model, _repeat_trace(600), SimConfig(checkpoint_policy="last"))
+    # last keeps only the end state (600 prompt + 3 outputs), not a prefix of the second prompt
+    assert last.hit_tokens == 0
+
+
+def test_memory_samples_are_bounded_and_timed(chat):
+    from hybridkv.sim import SimConfig
+
+    model = models.load("qwen3.5-0.8b")
+    plan = make_plan(model, "two_level", memory="1GiB", max_num_seqs=8, block_size=16)
+    full = simulate(plan, model, chat, SimConfig(sample_every=1, max_samples=10**9))
+    few = simulate(plan, model, chat, SimConfig(sample_every=1, max_samples=64))
+    assert full.kv_bytes.size == full.steps and few.kv_bytes.size < 64
+    assert np.all(np.diff(few.sample_t_s) > 0) and few.sample_t_s[-1] <= few.sim_time_s
+    # a thinned run keeps a subset of the full run's samples
+    idx = np.searchsorted(full.sample_t_s, few.sample_t_s)
+    assert np.array_equal(full.kv_bytes[idx], few.kv_bytes)
+
+
+def test_ttft_counts_from_when_a_turn_is_sent():
+    # a chat turn is sent think_time_s after its parent finished, not at its open-loop arrival
+    model = models.load("qwen3.5-0.8b")
+    trace = traces.multi_turn_chat(20, seed=1, session_rate=0.5)
+    plan = make_plan(model, "inflate", memory="1GiB", max_num_seqs=8, block_size=16)
+    result = simulate(plan, model, trace)
+    assert result.ttft_s.max() < 5.0  # seconds: prefill of one short prompt plus queueing
+
+
+@pytest.mark.parametrize("layout", ["inflate", "per_group"])
+def test_a_thousand_chat_requests_are_fast(layout):
+    # issue 5: 10,000 requests in under a minute on 2 cores (paper/bench_sim.py records it);
+    # 1,000 take about 0.5 s (inflate) and 1.5 s (per_group) there, so this bound is generous
+    import time
+
+    model = models.load("qwen3-next-80b-a3b")
+    plan = make_plan(model, layout, memory="40GiB")
+    trace = traces.multi_turn_chat(1000, seed=0)
+    t0 = time.perf_counter()
+    result = simulate(plan, model, trace)
+    assert time.perf_counter() - t0 < 30.0
+    assert result.finished == 1000

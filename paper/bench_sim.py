@@ -1,0 +1,124 @@
+"""Simulator speed: ``python -m paper.bench_sim [--requests 10000] [--out paper/results]``.
+
+Replays the multi-turn chat trace (``traces.multi_turn_chat(n, seed=0)``) on Qwen3-Next-80B-A3B
+with 40 GiB of cache (256 requests at most; two state slots per request with ``align``, as vLLM
+reserves, one with ``last``/``marconi``) for every layout and checkpoint policy, and records
+the wall-clock time of :func:`hybridkv.sim.simulate` with what it measured, in
+``sim-cpu.json`` (date, machine, versions, commit). The goal of issue 5 is 10,000 requests in
+under a minute on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hybridkv import models, traces
+from hybridkv.layouts import LAYOUTS, make_plan
+from hybridkv.sim import SimConfig, simulate
+
+RESULTS = Path(__file__).parent / "results"
+MODEL = "qwen3-next-80b-a3b"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "numpy": np.__version__}
+    for mod in ("torch", "tqdm"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:  # pragma: no cover
+            out[mod] = "absent"
+    return out
+
+
+def bench(num_requests: int, layouts: list[str], policies: list[str], progress: bool) -> list:
+    model = models.load(MODEL)
+    t0 = time.perf_counter()
+    trace = traces.multi_turn_chat(num_requests, seed=0)
+    trace_s = time.perf_counter() - t0
+    rows = []
+    for policy in policies:
+        for layout in layouts:
+            plan = make_plan(
+                model,
+                layout,
+                memory="40GiB",
+                max_num_seqs=256,
+                state_slots_per_seq=2 if policy == "align" else 1,
+            )
+            t0 = time.perf_counter()
+            r = simulate(
+                plan, model, trace, SimConfig(checkpoint_policy=policy), progress=progress
+            )
+            wall = time.perf_counter() - t0
+            row = {
+                "layout": layout,
+                "policy": policy,
+                "block_size": plan.block_size,
+                "requests": num_requests,
+                "wall_s": round(wall, 3),
+                "trace_s": round(trace_s, 3),
+                "steps": r.steps,
+                "sim_time_s": round(r.sim_time_s, 3),
+                **{k: v for k, v in r.summary().items() if k != "layout"},
+            }
+            rows.append(row)
+            print(
+                f"{policy:8} {layout:10} {wall:7.2f} s  {r.steps:,} steps  "
+                f"hit {row['token_hit_rate']:.3f}",
+                flush=True,
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m paper.bench_sim", description=__doc__)
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
+    parser.add_argument("--policies", nargs="+", default=["align", "last", "marconi"])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--progress", action="store_true", help="tqdm bar per run")
+    args = parser.parse_args(argv)
+    rows = bench(args.requests, args.layouts, args.policies, args.progress)
+    meta = {
+        "what": f"simulate() wall time, multi_turn_chat({args.requests}, seed=0), {MODEL}, "
+        "40 GiB, max_num_seqs=256, H100 roofline",
+        "machine": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "versions": _versions(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "sim-cpu.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
