@@ -119,6 +119,40 @@ def test_two_level_pages_move_between_groups():
     assert tl.usage() == 0.0
 
 
+def test_two_level_takes_a_free_page_before_evicting_cached_blocks():
+    evicted = []
+    tl = TwoLevelPool(10, {0: 4, 1: 1}, 0, "p", lambda key, sid: evicted.append(key))
+    v = tl.view(0)
+    ids = v.allocate(3)  # page 0: ids 1..3
+    for i, s in enumerate(ids):
+        v.cache(s, (0, b"k%d" % i))
+    v.free(ids)
+    v.allocate(1)  # 9 pages are free: the cached ids stay
+    assert evicted == [] and len(tl.free_pages) == 8
+
+
+def test_two_level_multi_group_allocation_keeps_pages_for_the_group_that_needs_them():
+    """Group 0 has a cached free id and one page is free; group 1 needs that page. Without a
+    reservation group 0 would take the page to spare its cached id and group 1 would fail half
+    way through an allocation that can_allocate accepted."""
+    evicted = []
+    tl = TwoLevelPool(3, {0: 4, 1: 2}, 0, "p", lambda key, sid: evicted.append(key))
+    g0, g1 = tl.view(0), tl.view(1)
+    a = g0.allocate(3)  # fills page 0 (ids 1..3)
+    b = g1.allocate(2)  # page for group 1
+    g0.cache(a[0], "x")
+    g0.free(a[:1])  # one cached free id on page 0
+    needs = {0: 1, 1: 1}
+    assert tl.can_allocate(needs)
+    tl.reserve(needs)
+    assert tl.reserved_pages == 1
+    got0 = g0.allocate(1)
+    got1 = g1.allocate(1)  # the last page
+    tl.release()
+    assert got0 == a[:1] and evicted == ["x"] and got1[0] // 2 not in (0, b[0] // 2)
+    assert tl.free_pages == {}
+
+
 # ---- hashes -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ["sha256", "blake2b", "builtin"])
 def test_hash_chain(algo):

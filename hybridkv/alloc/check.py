@@ -125,6 +125,7 @@ def _own(a: HybridAllocator, owner: dict, gid: int, bid: int) -> None:
 
 
 def _check_two_level(pool: TwoLevelPool) -> None:
+    assert pool.reserved_pages == 0 and not pool.reservations, "page reservations left behind"
     owned: dict[int, int] = {}
     for g, v in pool.views.items():
         for page in v.pages:

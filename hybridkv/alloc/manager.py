@@ -301,6 +301,20 @@ class HybridAllocator:
                     return False
         return True
 
+    def _reserve(self, needs: dict[int, int]) -> list[TwoLevelPool]:
+        """Reserve pages in two-level pools that serve several groups of one allocation."""
+        by_cap: dict[int, tuple[TwoLevelPool, dict[int, int]]] = {}
+        for gid, k in needs.items():
+            cap = self._cap[gid]
+            if isinstance(cap, TwoLevelPool):
+                by_cap.setdefault(id(cap), (cap, {}))[1][gid] = k
+        out = []
+        for cap, n in by_cap.values():
+            if len(n) > 1:
+                cap.reserve(n)
+                out.append(cap)
+        return out
+
     def _one_more(self, gid: int) -> int | None:
         """A best-effort extra id for ``gid`` (a checkpoint): free or evictable, else None."""
         cap = self._cap[gid]
@@ -382,6 +396,7 @@ class HybridAllocator:
         for gid, ids in touch.items():
             self.pool[gid].touch(ids)
         hit = HitInfo(L)
+        reserved = self._reserve(needs)
         for gid, k in needs.items():
             new = self.pool[gid].allocate(k)
             if gid in state_src:
@@ -392,6 +407,8 @@ class HybridAllocator:
                 hit.kv_copies.append((gid, src, new[0], ntok))
                 r.sources.append((gid, src))
             r.blocks[gid].extend(new)
+        for cap in reserved:
+            cap.release()
         r.num_alloc = L
         r.branch_at = branch_at
         r.row = self.tables.add_row()
@@ -441,11 +458,14 @@ class HybridAllocator:
                     return False
             elif not self._can_allocate(needs):
                 return False
+            reserved = self._reserve(needs)
             for gid, k in needs.items():
                 ids = self.pool[gid].allocate(k)
                 blocks = r.blocks[gid]
                 self.tables.write(gid, r.row, len(blocks), ids)
                 blocks.extend(ids)
+            for cap in reserved:
+                cap.release()
         r.num_alloc = total
         if self.caching and total >= r.work_at:
             self._dirty[r.req_id] = r

@@ -15,9 +15,12 @@ between attention KV and recurrent states as the mix of requests changes.
 
 Free ids of active pages sit in the owner's ``plain`` (uncached, reused first) and ``lru``
 (cached, evicted oldest first) lists; ids of idle pages sit in no list. An allocation takes
-plain ids, then cached ids of active pages, then whole pages (free, then the owner's idle pages,
-then other groups' idle pages, oldest first). :meth:`TwoLevelPool.can_allocate` counts in
-exactly that order, which is what makes multi-group allocations all-or-nothing.
+plain ids, then a free page if one is spare, then cached ids of active pages (evicting them), then
+whole pages (free, then the owner's idle pages, then other groups' idle pages, oldest first).
+Cached blocks are thus evicted only when no page is free. :meth:`TwoLevelPool.can_allocate`
+counts ids without the spare-page preference; for an allocation over several groups,
+:meth:`TwoLevelPool.reserve` holds back the pages that count relies on, which is what keeps
+multi-group allocations all-or-nothing.
 """
 
 from __future__ import annotations
@@ -142,15 +145,25 @@ class GroupView(IdCache):
         return [self.allocate_one() for _ in range(n)]
 
     def allocate_one(self) -> int:
+        owner = self.owner
         if self._plain:
             sid = self._plain.popitem()[0]
+        elif owner.free_pages and len(owner.free_pages) > owner.reserved_pages:
+            # A free page nobody has reserved: take it rather than evict a cached block (only
+            # when nothing is free does the cache give way, as in vLLM).
+            owner.grant_page(self.gid)
+            return self.allocate_one()
         elif self._lru:
             sid = self._pop_evict()
         else:
-            self.owner.grant_page(self.gid)
+            r = owner.reservations.get(self.gid, 0)
+            if r:
+                owner.reservations[self.gid] = r - 1
+                owner.reserved_pages -= 1
+            owner.grant_page(self.gid)
             return self.allocate_one()
         self.ref[sid] = 1
-        self.owner.used[sid // self.k] += 1
+        owner.used[sid // self.k] += 1
         return sid
 
     def free(self, ids: Iterable[int]) -> None:
@@ -206,6 +219,10 @@ class TwoLevelPool:
         self.used = [0] * num_pages  # ids in use per page
         self.free_pages: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))
         self.idle: OrderedDict[int, None] = OrderedDict()  # every group's idle pages, oldest first
+        # pages that groups of a multi-group allocation will need once their own free and
+        # cached ids run out (see reserve); other groups may not take them to spare the cache
+        self.reservations: dict[int, int] = {}
+        self.reserved_pages = 0
         self.views = {g: GroupView(self, g, k) for g, k in ids_per_page.items()}
         self.first_gid = first_gid
         self.views[first_gid]._take_fresh_page(0)
@@ -242,6 +259,25 @@ class TwoLevelPool:
             if rest > 0:
                 demand += -(-rest // v.k)
         return demand <= pages
+
+    def reserve(self, needs: dict[int, int]) -> None:
+        """Before allocating ``needs`` ids for several groups at once (after ``can_allocate``):
+        reserve the pages each group needs beyond its free and cached ids, so that no group
+        takes a free page in place of evicting its cached blocks while another group still
+        needs that page. :meth:`release` drops what is left afterwards."""
+        total = 0
+        for gid, n in needs.items():
+            v = self.views[gid]
+            short = n - len(v._plain) - len(v._lru)
+            if short > 0:
+                p = -(-short // v.k)
+                self.reservations[gid] = p
+                total += p
+        self.reserved_pages = total
+
+    def release(self) -> None:
+        self.reservations.clear()
+        self.reserved_pages = 0
 
     def grant_page(self, gid: int) -> None:
         """Give ``gid`` one more page: a free one, else its own idle page, else the oldest idle
