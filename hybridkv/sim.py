@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
-from operator import itemgetter
 
 import numpy as np
 from tqdm.auto import tqdm
 
 from .alloc import HybridAllocator, PoolExhausted
-from .alloc.block_pool import BlockPool
 from .costmodel import GPU, H100_SXM, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -175,13 +173,8 @@ def _output_id(req, i: int) -> int:
 
 def _headroom(alloc: HybridAllocator, rid: int) -> int:
     """Tokens ``allocate_slots`` can add to ``rid`` on its fast path (no block, cache or
-    checkpoint work): it takes the fast path while ``num_alloc`` stays below the request's
-    ``limit``. 0 (touch it every step) where the allocator does not say."""
-    r = alloc.reqs.get(rid)
-    limit = getattr(r, "limit", None)
-    if limit is None:
-        return 0
-    return max(0, int(limit) - 1 - int(r.num_alloc))
+    checkpoint work)."""
+    return alloc.fast_path_tokens(rid)
 
 
 def simulate(
@@ -518,57 +511,9 @@ def _chunk(remaining: int, budget: int, done: int, align: int, stop: int = 0) ->
 
 
 def _held_bytes(alloc: HybridAllocator, plan: MemoryPlan) -> tuple[int, int]:
-    """Bytes held (by running requests or as cache) by attention groups and by state groups.
-
-    A :class:`BlockPool` holds every id that is not free and uncached (counted in O(1)). Where it
-    serves several groups, a state group holds its requests' slots (running, spare and private
-    end-of-request checkpoints) and its cached checkpoints; the attention groups hold the rest.
-    A two-level pool's groups each have their own small ids: the requests' block ids and the
-    cached ids of the group."""
-    groups_of: dict[int, list[int]] = {}
-    pools: dict[int, object] = {}
-    for gid, pool in alloc.pool.items():
-        groups_of.setdefault(id(pool), []).append(gid)
-        pools[id(pool)] = pool
-    state_gids = {g.group_id for g in plan.groups if g.is_state}
-    count: dict[int, int] = {}
-    for key, gids in groups_of.items():
-        pool = pools[key]
-        if isinstance(pool, BlockPool):
-            total = pool.num_ids - 1 - (pool.num_free - pool.num_cached_free)
-            if len(gids) == 1:
-                count[gids[0]] = total
-                continue
-            states = [g for g in gids if g in state_gids]
-            # the pool's own key map when it has one: copying tens of thousands of keys per
-            # sample was the largest cost of the aggregate layout's runs
-            keys = getattr(pool, "_key_to_id", None)
-            cached = Counter(map(itemgetter(0), pool.cached_items() if keys is None else keys))
-            for g in states:
-                n = cached[g]
-                for req in alloc.reqs.values():
-                    n += len(req.blocks[g]) + (g in getattr(req, "end_ckpt", ()))
-                count[g] = n
-                total -= n
-            attn = [g for g in gids if g not in state_gids]
-            for g in attn:
-                count[g] = 0
-            if attn:
-                count[attn[0]] = total
-            continue
-        held: dict[int, set[int]] = {g: set() for g in gids}
-        for req in alloc.reqs.values():
-            for g in gids:
-                held[g].update(req.blocks[g])
-        items = pool.cached_items()  # type: ignore[attr-defined]
-        if len(gids) == 1:
-            held[gids[0]].update(items.values())
-        else:
-            for (g, _), bid in items.items():
-                held[g].add(bid)
-        for g in gids:
-            held[g].discard(0)
-            count[g] = len(held[g])
+    """Bytes held (by running requests or as cache) by attention groups and by state groups;
+    see :meth:`HybridAllocator.ids_in_use` for what an id counts."""
+    count = alloc.ids_in_use()
     kv = state = 0
     for g in plan.groups:
         pool = plan.pool_of(g.group_id)

@@ -426,6 +426,27 @@ def test_sliding_window_hit_past_the_window_needs_only_the_window():
     a.free("b")
 
 
+# ---- accounting ------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["inflate", "pack", "per_group", "two_level"])
+def test_ids_in_use_counts_every_id_that_holds_data(layout):
+    p = plan("qwen3.5-0.8b", layout, ckpt_slots=4)
+    a = HybridAllocator(p, checkpoint_policy="last")
+    base = list(range(200))
+    _prefill_to(a, "a", base, [200])
+    _decode(a, "a", [1] * 8)  # a private end-of-request checkpoint
+    _prefill_to(a, "b", [*base[:100], 5, 6, 7], [103])
+    a.free("b")
+    got = a.ids_in_use()
+    assert set(got) == {g.group_id for g in p.groups}
+    pools = {id(v): v for v in a.pool.values()}
+    for pid, pool in pools.items():
+        gids = [g for g, v in a.pool.items() if id(v) == pid]
+        brute = sum(1 for b in range(1, pool.num_ids) if pool.ref[b] or pool.key_of(b) is not None)
+        assert sum(got[g] for g in gids) == brute, (layout, gids)
+    assert a.fast_path_tokens("a") >= 0
+    a.free("a")
+
+
 # ---- errors -----------------------------------------------------------------------------------
 def test_errors():
     p = plan("qwen3.5-0.8b", "per_group")

@@ -30,8 +30,9 @@ evictable ids, best effort: a checkpoint never makes an allocation fail.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -709,6 +710,67 @@ class HybridAllocator:
         if self.policy.name == "align":
             return self.policy.next_position(r.num_alloc, -1)
         return None
+
+    def fast_path_tokens(self, req_id: Any) -> int:
+        """Tokens :meth:`allocate_slots` can add to ``req_id`` with no block, cache or
+        checkpoint work: a scheduler may batch that many decode steps without calling the
+        allocator for them (then hand them over in one call)."""
+        r = self._get(req_id)
+        return max(0, r.limit - 1 - r.num_alloc)
+
+    def ids_in_use(self) -> dict[int, int]:
+        """Per group: ids that hold data (used by running requests or holding a cached block).
+
+        In a pool serving several groups, a state group counts its requests' slots (running,
+        spares, private end-of-request checkpoints) and its cached checkpoints, and the first
+        attention group counts every other id that is not free (shared prefix blocks once,
+        however many requests use them). A two-level pool's groups count their own small ids.
+        Cost: O(requests x state groups) plus, for two-level pools, the held and cached ids.
+        """
+        groups_of: dict[int, list[int]] = {}
+        pools: dict[int, object] = {}
+        for gid, pool in self.pool.items():
+            groups_of.setdefault(id(pool), []).append(gid)
+            pools[id(pool)] = pool
+        state_gids = {g.group_id for g in self.groups if g.is_state}
+        count: dict[int, int] = {}
+        for key, gids in groups_of.items():
+            pool = pools[key]
+            if isinstance(pool, BlockPool):
+                total = pool.num_ids - 1 - (pool.num_free - pool.num_cached_free)
+                if len(gids) == 1:
+                    count[gids[0]] = total
+                    continue
+                states = [g for g in gids if g in state_gids]
+                cached = Counter(map(itemgetter(0), pool._key_to_id))  # no copy of the map
+                for g in states:
+                    n = cached[g]
+                    for req in self.reqs.values():
+                        n += len(req.blocks[g]) + (g in req.end_ckpt)
+                    count[g] = n
+                    total -= n
+                attn = [g for g in gids if g not in state_gids]
+                for g in attn:
+                    count[g] = 0
+                if attn:
+                    count[attn[0]] = total
+                continue
+            held: dict[int, set[int]] = {g: set() for g in gids}
+            for req in self.reqs.values():
+                for g in gids:
+                    held[g].update(req.blocks[g])
+                    if g in req.end_ckpt:
+                        held[g].add(req.end_ckpt[g][1])
+            items = pool._key_to_id  # type: ignore[union-attr]
+            if len(gids) == 1:
+                held[gids[0]].update(items.values())
+            else:
+                for (g, _), bid in items.items():
+                    held[g].add(bid)
+            for g in gids:
+                held[g].discard(0)
+                count[g] = len(held[g])
+        return count
 
     def block_tables(self, req_ids: list[Any]) -> list[torch.Tensor]:
         """One int32 ``[len(req_ids), max blocks]`` table per group, padded with the null id."""
