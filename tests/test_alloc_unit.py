@@ -153,6 +153,25 @@ def test_two_level_multi_group_allocation_keeps_pages_for_the_group_that_needs_t
     assert tl.free_pages == {}
 
 
+def test_two_level_evicts_the_least_recent_block_of_any_group():
+    """No free page: group 0 needs an id. Group 1's idle page holds a checkpoint freed before
+    group 0's cached block, so the checkpoint goes (one LRU across groups)."""
+    evicted = []
+    tl = TwoLevelPool(3, {0: 2, 1: 1}, 0, "p", lambda key, sid: evicted.append(key))
+    g0, g1 = tl.view(0), tl.view(1)
+    (s,) = g1.allocate(1)  # page for group 1
+    a = g0.allocate(3)  # id 1 on page 0, then both ids of the last page
+    g1.cache(s, "old-state")
+    g1.free([s])  # idle page, stamped first
+    g0.cache(a[0], "newer-kv")
+    g0.free(a[:1])
+    assert not tl.free_pages and tl.idle
+    got = g0.allocate(1)
+    assert evicted == ["old-state"] and g0.lookup("newer-kv") == a[0]
+    assert got[0] // 2 == s  # group 1's page now serves group 0
+    g0.free(got + a[1:])
+
+
 # ---- hashes -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ["sha256", "blake2b", "builtin"])
 def test_hash_chain(algo):

@@ -126,6 +126,7 @@ def _own(a: HybridAllocator, owner: dict, gid: int, bid: int) -> None:
 
 def _check_two_level(pool: TwoLevelPool) -> None:
     assert pool.reserved_pages == 0 and not pool.reservations, "page reservations left behind"
+    assert set(pool.idle_stamp) == set(pool.idle), "idle page stamps out of step"
     owned: dict[int, int] = {}
     for g, v in pool.views.items():
         for page in v.pages:

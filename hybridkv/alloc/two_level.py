@@ -54,6 +54,7 @@ class GroupView(IdCache):
         self.evictor_window = 1
         self.num_evictions = 0
         self.on_evict = owner.on_evict
+        self.stamp = [0] * self.num_ids  # owner.clock when a cached id was last freed
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -97,11 +98,13 @@ class GroupView(IdCache):
         """An idle page of ours is needed again: its free ids rejoin the lists."""
         del self.idle_pages[page]
         del self.owner.idle[page]
+        del self.owner.idle_stamp[page]
         lo = page * self.k
         cached = self._id_to_key
         for sid in range(lo + self.k - 1, lo - 1, -1):
             if sid in cached:
                 self._lru[sid] = None
+                self._lru.move_to_end(sid, last=False)  # idle longer than any active id
             else:
                 self._plain[sid] = None
 
@@ -119,6 +122,7 @@ class GroupView(IdCache):
         if any_cached:
             self.idle_pages[page] = None
             self.owner.idle[page] = None
+            self.owner.idle_stamp[page] = self.owner.clock
         else:
             self._give_back(page)
 
@@ -131,6 +135,7 @@ class GroupView(IdCache):
         """Another group reclaims our idle ``page``: evict its cached entries."""
         del self.idle_pages[page]
         del self.owner.idle[page]
+        del self.owner.idle_stamp[page]
         lo = page * self.k
         for sid in range(lo, lo + self.k):
             if sid in self._id_to_key:
@@ -146,12 +151,18 @@ class GroupView(IdCache):
 
     def allocate_one(self) -> int:
         owner = self.owner
+        spare = owner.pages_available > owner.reserved_pages  # a page nobody has reserved
         if self._plain:
             sid = self._plain.popitem()[0]
-        elif owner.free_pages and len(owner.free_pages) > owner.reserved_pages:
-            # A free page nobody has reserved: take it rather than evict a cached block (only
-            # when nothing is free does the cache give way, as in vLLM).
+        elif owner.free_pages and spare:
+            # take a free page rather than evict a cached block: the cache gives way only when
+            # nothing is free, as in vLLM
             owner.grant_page(self.gid)
+            return self.allocate_one()
+        elif self._lru and spare and owner.idle and self._idle_page_is_older():
+            # One LRU across groups (as Jenga): an idle page, whoever owns it, whose blocks
+            # were used less recently than our oldest cached id goes first.
+            owner.take_oldest_idle(self.gid)
             return self.allocate_one()
         elif self._lru:
             sid = self._pop_evict()
@@ -166,8 +177,14 @@ class GroupView(IdCache):
         owner.used[sid // self.k] += 1
         return sid
 
+    def _idle_page_is_older(self) -> bool:
+        owner = self.owner
+        page = next(iter(owner.idle))
+        return owner.idle_stamp[page] < self.stamp[next(iter(self._lru))]
+
     def free(self, ids: Iterable[int]) -> None:
-        ref, used, k = self.ref, self.owner.used, self.k
+        owner = self.owner
+        ref, used, k = self.ref, owner.used, self.k
         for sid in ids:
             if sid == 0:
                 continue
@@ -178,6 +195,8 @@ class GroupView(IdCache):
             if r == 1:
                 if sid in self._id_to_key:
                     self._lru[sid] = None
+                    owner.clock += 1
+                    self.stamp[sid] = owner.clock
                 else:
                     self._plain[sid] = None
                 page = sid // k
@@ -221,6 +240,8 @@ class TwoLevelPool:
         self.idle: OrderedDict[int, None] = OrderedDict()  # every group's idle pages, oldest first
         # pages that groups of a multi-group allocation will need once their own free and
         # cached ids run out (see reserve); other groups may not take them to spare the cache
+        self.clock = 0  # ticks when a cached id is freed: one LRU order for every group
+        self.idle_stamp: dict[int, int] = {}  # idle page -> clock when it went idle
         self.reservations: dict[int, int] = {}
         self.reserved_pages = 0
         self.views = {g: GroupView(self, g, k) for g, k in ids_per_page.items()}
@@ -296,6 +317,18 @@ class TwoLevelPool:
             v._take_fresh_page(page)
         else:
             raise PoolExhausted(self.name, v.k, 0)
+
+    def take_oldest_idle(self, gid: int) -> None:
+        """Give ``gid`` the idle page that went idle first (its own: reactivated, keeping its
+        cached blocks at the front of the LRU; another group's: its blocks are evicted)."""
+        page = next(iter(self.idle))
+        owner = self.page_owner[page]
+        assert owner is not None
+        if owner == gid:
+            self.views[gid]._reactivate(page)
+        else:
+            self.views[owner]._surrender(page)
+            self.views[gid]._take_fresh_page(page)
 
     def evict_all_free(self) -> int:
         """Drop every cached entry no request holds; idle pages go back to the free pages."""
