@@ -287,6 +287,28 @@ def test_last_policy_keeps_a_rolling_end_state():
     a.free("b")
 
 
+def test_private_end_checkpoints_give_way_to_new_requests():
+    """``last`` keeps a running request's end state in a spare slot; when a new request needs
+    that slot, the private checkpoint is dropped instead of refusing the request."""
+    p = plan("qwen3.5-0.8b", "per_group", seqs=2)  # 2 state slots
+    a = HybridAllocator(p, checkpoint_policy="last")
+    copies: list = []
+    _prefill_to(a, "a", list(range(32)), [32], copies)
+    assert copies and a.reqs["a"].end_ckpt  # the rolling end state took the spare slot
+    assert a.pool[0].num_free == 0
+    a.add_request("b", [9, 9])  # needs that slot
+    assert not a.reqs["a"].end_ckpt
+    check_consistency(a)
+    with pytest.raises(PoolExhausted):  # nothing private is left to give way
+        a.add_request("c", [9, 8])
+    _decode(a, "a", range(16))  # the next unit boundary finds no spare slot: no checkpoint
+    assert not a.reqs["a"].end_ckpt
+    a.free("b")
+    _decode(a, "a", range(16))  # a slot is spare again
+    assert a.reqs["a"].end_ckpt
+    a.free("a")
+
+
 def test_partial_block_hit_copies_the_reused_tokens():
     """With large blocks (inflate: 544 tokens) and an end-of-request state, the next turn
     resumes inside the last attention block: the reused tokens are copied into a new block."""

@@ -282,8 +282,29 @@ class HybridAllocator:
 
     # ---- capacity ---------------------------------------------------------------------------
     def _can_allocate(
-        self, needs: dict[int, int], touch: dict[int, list[int]] | None = None
+        self,
+        needs: dict[int, int],
+        touch: dict[int, list[int]] | None = None,
+        extra: Counter | None = None,
     ) -> bool:
+        """Whether ``needs`` fits after ``touch``; ``extra`` counts ids per group that would be
+        freed first (private checkpoints, see :meth:`_reclaim_private`)."""
+        pages: Counter = Counter()  # two-level pools: large pages the freed ids give back
+        if extra:
+            needs = dict(needs)
+            for gid, n in extra.items():
+                cap = self._cap[gid]
+                if isinstance(cap, TwoLevelPool):
+                    if cap.views[gid].k == 1:  # an id is a whole page: back to the free pages
+                        pages[id(cap)] += n
+                    elif gid in needs:  # the freed ids are the group's own
+                        needs[gid] = max(0, needs[gid] - n)
+                else:  # any group of the pool can use them: credit the first one asking
+                    for g in needs:
+                        if self._cap[g] is cap:
+                            take = min(n, needs[g])
+                            needs[g] -= take
+                            n -= take
         by_cap: dict[int, tuple[Any, dict[int, int], dict[int, list[int]]]] = {}
         for gid in set(needs) | set(touch or ()):
             cap = self._cap[gid]
@@ -294,13 +315,37 @@ class HybridAllocator:
                 entry[2][gid] = touch[gid]
         for cap, gneeds, gtouch in by_cap.values():
             if isinstance(cap, TwoLevelPool):
-                if not cap.can_allocate(gneeds, gtouch):
+                if not cap.can_allocate(gneeds, gtouch, pages[id(cap)]):
                     return False
             else:
                 touched = [b for ids in gtouch.values() for b in ids]
                 if sum(gneeds.values()) > cap.available_after_touch(touched):
                     return False
         return True
+
+    def _reclaim_private(
+        self, needs: dict[int, int], touch: dict[int, list[int]] | None = None
+    ) -> bool:
+        """Make room for ``needs`` by dropping running requests' private end-of-request
+        checkpoints (``last``/``marconi`` take them only where a slot is spare), oldest requests
+        first, but only if that makes ``needs`` fit: otherwise nothing changes. A dropped
+        checkpoint is taken again at the request's next hash-unit boundary if a slot is free."""
+        caps = {id(self._cap[g]) for g in needs}
+        holders = [
+            r for r in self.reqs.values() if any(id(self._cap[g]) in caps for g in r.end_ckpt)
+        ]
+        if not holders:
+            return False
+        extra = Counter(g for r in holders for g in r.end_ckpt if id(self._cap[g]) in caps)
+        if not self._can_allocate(needs, touch, extra):
+            return False
+        for r in holders:
+            for gid in [g for g in r.end_ckpt if id(self._cap[g]) in caps]:
+                _, sid = r.end_ckpt.pop(gid)
+                self.pool[gid].free((sid,))
+            if self._can_allocate(needs, touch):
+                return True
+        return self._can_allocate(needs, touch)
 
     def _reserve(self, needs: dict[int, int]) -> list[TwoLevelPool]:
         """Reserve pages in two-level pools that serve several groups of one allocation."""
@@ -391,7 +436,7 @@ class HybridAllocator:
                 assert src is not None
                 state_src[gid] = src
                 touch[gid] = [src]
-        if not self._can_allocate(needs, touch):
+        if not self._can_allocate(needs, touch) and not self._reclaim_private(needs, touch):
             short = sorted({self._cap[g].name for g in needs})
             raise PoolExhausted(",".join(short), sum(needs.values()), 0)
         for gid, ids in touch.items():
@@ -455,9 +500,9 @@ class HybridAllocator:
         if needs:
             if len(needs) == 1 and isinstance(self._cap[next(iter(needs))], BlockPool):
                 ((gid, k),) = needs.items()
-                if k > self._cap[gid].num_free:  # type: ignore[union-attr]
+                if k > self._cap[gid].num_free and not self._reclaim_private(needs):  # type: ignore[union-attr]
                     return False
-            elif not self._can_allocate(needs):
+            elif not self._can_allocate(needs) and not self._reclaim_private(needs):
                 return False
             reserved = self._reserve(needs)
             for gid, k in needs.items():

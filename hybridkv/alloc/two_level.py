@@ -257,11 +257,15 @@ class TwoLevelPool:
         return len(self.free_pages) + len(self.idle)
 
     def can_allocate(
-        self, needs: dict[int, int], touch: dict[int, list[int]] | None = None
+        self,
+        needs: dict[int, int],
+        touch: dict[int, list[int]] | None = None,
+        extra_pages: int = 0,
     ) -> bool:
         """Whether every group ``g`` can get ``needs[g]`` new ids after ``touch[g]`` (cached ids a
-        hit will reference) left the free lists; counts pages in allocation order."""
-        pages = self.pages_available
+        hit will reference) left the free lists and ``extra_pages`` pages were given back;
+        counts pages in allocation order."""
+        pages = self.pages_available + extra_pages
         demand = 0
         for gid in set(needs) | set(touch or ()):
             v = self.views[gid]
