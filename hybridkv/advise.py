@@ -1,15 +1,16 @@
 """Layout advisor: simulate a workload under each candidate configuration and rank them.
 
 Candidates: every layout; for ``pack`` several pack sizes; for the layouts with free block sizes
-(``per_group``, ``two_level``) several block sizes; each with the ``align`` and ``last``
-checkpoint policies. Ranked by median TTFT, then throughput, then token hit rate; the first row
-is the recommendation.
+(``per_group``, ``two_level``) several block sizes; each with the ``align``, ``last`` and
+``marconi`` checkpoint policies. Ranked by median TTFT, then throughput, then token hit rate;
+the first row is the recommendation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .alloc import POLICIES
 from .layouts import make_plan
 from .models.model import HybridModel
 from .sim import SimConfig, simulate
@@ -40,7 +41,7 @@ def candidates(model: HybridModel) -> list[Candidate]:
     return [
         Candidate(c.layout, c.pack_size, c.block_size, policy)
         for c in out
-        for policy in ("align", "last")
+        for policy in POLICIES
     ]
 
 

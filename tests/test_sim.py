@@ -61,6 +61,7 @@ def test_advise_ranks_and_reports_what_does_not_fit(capsys):
     rows = __import__("json").loads(capsys.readouterr().out)
     ok = [r for r in rows if "error" not in r]
     assert ok and any("too small" in r["error"] for r in rows if "error" in r)
+    assert {r["config"].rsplit(" ", 1)[1] for r in rows} == {"align", "last", "marconi"}
     keys = [(r["ttft_p50_ms"], -r["throughput_tok_s"], -r["hit_rate"]) for r in ok]
     assert keys == sorted(keys)
     assert main(argv) == 0
