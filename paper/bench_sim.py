@@ -4,8 +4,8 @@ Replays the multi-turn chat trace (``traces.multi_turn_chat(n, seed=0)``) on Qwe
 with 40 GiB of cache (256 requests at most; two state slots per request with ``align``, as vLLM
 reserves, one with ``last``/``marconi``) for every layout and checkpoint policy, and records
 the wall-clock time of :func:`hybridkv.sim.simulate` with what it measured, in
-``sim-cpu.json`` (date, machine, versions, commit). The goal of issue 5 is 10,000 requests in
-under a minute on a 2-core CPU.
+``sim-cpu.json`` (date, machine, versions, commit). The target is 10,000 requests in under a
+minute on a 2-core CPU.
 """
 
 from __future__ import annotations
