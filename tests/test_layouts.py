@@ -303,6 +303,9 @@ def test_random_plans_account_for_every_byte(name, layout, memory_gib, max_num_s
 def test_memory_too_small_says_what_to_change():
     with pytest.raises(ValueError, match="max-num-seqs"):
         make_plan(models.load("qwen3-next-80b-a3b"), "inflate", memory="1GiB", max_num_seqs=1024)
+    # small budgets keep their digits (MiB, not "0.00 GiB")
+    with pytest.raises(ValueError, match=r"^3\.00 MiB is too small .* needs 168\.07 MiB"):
+        make_plan(models.load("qwen3.5-0.8b"), "per_group", memory="3MiB", max_num_seqs=8)
 
 
 def test_block_size_must_match_kernel_alignment():

@@ -9,6 +9,7 @@ from ..dtypes import dtype_bytes
 from ..models.model import CacheLayer, HybridModel
 from ..plan import Capacity, PlanConfig, StateComponent
 from ..specs import AttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
+from ..units import format_bytes
 
 DEFAULT_BLOCK_SIZE = 16
 #: byte alignment of a state component or a state slot inside a dedicated state pool
@@ -121,12 +122,11 @@ def ideal_capacity(model: HybridModel, config: PlanConfig) -> tuple[int, int]:
 
 
 def too_small(model: HybridModel, config: PlanConfig, need: int, what: str) -> ValueError:
-    gib = need / 2**30
     return ValueError(
-        f"{config.memory_bytes / 2**30:.2f} GiB is too small for {model.name}: {what} needs "
-        f"{gib:.2f} GiB for max_num_seqs={config.max_num_seqs} (x{config.state_slots_per_seq} "
-        f"state slots each) plus one KV block; give the cache more memory (--gpu-memory) or "
-        f"lower --max-num-seqs"
+        f"{format_bytes(config.memory_bytes)} is too small for {model.name}: {what} needs "
+        f"{format_bytes(need)} for max_num_seqs={config.max_num_seqs} "
+        f"(x{config.state_slots_per_seq} state slots each) plus one KV block; give the cache "
+        f"more memory (--gpu-memory) or lower --max-num-seqs"
     )
 
 
