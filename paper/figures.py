@@ -610,6 +610,7 @@ SIM_POLICIES = ("align", "last", "marconi")
 SIM_TRACES = (
     ("chat", "multi_turn_chat", {}),
     ("shared system prompt", "shared_prefix", {}),
+    ("agentic sessions", "agentic", {}),
 )
 #: per_group with as many cached-checkpoint slots as running ones (the advisor's per_group)
 PER_GROUP_CACHED = "per_group+cache"
@@ -677,8 +678,9 @@ def _layout_color(layout: str) -> str:
 
 @register(
     "sim_hit_rate",
-    "Under a 40 GiB budget, the layout and the checkpoint policy decide the hit rate: states "
-    "checkpointed in a pool sized to max_num_seqs are evicted before the next turn arrives.",
+    "Under a 40 GiB budget the checkpoint policy decides the hit rate as much as the layout: "
+    "frequent align checkpoints crowd out KV or are evicted before reuse, marconi's few "
+    "well-placed ones are kept.",
     requires=("hybridkv.sim",),
 )
 def sim_hit_rate(ctx: Context) -> list[Path]:
