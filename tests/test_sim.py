@@ -169,7 +169,7 @@ def test_ttft_counts_from_when_a_turn_is_sent():
 
 @pytest.mark.parametrize("layout", ["inflate", "per_group"])
 def test_a_thousand_chat_requests_are_fast(layout):
-    # issue 5: 10,000 requests in under a minute on 2 cores (paper/bench_sim.py records it);
+    # the target: 10,000 requests in under a minute on 2 cores (paper/bench_sim.py records it);
     # 1,000 take about 0.5 s (inflate) and 1.5 s (per_group) there, so this bound is generous
     import time
 
