@@ -92,32 +92,45 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
     return 2 * nbytes / _time(lambda: dst.copy_(src), device, reps)
 
 
+def _plan_for(model, layout: str, batch: int, ctx: int, device):
+    """A plan of ``layout`` just large enough for ``batch`` requests of ``ctx`` tokens, and its
+    buffers allocated on ``device``."""
+    probe = make_plan(model, layout, memory=1 << 50, max_num_seqs=batch)
+    unit = max(p.block_bytes for p in probe.pools)
+    kv_bytes = batch * ctx * model.kv_bytes_per_token
+    memory = int(probe.capacity.state_reserved_bytes + 1.05 * kv_bytes + 4 * unit)
+    plan = make_plan(model, layout, memory=memory, max_num_seqs=batch)
+    return plan, plan.allocate(device, fill=0)
+
+
+def _random_tables(num_blocks: int, block_size: int, batch: int, ctx: int, device):
+    """Block tables of distinct shuffled ids (never the null block 0), None if too few."""
+    per_req = math.ceil(ctx / block_size)
+    usable = num_blocks - 1
+    if batch * per_req > usable:
+        return None
+    ids = torch.randperm(usable, device=device)[: batch * per_req] + 1
+    return ids.view(batch, per_req).to(torch.int32)
+
+
 def _decode_case(model_name, layout, batch, ctx, device, dtype, reps):
     model = models.load(model_name, kv_dtype="bfloat16" if dtype == torch.bfloat16 else "float16")
     spec = model.attention_layers[0].spec
     hq, hkv, d = spec.heads_per_rank, spec.kv_heads_per_rank, spec.head_dim
-    kv_bytes = batch * ctx * model.kv_bytes_per_token
     if layout == "unpacked":
         block_size = 16
         num_blocks = batch * math.ceil(ctx / block_size) + 1
         k_cache = torch.randn(num_blocks, block_size, hkv, d, device=device).to(dtype)
         v_cache = torch.randn_like(k_cache)
     else:
-        probe = make_plan(model, layout, memory=1 << 50, max_num_seqs=batch)
-        unit = max(p.block_bytes for p in probe.pools)
-        memory = int(probe.capacity.state_reserved_bytes + 1.05 * kv_bytes + 4 * unit)
-        plan = make_plan(model, layout, memory=memory, max_num_seqs=batch)
-        buffers = plan.allocate(device, fill=0)
+        plan, buffers = _plan_for(model, layout, batch, ctx, device)
         k_cache, v_cache = plan.kv_views(buffers, model.attention_layers[0].name)
         k_cache.normal_()
         v_cache.normal_()
         block_size = plan.block_size
-    per_req = math.ceil(ctx / block_size)
-    usable = k_cache.shape[0] - 1
-    if batch * per_req > usable:
+    tables = _random_tables(k_cache.shape[0], block_size, batch, ctx, device)
+    if tables is None:
         return None
-    ids = torch.randperm(usable, device=device)[: batch * per_req] + 1
-    tables = ids.view(batch, per_req).to(torch.int32)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch, hq, d, device=device).to(dtype)
     fn = lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq, d**-0.5, max_seq_len=ctx)
@@ -131,20 +144,12 @@ def _mla_case(layout, batch, ctx, device, dtype, reps):
     """Absorbed MLA decode over one MLA layer's latent view in a real plan of Kimi-Linear."""
     model = models.load(MLA_MODEL, kv_dtype="bfloat16" if dtype == torch.bfloat16 else "float16")
     spec = model.attention_layers[0].spec
-    probe = make_plan(model, layout, memory=1 << 50, max_num_seqs=batch)
-    unit = max(p.block_bytes for p in probe.pools)
-    kv_bytes = batch * ctx * model.kv_bytes_per_token
-    memory = int(probe.capacity.state_reserved_bytes + 1.05 * kv_bytes + 4 * unit)
-    plan = make_plan(model, layout, memory=memory, max_num_seqs=batch)
-    buffers = plan.allocate(device, fill=0)
+    plan, buffers = _plan_for(model, layout, batch, ctx, device)
     cache, _ = plan.kv_views(buffers, model.attention_layers[0].name)
     cache.normal_()
-    per_req = math.ceil(ctx / plan.block_size)
-    usable = cache.shape[0] - 1
-    if batch * per_req > usable:
+    tables = _random_tables(cache.shape[0], plan.block_size, batch, ctx, device)
+    if tables is None:
         return None
-    ids = torch.randperm(usable, device=device)[: batch * per_req] + 1
-    tables = ids.view(batch, per_req).to(torch.int32)
     seq = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     heads = spec.num_heads // spec.tp_size
     q_nope = torch.randn(batch, heads, spec.kv_lora_rank, device=device).to(dtype)
