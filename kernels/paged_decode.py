@@ -25,10 +25,12 @@ import triton.language as tl
 
 
 def _autotune(configs: list[triton.Config], key: list[str], **kwargs):
-    """``triton.autotune`` on a GPU; under the interpreter, pin the first config, because the
-    autotuner needs a GPU driver to benchmark."""
+    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first, or the
+    one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each), because the autotuner
+    needs a GPU driver to benchmark."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        pinned = configs[0].kwargs
+        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0")) % len(configs)
+        pinned = configs[index].kwargs
         return triton.heuristics({k: (lambda _, v=v: v) for k, v in pinned.items()})
     return triton.autotune(configs, key=key, **kwargs)
 
