@@ -618,13 +618,18 @@ class HybridAllocator:
                     self._roll(r, P, copies)
         self._set_limit(r)
 
-    def _spare_or_new(self, r: _Request, gid: int) -> int | None:
+    def _take_spare(self, r: _Request, gid: int) -> int | None:
+        """One of the request's reserved spare state slots (after its running slot), if any."""
         blocks = r.blocks[gid]
-        if len(blocks) > 1:
-            sid = blocks.pop()
-            self.tables.set_row(gid, r.row, blocks)
-            return sid
-        return self._one_more(gid)
+        if len(blocks) < 2:
+            return None
+        sid = blocks.pop()
+        self.tables.set_row(gid, r.row, blocks)
+        return sid
+
+    def _spare_or_new(self, r: _Request, gid: int) -> int | None:
+        sid = self._take_spare(r, gid)
+        return sid if sid is not None else self._one_more(gid)
 
     def _checkpoint(self, r: _Request, P: int, copies: list, held: list) -> None:
         """Copy the running state into a new slot cached at ``P`` (released after the commit,
@@ -638,10 +643,9 @@ class HybridAllocator:
             for gid in gids:
                 if pool.lookup((gid, u)) is not None:
                     continue
-                blocks = r.blocks[gid]
-                if len(blocks) > 1:  # a reserved spare slot
-                    taken.append((gid, blocks.pop()))
-                    self.tables.set_row(gid, r.row, blocks)
+                sid = self._take_spare(r, gid)
+                if sid is not None:
+                    taken.append((gid, sid))
                 else:
                     need.append(gid)
             if need:
