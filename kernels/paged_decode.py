@@ -6,11 +6,38 @@ memory plan: K of token ``p`` of a request lives at
 stride_head``. Nothing else is assumed, so the same kernel reads vLLM's K-then-V pages, pages
 packing N layers, head-major pages and layer-outer tensors.
 
-- GQA: one program serves all query heads of a KV head, so K and V are read once.
+- GQA: one program serves all query heads of a KV head, so each K/V byte is read once per KV
+  head, not once per query head.
+- Page walk: a tile of ``BLOCK_N`` tokens is ``BLOCK_N // SEG`` segments of ``SEG`` tokens, where
+  ``SEG`` is a power of two dividing ``block_size`` (so a segment never straddles a page). The
+  block table is read once per segment as one small vector, not once per token, and there is no
+  runtime division by ``block_size`` per token: only one per segment. The head's int64 base is
+  hoisted out of the loop.
+- Load/compute overlap: the block ids of the next tile are loaded one iteration ahead (a
+  loop-carried value), so the K/V loads of a tile depend on no load of the same iteration and
+  Triton's software pipeliner multi-buffers them in shared memory (``num_stages - 1`` tiles in
+  flight, cp.async on sm_80, cp.async/TMA-free async copies on sm_90).
 - Split-K (flash-decoding): the context is cut into ``num_splits`` chunks processed in parallel,
   each writing a partial (max, sum, acc); a second kernel merges them.
-- Sliding window: the query at position ``p`` attends to keys in ``(p - window, p]``.
-- fp8 caches are dequantised with per-tensor float32 scales.
+- Sliding window: the query at position ``p`` attends to keys in ``(p - window, p]``; keys below
+  the window are never loaded (an allocator frees those blocks to a null block whose bytes may
+  be anything, NaN included).
+- fp8 caches are dequantised with per-tensor float32 scales. GPUs without hardware e4m3
+  (sm_80, A100) get the cache's bytes and convert them in the kernel.
+
+Contract (checked only with ``validate=True`` or ``HYBRIDKV_VALIDATE=1``, because checking device
+data costs a host sync): ``1 <= seq_lens[b] <= max_seq_len`` (when given), every block id a
+request uses (columns ``< cdiv(seq_lens[b], block_size)``) is in ``[0, num_blocks)``; columns past
+that are never read and may hold anything. Shapes, dtypes, strides and ``num_splits >= 1`` are
+always checked on the host. Outside the contract the kernel reads other memory (the next
+layer's page for a block id equal to ``num_blocks``) or drops tokens (``max_seq_len`` too small).
+
+Hopper: K/V segments are 2-D boxes ``[SEG, head_dim]`` at a page-computed address, so TMA (one
+descriptor over the cache view, boxes at (page, offset, head)) would take the address math and
+the per-thread async copies off the SMs; not done because Triton's device-side descriptors need
+a global scratch allocator and decode is bound by HBM bandwidth, which cp.async already reaches
+with enough tiles in flight. wgmma needs 64 rows per warpgroup while a decode tile has only the
+GQA group (<= 16) rows, so ``mma.sync`` is the right instruction here.
 
 Standalone: imports only torch and triton, so the file can be copied into another project.
 """
@@ -24,42 +51,63 @@ import triton
 import triton.language as tl
 
 
-def _autotune(configs: list[triton.Config], key: list[str], **kwargs):
-    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first, or the
-    one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each), because the autotuner
-    needs a GPU driver to benchmark."""
+def _autotune(configs: list[triton.Config], key: list[str], prune=None, **kwargs):
+    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first kept by
+    ``prune``, or the one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each),
+    because the autotuner needs a GPU driver to benchmark."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0")) % len(configs)
-        pinned = configs[index].kwargs
-        return triton.heuristics({k: (lambda _, v=v: v) for k, v in pinned.items()})
+        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0"))
+
+        def pick(args: dict) -> triton.Config:
+            kept = prune(configs, args) if prune else configs
+            return kept[index % len(kept)]
+
+        names = configs[0].kwargs
+        return triton.heuristics({k: (lambda args, k=k: pick(args).kwargs[k]) for k in names})
+    if prune is not None:
+        kwargs["prune_configs_by"] = {"early_config_prune": prune}
     return triton.autotune(configs, key=key, **kwargs)
 
 
-# Reads only the caches and writes fresh partial buffers, so tuning in place is safe.
+# Reads only the caches and writes fresh partial buffers, so tuning in place is safe. Each
+# config keeps num_stages - 1 K and V tiles in flight.
 _CONFIGS = [
-    triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=3),
 ]
+#: the split length is a multiple of this, so every config's tiles fit whole in a split
+_MAX_BLOCK_N = 128
 
 
-@_autotune(_CONFIGS, key=["HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "block_size"])
+def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
+    """Drop configs whose K/V tiles in flight would not fit in shared memory (or would spill)
+    at wide heads: 128-token tiles at head dim 256 hold 2 x 3 x 64 KiB."""
+    args = {**nargs, **kwargs}
+    width = args["BLOCK_DK"] + args["BLOCK_DV"]
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] * width <= 64 * 256]
+    if args["FP8"] == 2:  # the byte decode's temporaries spill 64-token tiles at 4 warps (sm_80)
+        kept = [c for c in kept if c.kwargs["BLOCK_N"] < 64 or c.num_warps >= 8]
+    return kept or configs[:1]
+
+
+@_autotune(_CONFIGS, key=["HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "PAGE_ALIGN", "FP8"], prune=_prune)
 @triton.jit
 def _decode_partial_kernel(
     q_ptr,  # [B, Hq, Dk]
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, Dk], strided
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, Dk], strided (uint8 bytes when FP8 == 2)
     v_cache_ptr,  # [num_blocks, block_size, Hkv, Dv], strided
     table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
-    k_scale_ptr,  # [1] float32 (read only when QUANT)
+    k_scale_ptr,  # [1] float32 (read only when FP8)
     v_scale_ptr,  # [1] float32
     part_m_ptr,  # [B, Hq, S] float32
     part_l_ptr,  # [B, Hq, S] float32
     part_acc_ptr,  # [B, Hq, S, Dv] float32
     sm_scale,
     block_size,
-    split_len,  # tokens per split, a multiple of BLOCK_N
+    split_len,  # tokens per split, a multiple of every BLOCK_N
     window,  # sliding window in tokens; <= 0 means full attention
     stride_q_b,
     stride_q_h,
@@ -77,17 +125,23 @@ def _decode_partial_kernel(
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    QUANT: tl.constexpr,
+    PAGE_ALIGN: tl.constexpr,  # largest power of two dividing block_size (capped)
+    FP8: tl.constexpr,  # 0: no fp8; 1: fp8 cache converted in hardware; 2: e4m3 bytes
     BLOCK_N: tl.constexpr,
 ):
+    # a tile = PAGES segments of SEG tokens; a segment lies inside one page
+    SEG: tl.constexpr = min(BLOCK_N, PAGE_ALIGN)
+    PAGES: tl.constexpr = BLOCK_N // SEG
     i_b = tl.program_id(0)
     i_kvh = tl.program_id(1)
     i_s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + i_b)
     start = i_s * split_len
     end = tl.minimum(start + split_len, seq_len)
+    lo = start
     if window > 0:
-        start = tl.maximum(start, seq_len - window)
+        lo = tl.maximum(start, seq_len - window)
+    tile_lo = lo // BLOCK_N * BLOCK_N  # tiles stay BLOCK_N-aligned, so segments stay in pages
 
     offs_g = tl.arange(0, BLOCK_G)
     m_g = offs_g < GROUP
@@ -105,32 +159,53 @@ def _decode_partial_kernel(
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    if QUANT:
+    if FP8 > 0:
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+    # loop invariants: the head's base and each row's offset inside its segment
+    p_k_head = k_cache_ptr + i_kvh.to(tl.int64) * stride_kc_head
+    p_v_head = v_cache_ptr + i_kvh.to(tl.int64) * stride_vc_head
+    offs_seg = tl.arange(0, BLOCK_N) % SEG
+    offs_k_row = offs_seg[:, None] * stride_kc_token + offs_dk[None, :]
+    offs_v_row = offs_seg[:, None] * stride_vc_token + offs_dv[None, :]
     p_table = table_ptr + i_b.to(tl.int64) * stride_table_b
-    for tile in range(start, end, BLOCK_N):
+    offs_pages = tl.arange(0, PAGES) * SEG
+
+    # block ids of the first tile; each iteration loads the next tile's ids ahead, so the K/V
+    # loads of a tile depend on no load of the same iteration and can be multi-buffered
+    if PAGES == 1:  # the tile lies in one page: a scalar id
+        seg_block = tl.load(p_table + tile_lo // block_size, mask=tile_lo < end, other=0)
+    else:
+        seg_pos = tile_lo + offs_pages
+        seg_block = tl.load(p_table + seg_pos // block_size, mask=seg_pos < end, other=0)
+    for tile in range(tile_lo, end, BLOCK_N):
+        if PAGES == 1:
+            in_page = tile % block_size
+            p_k = p_k_head + (seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token)
+            p_v = p_v_head + (seg_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token)
+            p_k = p_k + offs_k_row
+            p_v = p_v + offs_v_row
+            next_tile = tile + BLOCK_N
+            seg_block = tl.load(p_table + next_tile // block_size, mask=next_tile < end, other=0)
+        else:
+            seg_pos = tile + offs_pages
+            in_page = seg_pos % block_size
+            k_base = seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token
+            v_base = seg_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token
+            k_rows = tl.reshape(tl.broadcast_to(k_base[:, None], (PAGES, SEG)), (BLOCK_N,))
+            v_rows = tl.reshape(tl.broadcast_to(v_base[:, None], (PAGES, SEG)), (BLOCK_N,))
+            p_k = p_k_head + k_rows[:, None] + offs_k_row
+            p_v = p_v_head + v_rows[:, None] + offs_v_row
+            next_pos = seg_pos + BLOCK_N
+            seg_block = tl.load(p_table + next_pos // block_size, mask=next_pos < end, other=0)
         offs_n = tile + tl.arange(0, BLOCK_N)
-        m_n = offs_n < end
-        blocks = tl.load(p_table + offs_n // block_size, mask=m_n, other=0).to(tl.int64)
-        in_block = (offs_n % block_size).to(tl.int64)
-        p_k = (
-            k_cache_ptr
-            + blocks[:, None] * stride_kc_block
-            + in_block[:, None] * stride_kc_token
-            + i_kvh.to(tl.int64) * stride_kc_head
-            + offs_dk[None, :]
-        )
-        p_v = (
-            v_cache_ptr
-            + blocks[:, None] * stride_vc_block
-            + in_block[:, None] * stride_vc_token
-            + i_kvh.to(tl.int64) * stride_vc_head
-            + offs_dv[None, :]
-        )
+        m_n = (offs_n >= lo) & (offs_n < end)
         k = tl.load(p_k, mask=m_n[:, None] & m_dk[None, :], other=0.0)
         v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)
-        if QUANT:
+        if FP8 == 2:
+            k = (_e4m3_to_f32(k) * k_scale).to(q.dtype)
+            v = (_e4m3_to_f32(v) * v_scale).to(q.dtype)
+        elif FP8 == 1:
             k = (k.to(tl.float32) * k_scale).to(q.dtype)
             v = (v.to(tl.float32) * v_scale).to(q.dtype)
         else:
@@ -138,6 +213,7 @@ def _decode_partial_kernel(
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(m_n[None, :], s, float("-inf"))
+        # every tile holds a key in [lo, end), so m_new is finite from the first tile on
         m_new = tl.maximum(b_m, tl.max(s, axis=1))
         alpha = tl.exp(b_m - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -153,6 +229,17 @@ def _decode_partial_kernel(
         b_acc,
         mask=m_g[:, None] & m_dv[None, :],
     )
+
+
+@triton.jit
+def _e4m3_to_f32(x):
+    """e4m3fn bytes (uint8) to float32, exactly: the fields are placed in an fp16 (same
+    mantissa, exponent field widened) and rebiased by 2**(15 - 7); subnormals map to fp16
+    subnormals, so they are exact too. 0x7F / 0xFF are NaN."""
+    x16 = x.to(tl.uint16)
+    bits = ((x16 & 0x7F) << 7) | ((x16 & 0x80) << 8)
+    y = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((x16 & 0x7F) == 0x7F, float("nan"), y)
 
 
 @triton.jit
@@ -206,6 +293,20 @@ _TARGET_PROGRAMS = 256
 _MIN_SPLIT_TOKENS = 256
 
 
+def _fp8e4_in_hardware(device: torch.device) -> bool:
+    """sm_89+ (Ada, Hopper) convert e4m3 in hardware; older GPUs get the raw bytes and a
+    software conversion in the kernel. Tests and the compile check monkeypatch this."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _validate_enabled(validate: bool | None) -> bool:
+    if validate is None:
+        return os.environ.get("HYBRIDKV_VALIDATE", "") not in ("", "0")
+    return validate
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
     """Split the context when batch * KV heads alone cannot fill the GPU."""
     by_parallelism = triton.cdiv(_TARGET_PROGRAMS, max(1, batch * num_kv_heads))
@@ -213,7 +314,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
     return max(1, min(by_parallelism, by_length, 64))
 
 
-def _validate(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int, int, int, int, int]:
+def _check_shapes(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int, int, int, int, int]:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     batch, num_heads, dk = q.shape
@@ -234,7 +335,30 @@ def _validate(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int, int, in
         raise ValueError("block_tables and seq_lens must have one row per request")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
+    if seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32/int64, got {seq_lens.dtype}")
     return batch, num_heads, num_kv_heads, dk, v_cache.shape[3]
+
+
+def check_block_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Every block id a request reads (columns below ``cdiv(seq_len, block_size)``) lies in
+    ``[0, num_blocks)``. Syncs with the device."""
+    lens = seq_lens.detach().cpu().long()
+    tables = block_tables.detach().cpu().long()
+    used = (lens + block_size - 1) // block_size
+    cols = torch.arange(tables.shape[1])
+    live = cols[None, :] < used[:, None]
+    bad = live & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        b, c = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"block_tables[{b}, {c}] = {int(tables[b, c])} is outside [0, {num_blocks}): request "
+            f"{b} reads that column for its seq_len {int(lens[b])} (block_size {block_size}); "
+            f"an id of num_blocks or more reads another layer's memory, -1 reads before the "
+            f"cache. Give every used column a block id of this cache (0 is the null block)"
+        )
 
 
 def paged_decode_attention(
@@ -249,24 +373,54 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    validate: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V.
 
     Shapes: ``q [B, Hq, Dk]``, caches ``[num_blocks, block_size, Hkv, D]`` (any strides but the
     last), ``block_tables [B, max_blocks] int32``, ``seq_lens [B] int32`` (>= 1; the query is the
-    last token). Returns ``[B, Hq, Dv]`` in ``q``'s dtype. ``max_seq_len`` avoids a device sync
-    when ``num_splits`` is chosen automatically.
+    last token). Returns ``[B, Hq, Dv]`` in ``q``'s dtype. With ``max_seq_len`` (>= every
+    seq_len) the call never syncs with the device; without it, it reads ``seq_lens`` back once.
+    ``validate`` (default: the ``HYBRIDKV_VALIDATE`` environment switch) checks every block id
+    and length the kernel will use (see the module's contract). ``out [B, Hq, Dv]`` (contiguous
+    in Dv), if given, receives the result.
     """
-    batch, num_heads, num_kv_heads, dk, dv = _validate(q, k_cache, v_cache, block_tables, seq_lens)
-    out = torch.empty((batch, num_heads, dv), dtype=q.dtype, device=q.device)
+    batch, num_heads, num_kv_heads, dk, dv = _check_shapes(
+        q, k_cache, v_cache, block_tables, seq_lens
+    )
+    num_blocks, block_size = k_cache.shape[:2]
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(f"sliding_window must be None, 0 (off) or positive: {sliding_window}")
+    if out is None:
+        out = torch.empty((batch, num_heads, dv), dtype=q.dtype, device=q.device)
+    elif out.shape != (batch, num_heads, dv) or out.stride(2) != 1:
+        raise ValueError(f"out must be [B, Hq, Dv] = {(batch, num_heads, dv)}, contiguous in Dv")
     if batch == 0:
         return out
-    if max_seq_len is None:
-        lens = seq_lens.cpu()
+    if max_seq_len is None or _validate_enabled(validate):
+        lens = seq_lens.detach().cpu()
         if int(lens.min()) < 1:
-            raise ValueError("every request needs seq_len >= 1 (the query token itself)")
-        max_seq_len = int(lens.max())
-    needed = triton.cdiv(max_seq_len, k_cache.shape[1])
+            b = int(lens.argmin())
+            raise ValueError(
+                f"seq_lens[{b}] = {int(lens[b])}: every request needs seq_len >= 1 (the query "
+                f"token itself)"
+            )
+        if max_seq_len is not None and int(lens.max()) > max_seq_len:
+            b = int(lens.argmax())
+            raise ValueError(
+                f"seq_lens[{b}] = {int(lens[b])} exceeds max_seq_len = {max_seq_len}: the "
+                f"tokens past it would be dropped; pass max_seq_len >= max(seq_lens)"
+            )
+        if max_seq_len is None:
+            max_seq_len = int(lens.max())
+        if _validate_enabled(validate):
+            check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+    needed = triton.cdiv(max_seq_len, block_size)
     if needed > block_tables.shape[1]:
         raise ValueError(
             f"block_tables has {block_tables.shape[1]} columns but seq_len {max_seq_len} needs "
@@ -277,11 +431,19 @@ def paged_decode_attention(
         raise ValueError("fp8 caches need k_scale and v_scale (float32 scalars)")
     if quant and q.dtype in _FP8:
         raise ValueError("q must be fp16/bf16/fp32")
+    if quant != (v_cache.dtype in _FP8):
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    fp8 = 0
+    if quant:
+        fp8 = 1
+        if k_cache.dtype == torch.float8_e4m3fn and not _fp8e4_in_hardware(q.device):
+            fp8 = 2  # the kernel decodes the bytes itself
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len)
     group = num_heads // num_kv_heads
-    # each split covers a whole number of tiles of any config (128 tokens)
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), 128) * 128
+    # each split covers a whole number of tiles of any config
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
     num_splits = triton.cdiv(max_seq_len, split_len)
     part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -303,7 +465,7 @@ def paged_decode_attention(
         part_l,
         part_acc,
         scale,
-        k_cache.shape[1],
+        block_size,
         split_len,
         sliding_window or 0,
         q.stride(0),
@@ -322,7 +484,8 @@ def paged_decode_attention(
         HEAD_DIM_V=dv,
         BLOCK_DK=max(16, triton.next_power_of_2(dk)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        QUANT=quant,
+        PAGE_ALIGN=min(block_size & -block_size, _MAX_BLOCK_N),
+        FP8=fp8,
     )
     _decode_reduce_kernel[(batch, num_heads)](
         part_m,
@@ -341,11 +504,15 @@ def paged_decode_attention(
 
 
 def gather_kv_ref(
-    cache: torch.Tensor, table_row: torch.Tensor, seq_len: int, scale: torch.Tensor | None
+    cache: torch.Tensor,
+    table_row: torch.Tensor,
+    seq_len: int,
+    scale: torch.Tensor | None,
+    first: int = 0,
 ) -> torch.Tensor:
-    """The first ``seq_len`` tokens of one request as ``[seq_len, H, D]`` float32."""
+    """Tokens ``first .. seq_len - 1`` of one request as ``[seq_len - first, H, D]`` float32."""
     block_size = cache.shape[1]
-    pos = torch.arange(seq_len, device=cache.device)
+    pos = torch.arange(first, seq_len, device=cache.device)
     blocks = table_row.long()[pos // block_size]
     x = cache[blocks, pos % block_size].float()
     return x * scale.float() if scale is not None and cache.dtype in _FP8 else x
@@ -363,18 +530,18 @@ def paged_decode_attention_ref(
     v_scale: torch.Tensor | None = None,
     **_: object,
 ) -> torch.Tensor:
-    """Plain torch: gather each request's K/V through its block table, softmax in float32."""
+    """Plain torch: gather each request's visible K/V through its block table (keys below a
+    sliding window are not read: their blocks may be freed), softmax in float32."""
     from einops import repeat
 
     out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
     group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(seq_lens.tolist()):
-        k = gather_kv_ref(k_cache, block_tables[b], n, k_scale)
-        v = gather_kv_ref(v_cache, block_tables[b], n, v_scale)
+        first = max(0, n - sliding_window) if sliding_window else 0
+        k = gather_kv_ref(k_cache, block_tables[b], n, k_scale, first)
+        v = gather_kv_ref(v_cache, block_tables[b], n, v_scale, first)
         k = repeat(k, "n h d -> n (h g) d", g=group)
         v = repeat(v, "n h d -> n (h g) d", g=group)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
-        if sliding_window:
-            scores[:, : max(0, n - sliding_window)] = float("-inf")
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
