@@ -87,7 +87,7 @@ def test_prefill_window_ignores_freed_blocks(layout, ctx_len, q_len, window, blo
     returns NaN for whole query tiles."""
     seq_len = ctx_len + q_len
     num_blocks = math.ceil(seq_len / block_size) + 4
-    backing, k_cache, v_cache = synthetic_caches(
+    _, k_cache, v_cache = synthetic_caches(
         layout, num_blocks, block_size, 2, 32, 32, torch.float16
     )
     tables = _fill(k_cache, v_cache, [seq_len], torch.float16)
