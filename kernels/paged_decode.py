@@ -51,22 +51,31 @@ import triton
 import triton.language as tl
 
 
-def _autotune(configs: list[triton.Config], key: list[str], prune=None, **kwargs):
-    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first kept by
-    ``prune``, or the one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each),
-    because the autotuner needs a GPU driver to benchmark."""
+def _autotune(
+    configs: list[triton.Config],
+    key: list[str],
+    prune_configs_by: dict | None = None,
+    **kwargs,
+):
+    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first, or the
+    one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each), because the autotuner
+    needs a GPU driver to benchmark. The pin goes through the same ``early_config_prune`` as on
+    a GPU: when it drops the pinned config for a launch, a kept one runs instead, so the CPU
+    tests never exercise a config a GPU would not run."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0"))
+        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0")) % len(configs)
+        prune = (prune_configs_by or {}).get("early_config_prune")
 
-        def pick(args: dict) -> triton.Config:
-            kept = prune(configs, args) if prune else configs
-            return kept[index % len(kept)]
+        def pick(args: dict | None) -> triton.Config:
+            # ``args`` is None when a test reads the pinned values without launching
+            if args is None or prune is None:
+                return configs[index]
+            kept = prune(configs, args)
+            return configs[index] if configs[index] in kept else kept[index % len(kept)]
 
-        names = configs[0].kwargs
+        names = configs[index].kwargs
         return triton.heuristics({k: (lambda args, k=k: pick(args).kwargs[k]) for k in names})
-    if prune is not None:
-        kwargs["prune_configs_by"] = {"early_config_prune": prune}
-    return triton.autotune(configs, key=key, **kwargs)
+    return triton.autotune(configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
 
 
 # Reads only the caches and writes fresh partial buffers, so tuning in place is safe. Each
@@ -92,7 +101,11 @@ def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.C
     return kept or configs[:1]
 
 
-@_autotune(_CONFIGS, key=["HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "PAGE_ALIGN", "FP8"], prune=_prune)
+@_autotune(
+    _CONFIGS,
+    key=["HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "PAGE_ALIGN", "FP8"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit
 def _decode_partial_kernel(
     q_ptr,  # [B, Hq, Dk]

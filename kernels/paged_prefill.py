@@ -47,22 +47,31 @@ import triton
 import triton.language as tl
 
 
-def _autotune(configs: list[triton.Config], key: list[str], prune=None, **kwargs):
-    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first kept by
-    ``prune``, or the one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each),
-    because the autotuner needs a GPU driver to benchmark."""
+def _autotune(
+    configs: list[triton.Config],
+    key: list[str],
+    prune_configs_by: dict | None = None,
+    **kwargs,
+):
+    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first, or the
+    one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each), because the autotuner
+    needs a GPU driver to benchmark. The pin goes through the same ``early_config_prune`` as on
+    a GPU: when it drops the pinned config for a launch, a kept one runs instead, so the CPU
+    tests never exercise a config a GPU would not run."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0"))
+        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0")) % len(configs)
+        prune = (prune_configs_by or {}).get("early_config_prune")
 
-        def pick(args: dict) -> triton.Config:
-            kept = prune(configs, args) if prune else configs
-            return kept[index % len(kept)]
+        def pick(args: dict | None) -> triton.Config:
+            # ``args`` is None when a test reads the pinned values without launching
+            if args is None or prune is None:
+                return configs[index]
+            kept = prune(configs, args)
+            return configs[index] if configs[index] in kept else kept[index % len(kept)]
 
-        names = configs[0].kwargs
+        names = configs[index].kwargs
         return triton.heuristics({k: (lambda args, k=k: pick(args).kwargs[k]) for k in names})
-    if prune is not None:
-        kwargs["prune_configs_by"] = {"early_config_prune": prune}
-    return triton.autotune(configs, key=key, **kwargs)
+    return triton.autotune(configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
 
 
 # BLOCK_M rows = BLOCK_Q query tokens x GROUP_PAD query heads. The kernel writes a fresh output,
@@ -72,22 +81,33 @@ _CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=8, num_stages=3),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=8, num_stages=3),  # head dim 256
+    # fp8 at head dim 256 on GPUs without hardware fp8 (sm_80): with 64 rows ptxas falls back
+    # to 32 registers and a 1.9 KB stack once the byte tiles are pipelined; 32 rows do not
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=8, num_stages=3),
 ]
 
 
 def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """Keep the accumulator and the K/V tiles in flight within what compiles without spills
-    (checked for sm_80 and sm_90 by tests/kernels/test_compile.py): at head dim 256 the
-    ``BLOCK_M x 256`` float32 accumulator takes 64 registers per thread at 64 rows / 4 warps,
-    so wider tiles are dropped there."""
+    """Keep what compiles without spills on sm_80 and sm_90 (paper/compile_kernels.py):
+    at most 64 float32 accumulator values per thread (``BLOCK_M x head_dim`` over the threads;
+    64 rows x 256 dims need 8 warps), and K/V tiles of at most 64 x 128 elements so that
+    ``num_stages - 1`` of each fit an A100's shared memory."""
     args = {**nargs, **kwargs}
     width = max(args["BLOCK_DK"], args["BLOCK_DV"])
     kept = [
         c
         for c in configs
-        if c.kwargs["BLOCK_M"] * width <= 128 * 128 and c.kwargs["BLOCK_N"] * width <= 64 * 128
+        if c.kwargs["BLOCK_M"] * width <= 64 * 32 * c.num_warps
+        and c.kwargs["BLOCK_N"] * width <= 64 * 128
     ]
-    return kept or configs[:1]
+    # 32-row tiles only where 64-row ones cannot compile well: they read K/V twice as often
+    soft_fp8 = args["FP8"] > 0 and not _fp8e4_in_hardware(args["q_ptr"].device)
+    if soft_fp8 and width >= 256:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 32]
+    else:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] > 32]
+    return kept or configs[-1:]
 
 
 def tokens_per_tile(block_m: int, group: int) -> int:
@@ -95,7 +115,11 @@ def tokens_per_tile(block_m: int, group: int) -> int:
     return max(1, block_m // triton.next_power_of_2(group))
 
 
-@_autotune(_CONFIGS, key=["HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "PAGE_ALIGN", "FP8"], prune=_prune)
+@_autotune(
+    _CONFIGS,
+    key=["HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "PAGE_ALIGN", "FP8"],
+    prune_configs_by={"early_config_prune": _prune},
+)
 @triton.jit
 def _prefill_kernel(
     q_ptr,  # [total_q, Hq, Dk]

@@ -132,21 +132,23 @@ def test_prefill_varlen_page_walk(lens, q_lens, hq, hkv, block_size):
     _run(k_cache, v_cache, lens, q_lens, hq, torch.float16)
 
 
+@pytest.mark.parametrize("head_dim", [64, 256], ids=["d64", "d256"])
 @pytest.mark.parametrize("software", [False, True], ids=["hw-convert", "byte-decode"])
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
-def test_prefill_fp8(dtype, software, monkeypatch):
-    """``byte-decode`` is the sm_80 path for e4m3 caches (no hardware e4m3)."""
+def test_prefill_fp8(dtype, software, head_dim, monkeypatch):
+    """``byte-decode`` is the sm_80 path for e4m3 caches (no hardware e4m3); at head dim 256
+    such GPUs run 32-row tiles (see ``_prune``)."""
     from hybridkv_kernels import paged_prefill
 
     from .test_paged_decode import _fp8_caches
 
     if software:
         monkeypatch.setattr(paged_prefill, "_fp8e4_in_hardware", lambda device: False)
-    k8, v8 = _fp8_caches(20, 16, 2, 64, dtype)
+    k8, v8 = _fp8_caches(20, 16, 2, head_dim, dtype)
     lens, q_lens = [70, 9, 130], [70, 4, 30]
     tables = _fill(k8, v8, lens, dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(int(cu[-1]), 4, 64, dtype=torch.float16)
+    q = torch.randn(int(cu[-1]), 4, head_dim, dtype=torch.float16)
     ks, vs = torch.tensor(0.5), torch.tensor(0.25)
     seq = torch.tensor(lens, dtype=torch.int32)
     got = paged_prefill_attention(q, k8, v8, tables, cu, seq, 0.2, k_scale=ks, v_scale=vs)
