@@ -47,7 +47,18 @@ def test_bf16_decode_and_prefill(layout, lens):
     assert (got.float() - want.float()).abs().max() < 2e-2
 
 
-def test_fp8_write_rounds_like_torch():
+@pytest.mark.parametrize("soft", [False, True], ids=["hw-e4m3", "soft-e4m3"])
+def test_fp8_write_rounds_like_torch(soft, monkeypatch):
+    """Random values, and for the software encoder (what an sm_80 GPU runs; forced here on
+    any GPU) also every rounding boundary, infinities and NaNs, against torch byte for byte."""
+    from hybridkv_kernels import cache_write
+
+    from .test_cache_write import _e4m3_boundary_values
+
+    if soft:
+        monkeypatch.setattr(cache_write, "_fp8e4_in_hardware", lambda device: False)
+    elif not cache_write._fp8e4_in_hardware(torch.device("cuda")):
+        pytest.skip("no hardware e4m3 on this GPU (the soft case covers it)")
     backing, k, v = synthetic_caches("classic", 8, 16, 2, 64, 64, torch.float32)
     b8 = torch.zeros(backing.numel(), dtype=torch.float8_e4m3fn, device="cuda")
     k8 = torch.as_strided(b8, k.shape, k.stride(), k.storage_offset())
@@ -56,10 +67,18 @@ def test_fp8_write_rounds_like_torch():
     kr = torch.as_strided(r8, k.shape, k.stride(), k.storage_offset())
     vr = torch.as_strided(r8, v.shape, v.stride(), v.storage_offset())
     key, value = (torch.randn(100, 2, 64, device="cuda") for _ in range(2))
+    boundary = _e4m3_boundary_values()
+    if not soft:  # the hardware's NaN and infinity encodings are its own business
+        boundary = boundary[boundary.isfinite()]
+    key.view(-1)[: boundary.numel()] = boundary.cuda()
     ks, vs = torch.tensor(0.01, device="cuda"), torch.tensor(0.013, device="cuda")
     slots = torch.randperm(128, device="cuda")[:100]
     write_kv_cache(key, value, k8, v8, slots, ks, vs)
     write_kv_cache_ref(key, value, kr, vr, slots, ks, vs)
+    assert torch.equal(b8.view(torch.uint8), r8.view(torch.uint8))
+    one = torch.ones((), device="cuda")
+    write_kv_cache(key, value, k8, v8, slots, one, one)
+    write_kv_cache_ref(key, value, kr, vr, slots, one, one)
     assert torch.equal(b8.view(torch.uint8), r8.view(torch.uint8))
 
 
