@@ -39,9 +39,7 @@ def candidates(model: HybridModel) -> list[Candidate]:
     for layout in ("per_group", "two_level"):
         out += [Candidate(layout, block_size=b) for b in (align, 4 * align)]
     return [
-        Candidate(c.layout, c.pack_size, c.block_size, policy)
-        for c in out
-        for policy in POLICIES
+        Candidate(c.layout, c.pack_size, c.block_size, policy) for c in out for policy in POLICIES
     ]
 
 

@@ -91,7 +91,8 @@ _CONFIGS = [
 def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
     """Keep what compiles without spills on sm_80 and sm_90 (paper/compile_kernels.py):
     at most 64 float32 accumulator values per thread (``BLOCK_M x head_dim`` over the threads;
-    64 rows x 256 dims need 8 warps), and K/V tiles of at most 64 x 128 elements so that
+    64 rows x 256 dims need 8 warps), at most 32 K-tile values per thread (64 keys x 128 dims
+    at 4 warps spills on sm_80), and K/V tiles of at most 64 x 128 elements so that
     ``num_stages - 1`` of each fit an A100's shared memory."""
     args = {**nargs, **kwargs}
     width = max(args["BLOCK_DK"], args["BLOCK_DV"])
@@ -99,7 +100,7 @@ def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.C
         c
         for c in configs
         if c.kwargs["BLOCK_M"] * width <= 64 * 32 * c.num_warps
-        and c.kwargs["BLOCK_N"] * width <= 64 * 128
+        and c.kwargs["BLOCK_N"] * width <= min(64 * 128, 32 * 32 * c.num_warps)
     ]
     # 32-row tiles only where 64-row ones cannot compile well: they read K/V twice as often
     soft_fp8 = args["FP8"] > 0 and not _fp8e4_in_hardware(args["q_ptr"].device)
