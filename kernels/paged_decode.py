@@ -98,6 +98,9 @@ def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.C
     kept = [c for c in configs if c.kwargs["BLOCK_N"] * width <= 64 * 256]
     if args["FP8"] == 2:  # the byte decode's temporaries spill 64-token tiles at 4 warps (sm_80)
         kept = [c for c in kept if c.kwargs["BLOCK_N"] < 64 or c.num_warps >= 8]
+    if args["FP8"] == 1 and _capability(args["q_ptr"].device) >= (9, 0):
+        # measured (paper/compile_kernels.py): 32-token fp8 tiles at 4 warps spill 16 B on sm_90
+        kept = [c for c in kept if (c.kwargs["BLOCK_N"], c.num_warps) != (32, 4)]
     return kept or configs[:1]
 
 
@@ -304,6 +307,14 @@ _FP8 = tuple(
 _TARGET_PROGRAMS = 256
 #: fewest tokens a split is worth
 _MIN_SPLIT_TOKENS = 256
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability; the CPU (the interpreter) counts as sm_80, the oldest GPU
+    the configs are pruned for. The compile check monkeypatches this per target."""
+    if device.type != "cuda":
+        return (8, 0)
+    return torch.cuda.get_device_capability(device)
 
 
 def _fp8e4_in_hardware(device: torch.device) -> bool:

@@ -88,12 +88,28 @@ _CONFIGS = [
 ]
 
 
+#: pre-Hopper GPUs (mma.sync, sm_80/86): the (BLOCK_M, BLOCK_N, num_warps) that compile without
+#: spills, by (fp8 cache, padded head dim), measured over the full matrix of
+#: ``python -m paper.compile_kernels`` (ptxas spills a few of the configs the general rules
+#: below admit, e.g. 64 x 32 tiles at 8 warps and head dim 128, and most with fp8 caches, which
+#: these GPUs convert in registers).
+_PRE_HOPPER = {
+    (False, 64): {(64, 32, 4), (128, 32, 8), (128, 64, 8), (64, 32, 8)},
+    (False, 128): {(64, 32, 4), (128, 32, 8)},
+    (False, 256): {(64, 32, 8)},
+    (True, 64): {(64, 32, 4), (64, 64, 4), (128, 32, 8), (128, 64, 8), (64, 32, 8)},
+    (True, 128): {(64, 32, 8)},
+    (True, 256): {(32, 32, 8)},
+}
+
+
 def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """Keep what compiles without spills on sm_80 and sm_90 (paper/compile_kernels.py):
-    at most 64 float32 accumulator values per thread (``BLOCK_M x head_dim`` over the threads;
-    64 rows x 256 dims need 8 warps), at most 32 K-tile values per thread (64 keys x 128 dims
-    at 4 warps spills on sm_80), and K/V tiles of at most 64 x 128 elements so that
-    ``num_stages - 1`` of each fit an A100's shared memory."""
+    """Keep what compiles without spills on sm_80 and sm_90 (paper/compile_kernels.py): at most
+    64 float32 accumulator values per thread (``BLOCK_M x head_dim`` over the threads; 64 rows x
+    256 dims need 8 warps), at most 32 K-tile values per thread, and K/V tiles of at most
+    64 x 128 elements so that ``num_stages - 1`` of each fit an A100's shared memory; on
+    pre-Hopper GPUs only the measured spill-free configs of ``_PRE_HOPPER``. 32-row tiles (which
+    read K/V twice as often) only where no 64-row tile compiles well."""
     args = {**nargs, **kwargs}
     width = max(args["BLOCK_DK"], args["BLOCK_DV"])
     kept = [
@@ -102,13 +118,16 @@ def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.C
         if c.kwargs["BLOCK_M"] * width <= 64 * 32 * c.num_warps
         and c.kwargs["BLOCK_N"] * width <= min(64 * 128, 32 * 32 * c.num_warps)
     ]
-    # 32-row tiles only where 64-row ones cannot compile well: they read K/V twice as often
-    soft_fp8 = args["FP8"] > 0 and not _fp8e4_in_hardware(args["q_ptr"].device)
-    if soft_fp8 and width >= 256:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] <= 32]
-    else:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] > 32]
-    return kept or configs[-1:]
+    if _capability(args["q_ptr"].device) < (9, 0):
+        key = (args["FP8"] > 0, min((w for w in (64, 128, 256) if w >= width), default=256))
+        allowed = _PRE_HOPPER[key]
+        kept = [
+            c
+            for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) in allowed
+        ]
+    wide = [c for c in kept if c.kwargs["BLOCK_M"] > 32]
+    return wide or kept or configs[-1:]
 
 
 def tokens_per_tile(block_m: int, group: int) -> int:
@@ -302,6 +321,14 @@ _FP8 = tuple(
 )
 #: tiles of every config are at most this many keys; page segments are capped at it
 _MAX_BLOCK_N = 64
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability; the CPU (the interpreter) counts as sm_80, the oldest GPU
+    the configs are pruned for. The compile check monkeypatches this per target."""
+    if device.type != "cuda":
+        return (8, 0)
+    return torch.cuda.get_device_capability(device)
 
 
 def _fp8e4_in_hardware(device: torch.device) -> bool:

@@ -13,6 +13,7 @@ import argparse
 import csv
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -614,7 +615,76 @@ def kernels_compiled(ctx: Context) -> list[Path]:
 
     report = _bench("compile-kernels.json")
     text = compile_kernels.markdown(report["summary"], report["provenance"], report["failures"])
+    before = RESULTS / "compile-kernels-before.json"
+    if before.exists():  # the kernels before the page walk, for comparison
+        old = json.loads(before.read_text())
+        prov = old["provenance"]
+        text += (
+            f"\n## Before: the kernels at commit `{prov['kernels_commit'][:10]}`\n\n"
+            "The same check on the kernels as they were before the changes this table "
+            "describes (quick matrix).\n\n"
+            + compile_kernels.markdown(old["summary"], prov, old["failures"])
+            + "\n## Attention hot loops, case by case\n\n"
+            "Each attention case of the quick matrix before and after: the best config's "
+            "integer instructions (IMAD + LEA + IADD3) in the SASS hot loop per key it "
+            "processes (one warp's instruction stream; loop count / BLOCK_N), the most K/V "
+            "(or latent) tiles a config keeps in shared memory (the pipeliner's buffers; "
+            "`0` where tiles go through registers only), and the largest spill. `error`: no "
+            "config compiled.\n\n" + _compile_compare(old["rows"], report["rows"])
+        )
     return [ctx.table("kernels_compiled", text)]
+
+
+def _compile_compare(before: list[dict], after: list[dict]) -> str:
+    def per_case(rows: list[dict]) -> dict[tuple[str, int], dict]:
+        out: dict[tuple[str, int], dict] = {}
+        for r in rows:
+            family = r["case"].split("/")[0]
+            if family not in ("decode", "prefill", "mla") or "reduce" in r["kernel"]:
+                continue
+            d = out.setdefault((r["case"], int(r["arch"])), {"ops": [], "bufs": [0], "spill": 0})
+            if r["status"] != "ok":
+                continue
+            block_n = int(re.search(r"BLOCK_N=(\d+)", r["config"]).group(1))
+            if r.get("loop_int_ops") not in (None, ""):
+                d["ops"].append(float(r["loop_int_ops"]) / block_n)
+            # multi-buffered tiles are 3-D memdescs (buffers x rows x cols); 2-D ones are single
+            dims = [b.split("x")[:-1] for b in str(r.get("ttgir_buffers") or "").split()]
+            d["bufs"].append(max([int(x[0]) for x in dims if len(x) == 3] or [0]))
+            d["spill"] = max(d["spill"], int(r.get("spill_stores") or 0))
+        return out
+
+    old, new = per_case(before), per_case(after)
+
+    def cell(d: dict | None, key: str) -> str:
+        if d is None:
+            return "-"
+        if key == "ops":
+            return f"{min(d[key]):.2g}" if d[key] else "error"
+        return str(max(d["bufs"])) if key == "bufs" else str(d["spill"])
+
+    rows = [
+        {
+            "case": case,
+            "arch": f"sm_{arch}",
+            **{f"{k}_{w}": cell(src.get((case, arch)), k) for k in ("ops", "bufs", "spill")
+               for w, src in (("old", old), ("new", new))},
+        }
+        for case, arch in sorted(old)
+    ]  # fmt: skip
+    return markdown_table(
+        rows,
+        [
+            ("case", "case"),
+            ("arch", "arch"),
+            ("ops_old", "int ops / key, before"),
+            ("ops_new", "int ops / key, now"),
+            ("bufs_old", "K/V buffers, before"),
+            ("bufs_new", "K/V buffers, now"),
+            ("spill_old", "spill B, before"),
+            ("spill_new", "spill B, now"),
+        ],
+    )
 
 
 # ---- CPU benchmarks of the allocator and the simulator ------------------------------------------
