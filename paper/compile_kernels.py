@@ -1129,7 +1129,9 @@ def write_outputs(
         csv_path.write_text(buf.getvalue())
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        # with a CSV beside it the rows live there only (they are most of the bytes)
+        slim = {k: v for k, v in report.items() if k != "rows"} if csv_path else report
+        json_path.write_text(json.dumps(slim, indent=1, default=str) + "\n")
     if md_path:
         md_path.parent.mkdir(parents=True, exist_ok=True)
         md_path.write_text(markdown(summary, prov, fails))
