@@ -618,8 +618,8 @@ def mla_decode_attention(
             )
         if max_seq_len is None:
             max_seq_len = int(lens.max())
-        if check:
-            check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+        if check:  # the host copy of seq_lens, not a second sync
+            check_block_tables(block_tables, lens, num_blocks, block_size)
     needed = triton.cdiv(max_seq_len, block_size)
     if needed > block_tables.shape[1]:
         raise ValueError(

@@ -426,7 +426,8 @@ def paged_decode_attention(
         raise ValueError(f"out must be [B, Hq, Dv] = {(batch, num_heads, dv)}, contiguous in Dv")
     if batch == 0:
         return out
-    if max_seq_len is None or _validate_enabled(validate):
+    check = _validate_enabled(validate)
+    if max_seq_len is None or check:
         lens = seq_lens.detach().cpu()
         if int(lens.min()) < 1:
             b = int(lens.argmin())
@@ -442,8 +443,8 @@ def paged_decode_attention(
             )
         if max_seq_len is None:
             max_seq_len = int(lens.max())
-        if _validate_enabled(validate):
-            check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+        if check:  # the host copy of seq_lens, not a second sync
+            check_block_tables(block_tables, lens, num_blocks, block_size)
     needed = triton.cdiv(max_seq_len, block_size)
     if needed > block_tables.shape[1]:
         raise ValueError(

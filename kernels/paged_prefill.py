@@ -112,12 +112,6 @@ def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.C
     read K/V twice as often) only where no 64-row tile compiles well."""
     args = {**nargs, **kwargs}
     width = max(args["BLOCK_DK"], args["BLOCK_DV"])
-    kept = [
-        c
-        for c in configs
-        if c.kwargs["BLOCK_M"] * width <= 64 * 32 * c.num_warps
-        and c.kwargs["BLOCK_N"] * width <= min(64 * 128, 32 * 32 * c.num_warps)
-    ]
     if _capability(args["q_ptr"].device) < (9, 0):
         key = (args["FP8"] > 0, min((w for w in (64, 128, 256) if w >= width), default=256))
         allowed = _PRE_HOPPER[key]
@@ -125,6 +119,13 @@ def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.C
             c
             for c in configs
             if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) in allowed
+        ]
+    else:
+        kept = [
+            c
+            for c in configs
+            if c.kwargs["BLOCK_M"] * width <= 64 * 32 * c.num_warps
+            and c.kwargs["BLOCK_N"] * width <= min(64 * 128, 32 * 32 * c.num_warps)
         ]
     wide = [c for c in kept if c.kwargs["BLOCK_M"] > 32]
     return wide or kept or configs[-1:]

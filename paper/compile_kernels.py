@@ -1086,12 +1086,11 @@ def markdown(summary: list[dict], prov: dict, fails: list[dict]) -> str:
         ("loop_int_per_mma", "loop IMAD+LEA+IADD3 per MMA (max)"),
         ("loop_sync_loads", "loop loads not pipelined (TTGIR)"),
     ]  # fmt: skip
-    head = "| " + " | ".join(c[1] for c in cols) + " |"
-    sep = "|" + "|".join(" --- " for _ in cols) + "|"
-    body = [
-        "| " + " | ".join("-" if r[c[0]] is None else str(r[c[0]]) for c in cols) + " |"
-        for r in summary
-    ]
+    from paper.data import markdown_table
+
+    table = markdown_table(
+        [{k: "-" if r[k] is None else r[k] for k, _ in cols} for r in summary], cols
+    )
     text = [
         "Compiled resources of every kernel launch (Triton "
         f"{prov['triton']}, ptxas {prov.get('ptxas_sm80', '?')} for sm_80 / "
@@ -1100,9 +1099,7 @@ def markdown(summary: list[dict], prov: dict, fails: list[dict]) -> str:
         f"{prov['date'][:10]}). Shared memory limits: sm_80 {SHARED_LIMIT[80]} B, "
         f"sm_90 {SHARED_LIMIT[90]} B. Made by `python -m paper.compile_kernels`.",
         "",
-        head,
-        sep,
-        *body,
+        table,
         "",
         f"{len(fails)} failing rows (compile errors, spills, launches no config fits).",
     ]
