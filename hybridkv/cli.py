@@ -12,10 +12,22 @@ from . import models
 from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
-from .units import format_bytes
+from .target import GPU_FAMILIES, VLLM_VERSIONS, VllmTarget
+from .units import format_bytes, parse_bytes
 
 DEFAULT_MODEL = "qwen3-next-80b-a3b"
 DEFAULT_MEMORY = "40GiB"
+#: ``--gpu`` presets: (memory in bytes from the vendor's datasheet, GPU family whose backends
+#: decide vLLM's kernel alignments). The driver reports a little less than the datasheet; pass
+#: --gpu-total-memory with ``torch.cuda.mem_get_info()[1]`` for vLLM's exact figure.
+GPU_PRESETS: dict[str, tuple[int, str]] = {
+    "h100": (80 * 10**9, "hopper"),
+    "h200": (141 * 10**9, "hopper"),
+    "h20": (96 * 10**9, "hopper"),
+    "a100-80gb": (80 * 10**9, "ampere"),
+    "a100-40gb": (40 * 10**9, "ampere"),
+    "l40s": (48 * 10**9, "ampere"),
+}
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
@@ -32,11 +44,11 @@ def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 def _load_model(args: argparse.Namespace) -> HybridModel:
     options = dict(
-        tp_size=args.tp,
-        kv_dtype=args.kv_dtype,
-        conv_dtype=args.conv_dtype,
-        ssm_dtype=args.ssm_dtype,
-        num_spec_tokens=args.num_spec_tokens,
+        tp_size=args.tp if args.tp is not None else 1,
+        kv_dtype=args.kv_dtype or "auto",
+        conv_dtype=args.conv_dtype or "auto",
+        ssm_dtype=args.ssm_dtype or "auto",
+        num_spec_tokens=args.num_spec_tokens or 0,
     )
     path = Path(args.model)
     if path.suffix == ".json" or path.is_dir():
@@ -54,13 +66,61 @@ def _plan(model: HybridModel, layout: str, args: argparse.Namespace) -> MemoryPl
     return make_plan(
         model,
         layout,
-        memory=args.gpu_memory,
+        memory=_cache_memory(args),
         max_num_seqs=args.max_num_seqs,
         block_size=args.block_size,
         pack_size=pack,
         state_slots_per_seq=args.state_slots_per_seq,
         cache_state_slots=args.cache_state_slots,
+        target=_target(args),
     )
+
+
+def _target(args: argparse.Namespace) -> VllmTarget:
+    """The vLLM the plan follows, from vLLM's own flags."""
+    gpu = args.gpu or "h100"
+    family = GPU_PRESETS[gpu][1] if gpu in GPU_PRESETS else gpu
+    return VllmTarget(
+        version=args.vllm_version,
+        enable_prefix_caching=args.enable_prefix_caching,
+        mamba_cache_mode=args.mamba_cache_mode,
+        gpu=family,
+        gdn_prefill_backend=args.gdn_prefill_backend,
+        max_model_len=args.max_model_len,
+    )
+
+
+def _cache_memory(args: argparse.Namespace) -> int:
+    """Bytes for the cache on each rank: ``--gpu-memory`` itself, or vLLM's
+    ``--gpu-memory-utilization`` x the GPU's memory less what the model takes before the cache."""
+    util = args.gpu_memory_utilization
+    if util is None:
+        return parse_bytes(args.gpu_memory or DEFAULT_MEMORY)
+    if args.gpu_memory is not None:
+        raise ValueError(
+            "--gpu-memory (bytes for the cache) and --gpu-memory-utilization (a fraction of the "
+            "GPU) both set the cache budget; give one of them"
+        )
+    if not 0 < util <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {util}")
+    if args.gpu_total_memory is not None:
+        total = parse_bytes(args.gpu_total_memory)
+    elif args.gpu in GPU_PRESETS:
+        total = GPU_PRESETS[args.gpu][0]
+    else:
+        raise ValueError(
+            "--gpu-memory-utilization needs the GPU's memory: --gpu with one of "
+            f"{', '.join(GPU_PRESETS)}, or --gpu-total-memory (e.g. 80GB)"
+        )
+    model_bytes = parse_bytes(args.model_memory) if args.model_memory else 0
+    cache = int(util * total) - model_bytes
+    if cache <= 0:
+        raise ValueError(
+            f"--gpu-memory-utilization {util} x {format_bytes(total)} leaves nothing for the "
+            f"cache after --model-memory {format_bytes(model_bytes)}; raise the utilization or "
+            "lower --model-memory"
+        )
+    return cache
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -103,6 +163,17 @@ def _describe(plan: MemoryPlan, model: HybridModel) -> str:
         f"memory={format_bytes(plan.config.memory_bytes)}  "
         f"max_num_seqs={plan.config.max_num_seqs}",
         f"block size        {plan.block_size} tokens (kernel alignment {plan.kernel_alignment})",
+        f"  rule            {plan.block_size_rule}",
+        *(
+            [
+                f"vLLM target       {plan.vllm.target.version} on {plan.vllm.target.gpu}: "
+                f"prefix caching {'on' if plan.vllm.enable_prefix_caching else 'off'}, "
+                f"mamba_cache_mode={plan.vllm.mamba_cache_mode}, "
+                f"{plan.vllm.state_blocks_per_request} state block(s) per request in vLLM"
+            ]
+            if plan.vllm is not None
+            else []
+        ),
         f"token capacity    {cap.token_capacity:,} tokens "
         f"({100 * cap.fraction_of_ideal:.2f}% of the ideal {cap.ideal_token_capacity:,})",
         f"padding           {format_bytes(cap.padding_bytes)}; "
@@ -149,8 +220,13 @@ def _describe(plan: MemoryPlan, model: HybridModel) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     model = _load_model(args)
     plan = _plan(model, args.layout, args)
-    if args.json:
+    fmt = "json" if args.json else args.format
+    if fmt == "json":
         print(plan.to_json(indent=2))
+    elif fmt == "vllm":
+        from .vllm_export import kv_cache_config
+
+        print(json.dumps(kv_cache_config(plan, model), indent=2))
     else:
         print(_describe(plan, model))
     return 0
@@ -174,7 +250,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     ideal = _plan(model, "per_group", args).capacity.ideal_token_capacity
     print(
         f"{model.name}  TP={model.tp_size}  kv={model.kv_dtype}  state={model.conv_dtype}/"
-        f"{model.ssm_dtype}  memory={args.gpu_memory}  max_num_seqs={args.max_num_seqs}  "
+        f"{model.ssm_dtype}  memory={format_bytes(_cache_memory(args))}  "
+        f"max_num_seqs={args.max_num_seqs}  "
         f"ideal capacity {ideal:,} tokens"
     )
     print(
@@ -208,14 +285,15 @@ def cmd_advise(args: argparse.Namespace) -> int:
     rows = advise(
         model,
         trace,
-        memory=args.gpu_memory,
+        memory=_cache_memory(args),
         max_num_seqs=args.max_num_seqs,
         progress=args.progress,
     )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{model.name}  memory={args.gpu_memory}  trace={args.trace} ({len(trace)} requests)")
+    memory = format_bytes(_cache_memory(args))
+    print(f"{model.name}  memory={memory}  trace={args.trace} ({len(trace)} requests)")
     good = [r for r in rows if "error" not in r]
     cols = [
         ("config", "configuration"),
@@ -237,17 +315,89 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
+    """Plan options. vLLM's own flag names work too (``-tp``, ``--kv-cache-dtype``, ...)."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="zoo name or path to a config.json")
-    p.add_argument(
+    mem = p.add_argument_group("memory")
+    mem.add_argument(
         "--gpu-memory",
-        default=DEFAULT_MEMORY,
-        help="bytes for the cache on each rank, e.g. 40GiB (default %(default)s)",
+        default=None,
+        help=f"bytes for the cache on each rank, e.g. 40GiB (default {DEFAULT_MEMORY})",
     )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--kv-dtype", default="auto", help="KV cache dtype: auto, bfloat16, fp8, ...")
-    p.add_argument("--conv-dtype", default="auto", help="conv-state dtype (mamba_cache_dtype)")
-    p.add_argument("--ssm-dtype", default="auto", help="SSM-state dtype (mamba_ssm_cache_dtype)")
-    p.add_argument("--num-spec-tokens", type=int, default=0, help="speculative tokens")
+    mem.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="vLLM's fraction of GPU memory; the cache gets it times the GPU's memory "
+        "(--gpu preset or --gpu-total-memory) less --model-memory",
+    )
+    mem.add_argument("--gpu-total-memory", default=None, help="the GPU's memory, e.g. 80GB")
+    mem.add_argument(
+        "--model-memory",
+        default=None,
+        help="bytes per rank vLLM takes before the cache (weights, activation peak, CUDA "
+        "graphs); default 0, so the cache is an upper bound",
+    )
+    par = p.add_argument_group("model runtime (hybridkv names, vLLM names)")
+    par.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, default=None, dest="tp")
+    par.add_argument(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        default=None,
+        dest="kv_dtype",
+        help="KV cache dtype: auto, bfloat16, fp8, ...",
+    )
+    par.add_argument(
+        "--conv-dtype",
+        "--mamba-cache-dtype",
+        default=None,
+        dest="conv_dtype",
+        help="conv-state dtype (vLLM's --mamba-cache-dtype)",
+    )
+    par.add_argument(
+        "--ssm-dtype",
+        "--mamba-ssm-cache-dtype",
+        default=None,
+        dest="ssm_dtype",
+        help="SSM-state dtype (vLLM's --mamba-ssm-cache-dtype)",
+    )
+    par.add_argument(
+        "--num-spec-tokens",
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        dest="num_spec_tokens",
+        help="speculative tokens",
+    )
+    tgt = p.add_argument_group("vLLM target (whose rules the shared-pool layouts follow)")
+    tgt.add_argument(
+        "--vllm-version",
+        default=VLLM_VERSIONS[0],
+        choices=VLLM_VERSIONS,
+        help="vLLM release whose rules apply (default %(default)s)",
+    )
+    tgt.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's prefix caching (default: vLLM's, on for hybrid models); on puts the "
+        "Mamba cache in align mode",
+    )
+    tgt.add_argument("--mamba-cache-mode", choices=("none", "align"), default=None)
+    tgt.add_argument(
+        "--gpu",
+        default=None,
+        choices=(*GPU_PRESETS, *GPU_FAMILIES),
+        help="GPU preset or family; decides backends and kernel alignments (default h100)",
+    )
+    tgt.add_argument(
+        "--gdn-prefill-backend", choices=("auto", "flashinfer", "triton"), default="auto"
+    )
+    tgt.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="vLLM's --max-model-len (the Mamba block size without prefix caching)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=None, help="requested attention block size")
     p.add_argument("--pack-size", default="auto", help="layers per page for --layout pack")
@@ -255,7 +405,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "--state-slots-per-seq",
         type=int,
         default=1,
-        help="state pages per running request (2 for vLLM's align prefix caching)",
+        help="state pages hybridkv reserves per running request in its capacity figures",
     )
     p.add_argument(
         "--cache-state-slots", type=int, default=0, help="extra state slots for checkpoints"
@@ -275,6 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="one memory plan")
     _add_plan_options(p)
     p.add_argument("--layout", default="inflate", choices=LAYOUTS)
+    p.add_argument(
+        "--format",
+        default="text",
+        choices=("text", "json", "vllm"),
+        help="text, the plan as JSON, or the plan as vLLM's KVCacheConfig (JSON)",
+    )
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("compare", help="all layouts side by side")
     _add_plan_options(p)

@@ -149,6 +149,10 @@ PARAMS: dict[str, ParamCount] = {
     "lfm2-700m": _dense(0.7e9),
     "lfm2-1.2b": _dense(1.2e9),
     "lfm2-2.6b": _dense(2.6e9),
+    "lfm2-8b-a1b": _moe(8.3e9, 1.5e9, "LiquidAI LFM2-8B-A1B model card: 8.3B total, 1.5B active"),
+    "nemotron-3-nano-4b": _dense(4e9),
+    "olmo-hybrid-7b": _dense(7e9),
+    "zamba-7b-v1": _dense(7e9),
     "recurrentgemma-2b": _dense(2e9),
     "recurrentgemma-9b": _dense(9e9),
 }

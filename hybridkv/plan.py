@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import dtype_bytes, torch_dtype
+from .target import VllmRules, VllmTarget
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -54,8 +55,12 @@ class PlanConfig:
       vLLM's ``align`` mode holds 2, the running and the previous step's).
     - ``cache_state_slots``: extra state slots kept for prefix-cache checkpoints in the layouts
       with a dedicated state pool (``per_group``, ``two_level`` reserves them too).
-    - ``kernel_alignment``: tokens a block must be a multiple of (``None``: 16, or 64 for MLA).
+    - ``kernel_alignment``: smallest kernel block of the attention backend (``None``: 16; the
+      per-group layouts use 64 for MLA, FlashMLA's block).
     - ``pack_size``: attention layers per page for ``pack`` (an int or ``"auto"``).
+    - ``target``: the vLLM whose rules the shared-pool layouts follow (version, prefix caching,
+      Mamba cache mode, GPU family; :class:`~hybridkv.target.VllmTarget`, default vLLM 0.33's
+      defaults on Hopper).
     """
 
     memory_bytes: int
@@ -65,8 +70,13 @@ class PlanConfig:
     cache_state_slots: int = 0
     kernel_alignment: int | None = None
     pack_size: int | str = "auto"
+    target: VllmTarget = field(default_factory=VllmTarget)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.target, VllmTarget):
+            raise ValueError(
+                f"target must be a hybridkv.target.VllmTarget, got {type(self.target).__name__}"
+            )
         if not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be a positive integer, got {self.memory_bytes!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -303,6 +313,10 @@ class MemoryPlan:
     kernel_alignment: int
     pack_size: int = 1
     notes: tuple[str, ...] = ()
+    #: how the block size came about (for ``inflate``: vLLM's rule, with its numbers)
+    block_size_rule: str = ""
+    #: the vLLM rules this plan was made under (``config.target`` resolved for the model)
+    vllm: VllmRules | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- lookups ----------------------------------------------------------------------------
@@ -440,6 +454,8 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("extra", None)
+        d["config"]["target"] = self.config.target.to_dict()
+        d["vllm"] = self.vllm.to_dict() if self.vllm is not None else None
         d["capacity"]["fraction_of_ideal"] = self.capacity.fraction_of_ideal
         return d
 

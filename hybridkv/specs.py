@@ -4,8 +4,8 @@ Every spec is a frozen dataclass of plain numbers describing **one tensor-parall
 architecture numbers are the model's (from its ``config.json``), ``tp_size`` says how they are
 split, and the byte properties give what one rank stores. Shapes follow vLLM's
 ``MambaStateShapeCalculator`` (conv states keep ``kernel - 1`` columns, laid out as
-``(kernel - 1 + num_spec_tokens, conv_dim / tp)``; GDN's recurrent state is
-``(num_v_heads / tp, head_v_dim, head_k_dim)`` as in vLLM >= 0.18).
+``(kernel - 1 + num_spec_tokens, conv_dim / tp)``, Mamba-1's without the speculative rows;
+GDN's recurrent state is ``(num_v_heads / tp, head_v_dim, head_k_dim)`` as in vLLM >= 0.18).
 """
 
 from __future__ import annotations
@@ -260,13 +260,20 @@ class StateSpec(LayerSpec):
         """Bytes of one request's state for this layer (all its tensors, unpadded)."""
         return sum(t.nbytes for t in self.state_tensors())
 
-    def _conv(self, conv_dim: int, kernel: int, *, name: str = "conv") -> StateTensor:
-        return StateTensor(name, (kernel - 1 + self.num_spec_tokens, conv_dim), self.conv_dtype)
+    def _conv(
+        self, conv_dim: int, kernel: int, *, name: str = "conv", spec_rows: bool = True
+    ) -> StateTensor:
+        rows = kernel - 1 + (self.num_spec_tokens if spec_rows else 0)
+        return StateTensor(name, (rows, conv_dim), self.conv_dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Mamba1Spec(StateSpec):
-    """Mamba-1 selective SSM (Jamba): ``d_inner = expand * hidden_size``."""
+    """Mamba-1 selective SSM (Jamba): ``d_inner = expand * hidden_size``.
+
+    Unlike the other conv states, vLLM's Mamba-1 conv state has no rows for speculative tokens
+    (``MambaStateShapeCalculator.mamba1_state_shape`` takes no ``num_spec``).
+    """
 
     kind: ClassVar[str] = "mamba1"
 
@@ -282,7 +289,7 @@ class Mamba1Spec(StateSpec):
     def state_tensors(self) -> tuple[StateTensor, ...]:
         inner = self.d_inner // self.tp_size
         return (
-            self._conv(inner, self.d_conv),
+            self._conv(inner, self.d_conv, spec_rows=False),
             StateTensor("ssm", (inner, self.d_state), self.ssm_dtype),
         )
 

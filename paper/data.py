@@ -13,6 +13,7 @@ from hybridkv import models
 from hybridkv.layouts import LAYOUTS, make_plan
 from hybridkv.models.model import HybridModel
 from hybridkv.plan import MemoryPlan
+from hybridkv.target import VllmTarget
 
 GiB = 2**30
 
@@ -217,7 +218,13 @@ def hit_rate_rows() -> list[dict[str, str]]:
     rows = []
     for a in HIT_RATE_ANCHORS:
         row = {"quoted": a.quoted, "source": a.source, "prompt": f"{a.prompt:,}"}
-        b = _block_size(a.deployment, a.layout, a.pack_size) if a.deployment.model in zoo else None
+        # the anchors were measured on vLLM runs whose block sizes are the prefix-caching-off
+        # ones (table 1: 528 for Qwen3.5-4B, 1,056 for Qwen3.5-35B-A3B), so compare with those
+        b = (
+            _block_size(a.deployment, a.layout, a.pack_size, PC_OFF)
+            if a.deployment.model in zoo
+            else None
+        )
         if b is None:
             row.update(block="model not in zoo", full="-", align="-")
         else:
@@ -229,33 +236,59 @@ def hit_rate_rows() -> list[dict[str, str]]:
     return rows
 
 
-def _block_size(d: Deployment, layout: str, pack_size: int | str = "auto", **cfg) -> int | None:
+#: the two vLLM modes table 1 reports: vLLM 0.33's default (prefix caching on, so the Mamba
+#: cache in align mode; on Hopper a GDN model's block is then a multiple of lcm(16, 64)), and
+#: prefix caching off, whose block sizes are also vLLM 0.32's with or without prefix caching
+PC_ON = VllmTarget()
+PC_OFF = VllmTarget(enable_prefix_caching=False)
+
+
+def _block_size(
+    d: Deployment,
+    layout: str,
+    pack_size: int | str = "auto",
+    target: VllmTarget = PC_ON,
+    **cfg,
+) -> int | None:
     try:
         model = models.load(d.model, tp_size=d.tp, kv_dtype=d.kv_dtype, **cfg)
         return make_plan(
-            model, layout, memory=d.memory, max_num_seqs=1, pack_size=pack_size
+            model, layout, memory=d.memory, max_num_seqs=1, pack_size=pack_size, target=target
         ).block_size
     except (ValueError, KeyError):
         return None
 
 
-def inflate_block_sizes() -> dict[tuple[str, int, str], int]:
+def holds_under(quoted: int, pc_on: int | None, pc_off: int | None) -> str:
+    """Under which vLLM mode a quoted block size is what hybridkv computes."""
+    on, off = quoted == pc_on, quoted == pc_off
+    if on and off:
+        return "both modes"
+    if off:
+        return "prefix caching off, or vLLM <= 0.32"
+    if on:
+        return "vLLM 0.33 default (prefix caching on)"
+    return "**neither**"
+
+
+def inflate_block_sizes(target: VllmTarget = PC_ON) -> dict[tuple[str, int, str], int]:
     """Inflate block size of every zoo model at TP 1, 2, 4, 8 and bf16/fp8 KV (where valid)."""
     out = {}
     for name in models.list_models():
         for tp in (1, 2, 4, 8):
             for kv in ("auto", "fp8"):
-                b = _block_size(Deployment(name, tp, kv), "inflate")
+                b = _block_size(Deployment(name, tp, kv), "inflate", target=target)
                 if b is not None:
                     out[(name, tp, kv)] = b
     return out
 
 
 def seed_rows(small: bool = False) -> list[dict[str, str]]:
-    """One row per quoted number: the source, our configuration, our number, and whether the
-    two agree. Numbers without a named model list the zoo configurations that give them."""
+    """One row per quoted number: the source, our configuration, our number under vLLM 0.33's
+    default and with prefix caching off, and the mode under which the two agree. Numbers without
+    a named model list the zoo configurations that give them, with the mode."""
     zoo = set(models.list_models())
-    census = None
+    census: dict[str, dict] = {}
     rows = []
     for s in SEED_NUMBERS:
         row = {
@@ -266,28 +299,42 @@ def seed_rows(small: bool = False) -> list[dict[str, str]]:
         if s.deployment is not None or s.quoted == 672:
             d = s.deployment or Deployment("nemotron-nano-12b-v2")
             cfg = {"ssm_dtype": "bfloat16"} if s.quoted == 672 else {}
-            ours = _block_size(d, s.layout, s.pack_size, **cfg) if d.model in zoo else None
             layout = f"pack({s.pack_size})" if s.layout == "pack" else s.layout
-            row["hybridkv"] = "model not in zoo" if ours is None else f"{ours:,} ({layout})"
-            row["match"] = "-" if ours is None else ("yes" if ours == s.quoted else "**no**")
-        else:
-            if small:
-                row["hybridkv"], row["match"] = "(full run only)", "-"
+            if d.model not in zoo:
+                row.update(pc_on="model not in zoo", pc_off="-", holds="-")
             else:
-                census = census if census is not None else inflate_block_sizes()
+                on = _block_size(d, s.layout, s.pack_size, PC_ON, **cfg)
+                off = _block_size(d, s.layout, s.pack_size, PC_OFF, **cfg)
+                row["pc_on"] = f"{on:,} ({layout})" if on else "-"
+                row["pc_off"] = f"{off:,} ({layout})" if off else "-"
+                row["holds"] = holds_under(s.quoted, on, off)
+        elif small:
+            row.update(pc_on="(full run only)", pc_off="(full run only)", holds="-")
+        else:
+            for key, target in (("pc_on", PC_ON), ("pc_off", PC_OFF)):
+                if key not in census:
+                    census[key] = inflate_block_sizes(target)
                 tol = 16 if s.quoted == 400 else 0  # "~400": within one alignment step
                 hits = sorted(
                     f"{m} TP{tp}{'' if kv == 'auto' else ' fp8'}"
-                    for (m, tp, kv), b in census.items()
+                    for (m, tp, kv), b in census[key].items()
                     if abs(b - s.quoted) <= tol and s.family in m
                 )
-                shown = ", ".join(hits[:6]) + (
-                    f" and {len(hits) - 6} more" if len(hits) > 6 else ""
+                shown = ", ".join(hits[:4]) + (
+                    f" and {len(hits) - 4} more" if len(hits) > 4 else ""
                 )
-                row["hybridkv"] = (
-                    f"inflate gives it for: {shown}" if hits else "no zoo configuration gives it"
-                )
-                row["match"] = "consistent" if hits else "-"
+                row[key] = f"inflate gives it for: {shown}" if hits else "no zoo configuration"
+            on_hit = not row["pc_on"].startswith("no zoo")
+            off_hit = not row["pc_off"].startswith("no zoo")
+            row["holds"] = (
+                "both modes (consistent)"
+                if on_hit and off_hit
+                else "prefix caching off (consistent)"
+                if off_hit
+                else "vLLM 0.33 default (consistent)"
+                if on_hit
+                else "-"
+            )
         rows.append(row)
     return rows
 

@@ -295,7 +295,7 @@ def memory_maps(ctx: Context) -> list[Path]:
 @register(
     "seed_numbers",
     "hybridkv reproduces the block sizes reported in the seeds and issues (2096, 1056, 528, "
-    "544/272, 672, pack 4 -> 272).",
+    "544/272, 672, pack 4 -> 272), each under the vLLM mode that produced it.",
 )
 def seed_numbers(ctx: Context) -> list[Path]:
     rows = data.seed_rows(small=ctx.small)
@@ -305,11 +305,20 @@ def seed_numbers(ctx: Context) -> list[Path]:
             ("quoted", "quoted"),
             ("source", "source"),
             ("configuration", "configuration"),
-            ("hybridkv", "hybridkv"),
-            ("match", "match"),
+            ("pc_on", "hybridkv, vLLM 0.33 default (prefix caching on)"),
+            ("pc_off", "hybridkv, prefix caching off (= vLLM 0.32)"),
+            ("holds", "the quoted number holds under"),
         ],
     )
-    return [ctx.table("seed_numbers", table)]
+    note = (
+        "\n\nvLLM 0.33 turns prefix caching on by default for hybrid models, which puts the Mamba "
+        "cache in align mode; on Hopper, Qwen3-Next and Qwen3.5 then prefill their GDN layers "
+        "with FlashInfer, whose checkpoints fall every 64 tokens, and the block becomes a "
+        "multiple of lcm(16, 64) (`Platform._align_hybrid_block_size`). Without prefix "
+        "caching, and in vLLM 0.32 either way, the block is a multiple of 16. Mamba-2, "
+        "Mamba-1, short-conv and linear-attention models get the same block in both modes."
+    )
+    return [ctx.table("seed_numbers", table + note)]
 
 
 @register(

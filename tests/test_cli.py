@@ -28,16 +28,22 @@ def test_plan_json_has_placements(capsys):
     argv = ["plan", "--model", "qwen3.5-397b-a17b", "--layout", "inflate", "--tp", "2"]
     assert main([*argv, "--gpu-memory", "60GiB", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["block_size"] == 2096
+    # vLLM 0.33's default (prefix caching on): a multiple of lcm(16, 64) on Hopper
+    assert plan["block_size"] == 2112
+    assert plan["vllm"]["resolved"]["mamba_cache_mode"] == "align"
+    assert plan["block_size_rule"].startswith("vLLM 0.33")
     assert plan["kv_placements"] and plan["state_placements"]
     assert 0 < plan["capacity"]["fraction_of_ideal"] <= 1
+    assert main([*argv, "--gpu-memory", "60GiB", "--json", "--no-enable-prefix-caching"]) == 0
+    assert json.loads(capsys.readouterr().out)["block_size"] == 2096
 
 
 def test_plan_text_and_fp8(capsys):
     argv = ["plan", "--model", "qwen3.5-4b", "--kv-dtype", "fp8", "--gpu-memory", "16GiB"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "block size        1056 tokens" in out
+    assert "block size        1088 tokens" in out
+    assert "prefix caching on, mamba_cache_mode=align" in out
 
 
 def test_plan_reads_a_config_json(tmp_path, capsys):
@@ -61,7 +67,53 @@ def test_plan_reads_a_config_json(tmp_path, capsys):
     path.write_text(json.dumps(config))
     assert main(["plan", "--model", str(path), "--gpu-memory", "4GiB", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["block_size"] == 544
+    assert plan["block_size"] == 576  # the issue's figure: vLLM 0.33 with prefix caching
+    argv = ["plan", "--model", str(path), "--gpu-memory", "4GiB", "--json"]
+    assert main([*argv, "--vllm-version", "0.32"]) == 0
+    assert json.loads(capsys.readouterr().out)["block_size"] == 544
+    assert main([*argv, "--gpu", "a100-80gb"]) == 0  # Triton GDN prefill: no 64-token alignment
+    assert json.loads(capsys.readouterr().out)["block_size"] == 544
+
+
+def _plan_json(argv, capsys):
+    assert main(["plan", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_vllm_flag_names_match_hybridkv_flags(capsys):
+    ours = ["--tp", "2", "--kv-dtype", "fp8", "--conv-dtype", "float16"]
+    ours += ["--ssm-dtype", "float32", "--num-spec-tokens", "2"]
+    vllm = ["-tp", "2", "--kv-cache-dtype", "fp8", "--mamba-cache-dtype", "float16"]
+    vllm += ["--mamba-ssm-cache-dtype", "float32", "--num-speculative-tokens", "2"]
+    base = ["--model", "qwen3.5-4b", "--gpu-memory", "20GiB"]
+    a, b = _plan_json(base + ours, capsys), _plan_json(base + vllm, capsys)
+    assert a == b
+    assert a["tp_size"] == 2 and a["kv_dtype"] == "fp8_e4m3"
+    assert a["vllm"]["resolved"]["num_speculative_blocks"] == 2
+    # align mode with FlashInfer GDN: 2 + 2 speculative + 1 prefill checkpoint state blocks
+    assert a["vllm"]["resolved"]["state_blocks_per_request"] == 5
+    long = _plan_json([*base, "--tensor-parallel-size", "2"], capsys)
+    assert long["tp_size"] == 2
+
+
+def test_gpu_memory_utilization(capsys):
+    base = ["--model", "qwen3.5-4b", "--gpu-memory-utilization", "0.9"]
+    plan = _plan_json([*base, "--gpu", "h100", "--model-memory", "10GB"], capsys)
+    assert plan["config"]["memory_bytes"] == int(0.9 * 80e9) - 10 * 10**9
+    plan = _plan_json([*base, "--gpu-total-memory", "100GiB"], capsys)
+    assert plan["config"]["memory_bytes"] == int(0.9 * 100 * 2**30)
+    assert plan["vllm"]["gpu"] == "hopper"
+
+
+def test_max_model_len_and_mamba_cache_mode(capsys):
+    base = ["--model", "nemotron-h-8b", "--gpu-memory", "40GiB", "--max-model-len", "32768"]
+    plan = _plan_json([*base, "--mamba-cache-mode", "none"], capsys)
+    assert plan["vllm"]["resolved"]["mamba_cache_mode"] == "none"
+    assert plan["vllm"]["resolved"]["max_model_len"] == 32768
+    assert plan["vllm"]["resolved"]["state_blocks_per_request"] == 1
+    plan = _plan_json(base, capsys)
+    # Mamba-2 exports a prefill checkpoint block in align mode (vLLM 0.33): 2 + 0 + 1
+    assert plan["vllm"]["resolved"]["state_blocks_per_request"] == 3
 
 
 @pytest.mark.parametrize(
@@ -74,6 +126,29 @@ def test_plan_reads_a_config_json(tmp_path, capsys):
             ["plan", "--gpu-memory", "1GiB", "--max-num-seqs", "4096"], "too small", id="too-small"
         ),
         pytest.param(
+            ["plan", "--gpu-memory", "1GiB", "--gpu-memory-utilization", "0.9"],
+            "give one of them",
+            id="two-budgets",
+        ),
+        pytest.param(
+            ["plan", "--gpu-memory-utilization", "0.9"], "--gpu-total-memory", id="no-gpu-size"
+        ),
+        pytest.param(
+            ["plan", "--gpu-memory-utilization", "0.1", "--gpu", "h100", "--model-memory", "9GB"],
+            "leaves nothing",
+            id="utilization-too-low",
+        ),
+        pytest.param(
+            ["plan", "--no-enable-prefix-caching", "--mamba-cache-mode", "align"],
+            "needs prefix caching",
+            id="align-without-prefix-caching",
+        ),
+        pytest.param(
+            ["plan", "--block-size", "24", "--layout", "inflate"],
+            "attention kernel block",
+            id="bad-block-inflate",
+        ),
+        pytest.param(
             ["plan", "--block-size", "24", "--layout", "per_group"],
             "kernel alignment",
             id="bad-block",
@@ -84,3 +159,18 @@ def test_errors_are_one_clear_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("hybridkv: error:") and message in err
+
+
+def test_plan_format_vllm_is_a_kv_cache_config(capsys):
+    argv = ["plan", "--model", "qwen3-next-80b-a3b", "--gpu-memory", "40GiB", "--format", "vllm"]
+    assert main(argv) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert set(config) >= {"num_blocks", "kv_cache_tensors", "kv_cache_groups"}
+    specs = [g["kv_cache_spec"] for g in config["kv_cache_groups"]]
+    assert {s["kind"] for s in specs} == {"FullAttentionSpec", "MambaSpec"}
+    assert {s["block_size"] for s in specs} == {576}  # align mode: the Mamba block is the block
+    names = [n for g in config["kv_cache_groups"] for n in g["layer_names"]]
+    assert "model.layers.3.self_attn.attn" in names and "model.layers.0.linear_attn" in names
+    # a layout vLLM cannot express is one clear error line
+    assert main([*argv, "--layout", "per_group"]) == 2
+    assert "inflate" in capsys.readouterr().err

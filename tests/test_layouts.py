@@ -11,42 +11,66 @@ from hypothesis import strategies as st
 from hybridkv import models
 from hybridkv.layouts import LAYOUTS, make_plan
 from hybridkv.plan import KVPlacement, MemoryPlan
+from hybridkv.target import VllmTarget
 
 GiB = 2**30
 
 
 # ---- vLLM's block sizes ------------------------------------------------------------------------
+# (model, options, vLLM 0.33 default = prefix caching on (align mode) on Hopper, prefix caching off
+# or vLLM 0.32). With prefix caching on, vLLM 0.33 makes a GDN model's block a multiple of
+# lcm(16, 64): FlashInfer's GDN prefill checkpoints every 64 tokens. Mamba-2 models do not change.
 @pytest.mark.parametrize(
-    "name, options, expected",
+    "name, options, pc_on, pc_off",
     [
-        # 16 * cdiv(2,146,304, 16 * 4,096) = 16 * 33 (vLLM issue #40696)
-        pytest.param("qwen3.5-4b", {}, 528, id="qwen3.5-4b-bf16-528"),
+        # 16 * cdiv(2,146,304, 16 * 4,096) = 16 * 33 (vLLM issue #40696); 64 * cdiv(.., 64 * 4,096)
+        pytest.param("qwen3.5-4b", {}, 576, 528, id="qwen3.5-4b-bf16-576-528"),
         # fp8 halves the bytes per token: 16 * cdiv(2,146,304, 16 * 2,048) = 16 * 66
-        pytest.param("qwen3.5-4b", {"kv_dtype": "fp8"}, 1056, id="qwen3.5-4b-fp8-1056"),
+        pytest.param("qwen3.5-4b", {"kv_dtype": "fp8"}, 1088, 1056, id="qwen3.5-4b-fp8-1088-1056"),
         # TP2: state 36,864 + 2,097,152 B, 1,024 B/token -> 16 * cdiv(2,134,016, 16,384) (seed 001)
-        pytest.param("qwen3.5-397b-a17b", {"tp_size": 2}, 2096, id="qwen3.5-397b-tp2-2096"),
-        # PR #35703's table: Qwen3.5/3.6-35B-A3B-like at bf16 -> 1056
-        pytest.param("qwen3.5-35b-a3b", {}, 1056, id="qwen3.5-35b-a3b-1056"),
-        # bf16 SSM state: 1,097,728 B / 2,048 B per token -> 544; TP4 -> 272
-        pytest.param("qwen3-next-80b-a3b", {}, 544, id="qwen3-next-tp1-544"),
-        pytest.param("qwen3-next-80b-a3b", {"tp_size": 4}, 272, id="qwen3-next-tp4-272"),
+        pytest.param(
+            "qwen3.5-397b-a17b", {"tp_size": 2}, 2112, 2096, id="qwen3.5-397b-tp2-2112-2096"
+        ),
+        # PR #35703's table: Qwen3.5/3.6-35B-A3B-like at bf16 -> 1056 (without prefix caching)
+        pytest.param("qwen3.5-35b-a3b", {}, 1088, 1056, id="qwen3.5-35b-a3b-1088-1056"),
+        # bf16 SSM state: 1,097,728 B / 2,048 B per token -> 544 (the issue: vLLM 0.33 gives 576)
+        pytest.param("qwen3-next-80b-a3b", {}, 576, 544, id="qwen3-next-tp1-576-544"),
+        # TP4: 274,432 B / 1,024 B per token -> 16 * 17 = 272, 64 * 5 = 320
+        pytest.param("qwen3-next-80b-a3b", {"tp_size": 4}, 320, 272, id="qwen3-next-tp4-320-272"),
         # Nemotron-Nano-12B-v2: 672 with a bf16 SSM state (PyTorch blog), 1312 with fp32
         pytest.param(
-            "nemotron-nano-12b-v2", {"ssm_dtype": "bfloat16"}, 672, id="nemotron-nano-12b-bf16-672"
+            "nemotron-nano-12b-v2",
+            {"ssm_dtype": "bfloat16"},
+            672,
+            672,
+            id="nemotron-nano-12b-bf16-672",
         ),
         pytest.param(
             "nemotron-nano-12b-v2",
             {"ssm_dtype": "float32"},
             1312,
+            1312,
             id="nemotron-nano-12b-fp32-1312",
         ),
     ],
 )
-def test_inflate_reproduces_vllm_block_size(name, options, expected):
-    plan = make_plan(models.load(name, **options), "inflate", memory="40GiB")
-    assert plan.block_size == expected
+def test_inflate_reproduces_vllm_block_size(name, options, pc_on, pc_off):
+    model = models.load(name, **options)
+    plan = make_plan(model, "inflate", memory="40GiB")
+    assert plan.block_size == pc_on
+    assert plan.vllm.mamba_cache_mode == "align"
+    assert str(pc_on) in plan.block_size_rule
     # the page fits the state and is padded up to the attention page
     assert plan.extra["page_bytes"] >= plan.extra["max_state_bytes"]
+    off = make_plan(
+        model, "inflate", memory="40GiB", target=VllmTarget(enable_prefix_caching=False)
+    )
+    assert off.block_size == pc_off
+    assert off.vllm.mamba_cache_mode == "none"
+    # vLLM 0.32 has no checkpoint alignment: its block is the prefix-caching-off one
+    old = make_plan(model, "inflate", memory="40GiB", target=VllmTarget(version="0.32"))
+    assert old.block_size == pc_off
+    assert old.vllm.mamba_cache_mode == "align"
 
 
 def test_inflate_keeps_a_larger_user_block_size():
@@ -55,15 +79,21 @@ def test_inflate_keeps_a_larger_user_block_size():
     assert any("padded" in n for n in plan.notes)
 
 
-def test_pack_divides_block_size():
+@pytest.mark.parametrize(
+    "target, unit",
+    [(VllmTarget(enable_prefix_caching=False), 16), (VllmTarget(), 64)],
+    ids=["pc-off-unit-16", "pc-on-flashinfer-gdn-unit-64"],
+)
+def test_pack_divides_block_size(target, unit):
     model = models.load("qwen3.5-35b-a3b")
     sizes = {
-        n: make_plan(model, "pack", memory="40GiB", pack_size=n).block_size for n in (1, 2, 5)
+        n: make_plan(model, "pack", memory="40GiB", pack_size=n, target=target).block_size
+        for n in (1, 2, 5)
     }
-    assert sizes[1] == 1056
-    # 2,146,304 B over 2 or 5 layers of 2,048 B/token, rounded up to 16 tokens
-    assert sizes[2] == 16 * -(-2146304 // (16 * 2 * 2048)) == 528
-    assert sizes[5] == 16 * -(-2146304 // (16 * 5 * 2048)) == 224
+    # 2,146,304 B over 1, 2 or 5 layers of 2,048 B/token, rounded up to the unit
+    assert sizes[1] == unit * -(-2146304 // (unit * 2048)) == {16: 1056, 64: 1088}[unit]
+    assert sizes[2] == unit * -(-2146304 // (unit * 2 * 2048)) == {16: 528, 64: 576}[unit]
+    assert sizes[5] == unit * -(-2146304 // (unit * 5 * 2048)) == {16: 224, 64: 256}[unit]
 
 
 def test_aggregate_is_one_slot_and_one_group_per_state_layer():

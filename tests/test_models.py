@@ -36,26 +36,39 @@ def test_zoo_is_large_and_covers_every_kind():
 @pytest.mark.parametrize(
     "kind, names",
     [
-        ("full_attention", ["qwen3-next-80b-a3b", "nemotron-h-8b", "minimax-text-01"]),
+        (
+            "full_attention",
+            [
+                "qwen3-next-80b-a3b",
+                "nemotron-h-8b",
+                "minimax-text-01",
+                "zamba-7b-v1",
+                "olmo-hybrid-7b",
+            ],
+        ),
         ("sliding_window", ["recurrentgemma-2b", "recurrentgemma-9b"]),
         ("mla", ["kimi-linear-48b-a3b"]),
-        ("mamba1", ["jamba-1.5-mini", "jamba-v0.1"]),
+        ("mamba1", ["jamba-1.5-mini", "jamba-v0.1", "zamba-7b-v1"]),
         (
             "mamba2",
             [
                 "nemotron-h-8b",
                 "nemotron-nano-12b-v2",
                 "nemotron-3-nano-30b-a3b",
+                "nemotron-3-nano-4b",
                 "bamba-9b",
                 "granite-4.0-h-small",
                 "falcon-h1-7b",
                 "zamba2-2.7b",
             ],
         ),
-        ("gated_deltanet", ["qwen3-next-80b-a3b", "qwen3.5-4b", "qwen3.5-397b-a17b"]),
+        (
+            "gated_deltanet",
+            ["qwen3-next-80b-a3b", "qwen3.5-4b", "qwen3.5-397b-a17b", "olmo-hybrid-7b"],
+        ),
         ("kda", ["kimi-linear-48b-a3b"]),
         ("linear_attention", ["minimax-text-01", "minimax-m1"]),
-        ("short_conv", ["lfm2-1.2b"]),
+        ("short_conv", ["lfm2-1.2b", "lfm2-8b-a1b"]),
         ("rglru", ["recurrentgemma-2b"]),
     ],
 )
@@ -133,15 +146,31 @@ def test_layer_patterns_follow_each_family_rule():
     nano = models.load("nemotron-nano-9b-v2")
     assert nano.num_hidden_layers == 56 and len(nano.layers) == 4 + 27
     assert attn("nemotron-nano-9b-v2") == [14, 21, 30, 39]
+    # Nemotron-3-Nano-4B: 21 Mamba-2 + 4 attention of 42 (17 MLP-only layers)
+    nano4 = models.load("nemotron-3-nano-4b")
+    assert nano4.num_hidden_layers == 42 and nano4.layer_kinds == {
+        "mamba2": 21,
+        "full_attention": 4,
+    }
+    assert attn("nemotron-3-nano-4b") == [12, 17, 24, 32]
+    # Zamba v1: Mamba-1 everywhere; shared attention on 2, then 3 + i for i % 6 == 4
+    assert state("zamba-7b-v1") == list(range(76))
+    assert attn("zamba-7b-v1") == [2, *range(7, 76, 6)]
+    # OLMo-Hybrid and LFM2-MoE
+    assert attn("olmo-hybrid-7b") == list(range(3, 32, 4))
+    assert attn("lfm2-8b-a1b") == [2, 6, 10, 14, 18, 21]
 
 
 def test_declared_ssm_dtypes():
+    """Qwen3.5 declares float32 in its config; every NemotronH model gets float32 from vLLM's
+    NemotronH hook (the config's mamba_ssm_cache_dtype, else float32); no other family has a
+    hook, so nothing else declares a dtype."""
     declared = {name for name in ZOO if _entry(name)["ssm_dtype_declared"]}
-    assert declared == {n for n in ZOO if n.startswith("qwen3.5-")} | {
-        "nemotron-3-nano-30b-a3b",
-        "nemotron-3-super-120b-a12b",
-    }
+    assert declared == {n for n in ZOO if n.startswith(("qwen3.5-", "nemotron"))}
     assert all(_entry(n)["ssm_dtype_declared"] == "float32" for n in declared)
+    for name in ("nemotron-h-8b", "nemotron-h-47b", "nemotron-h-56b", "nemotron-nano-9b-v2"):
+        assert "update_mamba_ssm_cache_dtype" in _entry(name)["doubts"]
+        assert "keeps the SSM state in the model dtype" not in _entry(name)["doubts"]
     # sizes whose own config was not seen say that the dtype comes from their siblings
     for name in ("qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b"):
         assert "inferred from sibling" in _entry(name)["doubts"]
@@ -192,6 +221,10 @@ def test_zoo_file_is_the_to_dict_schema(name):
         ("MiniMaxAI/MiniMax-M1-40k", "minimax-m1"),
         ("moonshotai/Kimi-Linear-48B-A3B-Instruct", "kimi-linear-48b-a3b"),
         ("LiquidAI/LFM2-1.2B", "lfm2-1.2b"),
+        ("LiquidAI/LFM2-8B-A1B", "lfm2-8b-a1b"),
+        ("nvidia/NVIDIA-Nemotron-3-Nano-4B-BF16", "nemotron-3-nano-4b"),
+        ("Zyphra/Zamba-7B-v1", "zamba-7b-v1"),
+        ("allenai/Olmo-Hybrid-7B", "olmo-hybrid-7b"),
         ("google/recurrentgemma-2b", "recurrentgemma-2b"),
     ],
     ids=str,
@@ -584,7 +617,7 @@ def _native_config(name: str) -> dict:
         }
     elif name.startswith("nemotron"):
         m = mixers["mamba2"]
-        other = "E" if name.startswith("nemotron-3") else "-"
+        other = "-" if name == "nemotron-3-nano-4b" or not name.startswith("nemotron-3") else "E"
         cfg["hybrid_override_pattern"] = "".join(
             "*" if i in a_layers else "M" if i in s_layers else other for i in range(n)
         )
@@ -598,7 +631,8 @@ def _native_config(name: str) -> dict:
             "ssm_state_size": m["d_state"],
             "conv_kernel": m["d_conv"],
         }
-        if z["ssm_dtype_declared"]:
+        if name in ("nemotron-3-nano-30b-a3b", "nemotron-3-super-120b-a12b"):
+            # these configs declare it; the others get float32 from vLLM's NemotronH default
             cfg["mamba_ssm_cache_dtype"] = z["ssm_dtype_declared"]
     elif name.startswith("jamba"):
         m = mixers["mamba1"]
@@ -641,6 +675,40 @@ def _native_config(name: str) -> dict:
             else:
                 cfg["model_type"] = "bamba"
                 cfg["attn_layer_indices"] = sorted(a_layers)
+    elif name.startswith("zamba-"):  # Zamba v1, as Zamba-7B-v1's first config (no layer list)
+        m = mixers["mamba1"]
+        hidden = m["d_inner"] // 2
+        period_offset = {(6, 4): [2, *range(7, n, 6)]}
+        assert period_offset[(6, 4)] == sorted(a_layers)
+        cfg |= {
+            "model_type": "zamba",
+            "hidden_size": hidden,
+            "num_attention_heads": attn["num_heads"],
+            "num_key_value_heads": attn["num_kv_heads"],
+            "attn_layer_period": 6,
+            "attn_layer_offset": 4,
+            "n_mamba_heads": 2,
+            "mamba_expand": 2,
+            "mamba_d_state": m["d_state"],
+            "mamba_d_conv": m["d_conv"],
+        }
+        assert 2 * hidden // attn["num_heads"] == attn["head_dim"]
+    elif name.startswith("olmo-hybrid"):
+        g = mixers["gated_deltanet"]
+        cfg |= {
+            "model_type": "olmo_hybrid",
+            "hidden_size": attn["head_dim"] * attn["num_heads"],  # vLLM: head = hidden // heads
+            "num_attention_heads": attn["num_heads"],
+            "num_key_value_heads": attn["num_kv_heads"],
+            "layer_types": [
+                "full_attention" if i in a_layers else "linear_attention" for i in range(n)
+            ],
+            "linear_num_key_heads": g["num_k_heads"],
+            "linear_num_value_heads": g["num_v_heads"],
+            "linear_key_head_dim": g["head_k_dim"],
+            "linear_value_head_dim": g["head_v_dim"],
+            "linear_conv_kernel_dim": g["conv_kernel"],
+        }
     elif name.startswith("zamba2"):
         m = mixers["mamba2"]
         hidden = attn["head_dim"] * attn["num_heads"] // 2
@@ -696,7 +764,11 @@ def _native_config(name: str) -> dict:
             "num_attention_heads": attn["num_heads"],
             "num_key_value_heads": attn["num_kv_heads"],
         }
-        if name == "lfm2-2.6b":
+        if name == "lfm2-8b-a1b":  # LFM2-MoE: layer_types, conv width = hidden_size
+            cfg["model_type"] = "lfm2_moe"
+        else:  # released dense LFM2 configs carry conv_dim, which vLLM reads
+            cfg["conv_dim"] = c["conv_dim"]
+        if name in ("lfm2-2.6b", "lfm2-8b-a1b"):
             cfg["layer_types"] = ["full_attention" if i in a_layers else "conv" for i in range(n)]
         else:
             cfg["full_attn_idxs"] = sorted(a_layers)
@@ -887,7 +959,7 @@ def test_supported_families_are_dispatchable():
         ),
         pytest.param(
             {**JAMBA, "mamba_d_state": 0},
-            "model_type 'jamba': .*d_state must be a positive integer",
+            "model_type 'jamba': field 'mamba_d_state' must be a positive integer, got 0",
             id="bad-value",
         ),
         pytest.param(

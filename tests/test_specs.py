@@ -79,9 +79,9 @@ def _attn(name: str, **options) -> int:
         # conv 3*4352*2 = 26,112; ssm 64*64*128*2 = 1,048,576 -> 1,074,688; 2*4*128*2 = 2,048
         pytest.param("granite-4.0-h-small", {"tp_size": 2}, 1_074_688, 2048, id="mamba2-groups"),
         # Nemotron-H-8B TP8, n_groups=8 split one per rank: conv_dim 8192 + 2*8*128 = 10,240,
-        # /8 = 1,280; conv 3*1,280*2 = 7,680; ssm 16*64*128*2 = 262,144 -> 269,824;
-        # attention 8 KV heads / 8 = 1: 2*1*128*2 = 512
-        pytest.param("nemotron-h-8b", {"tp_size": 8}, 269_824, 512, id="mamba2-tp8-8-groups"),
+        # /8 = 1,280; conv 3*1,280*2 = 7,680; ssm (float32, vLLM's NemotronH default)
+        # 16*64*128*4 = 524,288 -> 531,968; attention 8 KV heads / 8 = 1: 2*1*128*2 = 512
+        pytest.param("nemotron-h-8b", {"tp_size": 8}, 531_968, 512, id="mamba2-tp8-8-groups"),
         # Falcon-H1-34B TP2, n_groups=2 split: conv_dim 32*128 + 2*2*256 = 5,120, /2 = 2,560;
         # conv 3*2,560*2 = 15,360; ssm 16*128*256*2 = 1,048,576 -> 1,063,936; 2*2*128*2 = 1,024
         pytest.param("falcon-h1-34b", {"tp_size": 2}, 1_063_936, 1024, id="mamba2-falcon-tp2"),
@@ -139,10 +139,10 @@ def test_bytes_match_hand_computation(name, options, state_bytes, per_token):
         # Zamba2-2.7B: 9 shared-attention layers * 20,480 = 184,320; 54 Mamba-2 * 686,848 =
         # 37,089,792
         pytest.param("zamba2-2.7b", 184_320, 37_089_792, id="zamba2-2.7b"),
-        # Nemotron-H-8B: 4 attention layers * 4,096 = 16,384; 24 Mamba-2 layers (bf16 ssm) *
-        # (3*10,240*2 = 61,440 + 128*64*128*2 = 2,097,152) = 24 * 2,158,592 = 51,806,208;
+        # Nemotron-H-8B: 4 attention layers * 4,096 = 16,384; 24 Mamba-2 layers (float32 ssm)
+        # * (3*10,240*2 = 61,440 + 128*64*128*4 = 4,194,304) = 24 * 4,255,744 = 102,137,856;
         # the 24 MLP-only layers hold nothing
-        pytest.param("nemotron-h-8b", 16_384, 51_806_208, id="nemotron-h-8b-mlp-layers"),
+        pytest.param("nemotron-h-8b", 16_384, 102_137_856, id="nemotron-h-8b-mlp-layers"),
     ],
 )
 def test_whole_model_totals(name, kv_per_token, state_per_seq):
@@ -209,13 +209,16 @@ def test_vllm_state_shapes():
         ("ssm", (16, 128, 128), "float32"),
     ]
     assert shapes("qwen3.5-4b", num_spec_tokens=2)[0][1] == (5, 8192)  # kernel - 1 + spec
+    # vLLM's mamba1_state_shape takes no num_spec: Mamba-1 conv states keep kernel - 1 rows
+    assert shapes("jamba-1.5-mini", num_spec_tokens=2)[0][1] == (3, 8192)
+    assert shapes("nemotron-h-8b", num_spec_tokens=2)[0][1][0] == 3 + 2  # Mamba-2 does grow
     assert shapes("jamba-1.5-mini") == [
         ("conv", (3, 8192), "bfloat16"),
         ("ssm", (8192, 16), "bfloat16"),
     ]
     assert shapes("nemotron-nano-12b-v2") == [
         ("conv", (3, 12288), "bfloat16"),
-        ("ssm", (128, 80, 128), "bfloat16"),
+        ("ssm", (128, 80, 128), "float32"),  # vLLM's NemotronH default
     ]
     # KDA: one fused q/k/v conv state (vLLM >= 0.33), fp32 recurrent state by default
     assert shapes("kimi-linear-48b-a3b") == [

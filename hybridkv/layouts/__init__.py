@@ -1,8 +1,12 @@
 """Layout strategies: turn a model, a memory budget and scheduler limits into a memory plan.
 
 >>> from hybridkv import models, layouts
->>> plan = layouts.make_plan(models.load("qwen3.5-4b"), "inflate", memory="8GiB")
->>> plan.block_size
+>>> plan = layouts.make_plan(models.load("qwen3.5-4b"), "inflate", memory="40GiB")
+>>> plan.block_size  # vLLM 0.33 on Hopper, prefix caching on: a multiple of lcm(16, 64)
+576
+>>> no_pc = layouts.VllmTarget(enable_prefix_caching=False)
+>>> model = models.load("qwen3.5-4b")
+>>> layouts.make_plan(model, "inflate", memory="40GiB", target=no_pc).block_size
 528
 """
 
@@ -12,6 +16,7 @@ from typing import Any
 
 from ..models.model import HybridModel
 from ..plan import MemoryPlan, PlanConfig
+from ..target import VllmTarget
 from ..units import parse_bytes
 from .per_group import plan_per_group
 from .shared import auto_pack_size, plan_shared
@@ -19,7 +24,7 @@ from .two_level import plan_two_level
 
 LAYOUTS = ("inflate", "pack", "aggregate", "per_group", "two_level")
 
-__all__ = ["LAYOUTS", "make_plan", "plan_all"]
+__all__ = ["LAYOUTS", "VllmTarget", "make_plan", "plan_all"]
 
 
 def make_plan(
@@ -33,9 +38,15 @@ def make_plan(
     state_slots_per_seq: int = 1,
     cache_state_slots: int = 0,
     kernel_alignment: int | None = None,
+    target: VllmTarget | None = None,
 ) -> MemoryPlan:
     """Plan ``model`` (already :meth:`~HybridModel.configure`-d for TP and dtypes) with
-    ``layout`` in ``memory`` bytes per rank (an int or a string such as ``"40GiB"``)."""
+    ``layout`` in ``memory`` bytes per rank (an int or a string such as ``"40GiB"``).
+
+    ``target`` is the vLLM whose rules decide the shared-pool block size (default: vLLM 0.33 with
+    its defaults on Hopper, i.e. prefix caching on and the Mamba cache in ``align`` mode); e.g.
+    ``VllmTarget(enable_prefix_caching=False)`` or ``VllmTarget(version="0.32")``.
+    """
     config = PlanConfig(
         memory_bytes=parse_bytes(memory),
         max_num_seqs=max_num_seqs,
@@ -44,6 +55,7 @@ def make_plan(
         cache_state_slots=cache_state_slots,
         kernel_alignment=kernel_alignment,
         pack_size=pack_size,
+        target=target if target is not None else VllmTarget(),
     )
     return plan_with_config(model, layout, config)
 

@@ -64,6 +64,17 @@ def kernel_alignment(model: HybridModel, config: PlanConfig) -> int:
     return max(aligns, default=16)
 
 
+def own_pool_block_rule(model: HybridModel, config: PlanConfig, layout: str) -> str:
+    """Why a layout that keeps states in their own pool has the block it has."""
+    block = requested_block_size(model, config)
+    src = "--block-size" if config.block_size is not None else "the default block"
+    return (
+        f"{block} tokens: {src}, a multiple of the attention kernel block "
+        f"({kernel_alignment(model, config)}); {layout} keeps states out of attention pages, so "
+        "no state inflates it"
+    )
+
+
 def requested_block_size(model: HybridModel, config: PlanConfig) -> int:
     """The user's block size (default 16), checked against the kernel alignment."""
     align = kernel_alignment(model, config)

@@ -21,6 +21,7 @@ from ._common import (
     buckets,
     kernel_alignment,
     make_capacity,
+    own_pool_block_rule,
     requested_block_size,
     round_up,
     state_components,
@@ -156,4 +157,6 @@ def plan_per_group(model: HybridModel, config: PlanConfig) -> MemoryPlan:
         capacity=capacity,
         kernel_alignment=align,
         notes=tuple(notes),
+        block_size_rule=own_pool_block_rule(model, config, "per_group"),
+        vllm=config.target.resolve(model),
     )

@@ -18,6 +18,8 @@ attention layers share a page:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..dtypes import dtype_bytes
 from ..models.model import CacheLayer, HybridModel
 from ..plan import (
@@ -33,11 +35,8 @@ from ..specs import FullAttentionSpec, MLASpec
 from ._common import (
     Bucket,
     buckets,
-    cdiv,
     group_size_vllm,
-    kernel_alignment,
     make_capacity,
-    requested_block_size,
     split_bucket,
     state_components,
     state_reservation,
@@ -117,8 +116,9 @@ def plan_shared(
 ) -> MemoryPlan:
     """Plan a shared-pool layout; ``pack_size=None`` packs every attention layer of a kind."""
     attn_buckets, state_buckets = buckets(model)
-    align = kernel_alignment(model, config)
-    requested = requested_block_size(model, config)
+    rules = config.target.resolve(model)
+    if config.kernel_alignment is not None:  # a backend with larger kernel blocks
+        rules = replace(rules, kernel_block_size=config.kernel_alignment)
     notes: list[str] = []
 
     # attention layers per page, per bucket
@@ -132,33 +132,53 @@ def plan_shared(
                 f"holds {len(b.layers) % n} layers and its other sub-pages are padding"
             )
 
-    # the largest state of a single layer decides the page (conv + ssm packed back to back)
+    # the largest state of a single layer decides the page: vLLM sizes it as the sum of the
+    # state tensors (MambaSpec.page_size_bytes); the slot lays them out back to back
     state_span = {
         layer.name: state_components(layer.spec)[1]  # type: ignore[arg-type]
         for b in state_buckets
         for layer in b.layers
     }
     max_state = max(state_span.values(), default=0)
+    vllm_state = max(
+        (layer.spec.state_bytes for b in state_buckets for layer in b.layers), default=0
+    )  # type: ignore[attr-defined]
 
-    # block size: the smallest multiple of the alignment whose page fits the largest state
-    block_size = requested
-    if max_state:
-        needed = max(
-            align * cdiv(max_state, align * sum(_attn1(layer) for layer in pack))
-            for packs in packs_per_bucket
-            for pack in packs[:1]
-        )
-        if needed > requested:
-            block_size = needed
-            notes.append(
-                f"block size raised from {requested} to {block_size} tokens so that one page "
-                f"holds the largest layer state ({max_state} B)"
-            )
-    page = max(
-        block_size * sum(_attn1(layer) for layer in pack)
+    # block size: vLLM's rule (hybridkv.target), with a pack's bytes per token for pack/aggregate
+    choices = [
+        rules.block_size(config.block_size, sum(_attn1(layer) for layer in packs[0]), vllm_state)
         for packs in packs_per_bucket
-        for pack in packs
-    )
+    ] or [rules.block_size(config.block_size, 0, vllm_state)]
+    chosen = max(choices, key=lambda r: r.block_size)
+    block_size, align = chosen.block_size, chosen.unit
+
+    def page_at(block: int) -> int:
+        return max(
+            (
+                block * sum(_attn1(layer) for layer in pack)
+                for packs in packs_per_bucket
+                for pack in packs
+            ),
+            default=0,
+        )
+
+    page = page_at(block_size)
+    rule_text = chosen.text
+    if packs_per_bucket and max_state > page:
+        # the slot's dtype alignment between state tensors can need a few bytes more than vLLM's
+        # unpadded sum; take the next multiple of the unit and say so
+        while page_at(block_size) < max_state:
+            block_size += align
+        page = page_at(block_size)
+        rule_text += (
+            f"; raised to {block_size} so that the aligned state slot ({max_state} B) fits"
+        )
+    requested = config.block_size or rules.default_block_size
+    if block_size != requested:
+        notes.append(
+            f"block size raised from {requested} to {block_size} tokens so that one page "
+            f"holds the largest layer state ({vllm_state} B)"
+        )
     if max_state > page:  # only possible for a model without attention layers
         page = max_state
     if max_state and page > max_state:
@@ -289,6 +309,8 @@ def plan_shared(
         kernel_alignment=align,
         pack_size=pack_report,
         notes=tuple(notes),
+        block_size_rule=rule_text,
+        vllm=rules,
         extra={"page_bytes": page, "group_size": group_size, "max_state_bytes": max_state},
     )
 

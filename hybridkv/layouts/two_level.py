@@ -28,6 +28,7 @@ from ._common import (
     kernel_alignment,
     lcm,
     make_capacity,
+    own_pool_block_rule,
     requested_block_size,
     round_up,
     state_components,
@@ -211,5 +212,7 @@ def plan_two_level(model: HybridModel, config: PlanConfig) -> MemoryPlan:
         capacity=capacity,
         kernel_alignment=align,
         notes=tuple(notes),
+        block_size_rule=own_pool_block_rule(model, config, "two_level"),
+        vllm=config.target.resolve(model),
         extra={"large_page_bytes": large, "small_page_bytes": tuple(padded)},
     )

@@ -2,9 +2,13 @@
 
 Each family names its layer pattern and state dimensions differently; :data:`FAMILIES` maps a
 ``model_type`` to a reader (and :data:`ARCHITECTURES` maps ``architectures`` entries to a model
-type when ``model_type`` is missing or unknown). Readers take only what the cache needs. They
-raise a ``ValueError`` naming the missing key and the model type rather than guessing; the few
-defaults they apply are the ones ``transformers`` applies to the same field, noted where used.
+type when ``model_type`` is missing or unknown). Readers take only what the cache needs, and only
+for the layer kinds the model has: a config whose every layer is attention needs no state
+fields, one with no attention layer needs no attention fields. They raise a ``ValueError`` naming
+the missing or malformed key and the model type rather than guessing; the few defaults they apply
+are the ones ``transformers`` applies to the same field, noted where used. Dimensions follow the
+state shapes vLLM allocates (``get_mamba_state_shape_from_config`` of each model file) where vLLM
+serves the family, else ``transformers``' cache shapes.
 """
 
 from __future__ import annotations
@@ -26,13 +30,38 @@ _ATTENTION = {"attention", "full_attention"}
 _MAMBA = {"mamba", "linear_attention"}
 
 
-class _Config:
-    """A config dict whose lookups fail with the model type and the missing key."""
+def _kind_of(value: Any) -> str:
+    """How an error message names a value's JSON type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
 
-    def __init__(self, data: dict[str, Any], model_type: str):
+
+class _Config:
+    """A config dict whose lookups fail with the model type, the field and what was expected.
+
+    :meth:`get` returns a raw value; the typed getters (:meth:`integer`, :meth:`integers`,
+    :meth:`sequence`, :meth:`mapping`) also check its type, so a wrongly typed field (a string
+    where a number belongs, a list where an integer belongs) is a ``ValueError`` naming the
+    field rather than a ``TypeError`` further down.
+    """
+
+    def __init__(self, data: dict[str, Any], model_type: str, prefix: str = ""):
         self.data = data
         self.model_type = model_type
+        self.prefix = prefix  # "linear_attn_config." for a nested object
         self.n: int | None = None  # decoder layers, set by num_layers()
+        self.doubts: list[str] = []  # what the reader had to assume, for the model's doubts
 
     def error(self, message: str) -> ValueError:
         return ValueError(f"config for model_type {self.model_type!r}: {message}")
@@ -40,45 +69,116 @@ class _Config:
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
 
-    def get(self, *keys: str, default: Any = _MISSING) -> Any:
-        """The first of ``keys`` that is set (not null); ``default`` if given, else raise."""
+    def _find(self, keys: Sequence[str]) -> tuple[str | None, Any]:
         for key in keys:
             if self.data.get(key) is not None:
-                return self.data[key]
+                return key, self.data[key]
+        return None, _MISSING
+
+    def _absent(self, keys: Sequence[str], expected: str) -> ValueError:
+        names = " or ".join(repr(self.prefix + k) for k in keys)
+        nulls = [k for k in keys if k in self.data]  # present, but null
+        if nulls:
+            return ValueError(
+                f"config for model_type {self.model_type!r}: {self.prefix + nulls[0]!r} is null; "
+                f"expected {expected}"
+            )
+        return ValueError(
+            f"config for model_type {self.model_type!r} has no {names} (expected {expected})"
+        )
+
+    def _wrong(self, key: str, value: Any, expected: str) -> ValueError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return self.error(
+            f"field {self.prefix + key!r} must be {expected}, got {shown} ({_kind_of(value)})"
+        )
+
+    def get(self, *keys: str, default: Any = _MISSING, expected: str = "a value") -> Any:
+        """The first of ``keys`` that is set (not null); ``default`` if given, else raise."""
+        key, value = self._find(keys)
+        if key is not None:
+            return value
         if default is not _MISSING:
             return default
-        names = " or ".join(repr(k) for k in keys)
-        raise ValueError(f"config for model_type {self.model_type!r} has no {names}")
+        raise self._absent(keys, expected)
+
+    def integer(self, *keys: str, default: Any = _MISSING, minimum: int = 1) -> Any:
+        """An integer >= ``minimum`` (a float with no fractional part is accepted: JSON writers
+        sometimes print ``2.0``); ``default`` when none of ``keys`` is set."""
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        key, value = self._find(keys)
+        if key is None:
+            if default is not _MISSING:
+                return default
+            raise self._absent(keys, expected)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self._wrong(key, value, expected)
+        return value
+
+    def sequence(self, *keys: str, default: Any = _MISSING, expected: str = "a list") -> Any:
+        """A JSON list (its items are checked by the caller)."""
+        key, value = self._find(keys)
+        if key is None:
+            if default is not _MISSING:
+                return default
+            raise self._absent(keys, expected)
+        if not isinstance(value, (list, tuple)):
+            raise self._wrong(key, value, expected)
+        return list(value)
+
+    def integers(self, *keys: str, default: Any = _MISSING, minimum: int = 0) -> Any:
+        """A list of integers >= ``minimum`` (layer indices)."""
+        expected = f"a list of integers >= {minimum}"
+        key, _ = self._find(keys)
+        values = self.sequence(*keys, default=default, expected=expected)
+        if key is None:
+            return values
+        for i, item in enumerate(values):
+            if isinstance(item, bool) or not isinstance(item, int) or item < minimum:
+                raise self._wrong(f"{key}[{i}]", item, f"an integer >= {minimum}")
+        return values
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        """A nested JSON object, ``{}`` when absent."""
+        value = self.data.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self._wrong(key, value, "an object")
+        return value
 
     def num_layers(self, types: Sequence[Any] | None = None, what: str = "layer_types") -> int:
         """``num_hidden_layers``, checked against a per-layer list when there is one."""
         if types is None:
-            n = self.get("num_hidden_layers")
+            n = self.integer("num_hidden_layers")
         else:
             # transformers >= 5 derives NemotronH's layer count from its list alone
-            n = self.get("num_hidden_layers", default=len(types))
+            n = self.integer("num_hidden_layers", default=len(types))
             if len(types) != n:
                 raise self.error(f"{what} has {len(types)} entries but num_hidden_layers is {n}")
-        if not isinstance(n, int) or n <= 0:
-            raise self.error(f"num_hidden_layers must be a positive integer, got {n!r}")
         self.n = n
         return n
 
     def head_dim(self, *keys: str) -> int:
         """``head_dim`` (or the family's name for it); like transformers, default to
         ``hidden_size // num_attention_heads`` when the config does not give it."""
-        for key in (*keys, "head_dim"):
-            if self.has(key):
-                return self.data[key]
-        return self.get("hidden_size") // self.get("num_attention_heads")
+        value = self.integer(*keys, "head_dim", default=None)
+        return value if value is not None else self.split_head_dim()
+
+    def split_head_dim(self) -> int:
+        """``hidden_size // num_attention_heads``, as vLLM sizes the heads of the families whose
+        attention ignores any ``head_dim`` field (Jamba, Granite-4.0-H, LFM2, OLMo-Hybrid)."""
+        return self.integer("hidden_size") // self.integer("num_attention_heads")
 
     def attention(self, layers: list[int], *, head_dim: int | None = None, **extra: Any):
-        heads = self.get("num_attention_heads")
+        heads = self.integer("num_attention_heads")
         return {
             "kind": "full_attention",
             "num_heads": heads,
             # transformers' backward-compatible default: no num_key_value_heads means MHA
-            "num_kv_heads": self.get("num_key_value_heads", default=heads),
+            "num_kv_heads": self.integer("num_key_value_heads", default=heads),
             "head_dim": head_dim if head_dim is not None else self.head_dim(),
             "layers": layers,
             **extra,
@@ -97,17 +197,23 @@ def _split(
 ) -> tuple[list[int], list[int]]:
     """Attention and state layer indices from a per-layer type list; unknown types raise."""
     attention, state, both, none = set(attention), set(state), set(both), set(none)
+    known = attention | state | both | none
     attn: list[int] = []
     rec: list[int] = []
     for i, t in enumerate(types):
+        if isinstance(t, bool) or not isinstance(t, (str, int)) or t not in known:
+            names = ", ".join(repr(k) for k in sorted(known, key=str))
+            raise c.error(f"{what}[{i}] is {t!r}; expected one of {names}")
         if t in attention or t in both:
             attn.append(i)
         if t in state or t in both:
             rec.append(i)
-        if t not in attention | state | both | none:
-            known = ", ".join(repr(k) for k in sorted(attention | state | both | none, key=str))
-            raise c.error(f"{what}[{i}] is {t!r}; expected one of {known}")
     return attn, rec
+
+
+def _check_indices(c: _Config, what: str, indices: list[int], n: int) -> None:
+    if any(i >= n for i in indices):
+        raise c.error(f"{what} {indices} reach outside 0..{n - 1}")
 
 
 def _check_partition(c: _Config, n: int, *groups: list[int]) -> None:
@@ -118,32 +224,42 @@ def _check_partition(c: _Config, n: int, *groups: list[int]) -> None:
         )
 
 
+def _types(c: _Config, *keys: str) -> list[Any]:
+    return c.sequence(*keys, expected="a list of layer types")
+
+
 # ---- families ---------------------------------------------------------------------------------
+# Every reader returns one mixer dict per kind the model holds (kinds with no layer are left out,
+# so their fields are not required).
+
+
+def _gdn(c: _Config, layers: list[int]) -> dict[str, Any]:
+    return {
+        "kind": "gated_deltanet",
+        "num_k_heads": c.integer("linear_num_key_heads"),
+        "num_v_heads": c.integer("linear_num_value_heads"),
+        "head_k_dim": c.integer("linear_key_head_dim"),
+        "head_v_dim": c.integer("linear_value_head_dim"),
+        "conv_kernel": c.integer("linear_conv_kernel_dim"),
+        "layers": layers,
+    }
 
 
 def _qwen_gdn(c: _Config) -> list[dict[str, Any]]:
     """Qwen3-Next and Qwen3.5: ``layer_types`` or ``full_attention_interval``."""
     if c.has("layer_types"):
-        types = c.get("layer_types")
-        n = c.num_layers(types)
+        types = _types(c, "layer_types")
+        c.num_layers(types)
         attn, state = _split(c, types, attention={"full_attention"}, state={"linear_attention"})
     else:
         n = c.num_layers()
-        interval = c.get("full_attention_interval")
-        if not isinstance(interval, int) or interval <= 0:
-            raise c.error(f"full_attention_interval must be a positive integer, got {interval!r}")
+        interval = c.integer("full_attention_interval")
         attn = [i for i in range(n) if (i + 1) % interval == 0]
         state = [i for i in range(n) if (i + 1) % interval]
-    gdn = {
-        "kind": "gated_deltanet",
-        "num_k_heads": c.get("linear_num_key_heads"),
-        "num_v_heads": c.get("linear_num_value_heads"),
-        "head_k_dim": c.get("linear_key_head_dim"),
-        "head_v_dim": c.get("linear_value_head_dim"),
-        "conv_kernel": c.get("linear_conv_kernel_dim"),
-        "layers": state,
-    }
-    return [c.attention(attn), gdn]
+    return [
+        *([c.attention(attn)] if attn else []),
+        *([_gdn(c, state)] if state else []),
+    ]
 
 
 def _mamba2(
@@ -161,10 +277,10 @@ def _mamba2(
         "kind": "mamba2",
         "num_heads": heads,
         "head_dim": head_dim,
-        "n_groups": c.get(*groups, default=groups_default),
-        "d_state": c.get(*d_state),
+        "n_groups": c.integer(*groups, default=groups_default),
+        "d_state": c.integer(*d_state),
         # every transformers Mamba-2 config defaults the conv kernel to 4
-        "d_conv": c.get(*d_conv, default=4),
+        "d_conv": c.integer(*d_conv, default=4),
         "layers": layers,
     }
 
@@ -175,7 +291,12 @@ _NEMOTRON_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 def _nemotron_h(c: _Config) -> list[dict[str, Any]]:
     """NemotronH: ``hybrid_override_pattern`` (``M`` Mamba-2, ``*`` attention, ``-`` MLP,
     ``E`` MoE), or the ``layers_block_type`` list that transformers >= 5 writes instead."""
-    pattern = c.get("hybrid_override_pattern", "layers_block_type", "layer_types")
+    key, pattern = c._find(("hybrid_override_pattern", "layers_block_type", "layer_types"))
+    if key is None:
+        raise c._absent(
+            ("hybrid_override_pattern", "layers_block_type", "layer_types"),
+            "a layer pattern string or list",
+        )
     if isinstance(pattern, str):
         bad = sorted(set(pattern) - set(_NEMOTRON_PATTERN))
         if bad:
@@ -183,10 +304,12 @@ def _nemotron_h(c: _Config) -> list[dict[str, Any]]:
                 f"hybrid_override_pattern has unknown characters {bad}; expected M (Mamba-2), "
                 "* (attention), - (MLP) or E (MoE)"
             )
-        types: list[str] = [_NEMOTRON_PATTERN[ch] for ch in pattern]
+        types: list[Any] = [_NEMOTRON_PATTERN[ch] for ch in pattern]
         what = "hybrid_override_pattern"
+    elif isinstance(pattern, (list, tuple)):
+        types, what = list(pattern), key
     else:
-        types, what = pattern, "layers_block_type"
+        raise c._wrong(key, pattern, "a pattern string such as 'M-M*' or a list of layer types")
     c.num_layers(types, what)
     attn, state = _split(
         c,
@@ -196,29 +319,37 @@ def _nemotron_h(c: _Config) -> list[dict[str, Any]]:
         none={"mlp", "moe"},  # MLP / MoE-only layers hold no cache
         what=what,
     )
-    mamba = _mamba2(
-        c,
-        state,
-        heads=c.get("mamba_num_heads"),
-        head_dim=c.get("mamba_head_dim"),
-        groups=("n_groups", "mamba_n_groups"),
-        groups_default=8,  # transformers' NemotronHConfig default
-        d_state=("ssm_state_size", "mamba_d_state"),
-        d_conv=("conv_kernel", "mamba_d_conv"),
-    )
-    # Nemotron-H-56B names it attention_head_dim; transformers' NemotronHConfig defaults to 128
-    # (not hidden_size // heads: Nano-9B-v2 has 40 heads of 128 on a 4480 hidden size)
-    head_dim = c.get("head_dim", "attention_head_dim", default=128)
-    return [c.attention(attn, head_dim=head_dim), mamba]
+    mixers = []
+    if attn:
+        # vLLM's NemotronHAttention takes config.head_dim (transformers' NemotronHConfig default
+        # 128, which Nemotron-H-56B's attention_head_dim spells out); hidden // heads would be
+        # wrong for Nano-9B-v2 (40 heads of 128 on a 4480 hidden size)
+        head_dim = c.integer("head_dim", "attention_head_dim", default=128)
+        mixers.append(c.attention(attn, head_dim=head_dim))
+    if state:
+        mixers.append(
+            _mamba2(
+                c,
+                state,
+                heads=c.integer("mamba_num_heads"),
+                head_dim=c.integer("mamba_head_dim"),
+                groups=("n_groups", "mamba_n_groups"),
+                groups_default=8,  # transformers' NemotronHConfig default
+                d_state=("ssm_state_size", "mamba_d_state"),
+                d_conv=("conv_kernel", "mamba_d_conv"),
+            )
+        )
+    return mixers
 
 
 def _mamba2_ibm(c: _Config, layers: list[int], d_inner: int) -> dict[str, Any]:
     """Mamba-2 dims under Granite / Bamba / Falcon-H1 names; ``mamba_d_head: "auto"`` (or
     absent) is ``d_inner // mamba_n_heads`` as in transformers."""
-    heads = c.get("mamba_n_heads")
-    d_head = c.get("mamba_d_head", default="auto")
-    if d_head == "auto":
+    heads = c.integer("mamba_n_heads")
+    if c.get("mamba_d_head", default="auto") == "auto":
         d_head = d_inner // heads
+    else:
+        d_head = c.integer("mamba_d_head")
     if d_head * heads != d_inner:
         raise c.error(
             f"mamba_n_heads={heads} x mamba_d_head={d_head} is not the Mamba intermediate size "
@@ -240,49 +371,133 @@ def _granite_bamba(c: _Config) -> list[dict[str, Any]]:
     """GraniteMoeHybrid (``layer_types``) and Bamba (``attn_layer_indices``); as in
     transformers, a config with neither is all Mamba-2."""
     if c.has("layer_types") or c.has("layers_block_type"):
-        types = c.get("layer_types", "layers_block_type")
+        types = _types(c, "layer_types", "layers_block_type")
         n = c.num_layers(types)
         attn, state = _split(c, types, attention=_ATTENTION, state=_MAMBA)
     else:
         n = c.num_layers()
-        attn = sorted(c.get("attn_layer_indices", default=[]))
-        if any(not 0 <= i < n for i in attn):
-            raise c.error(f"attn_layer_indices {attn} reach outside 0..{n - 1}")
+        attn = sorted(set(c.integers("attn_layer_indices", default=[])))
+        _check_indices(c, "attn_layer_indices", attn, n)
         state = [i for i in range(n) if i not in set(attn)]
-    # transformers: the Mamba intermediate size is mamba_expand (default 2) * hidden_size
-    d_inner = c.get("mamba_expand", default=2) * c.get("hidden_size")
-    return [c.attention(attn), _mamba2_ibm(c, state, d_inner)]
+    mixers = []
+    if attn:
+        # vLLM's GraniteMoeHybridAttention: head_dim = hidden_size // num_attention_heads
+        head = c.split_head_dim() if c.model_type == "granitemoehybrid" else c.head_dim()
+        mixers.append(c.attention(attn, head_dim=head))
+    if state:
+        # transformers: the Mamba intermediate size is mamba_expand (default 2) * hidden_size
+        d_inner = c.integer("mamba_expand", default=2) * c.integer("hidden_size")
+        mixers.append(_mamba2_ibm(c, state, d_inner))
+    return mixers
 
 
 def _falcon_h1(c: _Config) -> list[dict[str, Any]]:
     """Falcon-H1: attention and Mamba-2 run in parallel in every decoder layer."""
     layers = list(range(c.num_layers()))
     # transformers: mamba_d_ssm if set, else mamba_expand * hidden_size
-    d_inner = c.get("mamba_d_ssm", default=None)
+    d_inner = c.integer("mamba_d_ssm", default=None)
     if d_inner is None:
-        d_inner = c.get("mamba_expand", default=2) * c.get("hidden_size")
+        d_inner = c.integer("mamba_expand", default=2) * c.integer("hidden_size")
     return [c.attention(layers), _mamba2_ibm(c, layers, d_inner)]
+
+
+def _mamba1(
+    c: _Config,
+    layers: list[int],
+    d_inner: int,
+    *,
+    d_state: tuple[str, ...],
+    d_conv: tuple[str, ...],
+    d_state_default: Any = _MISSING,
+    d_conv_default: Any = _MISSING,
+) -> dict[str, Any]:
+    return {
+        "kind": "mamba1",
+        "d_inner": d_inner,
+        "d_state": c.integer(*d_state, default=d_state_default),
+        "d_conv": c.integer(*d_conv, default=d_conv_default),
+        "layers": layers,
+    }
 
 
 def _jamba(c: _Config) -> list[dict[str, Any]]:
     """Jamba: attention iff ``i % attn_layer_period == attn_layer_offset``, else Mamba-1."""
     if c.has("layers_block_type"):
-        types = c.get("layers_block_type")
+        types = _types(c, "layers_block_type")
         c.num_layers(types, "layers_block_type")
         attn, state = _split(c, types, attention=_ATTENTION, state=_MAMBA)
     else:
         n = c.num_layers()
-        period, offset = c.get("attn_layer_period"), c.get("attn_layer_offset")
+        period = c.integer("attn_layer_period")
+        offset = c.integer("attn_layer_offset", minimum=0)
         attn = [i for i in range(n) if i % period == offset]
         state = [i for i in range(n) if i % period != offset]
-    mamba = {
-        "kind": "mamba1",
-        "d_inner": c.get("mamba_expand") * c.get("hidden_size"),
-        "d_state": c.get("mamba_d_state"),
-        "d_conv": c.get("mamba_d_conv"),
-        "layers": state,
-    }
-    return [c.attention(attn), mamba]
+    mixers = []
+    if attn:  # vLLM's JambaAttentionDecoderLayer: head_dim = hidden_size // heads
+        mixers.append(c.attention(attn, head_dim=c.split_head_dim()))
+    if state:
+        d_inner = c.integer("mamba_expand") * c.integer("hidden_size")
+        mixers.append(
+            _mamba1(c, state, d_inner, d_state=("mamba_d_state",), d_conv=("mamba_d_conv",))
+        )
+    return mixers
+
+
+def _zamba_types(c: _Config, what: str) -> tuple[list[int], list[int]]:
+    types = _types(c, what)
+    c.num_layers(types, what)
+    return _split(c, types, attention=(), both={"hybrid", "g"}, state=_MAMBA | {"m"}, what=what)
+
+
+def _zamba(c: _Config) -> list[dict[str, Any]]:
+    """Zamba (v1): multi-head Mamba-1 in every layer; the 'hybrid' layers also run the shared
+    attention block (a KV cache per such layer). vLLM does not serve Zamba v1; the state is
+    transformers' (conv ``(d_inner, d_conv)``, SSM ``(n_mamba_heads, d_inner / heads, d_state)``,
+    the same elements as a Mamba-1 layer of ``d_inner``), kept with ``d_conv - 1`` conv columns
+    as vLLM keeps every conv state."""
+    if c.has("layers_block_type") or c.has("layer_types"):
+        key = "layers_block_type" if c.has("layers_block_type") else "layer_types"
+        attn, state = _zamba_types(c, key)
+    else:
+        n = c.num_layers()
+        if n < 3:
+            raise c.error(
+                f"num_hidden_layers={n}: without layers_block_type transformers' ZambaConfig "
+                "lays out at least 3 layers; give layers_block_type"
+            )
+        # transformers' ZambaConfig: layers 0 and 1 Mamba, 2 hybrid, then layer 3 + i is hybrid
+        # iff i % attn_layer_period == attn_layer_offset (defaults 6 and 4)
+        period = c.integer("attn_layer_period", default=6)
+        offset = c.integer("attn_layer_offset", default=4, minimum=0)
+        attn = [2] + [3 + i for i in range(n - 3) if i % period == offset]
+        state = list(range(n))
+    hidden = c.integer("hidden_size")
+    mixers = []
+    if attn:
+        heads = c.integer("num_attention_heads")
+        # transformers: attention_head_dim, else 2 * hidden_size // heads (the shared block
+        # attends over concat(hidden, embeddings))
+        head_dim = c.integer("attention_head_dim", default=None) or 2 * hidden // heads
+        mixers.append(c.attention(attn, head_dim=head_dim))
+    if state:
+        d_inner = c.integer("mamba_expand", default=2) * hidden  # transformers' default 2
+        m_heads = c.integer("n_mamba_heads", default=2)  # transformers' ZambaConfig default
+        if d_inner % m_heads:
+            raise c.error(
+                f"n_mamba_heads={m_heads} does not divide mamba_expand * hidden_size = {d_inner}"
+            )
+        mixers.append(
+            _mamba1(
+                c,
+                state,
+                d_inner,
+                d_state=("mamba_d_state",),
+                d_conv=("mamba_d_conv",),
+                d_state_default=16,  # transformers' ZambaConfig defaults
+                d_conv_default=4,
+            )
+        )
+    return mixers
 
 
 def _zamba2(c: _Config) -> list[dict[str, Any]]:
@@ -291,157 +506,352 @@ def _zamba2(c: _Config) -> list[dict[str, Any]]:
     (``layers_block_type`` of 'g' / 'm', ``state_size``, ``conv_dimension``,
     ``expansion_factor``) that Zamba2-1.2B shipped with."""
     if c.has("layers_block_type"):
-        types = c.get("layers_block_type")
-        n = c.num_layers(types, "layers_block_type")
-        attn, state = _split(
-            c,
-            types,
-            attention=(),
-            both={"hybrid", "g"},
-            state=_MAMBA | {"m"},
-            what="layers_block_type",
-        )
+        attn, state = _zamba_types(c, "layers_block_type")
     else:
         n = c.num_layers()
-        attn = sorted(c.get("hybrid_layer_ids"))
+        attn = sorted(set(c.integers("hybrid_layer_ids")))
+        _check_indices(c, "hybrid_layer_ids", attn, n)
         state = list(range(n))
-    hidden = c.get("hidden_size")
-    heads = c.get("num_attention_heads")
-    # transformers: the shared block attends over concat(hidden, embeddings), so
-    # attention_head_dim = 2 * hidden_size // num_attention_heads (it overrides the config)
-    attention = c.attention(attn, head_dim=2 * hidden // heads)
-    expand = c.get("mamba_expand", "expansion_factor")
-    if c.has("n_mamba_heads"):
-        m_heads = c.get("n_mamba_heads")
-        m_head_dim = expand * hidden // m_heads  # transformers derives mamba_headdim this way
-    else:  # pre-transformers format: heads follow from the head size
-        m_head_dim = c.get("mamba_headdim")
-        m_heads = expand * hidden // m_head_dim
-    if m_heads * m_head_dim != expand * hidden:
-        raise c.error(
-            f"n_mamba_heads={m_heads} does not divide mamba_expand * hidden_size = "
-            f"{expand * hidden}"
+    hidden = c.integer("hidden_size")
+    mixers = []
+    if attn:
+        heads = c.integer("num_attention_heads")
+        # transformers: the shared block attends over concat(hidden, embeddings), so
+        # attention_head_dim = 2 * hidden_size // num_attention_heads (it overrides the config)
+        mixers.append(c.attention(attn, head_dim=2 * hidden // heads))
+    if state:
+        expand = c.integer("mamba_expand", "expansion_factor")
+        if c.has("n_mamba_heads"):
+            m_heads = c.integer("n_mamba_heads")
+            m_head_dim = expand * hidden // m_heads  # transformers derives mamba_headdim so
+        else:  # pre-transformers format: heads follow from the head size
+            m_head_dim = c.integer("mamba_headdim")
+            m_heads = expand * hidden // m_head_dim
+        if m_heads * m_head_dim != expand * hidden:
+            raise c.error(
+                f"n_mamba_heads={m_heads} does not divide mamba_expand * hidden_size = "
+                f"{expand * hidden}"
+            )
+        mixers.append(
+            _mamba2(
+                c,
+                state,
+                heads=m_heads,
+                head_dim=m_head_dim,
+                groups=("mamba_ngroups",),
+                groups_default=1,  # transformers' Zamba2Config default
+                d_state=("mamba_d_state", "state_size"),
+                d_conv=("mamba_d_conv", "conv_dimension"),
+            )
         )
-    mamba = _mamba2(
-        c,
-        state,
-        heads=m_heads,
-        head_dim=m_head_dim,
-        groups=("mamba_ngroups",),
-        groups_default=1,  # transformers' Zamba2Config default
-        d_state=("mamba_d_state", "state_size"),
-        d_conv=("mamba_d_conv", "conv_dimension"),
-    )
-    return [attention, mamba]
+    return mixers
+
+
+def _lfm_layers(c: _Config, attention: set[str]) -> tuple[list[int], list[int]]:
+    """LFM2 layer pattern: ``layer_types`` (what vLLM reads) or ``full_attn_idxs`` (from which
+    transformers' Lfm2Config derives ``layer_types``; absent, every layer is attention)."""
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        c.num_layers(types)
+        return _split(c, types, attention=attention, state={"conv"})
+    n = c.num_layers()
+    if c.has("full_attn_idxs"):
+        attn = sorted(set(c.integers("full_attn_idxs")))
+        _check_indices(c, "full_attn_idxs", attn, n)
+    else:
+        attn = list(range(n))
+        c.doubts.append(
+            "config has neither layer_types nor full_attn_idxs; every layer read as attention, "
+            "as transformers' Lfm2Config does"
+        )
+    return attn, [i for i in range(n) if i not in set(attn)]
+
+
+def _short_conv(c: _Config, layers: list[int], width: int, kernel_default: int) -> dict:
+    return {
+        "kind": "short_conv",
+        "conv_dim": width,
+        "conv_kernel": c.integer("conv_L_cache", default=kernel_default),
+        "layers": layers,
+    }
 
 
 def _lfm2(c: _Config) -> list[dict[str, Any]]:
-    """LFM2: ``layer_types`` ('full_attention' / 'conv') or ``full_attn_idxs``."""
+    """LFM2 (dense) and LFM2-MoE: gated short convs and GQA attention."""
+    attn, state = _lfm_layers(c, {"full_attention"})
+    mixers = []
+    if attn:  # vLLM's Lfm2Attention / Lfm2MoeAttention: head_dim = hidden_size // heads
+        mixers.append(c.attention(attn, head_dim=c.split_head_dim()))
+    if state:
+        if c.model_type == "lfm2_moe":
+            # vLLM lfm2_moe.py sizes the short-conv state on hidden_size channels
+            width = c.integer("hidden_size")
+        elif c.has("conv_dim"):
+            width = c.integer("conv_dim")  # vLLM lfm2.py: intermediate_size=hf_config.conv_dim
+        else:
+            # transformers' Lfm2Config has no conv_dim (its conv runs on hidden_size channels);
+            # vLLM reads config.conv_dim, which every released LFM2 config.json carries
+            width = c.integer("hidden_size")
+            c.doubts.append("config has no conv_dim; the short conv width is hidden_size")
+        # transformers' Lfm2Config / Lfm2MoeConfig default kernel (L_cache) is 3
+        mixers.append(_short_conv(c, state, width, kernel_default=3))
+    return mixers
+
+
+def _lfm3(c: _Config) -> list[dict[str, Any]]:
+    """LFM3: short convs, full attention and sliding-window attention (``layer_types``, else
+    transformers' Lfm3Config rule). vLLM 0.33 does not serve LFM3: sizes are transformers'
+    (conv on hidden_size channels, ``head_dim`` default 128, window default 256)."""
     if c.has("layer_types"):
-        types = c.get("layer_types")
+        types = _types(c, "layer_types")
         n = c.num_layers(types)
-        attn, state = _split(c, types, attention={"full_attention"}, state={"conv"})
     else:
         n = c.num_layers()
-        attn = sorted(c.get("full_attn_idxs"))
-        state = [i for i in range(n) if i not in set(attn)]
-    conv = {
-        "kind": "short_conv",
-        # vLLM sizes the depthwise conv state on hidden_size channels
-        "conv_dim": c.get("hidden_size"),
-        # transformers' Lfm2Config default kernel (L_cache) is 3
-        "conv_kernel": c.get("conv_L_cache", default=3),
-        "layers": state,
-    }
-    return [c.attention(attn), conv]
+        types = [
+            "full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i else "conv"
+            for i in range(n)
+        ]
+    full, conv = _split(
+        c, types, attention={"full_attention"}, state={"conv"}, none={"sliding_attention"}
+    )
+    window = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    head_dim = c.integer("head_dim", default=128)  # transformers' Lfm3Config default
+    mixers = []
+    if full:
+        mixers.append(c.attention(full, head_dim=head_dim))
+    if window:
+        mixers.append(
+            c.attention(
+                window,
+                head_dim=head_dim,
+                kind="sliding_window",
+                sliding_window=c.integer("sliding_window", default=256),
+            )
+        )
+    if conv:
+        mixers.append(_short_conv(c, conv, c.integer("hidden_size"), kernel_default=7))
+    return mixers
 
 
 def _minimax(c: _Config) -> list[dict[str, Any]]:
     """MiniMax-Text-01 / M1: ``attn_type_list`` (0 lightning, 1 softmax) in the original
     configs, ``layer_types`` in transformers' ``minimax`` port."""
     if c.has("attn_type_list"):
-        types = c.get("attn_type_list")
+        types = c.sequence("attn_type_list", expected="a list of 0 (linear) / 1 (softmax)")
         c.num_layers(types, "attn_type_list")
         attn, linear = _split(c, types, attention={1}, state={0}, what="attn_type_list")
     else:
-        types = c.get("layer_types")
+        types = _types(c, "layer_types")
         c.num_layers(types)
         attn, linear = _split(c, types, attention={"full_attention"}, state={"linear_attention"})
-    state = {
-        "kind": "linear_attention",
-        "num_heads": c.get("num_attention_heads"),
-        "head_dim": c.head_dim(),
-        "layers": linear,
+    mixers = []
+    if attn:
+        mixers.append(c.attention(attn))
+    if linear:
+        mixers.append(
+            {
+                "kind": "linear_attention",
+                "num_heads": c.integer("num_attention_heads"),
+                "head_dim": c.head_dim(),
+                "layers": linear,
+            }
+        )
+    return mixers
+
+
+def _mla(c: _Config, layers: list[int]) -> dict[str, Any]:
+    return {
+        "kind": "mla",
+        "num_heads": c.integer("num_attention_heads"),
+        "kv_lora_rank": c.integer("kv_lora_rank"),
+        "qk_rope_head_dim": c.integer("qk_rope_head_dim"),
+        "layers": layers,
     }
-    return [c.attention(attn), state]
 
 
 def _kimi_linear(c: _Config) -> list[dict[str, Any]]:
     """Kimi-Linear: MLA + KDA. The released config lists ``linear_attn_config.kda_layers`` /
     ``full_attn_layers`` **1-based**; transformers >= 5 re-saves them as ``layer_types`` with
     ``linear_num_heads`` / ``linear_head_dim`` / ``linear_conv_kernel_dim``."""
-    lin = c.data.get("linear_attn_config") or {}
-    if not isinstance(lin, dict):
-        raise c.error("linear_attn_config must be an object")
-    sub = _Config(lin, c.model_type)
+    lin = c.mapping("linear_attn_config")
+    sub = _Config(lin, c.model_type, prefix="linear_attn_config.")
 
     def pick(nested: str, flat: str) -> int:
         if sub.has(nested):
-            return lin[nested]
+            return sub.integer(nested)
         if c.has(flat):
-            return c.data[flat]
+            return c.integer(flat)
         raise ValueError(
             f"config for model_type {c.model_type!r} has no 'linear_attn_config.{nested}' "
-            f"or {flat!r}"
+            f"or {flat!r} (expected a positive integer)"
         )
 
     if sub.has("kda_layers") or sub.has("full_attn_layers"):
-        full = [i - 1 for i in sub.get("full_attn_layers")]
-        kda = [i - 1 for i in sub.get("kda_layers")]
+        full = [i - 1 for i in sub.integers("full_attn_layers", minimum=1)]
+        kda = [i - 1 for i in sub.integers("kda_layers", minimum=1)]
         n = c.num_layers()
         _check_partition(c, n, full, kda)
     else:
-        types = c.get("layer_types")
+        types = _types(c, "layer_types")
         c.num_layers(types)
         full, kda = _split(c, types, attention={"full_attention"}, state={"linear_attention"})
-    mla = {
-        "kind": "mla",
-        "num_heads": c.get("num_attention_heads"),
-        "kv_lora_rank": c.get("kv_lora_rank"),
-        "qk_rope_head_dim": c.get("qk_rope_head_dim"),
-        "layers": sorted(full),
-    }
-    state = {
-        "kind": "kda",
-        "num_heads": pick("num_heads", "linear_num_heads"),
-        "head_dim": pick("head_dim", "linear_head_dim"),
-        "conv_kernel": pick("short_conv_kernel_size", "linear_conv_kernel_dim"),
-        "layers": sorted(kda),
-    }
-    return [mla, state]
+    mixers = []
+    if full:
+        mixers.append(_mla(c, sorted(full)))
+    if kda:
+        mixers.append(
+            {
+                "kind": "kda",
+                "num_heads": pick("num_heads", "linear_num_heads"),
+                "head_dim": pick("head_dim", "linear_head_dim"),
+                "conv_kernel": pick("short_conv_kernel_size", "linear_conv_kernel_dim"),
+                "layers": sorted(kda),
+            }
+        )
+    return mixers
+
+
+def _bailing_hybrid(c: _Config) -> list[dict[str, Any]]:
+    """Bailing hybrid (Ling): MLA on the last layer of every ``layer_group_size`` group, KDA
+    elsewhere (``layer_types`` when given). As transformers' BailingHybridConfig, KDA heads are
+    ``num_attention_heads`` of the checkpoint's ``head_dim`` (which a saved transformers config
+    keeps as ``linear_head_dim``, since it then overwrites ``head_dim`` with the rope width)."""
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        c.num_layers(types)
+    else:
+        n = c.num_layers()
+        group = c.integer("layer_group_size", default=6)  # transformers' default
+        types = [
+            "full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(n)
+        ]
+    full, kda = _split(c, types, attention={"full_attention"}, state={"linear_attention"})
+    mixers = []
+    if full:
+        mixers.append(_mla(c, full))
+    if kda:
+        mixers.append(
+            {
+                "kind": "kda",
+                "num_heads": c.integer("linear_num_heads", "num_attention_heads"),
+                "head_dim": c.integer("linear_head_dim", "head_dim"),
+                "conv_kernel": c.integer(
+                    "linear_conv_kernel_dim", "short_conv_kernel_size", default=4
+                ),
+                "layers": kda,
+            }
+        )
+    return mixers
+
+
+def _olmo_hybrid(c: _Config) -> list[dict[str, Any]]:
+    """OLMo-Hybrid: Gated DeltaNet + full attention (``layer_types``, else transformers' rule:
+    every 4th layer attention, the last one at least). Linear-attention dims default as in
+    transformers' OlmoHybridConfig; the attention head is hidden_size // heads as in vLLM's
+    OlmoHybridAttention."""
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        n = c.num_layers(types)
+    else:
+        n = c.num_layers()
+        types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+        if "full_attention" not in types:
+            types[-1] = "full_attention"
+    attn, state = _split(c, types, attention={"full_attention"}, state={"linear_attention"})
+    mixers = []
+    if attn:
+        mixers.append(c.attention(attn, head_dim=c.split_head_dim()))
+    if state:
+        heads = c.integer("num_attention_heads")
+        k_heads = c.integer("linear_num_key_heads", default=heads)
+        k_dim = c.integer("linear_key_head_dim", default=None)
+        if k_dim is None:
+            k_dim = int(0.75 * c.integer("hidden_size") / k_heads)
+        mixers.append(
+            {
+                "kind": "gated_deltanet",
+                "num_k_heads": k_heads,
+                "num_v_heads": c.integer("linear_num_value_heads", default=heads),
+                "head_k_dim": k_dim,
+                "head_v_dim": c.integer("linear_value_head_dim", default=2 * k_dim),
+                "conv_kernel": c.integer("linear_conv_kernel_dim", default=4),
+                "layers": state,
+            }
+        )
+    return mixers
+
+
+def _mamba_only(c: _Config) -> list[dict[str, Any]]:
+    """Mamba / Falcon-Mamba: Mamba-1 in every layer (vLLM mamba.py: ``intermediate_size``,
+    ``state_size``, ``conv_kernel``; transformers derives intermediate_size = expand * hidden)."""
+    n = c.num_layers()
+    d_inner = c.integer("intermediate_size", default=None)
+    if d_inner is None:
+        d_inner = c.integer("expand", default=2) * c.integer("hidden_size")
+    return [
+        _mamba1(
+            c,
+            list(range(n)),
+            d_inner,
+            d_state=("state_size",),
+            d_conv=("conv_kernel",),
+            d_conv_default=4,  # transformers' MambaConfig / FalconMambaConfig default
+        )
+    ]
+
+
+def _mamba2_only(c: _Config) -> list[dict[str, Any]]:
+    """Mamba-2: Mamba-2 in every layer (vLLM mamba2.py: ``expand * hidden_size`` intermediate,
+    ``num_heads`` x ``head_dim``, ``n_groups``, ``state_size``, ``conv_kernel``)."""
+    n = c.num_layers()
+    heads, head_dim = c.integer("num_heads"), c.integer("head_dim")
+    d_inner = c.integer("expand", default=2) * c.integer("hidden_size")
+    if heads * head_dim != d_inner:
+        raise c.error(
+            f"num_heads={heads} x head_dim={head_dim} is not expand * hidden_size = {d_inner}"
+        )
+    return [
+        _mamba2(
+            c,
+            list(range(n)),
+            heads=heads,
+            head_dim=head_dim,
+            groups=("n_groups",),
+            groups_default=1,  # transformers' Mamba2Config default
+            d_state=("state_size",),
+            d_conv=("conv_kernel",),
+        )
+    ]
 
 
 def _recurrent_gemma(c: _Config) -> list[dict[str, Any]]:
     """RecurrentGemma: ``block_types`` cycled over the layers; local attention + RG-LRU."""
     n = c.num_layers()
-    blocks = c.get("block_types")
+    blocks = c.sequence("block_types", expected="a list of 'recurrent' / 'attention'")
     if not blocks:
         raise c.error("block_types is empty")
     types = [blocks[i % len(blocks)] for i in range(n)]
     attn, rec = _split(c, types, attention={"attention"}, state={"recurrent"}, what="block_types")
-    attention = c.attention(
-        attn,
-        kind="sliding_window",
-        sliding_window=c.get("attention_window_size", "sliding_window"),
-    )
-    lru = {
-        "kind": "rglru",
-        # transformers: lru_width defaults to hidden_size
-        "lru_width": c.get("lru_width", "hidden_size"),
-        "conv_kernel": c.get("conv1d_width"),
-        "layers": rec,
-    }
-    return [attention, lru]
+    mixers = []
+    if attn:
+        mixers.append(
+            c.attention(
+                attn,
+                kind="sliding_window",
+                sliding_window=c.integer("attention_window_size", "sliding_window"),
+            )
+        )
+    if rec:
+        mixers.append(
+            {
+                "kind": "rglru",
+                # transformers: lru_width defaults to hidden_size
+                "lru_width": c.integer("lru_width", "hidden_size"),
+                "conv_kernel": c.integer("conv1d_width"),
+                "layers": rec,
+            }
+        )
+    return mixers
 
 
 FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
@@ -455,13 +865,21 @@ FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "bamba": _granite_bamba,
     "falcon_h1": _falcon_h1,
     "jamba": _jamba,
+    "zamba": _zamba,
     "zamba2": _zamba2,
     "lfm2": _lfm2,
+    "lfm2_moe": _lfm2,
+    "lfm3": _lfm3,
     "minimax_text_01": _minimax,
     "minimax_m1": _minimax,
     "minimax": _minimax,
     "kimi_linear": _kimi_linear,
+    "bailing_hybrid": _bailing_hybrid,
+    "olmo_hybrid": _olmo_hybrid,
     "recurrent_gemma": _recurrent_gemma,
+    "mamba": _mamba_only,
+    "falcon_mamba": _mamba_only,
+    "mamba2": _mamba2_only,
 }
 
 #: ``architectures`` entries -> model type, for configs without a (known) ``model_type``.
@@ -472,18 +890,95 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
     "NemotronHForCausalLM": "nemotron_h",
+    "NemotronHPuzzleForCausalLM": "nemotron_h",
+    # multimodal wrappers: the language model is the text_config
+    "NemotronH_Nano_VL_V2": "nemotron_h",
+    "NemotronH_Nano_Omni_Reasoning_V3": "nemotron_h",
+    "Lfm2VlForConditionalGeneration": "lfm2",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "BambaForCausalLM": "bamba",
     "FalconH1ForCausalLM": "falcon_h1",
     "JambaForCausalLM": "jamba",
+    "ZambaForCausalLM": "zamba",
     "Zamba2ForCausalLM": "zamba2",
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
+    "Lfm3ForCausalLM": "lfm3",
     "MiniMaxText01ForCausalLM": "minimax_text_01",
     "MiniMaxM1ForCausalLM": "minimax_m1",
     "MiniMaxForCausalLM": "minimax",
     "KimiLinearForCausalLM": "kimi_linear",
+    "BailingHybridForCausalLM": "bailing_hybrid",
+    "OlmoHybridForCausalLM": "olmo_hybrid",
     "RecurrentGemmaForCausalLM": "recurrent_gemma",
+    "MambaForCausalLM": "mamba",
+    "FalconMambaForCausalLM": "falcon_mamba",
+    "Mamba2ForCausalLM": "mamba2",
 }
+
+
+# ---- the SSM-state dtype a config declares, per vLLM 0.33 --------------------------------------
+# vLLM resolves `--mamba-ssm-cache-dtype auto` in per-architecture config hooks
+# (vllm/model_executor/models/config.py, MODELS_CONFIG_MAP, keyed by the resolved architecture):
+# - NemotronHForCausalLMConfig.update_mamba_ssm_cache_dtype (NemotronHForCausalLM,
+#   NemotronHPuzzleForCausalLM, and NemotronHNanoVLV2Config for NemotronH_Nano_VL_V2, which reads
+#   the text_config): getattr(hf_config, "mamba_ssm_cache_dtype", "float32"), so the config's
+#   value, else float32;
+# - Qwen3_5ForConditionalGenerationConfig.verify_and_update_config (and its subclass
+#   Qwen3_5ForCausalLMConfig; both MoE variants): the text config's `mamba_ssm_dtype` if set;
+# - every other architecture has no hook: `auto` stays `auto`, which MambaStateDtypeCalculator
+#   (vllm/model_executor/layers/mamba/mamba_utils.py) resolves to the conv-state dtype. A
+#   `mamba_ssm_dtype` on, say, a Bamba or Qwen3-Next config is ignored.
+# A value of "auto" in the config leaves vLLM's setting at auto (the conv dtype), declared None.
+_NEMOTRON_SSM_ARCHS = {
+    "NemotronHForCausalLM",
+    "NemotronHPuzzleForCausalLM",
+    "NemotronH_Nano_VL_V2",
+}
+_QWEN35_SSM_ARCHS = {
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+}
+_QWEN35_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+
+
+def _ssm_dtype_rule(outer: dict[str, Any], model_type: str) -> str | None:
+    """Which vLLM hook applies: 'nemotron_h', 'qwen3_5' or None. By the config's first
+    architecture when it names one (as vLLM keys its hooks), else by the family."""
+    archs = _architectures(outer)
+    if archs:
+        arch = archs[0]
+        if arch in _NEMOTRON_SSM_ARCHS:
+            return "nemotron_h"
+        if arch in _QWEN35_SSM_ARCHS:
+            return "qwen3_5"
+        return None
+    if model_type == "nemotron_h":
+        return "nemotron_h"
+    if model_type in _QWEN35_TYPES:
+        return "qwen3_5"
+    return None
+
+
+def _declared_ssm_dtype(c: _Config, rule: str | None) -> str | None:
+    if rule == "nemotron_h":
+        # NemotronHForCausalLMConfig.DEFAULT_MAMBA_SSM_CACHE_DTYPE (transformers' NemotronHConfig
+        # default is the same)
+        value = c.data.get("mamba_ssm_cache_dtype")
+        value = "float32" if value is None else value
+        key = "mamba_ssm_cache_dtype"
+    elif rule == "qwen3_5":
+        value = c.data.get("mamba_ssm_dtype")
+        key = "mamba_ssm_dtype"
+    else:
+        return None
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise c._wrong(key, value, "a dtype name such as 'float32'")
+    return None if value.strip().lower() == "auto" else value
 
 
 def _read(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
@@ -508,11 +1003,21 @@ def _read(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def _architectures(config: dict[str, Any]) -> list[str]:
+    archs = config.get("architectures")
+    if archs is None:
+        return []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"architectures must be a list of class names, got {archs!r}")
+    return archs
+
+
 def _model_type(outer: dict[str, Any], inner: dict[str, Any]) -> str:
+    archs = _architectures(outer) or _architectures(inner)
     for candidate in (inner.get("model_type"), outer.get("model_type")):
         if isinstance(candidate, str) and candidate.lower() in FAMILIES:
             return candidate.lower()
-    for arch in outer.get("architectures") or inner.get("architectures") or []:
+    for arch in archs:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
     given = inner.get("model_type") or outer.get("model_type")
@@ -528,8 +1033,10 @@ def parse_hf_config(
 ) -> HybridModel:
     """A :class:`HybridModel` from a Hugging Face config (file, folder or dict).
 
-    Multimodal wrappers (Qwen3.5) keep the language model under ``text_config``; it is read
-    from there, with the outer config filling in the dtype and model type.
+    Multimodal wrappers (Qwen3.5, Nemotron-H VL, LFM2-VL) keep the language model under
+    ``text_config``; it is read from there, with the outer config filling in the dtype and model
+    type. A model that is all attention or all recurrent state is read like a hybrid one; only a
+    config with no cache-holding layer at all is refused.
     """
     outer = _read(path_or_dict)
     inner = outer.get("text_config") or outer
@@ -548,26 +1055,40 @@ def parse_hf_config(
                     return source[key]
         return None
 
-    doubts = []
+    doubts = list(c.doubts)
     dtype = first("torch_dtype", "dtype")
     if dtype is None:
         dtype = "bfloat16"
         doubts.append("config declares no torch_dtype; bfloat16 assumed")
-    declared = first("mamba_ssm_dtype", "mamba_ssm_cache_dtype")
-    if declared == "auto":
-        declared = None
-    label = name or outer.get("_name_or_path") or (outer.get("architectures") or [model_type])[0]
+    elif not isinstance(dtype, str):
+        raise c._wrong("torch_dtype", dtype, "a dtype name such as 'bfloat16'")
+    max_pos = first("max_position_embeddings")
+    if isinstance(max_pos, float) and max_pos.is_integer():
+        max_pos = int(max_pos)
+    if max_pos is not None and (
+        isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos <= 0
+    ):
+        raise c._wrong("max_position_embeddings", max_pos, "a positive integer")
+    declared = _declared_ssm_dtype(c, _ssm_dtype_rule(outer, model_type))
+    repo = outer.get("_name_or_path")
+    repo = repo if isinstance(repo, str) else ""
+    label = name or repo or (_architectures(outer) or [model_type])[0]
+    # facts the model keeps for vLLM's naming (hybridkv.vllm_families): the architecture class
+    # and, for Zamba2, how many shared attention blocks its layers cycle through
+    extra: dict[str, Any] = {"architectures": _architectures(outer) or _architectures(inner)}
+    if model_type == "zamba2" and isinstance(inner.get("num_mem_blocks"), int):
+        extra["num_mem_blocks"] = inner["num_mem_blocks"]
     try:
-        return HybridModel.from_dict(
+        model = HybridModel.from_dict(
             {
                 "name": label,
                 "display_name": label,
                 "family": model_type,
-                "hf_repo": outer.get("_name_or_path") or "",
+                "hf_repo": repo,
                 "num_hidden_layers": c.n,
                 "torch_dtype": dtype,
                 "ssm_dtype_declared": declared,
-                "max_position_embeddings": first("max_position_embeddings"),
+                "max_position_embeddings": max_pos,
                 "mixers": mixers,
                 "sources": ["Hugging Face config.json"],
                 "doubts": "; ".join(doubts),
@@ -575,3 +1096,5 @@ def parse_hf_config(
         )
     except ValueError as exc:
         raise c.error(str(exc)) from None
+    model.extra.update(extra)
+    return model

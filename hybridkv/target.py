@@ -1,0 +1,350 @@
+"""The vLLM a plan is held to: its version and the switches that decide its block size.
+
+``inflate`` is vLLM's own layout, so a plan of it must give the block size, state page and group
+count vLLM itself would give for the same model, TP size, dtypes and switches. The rules live
+here, each with the vLLM 0.33 file and function it follows:
+
+- **Prefix caching** is on by default for generative hybrid models
+  (``ModelConfig.is_prefix_caching_supported`` in ``vllm/config/model.py``, used by
+  ``EngineArgs._set_default_chunked_prefill_and_prefix_caching_args``), off for attention-free
+  ones. With it on, the Mamba cache runs in ``align`` mode, without it in ``none`` mode
+  (``MambaModelConfig.verify_and_update_config`` in ``vllm/model_executor/models/config.py``).
+- **Block size** (``Platform._align_hybrid_block_size`` in ``vllm/platforms/interface.py``): the
+  alignment unit is ``max(smallest kernel block of the attention backend, block_size)``, where
+  ``block_size`` is the user's ``--block-size`` or the backend's preferred 16; MLA hybrids raise it
+  to 128; in ``align`` mode vLLM 0.33 takes its lcm with the Mamba layers' prefill-checkpoint
+  alignment (FlashInfer's GDN prefill on Hopper: 64,
+  ``FLASHINFER_GDN_CHECKPOINT_ALIGNMENT`` in ``vllm/v1/attention/backends/gdn_attn.py``;
+  0.32 has no such step). The block is then the smallest multiple of the unit whose attention
+  page holds one layer's state, unless the block asked for is larger already.
+- **State blocks per request** (``MambaSpec.max_memory_usage_bytes`` in
+  ``vllm/v1/kv_cache_interface.py``): ``1 + num_speculative_tokens`` in ``none`` mode,
+  ``2 + num_speculative_tokens + num_prefill_checkpoint_blocks`` in ``align`` mode, where the
+  checkpoint block is 1 for Mamba-2 (``MambaMixer2.get_kv_cache_spec``) and for GDN under
+  FlashInfer's prefill (``GatedDeltaNetAttention.get_kv_cache_spec``), 0 otherwise and always 0
+  in vLLM 0.32.
+- **Mamba block size** (``MambaModelConfig``): the attention block size in ``align`` mode,
+  ``max_model_len`` in ``none`` mode.
+
+GPU families decide backends: on ``hopper`` (SM90) vLLM picks FlashAttention 3 (kernel blocks of
+any multiple of 16) and FlashInfer's GDN prefill (``_resolve_gdn_prefill_backend`` in
+``vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py``); on ``ampere`` (SM80)
+FlashAttention 2 and the Triton GDN prefill, which exports no checkpoints. Blackwell is not
+modelled: there vLLM's default attention backend is FlashInfer/FA4 with head-size dependent
+pages (128 tokens for head dim 256), which these rules do not cover; pass ``kernel_block_size``
+to model a backend whose kernel blocks are larger than 16.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .specs import GatedDeltaNetSpec, Mamba2Spec, MLASpec
+from .vllm_families import find_vllm_family
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .models.model import HybridModel
+
+__all__ = [
+    "FLASHINFER_GDN_CHECKPOINT_ALIGNMENT",
+    "GPU_FAMILIES",
+    "MLA_HYBRID_ALIGNMENT",
+    "VLLM_VERSIONS",
+    "BlockSizeRule",
+    "VllmRules",
+    "VllmTarget",
+]
+
+#: vLLM releases whose rules are modelled, newest first.
+VLLM_VERSIONS = ("0.33", "0.32")
+#: GPU family -> compute capability major*10.
+GPU_FAMILIES = {"hopper": 90, "ampere": 80}
+#: FlashAttention's kernel blocks are any multiple of 16 tokens
+#: (``FlashAttentionBackend.get_supported_kernel_block_sizes``); vLLM's default block size is 16.
+ATTENTION_KERNEL_BLOCK = 16
+#: ``Platform._align_hybrid_block_size``: TRTLLM/FlashInfer MLA decode needs the number of kernel
+#: blocks aligned to 128 / kernel block, so MLA hybrids make the manager block a multiple of 128.
+MLA_HYBRID_ALIGNMENT = 128
+#: ``vllm/v1/attention/backends/gdn_attn.py``: FlashInfer's GDN prefill emits mid-prefill states
+#: every 64 tokens.
+FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
+GDN_PREFILL_BACKENDS = ("auto", "flashinfer", "triton")
+MAMBA_CACHE_MODES = ("none", "align")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class VllmTarget:
+    """Which vLLM a plan is compared with, and the switches of that vLLM that change its layout.
+
+    - ``version``: ``"0.33"`` (default, the newest rules) or ``"0.32"``.
+    - ``enable_prefix_caching``: vLLM's ``--enable-prefix-caching``; ``None`` takes vLLM's
+      default (on for models with attention layers, off for attention-free ones).
+    - ``mamba_cache_mode``: ``"align"`` or ``"none"``; ``None`` derives it from prefix caching, as
+      vLLM does. vLLM ties the two (``align`` exactly when prefix caching is on), so ``"none"``
+      alone means prefix caching off, and a mode that contradicts ``enable_prefix_caching`` is
+      an error rather than silently overridden as vLLM would.
+    - ``gpu``: ``"hopper"`` (default) or ``"ampere"``: the family whose default backends decide
+      kernel alignments (FlashInfer's GDN prefill runs on Hopper only).
+    - ``gdn_prefill_backend``: ``"auto"`` (the GPU's default), ``"flashinfer"`` or ``"triton"``
+      (vLLM's ``--additional-config '{"gdn_prefill_backend": ...}'``).
+    - ``kernel_block_size``: smallest kernel block of the attention backend (``None``: 16).
+    - ``max_model_len``: vLLM's ``--max-model-len`` (``None``: the model's
+      ``max_position_embeddings``); it is the Mamba block size in ``none`` mode.
+    """
+
+    version: str = VLLM_VERSIONS[0]
+    enable_prefix_caching: bool | None = None
+    mamba_cache_mode: str | None = None
+    gpu: str = "hopper"
+    gdn_prefill_backend: str = "auto"
+    kernel_block_size: int | None = None
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        version = str(self.version).removeprefix("v")
+        if version.count(".") == 2 and version.endswith(".0"):
+            version = version[:-2]
+        if version not in VLLM_VERSIONS:
+            raise ValueError(
+                f"vllm_version {self.version!r} is not modelled; use one of "
+                f"{', '.join(VLLM_VERSIONS)}"
+            )
+        object.__setattr__(self, "version", version)
+        if self.enable_prefix_caching is not None and not isinstance(
+            self.enable_prefix_caching, bool
+        ):
+            raise ValueError(
+                f"enable_prefix_caching must be True, False or None (vLLM's default), got "
+                f"{self.enable_prefix_caching!r}"
+            )
+        if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode must be one of {', '.join(MAMBA_CACHE_MODES)}, got "
+                f"{self.mamba_cache_mode!r}"
+            )
+        if self.mamba_cache_mode == "align" and self.enable_prefix_caching is False:
+            raise ValueError(
+                "mamba_cache_mode='align' needs prefix caching (vLLM resets it to 'none' without "
+                "it); drop --no-enable-prefix-caching or use mamba_cache_mode='none'"
+            )
+        if self.gpu not in GPU_FAMILIES:
+            raise ValueError(
+                f"gpu {self.gpu!r} is not modelled; use one of {', '.join(GPU_FAMILIES)} "
+                "(Blackwell's default backends use head-size dependent kernel blocks: pass "
+                "kernel_block_size to model one)"
+            )
+        if self.gdn_prefill_backend not in GDN_PREFILL_BACKENDS:
+            raise ValueError(
+                f"gdn_prefill_backend must be one of {', '.join(GDN_PREFILL_BACKENDS)}, got "
+                f"{self.gdn_prefill_backend!r}"
+            )
+        if self.gdn_prefill_backend == "flashinfer" and self.gpu != "hopper":
+            raise ValueError(
+                "FlashInfer's GDN prefill runs on Hopper (or Blackwell) only; use gpu='hopper' "
+                "or gdn_prefill_backend='triton'"
+            )
+        for name in ("kernel_block_size", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    def resolve(self, model: HybridModel) -> VllmRules:
+        """The rules this vLLM applies to ``model`` (already configured for TP and dtypes)."""
+        has_attention = bool(model.attention_layers)
+        if self.enable_prefix_caching is not None:
+            prefix_caching = self.enable_prefix_caching
+        elif self.mamba_cache_mode is not None:  # "none" asks for vLLM without prefix caching
+            prefix_caching = self.mamba_cache_mode == "align"
+        else:
+            prefix_caching = has_attention
+        if prefix_caching and self.mamba_cache_mode == "none" and model.state_layers:
+            raise ValueError(
+                "vLLM puts the Mamba cache in align mode whenever prefix caching is on "
+                "(MambaModelConfig.verify_and_update_config); for mamba_cache_mode='none' turn "
+                "prefix caching off (--no-enable-prefix-caching)"
+            )
+        mode = "align" if prefix_caching and model.state_layers else "none"
+        gdn_backend = self.gdn_prefill_backend
+        if gdn_backend == "auto":
+            gdn_backend = "flashinfer" if self.gpu == "hopper" else "triton"
+        state_kinds = {type(layer.spec) for layer in model.state_layers}
+        new_rules = self.version == "0.33"
+        # get_mamba_prefill_checkpoint_alignment (vllm/model_executor/layers/mamba/abstract.py):
+        # the lcm over Mamba layers, or none as soon as one layer declares none; only Qwen's GDN
+        # layer class (QwenGatedDeltaNetAttention) under FlashInfer's prefill declares one (64),
+        # and only in align mode; OLMo-Hybrid's GDN and Kimi's KDA use classes that do not
+        family = find_vllm_family(model)
+        qwen_gdn = family is not None and family.gdn_checkpoints
+        gdn_exports = mode == "align" and gdn_backend == "flashinfer" and new_rules and qwen_gdn
+        checkpoint_alignment = (
+            FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
+            if gdn_exports and state_kinds == {GatedDeltaNetSpec}
+            else None
+        )
+        # num_prefill_checkpoint_blocks: Mamba-2 layers always set 1 (MambaMixer2.
+        # get_kv_cache_spec), GDN layers when they export checkpoints; vLLM 0.32 has none.
+        checkpoint_blocks = 0
+        if new_rules and (
+            Mamba2Spec in state_kinds
+            or (GatedDeltaNetSpec in state_kinds and checkpoint_alignment is not None)
+        ):
+            checkpoint_blocks = 1
+        spec_blocks = model.num_spec_tokens
+        # MambaSpec.max_memory_usage_bytes: the running state (and, in align mode, the previous
+        # checkpoint and the prefill checkpoint) plus one block per speculative token
+        state_blocks = 2 + spec_blocks + checkpoint_blocks if mode == "align" else 1 + spec_blocks
+        max_len = self.max_model_len or model.max_position_embeddings
+        return VllmRules(
+            target=self,
+            enable_prefix_caching=prefix_caching,
+            mamba_cache_mode=mode,
+            is_hybrid=model.is_hybrid,
+            use_mla=any(isinstance(layer.spec, MLASpec) for layer in model.attention_layers),
+            kernel_block_size=self.kernel_block_size or ATTENTION_KERNEL_BLOCK,
+            gdn_prefill_backend=gdn_backend if GatedDeltaNetSpec in state_kinds else None,
+            checkpoint_alignment=checkpoint_alignment,
+            num_speculative_blocks=spec_blocks,
+            num_prefill_checkpoint_blocks=checkpoint_blocks,
+            state_blocks_per_request=state_blocks if model.state_layers else 0,
+            max_model_len=max_len,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "vllm_version": self.version,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "mamba_cache_mode": self.mamba_cache_mode,
+            "gpu": self.gpu,
+            "gdn_prefill_backend": self.gdn_prefill_backend,
+            "kernel_block_size": self.kernel_block_size,
+            "max_model_len": self.max_model_len,
+        }
+
+
+@dataclass(frozen=True)
+class BlockSizeRule:
+    """The block size a rule produced, and the rule in words (``str()`` gives the words)."""
+
+    block_size: int
+    unit: int
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class VllmRules:
+    """A :class:`VllmTarget` resolved for one model: every switch has its final value."""
+
+    target: VllmTarget
+    enable_prefix_caching: bool
+    mamba_cache_mode: str
+    is_hybrid: bool
+    use_mla: bool
+    kernel_block_size: int
+    gdn_prefill_backend: str | None
+    checkpoint_alignment: int | None
+    num_speculative_blocks: int
+    num_prefill_checkpoint_blocks: int
+    state_blocks_per_request: int
+    max_model_len: int | None
+
+    @property
+    def default_block_size(self) -> int:
+        """vLLM's block size before any hybrid alignment: the backend's preferred 16."""
+        return max(ATTENTION_KERNEL_BLOCK, self.kernel_block_size)
+
+    def alignment_unit(self, user_block_size: int | None) -> tuple[int, list[str]]:
+        """The token unit the block must be a multiple of, and the steps that produced it
+        (``Platform._align_hybrid_block_size``)."""
+        block = user_block_size or self.default_block_size
+        unit = max(self.kernel_block_size, block)
+        why = [
+            f"max(kernel block {self.kernel_block_size}, "
+            f"{'--block-size' if user_block_size else 'default block'} {block}) = {unit}"
+        ]
+        if not self.is_hybrid:
+            return unit, why
+        if self.use_mla:
+            unit = max(unit, MLA_HYBRID_ALIGNMENT)
+            why.append(f"MLA hybrid: at least {MLA_HYBRID_ALIGNMENT}")
+        if self.checkpoint_alignment is not None:
+            unit = math.lcm(unit, self.checkpoint_alignment)
+            why.append(
+                f"align mode: lcm with the {self.gdn_prefill_backend} GDN prefill checkpoint "
+                f"alignment {self.checkpoint_alignment} = {unit}"
+            )
+        return unit, why
+
+    def block_size(
+        self, user_block_size: int | None, page_bytes_per_token: int, state_page_bytes: int
+    ) -> BlockSizeRule:
+        """vLLM's block: the smallest multiple of the unit whose page of
+        ``page_bytes_per_token`` bytes per token holds ``state_page_bytes``, or the requested
+        block when that is larger."""
+        version = f"vLLM {self.target.version}"
+        block = user_block_size or self.default_block_size
+        if user_block_size is not None and user_block_size % self.kernel_block_size:
+            lower = max(
+                self.kernel_block_size,
+                user_block_size // self.kernel_block_size * self.kernel_block_size,
+            )
+            raise ValueError(
+                f"block size {user_block_size} is not a multiple of the attention kernel block "
+                f"({self.kernel_block_size} tokens); use {lower} or "
+                f"{lower + self.kernel_block_size}"
+            )
+        if not self.is_hybrid or not state_page_bytes or not page_bytes_per_token:
+            what = "no recurrent state" if not state_page_bytes else "no attention layer"
+            return BlockSizeRule(
+                block, block, f"{version}: {block} tokens ({what}, so no hybrid alignment)"
+            )
+        unit, why = self.alignment_unit(user_block_size)
+        needed = unit * _cdiv(state_page_bytes, unit * page_bytes_per_token)
+        # vLLM then rounds to the lcm of the backends' smallest kernel blocks (one backend here);
+        # it matters only when the MLA floor of 128 is not a multiple of the kernel block.
+        needed = self.kernel_block_size * _cdiv(needed, self.kernel_block_size)
+        steps = "; ".join(why)
+        if needed > block:
+            text = (
+                f"{version} _align_hybrid_block_size: unit {unit} ({steps}); "
+                f"{unit} x cdiv({state_page_bytes:,} B state, {unit} x "
+                f"{page_bytes_per_token:,} B/token) = {needed} tokens"
+            )
+            return BlockSizeRule(needed, unit, text)
+        text = (
+            f"{version} _align_hybrid_block_size: the requested {block} tokens already hold "
+            f"the {state_page_bytes:,} B state (unit {unit}: {steps})"
+        )
+        return BlockSizeRule(block, unit, text)
+
+    @property
+    def mamba_block_size(self) -> int | None:
+        """Tokens one state block stands for in vLLM: the block size in ``align`` mode (set by
+        the plan), ``max_model_len`` in ``none`` mode."""
+        return None if self.mamba_cache_mode == "align" else self.max_model_len
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.target.to_dict(),
+            "resolved": {
+                "enable_prefix_caching": self.enable_prefix_caching,
+                "mamba_cache_mode": self.mamba_cache_mode,
+                "kernel_block_size": self.kernel_block_size,
+                "gdn_prefill_backend": self.gdn_prefill_backend,
+                "prefill_checkpoint_alignment": self.checkpoint_alignment,
+                "num_speculative_blocks": self.num_speculative_blocks,
+                "num_prefill_checkpoint_blocks": self.num_prefill_checkpoint_blocks,
+                "state_blocks_per_request": self.state_blocks_per_request,
+                "max_model_len": self.max_model_len,
+            },
+        }

@@ -1,0 +1,664 @@
+"""The Hugging Face config reader against real config.json files, vLLM's SSM-dtype rules,
+transformers' default configs of every family, pure-attention / pure-state models, and malformed
+fields (always a ``ValueError`` naming the field)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from test_models import (
+    BAMBA,
+    FALCON_H1_7B,
+    GRANITE_SMALL,
+    JAMBA,
+    KIMI,
+    KIMI_TF5,
+    LFM2_12B,
+    MINIMAX,
+    NEMOTRON_3_NANO_TF5,
+    NEMOTRON_H_8B,
+    QWEN3_NEXT,
+    QWEN35_4B,
+    RG,
+    ZAMBA2_27B,
+)
+
+from hybridkv import models
+from hybridkv.models.hf_config import ARCHITECTURES, FAMILIES, parse_hf_config
+
+DATA = Path(__file__).parent / "data" / "hf_configs"
+REAL_CONFIGS = sorted(p.stem for p in DATA.glob("*.json"))
+
+
+def _without(config: dict, *keys: str) -> dict:
+    return {k: v for k, v in config.items() if k not in keys}
+
+
+def _layers(model):
+    return [(layer.name, layer.spec) for layer in model.layers]
+
+
+# ---- real config.json files (tests/data/hf_configs, sources in its README) ---------------------
+
+
+def test_every_stored_config_is_a_zoo_model_with_a_source():
+    readme = (DATA / "README.md").read_text()
+    assert len(REAL_CONFIGS) >= 11
+    for name in REAL_CONFIGS:
+        assert name in models.list_models(), name
+        assert f"`{name}.json`" in readme, f"{name}.json has no source line in the README"
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_real_config_gives_the_zoo_model(name):
+    """The zoo entry and the model's own config.json give the same model: the same cache layers
+    with the same specs, the same model and declared SSM dtypes, and the same runtime result."""
+    parsed = models.from_hf_config(DATA / f"{name}.json", name=name)
+    zoo = models.load(name)
+    assert _layers(parsed) == _layers(zoo)
+    assert parsed.num_hidden_layers == zoo.num_hidden_layers
+    assert (parsed.dtype, parsed.ssm_dtype_declared) == (zoo.dtype, zoo.ssm_dtype_declared)
+    assert parsed.max_position_embeddings == zoo.max_position_embeddings
+    for options in ({"tp_size": 2}, {"kv_dtype": "fp8", "conv_dtype": "float16"}):
+        got = models.from_hf_config(DATA / f"{name}.json", **options)
+        want = models.load(name, **options)
+        assert _layers(got) == _layers(want)
+
+
+def test_nemotron_h_plans_its_ssm_state_in_float32():
+    """Nemotron-H-56B's config declares no mamba_ssm_cache_dtype; vLLM's NemotronH hook makes
+    the SSM state float32 (so Nemotron-H-8B's vLLM block is 1040 tokens, not 528)."""
+    raw = json.loads((DATA / "nemotron-h-56b.json").read_text())
+    assert "mamba_ssm_cache_dtype" not in raw
+    for name in ("nemotron-h-8b", "nemotron-h-56b", "nemotron-nano-9b-v2"):
+        state = models.load(name).state_layers[0].spec
+        assert (state.conv_dtype, state.ssm_dtype) == ("bfloat16", "float32"), name
+    # an explicit --mamba-ssm-cache-dtype still wins
+    assert models.load("nemotron-h-8b", ssm_dtype="bf16").ssm_dtype == "bfloat16"
+    # 8B: conv 3 * 10240 * 2 + SSM 128 * 64 * 128 * 4 = 4,255,744 B per Mamba layer
+    assert models.load("nemotron-h-8b").state_layers[0].spec.state_bytes == 4_255_744
+
+
+# ---- the SSM dtype each family declares (vLLM 0.33 vllm/model_executor/models/config.py) -------
+
+
+def _declared(config: dict) -> str | None:
+    return parse_hf_config(config).ssm_dtype_declared
+
+
+NEMO_NO_ARCH = {k: v for k, v in NEMOTRON_H_8B.items() if k != "mamba_ssm_cache_dtype"}
+QWEN_TEXT = {k: v for k, v in QWEN35_4B["text_config"].items() if k != "mamba_ssm_dtype"}
+
+
+@pytest.mark.parametrize(
+    "config, declared",
+    [
+        pytest.param(NEMO_NO_ARCH, "float32", id="nemotron-h-absent-is-float32"),
+        pytest.param(
+            {**NEMO_NO_ARCH, "mamba_ssm_cache_dtype": "bfloat16"}, "bfloat16", id="nemotron-h-bf16"
+        ),
+        pytest.param(
+            {**NEMO_NO_ARCH, "mamba_ssm_cache_dtype": "auto"}, None, id="nemotron-h-auto-is-conv"
+        ),
+        pytest.param(
+            {**NEMO_NO_ARCH, "architectures": ["NemotronHForCausalLM"]},
+            "float32",
+            id="nemotron-h-arch",
+        ),
+        pytest.param(
+            {**NEMO_NO_ARCH, "architectures": ["NemotronHPuzzleForCausalLM"]},
+            "float32",
+            id="nemotron-h-puzzle-arch",
+        ),
+        pytest.param(
+            {
+                "architectures": ["NemotronH_Nano_VL_V2"],
+                "text_config": {**NEMO_NO_ARCH, "mamba_ssm_cache_dtype": "float16"},
+            },
+            "float16",
+            id="nemotron-nano-vl-reads-text_config",
+        ),
+        pytest.param(
+            {"architectures": ["NemotronH_Nano_VL_V2"], "text_config": NEMO_NO_ARCH},
+            "float32",
+            id="nemotron-nano-vl-absent-is-float32",
+        ),
+        pytest.param(
+            {
+                "architectures": ["NemotronH_Nano_VL_V2"],
+                "model_type": "NemotronH_Nano_VL_V2",
+                "text_config": _without(NEMO_NO_ARCH, "model_type"),
+            },
+            "float32",
+            id="nemotron-nano-vl-dispatch-by-architecture",
+        ),
+        pytest.param(
+            # vLLM 0.33 has no config hook for the Omni architecture: auto stays auto
+            {"architectures": ["NemotronH_Nano_Omni_Reasoning_V3"], "text_config": NEMO_NO_ARCH},
+            None,
+            id="nemotron-omni-no-hook",
+        ),
+        pytest.param(QWEN35_4B, "float32", id="qwen3.5-mamba_ssm_dtype"),
+        pytest.param(
+            {**QWEN35_4B, "text_config": QWEN_TEXT}, None, id="qwen3.5-absent-is-conv-dtype"
+        ),
+        pytest.param(
+            {**QWEN_TEXT, "architectures": ["Qwen3_5ForCausalLM"], "mamba_ssm_dtype": "bfloat16"},
+            "bfloat16",
+            id="qwen3.5-causal-lm-arch",
+        ),
+        pytest.param(
+            {**QWEN_TEXT, "model_type": "qwen3_5_moe_text", "mamba_ssm_dtype": "float32"},
+            "float32",
+            id="qwen3.5-moe-text-family",
+        ),
+        pytest.param(
+            {**QWEN3_NEXT, "mamba_ssm_dtype": "float32"}, None, id="qwen3-next-ignores-it"
+        ),
+        pytest.param({**BAMBA, "mamba_ssm_dtype": "float32"}, None, id="bamba-ignores-it"),
+        pytest.param(
+            {**GRANITE_SMALL, "mamba_ssm_cache_dtype": "float32"}, None, id="granite-ignores-it"
+        ),
+        pytest.param(
+            {**FALCON_H1_7B, "mamba_ssm_dtype": "float32"}, None, id="falcon-h1-ignores-it"
+        ),
+        pytest.param({**JAMBA, "mamba_ssm_dtype": "float32"}, None, id="jamba-ignores-it"),
+        pytest.param(
+            # the Nemotron key on a Qwen3.5 config is not Qwen3.5's key
+            {**QWEN35_4B, "text_config": {**QWEN_TEXT, "mamba_ssm_cache_dtype": "float32"}},
+            None,
+            id="qwen3.5-ignores-the-nemotron-key",
+        ),
+    ],
+)
+def test_ssm_dtype_declared_like_vllm(config, declared):
+    original = copy.deepcopy(config)
+    assert _declared(config) == declared
+    assert config == original, "parsing must not modify the config"
+
+
+def test_declared_dtype_reaches_the_ssm_state_only():
+    model = models.from_hf_config({**NEMO_NO_ARCH, "torch_dtype": "float16"})
+    spec = model.state_layers[0].spec
+    assert (model.kv_dtype, spec.conv_dtype, spec.ssm_dtype) == ("float16", "float16", "float32")
+    bamba = models.from_hf_config({**BAMBA, "mamba_ssm_dtype": "float32"})
+    assert bamba.state_layers[0].spec.ssm_dtype == "bfloat16"  # the conv dtype
+
+
+# ---- transformers' default config of every family ----------------------------------------------
+
+# model type -> layer kinds transformers' default config gives
+DEFAULT_KINDS = {
+    "qwen3_next": {"full_attention", "gated_deltanet"},
+    "qwen3_5": {"full_attention", "gated_deltanet"},
+    "qwen3_5_text": {"full_attention", "gated_deltanet"},
+    "qwen3_5_moe": {"full_attention", "gated_deltanet"},
+    "qwen3_5_moe_text": {"full_attention", "gated_deltanet"},
+    "nemotron_h": {"full_attention", "mamba2"},
+    "granitemoehybrid": {"mamba2"},  # no attention layer: all Mamba-2
+    "bamba": {"mamba2"},
+    "falcon_h1": {"full_attention", "mamba2"},
+    "jamba": {"full_attention", "mamba1"},
+    "zamba": {"full_attention", "mamba1"},
+    "zamba2": {"full_attention", "mamba2"},
+    "lfm2": {"full_attention"},  # Lfm2Config(): full_attn_idxs defaults to every layer
+    "lfm2_moe": {"full_attention"},  # no layer_types: read as Lfm2Config does
+    "lfm3": {"full_attention", "sliding_window", "short_conv"},
+    "minimax": {"full_attention", "linear_attention"},
+    "kimi_linear": {"mla", "kda"},
+    "bailing_hybrid": {"mla", "kda"},
+    "olmo_hybrid": {"full_attention", "gated_deltanet"},
+    "recurrent_gemma": {"sliding_window", "rglru"},
+    "mamba": {"mamba1"},
+    "falcon_mamba": {"mamba1"},
+    "mamba2": {"mamba2"},
+}
+# families transformers does not ship (remote-code formats), read from their own configs
+NOT_IN_TRANSFORMERS = {"minimax_text_01", "minimax_m1"}
+
+
+def test_every_family_is_covered_here():
+    assert set(FAMILIES) == set(DEFAULT_KINDS) | NOT_IN_TRANSFORMERS
+    assert set(ARCHITECTURES.values()) <= set(FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", sorted(DEFAULT_KINDS))
+def test_transformers_default_config_parses(model_type):
+    auto_config = pytest.importorskip("transformers").AutoConfig
+    saved = auto_config.for_model(model_type).to_dict()
+    model = models.from_hf_config(saved)
+    assert set(model.layer_kinds) == DEFAULT_KINDS[model_type]
+    assert model.num_hidden_layers >= len({layer.index for layer in model.layers})
+    for options in ({"kv_dtype": "fp8"}, {"ssm_dtype": "fp32", "num_spec_tokens": 1}):
+        assert models.from_hf_config(saved, **options).layers
+
+
+@pytest.mark.parametrize("wrapper", ["lfm2_vl", "lfm3_vl", "nemotron_h_omni"])
+def test_transformers_multimodal_wrappers_read_their_text_config(wrapper):
+    auto_config = pytest.importorskip("transformers").AutoConfig
+    saved = auto_config.for_model(wrapper).to_dict()
+    text = saved["text_config"]
+    assert models.from_hf_config(saved).layers == models.from_hf_config(text).layers
+
+
+def test_default_bamba_and_granite_are_pure_mamba2():
+    transformers = pytest.importorskip("transformers")
+    for cls in (transformers.BambaConfig, transformers.GraniteMoeHybridConfig):
+        model = models.from_hf_config(cls().to_dict())
+        assert not model.attention_layers and not model.is_hybrid
+        assert [layer.index for layer in model.state_layers] == list(range(32))
+        assert model.kv_bytes_per_token == 0
+
+
+# ---- pure-attention and pure-state configs: fields of an absent kind are not needed ------------
+
+
+MAMBA2_KEYS = ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
+ATTENTION_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim")
+GDN_KEYS = tuple(k for k in QWEN3_NEXT if k.startswith("linear_"))
+
+
+@pytest.mark.parametrize(
+    "config, kinds, n_layers",
+    [
+        pytest.param(
+            {**_without(NEMOTRON_H_8B, *MAMBA2_KEYS), "hybrid_override_pattern": "*-" * 26},
+            {"full_attention": 26},
+            52,
+            id="nemotron-h-all-attention-no-mamba-fields",
+        ),
+        pytest.param(
+            {**_without(NEMOTRON_H_8B, *ATTENTION_KEYS), "hybrid_override_pattern": "M" * 52},
+            {"mamba2": 52},
+            52,
+            id="nemotron-h-all-mamba-no-attention-fields",
+        ),
+        pytest.param(
+            {**JAMBA, "attn_layer_period": 1, "attn_layer_offset": 0},
+            {"full_attention": 32},
+            32,
+            id="jamba-all-attention",
+        ),
+        pytest.param(
+            {**_without(JAMBA, *ATTENTION_KEYS), "attn_layer_offset": 8},
+            {"mamba1": 32},
+            32,
+            id="jamba-no-attention",
+        ),
+        pytest.param(
+            {**_without(QWEN3_NEXT, *GDN_KEYS), "layer_types": ["full_attention"] * 48},
+            {"full_attention": 48},
+            48,
+            id="qwen3-next-all-attention-no-linear-fields",
+        ),
+        pytest.param(
+            {**_without(GRANITE_SMALL, *ATTENTION_KEYS), "layer_types": ["mamba"] * 40},
+            {"mamba2": 40},
+            40,
+            id="granite-all-mamba",
+        ),
+        pytest.param(
+            {**_without(BAMBA, "attn_layer_indices", *ATTENTION_KEYS)},
+            {"mamba2": 32},
+            32,
+            id="bamba-no-attn_layer_indices",
+        ),
+        pytest.param(
+            {**_without(LFM2_12B, *ATTENTION_KEYS), "full_attn_idxs": [], "conv_dim": 2048},
+            {"short_conv": 16},
+            16,
+            id="lfm2-all-conv",
+        ),
+        pytest.param(
+            {**KIMI_TF5, "layer_types": ["full_attention"] * 27},
+            {"mla": 27},
+            27,
+            id="kimi-all-mla",
+        ),
+        pytest.param(
+            {**MINIMAX, "attn_type_list": [0] * 80},
+            {"linear_attention": 80},
+            80,
+            id="minimax-all-lightning",
+        ),
+        pytest.param(
+            {**RG, "block_types": ["recurrent"]}, {"rglru": 26}, 26, id="recurrentgemma-no-attn"
+        ),
+    ],
+)
+def test_pure_models_parse(config, kinds, n_layers):
+    model = models.from_hf_config(config)
+    assert model.layer_kinds == kinds
+    assert model.num_hidden_layers == n_layers
+    assert not model.is_hybrid
+
+
+def test_pure_models_plan():
+    """A model with one kind of cache plans under every layout (vLLM plans it as one group)."""
+    from hybridkv.layouts import LAYOUTS, make_plan
+
+    transformers = pytest.importorskip("transformers")
+    pure = [
+        models.from_hf_config(transformers.BambaConfig().to_dict()),
+        models.from_hf_config({**JAMBA, "attn_layer_period": 1, "attn_layer_offset": 0}),
+        models.from_hf_config(transformers.MambaConfig().to_dict()),
+    ]
+    for model in pure:
+        for layout in LAYOUTS:
+            plan = make_plan(model, layout, memory="40GiB", max_num_seqs=16)
+            assert plan is not None, (model.name, layout)
+
+
+def test_config_with_no_cache_layer_is_refused():
+    with pytest.raises(ValueError, match="no layer holds a KV cache or a recurrent state"):
+        models.from_hf_config({**NEMOTRON_H_8B, "hybrid_override_pattern": "-E" * 26})
+
+
+# ---- LFM2: vLLM's short-conv width -------------------------------------------------------------
+
+
+def test_lfm2_conv_width_follows_vllm():
+    # lfm2.py: MambaStateShapeCalculator.short_conv_state_shape(intermediate_size=conv_dim)
+    dense = models.from_hf_config({**LFM2_12B, "conv_dim": 1024})
+    assert {layer.spec.conv_dim for layer in dense.state_layers} == {1024}
+    assert not dense.doubts.count("conv_dim")
+    # no conv_dim (transformers' Lfm2Config has none): hidden_size, and the model says so
+    bare = models.from_hf_config(LFM2_12B)
+    assert {layer.spec.conv_dim for layer in bare.state_layers} == {2048}
+    assert "no conv_dim" in bare.doubts
+    # lfm2_moe.py sizes the state on hidden_size, whatever conv_dim says
+    moe = models.from_hf_config({**LFM2_12B, "model_type": "lfm2_moe", "conv_dim": 1024})
+    assert {layer.spec.conv_dim for layer in moe.state_layers} == {2048}
+    # both: attention head_dim = hidden_size // heads, a head_dim field is not read
+    odd = models.from_hf_config({**LFM2_12B, "conv_dim": 2048, "head_dim": 128})
+    assert {layer.spec.head_dim for layer in odd.attention_layers} == {64}
+
+
+# ---- new families ------------------------------------------------------------------------------
+
+
+def test_zamba_v1_layer_list_equals_the_period_rule():
+    raw = json.loads((DATA / "zamba-7b-v1.json").read_text())
+    listed = {
+        **raw,
+        "layers_block_type": [
+            "hybrid" if i == 2 or (i >= 3 and (i - 3) % 6 == 4) else "mamba" for i in range(76)
+        ],
+    }
+    assert _layers(models.from_hf_config(listed)) == _layers(models.from_hf_config(raw))
+    model = models.load("zamba-7b-v1")
+    assert model.layer("layers.2.attn").spec.head_dim == 2 * 3712 // 16
+    assert model.layer("layers.0.mixer").spec.d_inner == 2 * 3712
+    bad = {**raw, "n_mamba_heads": 3}
+    with pytest.raises(ValueError, match="n_mamba_heads=3 does not divide"):
+        models.from_hf_config(bad)
+
+
+def test_olmo_hybrid_defaults_and_vllm_head_size():
+    config = {
+        "model_type": "olmo_hybrid",
+        "num_hidden_layers": 8,
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "torch_dtype": "bfloat16",
+    }
+    model = models.from_hf_config(config)
+    assert [layer.index for layer in model.attention_layers] == [3, 7]
+    gdn = model.state_layers[0].spec
+    # transformers' OlmoHybridConfig: key dim 0.75 * hidden / heads, value dim 2x, heads = heads
+    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim) == (8, 8, 48, 96)
+    assert model.attention_layers[0].spec.head_dim == 64  # vLLM: hidden_size // heads
+    # too few layers for one every 4th: the last becomes attention, as in transformers
+    tiny = models.from_hf_config({**config, "num_hidden_layers": 2})
+    assert [layer.index for layer in tiny.attention_layers] == [1]
+
+
+def test_bailing_hybrid_reads_both_saved_forms():
+    transformers = pytest.importorskip("transformers")
+    saved = transformers.BailingHybridConfig().to_dict()  # head_dim overwritten with rope width
+    model = models.from_hf_config(saved)
+    kda = model.state_layers[0].spec
+    assert (kda.num_heads, kda.head_dim, kda.conv_kernel) == (32, 128, 4)
+    assert [layer.index for layer in model.attention_layers] == list(range(5, 42, 6))
+    # the checkpoint's own format: head_dim 128, no linear_* fields, no layer_types
+    raw = {
+        k: v
+        for k, v in saved.items()
+        if not k.startswith("linear_") and k not in ("layer_types", "head_dim")
+    }
+    raw |= {"head_dim": 128, "short_conv_kernel_size": 4}
+    assert _layers(models.from_hf_config(raw)) == _layers(model)
+
+
+def test_pure_state_families():
+    mamba = models.from_hf_config(
+        {
+            "model_type": "mamba",
+            "num_hidden_layers": 64,
+            "hidden_size": 2560,
+            "intermediate_size": 5120,
+            "state_size": 16,
+            "conv_kernel": 4,
+            "torch_dtype": "float16",
+        }
+    )
+    assert mamba.layer_kinds == {"mamba1": 64} and mamba.dtype == "float16"
+    assert mamba.state_layers[0].spec.d_inner == 5120
+    mamba2 = models.from_hf_config(
+        {
+            "architectures": ["Mamba2ForCausalLM"],
+            "num_hidden_layers": 64,
+            "hidden_size": 2560,
+            "expand": 2,
+            "num_heads": 80,
+            "head_dim": 64,
+            "n_groups": 1,
+            "state_size": 128,
+        }
+    )
+    assert mamba2.family == "mamba2" and mamba2.layer_kinds == {"mamba2": 64}
+    with pytest.raises(ValueError, match="num_heads=80 x head_dim=32 is not expand"):
+        models.from_hf_config({"model_type": "mamba2", **_mamba2_fields(head_dim=32)})
+
+
+def _mamba2_fields(**override):
+    fields = {
+        "num_hidden_layers": 2,
+        "hidden_size": 2560,
+        "num_heads": 80,
+        "head_dim": 64,
+        "state_size": 128,
+    }
+    return fields | override
+
+
+@pytest.mark.parametrize(
+    "arch, family",
+    [
+        ("Lfm2MoeForCausalLM", "lfm2_moe"),
+        ("ZambaForCausalLM", "zamba"),
+        ("OlmoHybridForCausalLM", "olmo_hybrid"),
+        ("FalconMambaForCausalLM", "falcon_mamba"),
+        ("MambaForCausalLM", "mamba"),
+        ("NemotronHPuzzleForCausalLM", "nemotron_h"),
+    ],
+)
+def test_new_architectures_dispatch(arch, family):
+    assert ARCHITECTURES[arch] == family
+
+
+# ---- malformed fields: a ValueError naming the field and what it must be -----------------------
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        pytest.param(
+            {**GRANITE_SMALL, "num_attention_heads": "32"},
+            r"field 'num_attention_heads' must be a positive integer, got '32' \(a string\)",
+            id="string-for-int",
+        ),
+        pytest.param(
+            {**GRANITE_SMALL, "hidden_size": [4096]},
+            r"field 'hidden_size' must be a positive integer, got \[4096\] \(a list\)",
+            id="list-for-int",
+        ),
+        pytest.param(
+            {**GRANITE_SMALL, "mamba_n_heads": None},
+            r"'mamba_n_heads' is null; expected a positive integer",
+            id="null-for-int",
+        ),
+        pytest.param(
+            {**GRANITE_SMALL, "mamba_d_state": True},
+            r"field 'mamba_d_state' must be a positive integer, got True \(a boolean\)",
+            id="bool-for-int",
+        ),
+        pytest.param(
+            {**JAMBA, "mamba_expand": 1.5},
+            r"field 'mamba_expand' must be a positive integer, got 1.5 \(a number\)",
+            id="fraction-for-int",
+        ),
+        pytest.param(
+            {**QWEN3_NEXT, "full_attention_interval": "4"},
+            r"field 'full_attention_interval' must be a positive integer, got '4'",
+            id="interval-string",
+        ),
+        pytest.param(
+            {**QWEN3_NEXT, "layer_types": "full_attention"},
+            r"field 'layer_types' must be a list of layer types, got 'full_attention'",
+            id="layer_types-string",
+        ),
+        pytest.param(
+            {**QWEN3_NEXT, "layer_types": [{"type": "full"}] * 48},
+            r"layer_types\[0\] is \{'type': 'full'\}; expected one of",
+            id="layer_types-objects",
+        ),
+        pytest.param(
+            {**NEMOTRON_3_NANO_TF5, "layers_block_type": "mamba"},
+            r"unknown characters",
+            id="nemotron-list-as-string",
+        ),
+        pytest.param(
+            {**NEMOTRON_H_8B, "hybrid_override_pattern": 52},
+            r"field 'hybrid_override_pattern' must be a pattern string",
+            id="nemotron-pattern-number",
+        ),
+        pytest.param(
+            {**BAMBA, "attn_layer_indices": "9"},
+            r"field 'attn_layer_indices' must be a list of integers >= 0, got '9'",
+            id="indices-string",
+        ),
+        pytest.param(
+            {**BAMBA, "attn_layer_indices": [9, -1]},
+            r"field 'attn_layer_indices\[1\]' must be an integer >= 0, got -1",
+            id="indices-negative",
+        ),
+        pytest.param(
+            {**BAMBA, "attn_layer_indices": [9, 40]},
+            r"attn_layer_indices \[9, 40\] reach outside 0..31",
+            id="indices-out-of-range",
+        ),
+        pytest.param(
+            {**KIMI, "linear_attn_config": [1, 2]},
+            r"field 'linear_attn_config' must be an object, got \[1, 2\] \(a list\)",
+            id="nested-config-list",
+        ),
+        pytest.param(
+            {**KIMI, "linear_attn_config": {**KIMI["linear_attn_config"], "kda_layers": [0, 1]}},
+            r"field 'linear_attn_config.kda_layers\[0\]' must be an integer >= 1, got 0",
+            id="kimi-zero-in-1-based",
+        ),
+        pytest.param(
+            {**KIMI, "linear_attn_config": {**KIMI["linear_attn_config"], "head_dim": "128"}},
+            r"field 'linear_attn_config.head_dim' must be a positive integer",
+            id="kimi-nested-string",
+        ),
+        pytest.param(
+            {**RG, "block_types": "recurrent"},
+            r"field 'block_types' must be a list of 'recurrent' / 'attention'",
+            id="block_types-string",
+        ),
+        pytest.param(
+            {**ZAMBA2_27B, "layers_block_type": None, "hybrid_layer_ids": {"6": True}},
+            r"field 'hybrid_layer_ids' must be a list of integers",
+            id="hybrid_layer_ids-object",
+        ),
+        pytest.param(
+            {**LFM2_12B, "full_attn_idxs": [2.5]},
+            r"field 'full_attn_idxs\[0\]' must be an integer >= 0, got 2.5",
+            id="lfm2-fractional-index",
+        ),
+        pytest.param(
+            {**JAMBA, "torch_dtype": 16},
+            r"field 'torch_dtype' must be a dtype name such as 'bfloat16', got 16",
+            id="dtype-number",
+        ),
+        pytest.param(
+            {**JAMBA, "max_position_embeddings": "262144"},
+            r"field 'max_position_embeddings' must be a positive integer, got '262144'",
+            id="max-position-string",
+        ),
+        pytest.param(
+            {**NEMOTRON_H_8B, "mamba_ssm_cache_dtype": 32},
+            r"field 'mamba_ssm_cache_dtype' must be a dtype name",
+            id="ssm-dtype-number",
+        ),
+        pytest.param(
+            {**_without(JAMBA, "model_type"), "architectures": "JambaForCausalLM"},
+            r"architectures must be a list of class names",
+            id="architectures-string",
+        ),
+    ],
+)
+def test_wrong_types_name_the_field(config, message):
+    with pytest.raises(ValueError, match=message):
+        models.from_hf_config(config)
+
+
+SAMPLES = {
+    "qwen3_next": QWEN3_NEXT,
+    "qwen3_5": QWEN35_4B["text_config"],
+    "nemotron_h": NEMOTRON_H_8B,
+    "nemotron_h_tf5": NEMOTRON_3_NANO_TF5,
+    "jamba": JAMBA,
+    "kimi": KIMI,
+    "kimi_tf5": KIMI_TF5,
+    "recurrent_gemma": RG,
+    "granite": GRANITE_SMALL,
+    "bamba": BAMBA,
+    "falcon_h1": FALCON_H1_7B,
+    "zamba2": ZAMBA2_27B,
+    "lfm2": LFM2_12B,
+    "minimax": MINIMAX,
+    "zamba": json.loads((DATA / "zamba-7b-v1.json").read_text()),
+}
+BAD_VALUES = ["7", 2.5, -3, 0, True, [], [1], {}, {"a": 1}, "mamba"]
+
+
+def _reads_or_value_error(config: dict, label: str) -> None:
+    try:
+        models.from_hf_config(config)
+    except ValueError:
+        pass
+    except Exception as exc:  # pragma: no cover - the failure this test exists for
+        raise AssertionError(f"{label} raised {exc!r}, not a ValueError") from exc
+
+
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_any_bad_field_is_a_value_error(sample):
+    """Replace each field of a real-format config by values of the wrong type: the reader
+    either reads the config or raises a ValueError, never another exception."""
+    config = SAMPLES[sample]
+    for key in config:
+        if key == "model_type":
+            continue
+        for bad in BAD_VALUES:
+            _reads_or_value_error({**config, key: copy.deepcopy(bad)}, f"{sample}: {key}={bad!r}")
+    nested = config.get("linear_attn_config") or {}
+    for key in nested:
+        for bad in BAD_VALUES:
+            changed = {**config, "linear_attn_config": {**nested, key: copy.deepcopy(bad)}}
+            _reads_or_value_error(changed, f"{sample}: linear_attn_config.{key}={bad!r}")

@@ -1,0 +1,735 @@
+"""``hybridkv.vllm_export``: plans as vLLM 0.33's ``KVCacheConfig``.
+
+Field lists are checked against vLLM 0.33.0's dataclasses twice: against the list checked in
+below (so the test runs on a machine without vLLM), and, where vLLM's source is on the machine
+(``HYBRIDKV_VLLM_SRC``, an installed ``vllm`` package, or ``/tmp/vllm/src/vllm``), against the
+fields parsed from ``vllm/v1/kv_cache_interface.py`` with ``ast``. The layout facts (strides,
+offsets, ``num_blocks``, block sizes) are checked against vLLM's own formulas, written out here
+from ``get_kv_cache_config_from_groups`` / ``compute_layout_strides``
+(``vllm/v1/core/kv_cache_planning.py``, ``vllm/v1/kv_cache_interface.py``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import math
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybridkv import models
+from hybridkv.layouts import make_plan
+from hybridkv.plan import KVPlacement
+from hybridkv.target import VllmTarget
+from hybridkv.vllm_export import (
+    DERIVED_KEYS,
+    FIELDS,
+    VLLM_FAMILIES,
+    kv_cache_config,
+    layer_names,
+    vllm_disagreements,
+    vllm_family,
+    vllm_objects,
+)
+
+# vLLM 0.33.0's dataclass fields (vllm/v1/kv_cache_interface.py), checked in
+VLLM_033_FIELDS = {
+    "KVCacheConfig": [
+        "num_blocks",
+        "kv_cache_tensors",
+        "kv_cache_groups",
+        "prefix_cache_retention_interval",
+        "kv_cache_layout",
+        "hash_block_size",
+        "cache_hit_alignment_tokens",
+        "hisparse_host_num_blocks",
+        "hisparse_host_block_stride",
+        "hisparse_shared_host_pool",
+        "kv_tp_replicas",
+    ],
+    "KVCacheTensor": ["size", "layers", "layer_stride", "block_stride", "offset", "host_resident"],
+    "KVCacheGroupSpec": [
+        "layer_names",
+        "kv_cache_spec",
+        "is_eagle_group",
+        "host_resident",
+        "enable_kv_transfer",
+        "role",
+    ],
+    "FullAttentionSpec": [
+        "block_size",
+        "dcp_sharded",
+        "block_stride_alignment",
+        "is_draft",
+        "max_tp_shards",
+        "num_kv_heads",
+        "head_size",
+        "dtype",
+        "head_size_v",
+        "kv_quant_mode",
+        "page_size_padded",
+        "num_head_slots",
+        "state_content_bytes",
+        "tokens_per_state",
+        "sliding_window",
+        "attention_chunk_size",
+        "non_causal",
+    ],
+    "MLAAttentionSpec": [
+        "block_size",
+        "dcp_sharded",
+        "block_stride_alignment",
+        "is_draft",
+        "max_tp_shards",
+        "num_kv_heads",
+        "head_size",
+        "dtype",
+        "head_size_v",
+        "kv_quant_mode",
+        "page_size_padded",
+        "num_head_slots",
+        "state_content_bytes",
+        "tokens_per_state",
+        "sliding_window",
+        "attention_chunk_size",
+        "non_causal",
+        "cache_dtype_str",
+        "topk_buffer_width",
+        "alignment",
+        "model_version",
+        "cache_role",
+        "is_index_group_leader",
+        "non_causal_multi_token_decode",
+    ],
+    "SlidingWindowSpec": [
+        "block_size",
+        "dcp_sharded",
+        "block_stride_alignment",
+        "is_draft",
+        "max_tp_shards",
+        "num_kv_heads",
+        "head_size",
+        "dtype",
+        "head_size_v",
+        "kv_quant_mode",
+        "page_size_padded",
+        "num_head_slots",
+        "state_content_bytes",
+        "tokens_per_state",
+        "sliding_window",
+        "extra_retained_tokens",
+    ],
+    "MambaSpec": [
+        "block_size",
+        "dcp_sharded",
+        "block_stride_alignment",
+        "is_draft",
+        "shapes",
+        "dtypes",
+        "page_size_padded",
+        "mamba_type",
+        "mamba_cache_mode",
+        "num_speculative_blocks",
+        "num_prefill_checkpoint_blocks",
+        "prefill_checkpoint_alignment",
+        "num_heads",
+        "tokens_per_state",
+        "tp_replicated",
+    ],
+}
+
+# (zoo model, family's vLLM file): the models every check runs on, at TP 1 and 2
+MODELS = [
+    "qwen3.5-4b",
+    "qwen3-next-80b-a3b",
+    "nemotron-h-8b",
+    "falcon-h1-0.5b",
+    "jamba-v0.1",
+    "kimi-linear-48b-a3b",
+    "lfm2-1.2b",
+    "zamba2-1.2b",
+    "zamba2-2.7b",
+    "granite-4.0-h-tiny",
+    "nemotron-3-nano-30b-a3b",
+    "nemotron-nano-9b-v2",
+    "lfm2-8b-a1b",
+    "olmo-hybrid-7b",
+]
+CASES = [pytest.param(name, tp, id=f"{name}-tp{tp}") for name in MODELS for tp in (1, 2)]
+# families vLLM 0.33 does not serve: the export refuses them
+NOT_SERVED = {
+    "minimax-text-01": "0.23",
+    "bamba-9b": "0.23",
+    "recurrentgemma-2b": "RecurrentGemma",
+    "zamba-7b-v1": "Zamba v1",
+}
+# known plan-vs-vLLM differences (see vllm_disagreements); anything else fails the test
+KNOWN_NOTES = ("group order:", "page contents:")
+KNOWN_EXTRA = {
+    "zamba2-2.7b": ("groups:",),  # num_mem_blocks 2: vLLM's attention slot order differs
+    "olmo-hybrid-7b": ("block size:",),  # OLMo's GDN exports no prefill checkpoints
+}
+
+
+def _plan(name: str, tp: int, layout: str = "inflate", **kwargs):
+    model = models.load(name, tp_size=tp)
+    plan = make_plan(model, layout, memory="64GiB", max_num_seqs=8, **kwargs)
+    return model, plan
+
+
+@pytest.fixture(scope="module")
+def exported():
+    cache: dict = {}
+
+    def get(name: str, tp: int, layout: str = "inflate", **kwargs):
+        key = (name, tp, layout, tuple(sorted(kwargs.items())))
+        if key not in cache:
+            model, plan = _plan(name, tp, layout, **kwargs)
+            cache[key] = (model, plan, kv_cache_config(plan, model))
+        return cache[key]
+
+    return get
+
+
+# ---- field lists ----------------------------------------------------------------------------
+
+
+def _vllm_source() -> Path | None:
+    candidates = [os.environ.get("HYBRIDKV_VLLM_SRC")]
+    spec = importlib.util.find_spec("vllm")  # locates the package without importing it
+    if spec is not None and spec.origin:
+        candidates.append(str(Path(spec.origin).parent))
+    candidates.append("/tmp/vllm/src/vllm")
+    for c in candidates:
+        if c and (Path(c) / "v1" / "kv_cache_interface.py").is_file():
+            return Path(c) / "v1" / "kv_cache_interface.py"
+    return None
+
+
+def _parse_fields(path: Path) -> dict[str, list[str]]:
+    """Dataclass fields of every class in ``path``, bases first (as ``dataclasses.fields``)."""
+    tree = ast.parse(path.read_text())
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+    def own(name: str) -> list[str]:
+        out = []
+        for stmt in classes[name].body:
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and not ast.unparse(stmt.annotation).startswith("ClassVar")
+            ):
+                out.append(stmt.target.id)
+        return out
+
+    def fields(name: str) -> list[str]:
+        result: list[str] = []
+        for base in reversed(classes[name].bases):
+            base_name = ast.unparse(base)
+            if base_name in classes:
+                result += [f for f in fields(base_name) if f not in result]
+        return result + [f for f in own(name) if f not in result]
+
+    return {name: fields(name) for name in VLLM_033_FIELDS}
+
+
+def test_checked_in_fields_are_the_exporters():
+    assert {k: list(v) for k, v in FIELDS.items()} == VLLM_033_FIELDS
+
+
+def test_checked_in_fields_match_vllm_source():
+    path = _vllm_source()
+    if path is None:
+        pytest.skip("vLLM 0.33 source not on this machine")
+    assert _parse_fields(path) == VLLM_033_FIELDS
+
+
+# ---- the export, model by model -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_every_key_is_a_vllm_field(exported, name, tp):
+    _, _, config = exported(name, tp)
+    assert list(config) == VLLM_033_FIELDS["KVCacheConfig"]
+    for tensor in config["kv_cache_tensors"]:
+        assert list(tensor) == VLLM_033_FIELDS["KVCacheTensor"]
+    for group in config["kv_cache_groups"]:
+        assert list(group) == VLLM_033_FIELDS["KVCacheGroupSpec"]
+        spec = group["kv_cache_spec"]
+        assert spec["kind"] in VLLM_033_FIELDS
+        assert set(spec) - set(DERIVED_KEYS) == set(VLLM_033_FIELDS[spec["kind"]])
+        assert set(DERIVED_KEYS) <= set(spec)
+    assert json.loads(json.dumps(config)) == config  # JSON-ready as it is
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_num_blocks_and_tensor_sizes(exported, name, tp):
+    _, plan, config = exported(name, tp)
+    pool = plan.pools[0]
+    assert config["num_blocks"] == pool.num_blocks
+    for tensor in config["kv_cache_tensors"]:
+        assert tensor["size"] == config["num_blocks"] * pool.block_bytes
+    # vLLM's _get_kv_cache_bytes_per_block (layer-outer): the largest group's padded pages
+    per_block = max(
+        len(g["layer_names"]) * g["kv_cache_spec"]["page_size_bytes"]
+        for g in config["kv_cache_groups"]
+    )
+    assert per_block == pool.block_bytes
+    assert config["num_blocks"] == plan.config.memory_bytes // per_block
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_layer_names_unique_and_cover_every_cache_layer(exported, name, tp):
+    model, _, config = exported(name, tp)
+    in_groups = [n for g in config["kv_cache_groups"] for n in g["layer_names"]]
+    in_tensors = [n for t in config["kv_cache_tensors"] for n in t["layers"]]
+    assert len(set(in_groups)) == len(in_groups) == len(model.layers)
+    assert sorted(in_tensors) == sorted(in_groups)
+    assert set(in_groups) == set(layer_names(model).values())
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_spec_pages_are_the_plan_page(exported, name, tp):
+    _, plan, config = exported(name, tp)
+    page = plan.extra["page_bytes"]
+    for group in config["kv_cache_groups"]:
+        spec = group["kv_cache_spec"]
+        assert spec["page_size_bytes"] == page
+        if spec["kind"] == "MambaSpec":
+            size = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+            state = sum(
+                math.prod(shape) * size[dtype]
+                for shape, dtype in zip(spec["shapes"], spec["dtypes"])
+            )
+            # Platform._align_hybrid_block_size pads the state page to the attention page
+            assert spec["page_size_padded"] == (None if state == page else page)
+            assert state <= page
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_inflate_tensors_are_vllms(exported, name, tp):
+    """get_kv_cache_config_from_groups, layer-outer (LBNHC): one tensor per group, aliasing from
+    byte 0, layer_stride = padded page * num_blocks, block_stride = page."""
+    _, _, config = exported(name, tp)
+    assert config["kv_cache_layout"] == "LBNHC"
+    groups = config["kv_cache_groups"]
+    tensors = config["kv_cache_tensors"]
+    assert len(tensors) == len(groups)
+    for tensor, group in zip(tensors, groups):
+        page = group["kv_cache_spec"]["page_size_bytes"]
+        assert tensor["layers"] == group["layer_names"]
+        assert tensor["offset"] == 0
+        assert tensor["block_stride"] == page
+        assert tensor["layer_stride"] == page * config["num_blocks"]
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_tensor_addresses_are_the_plans(exported, name, tp):
+    """Every layer's block b starts where the plan puts it (the plan's tensors end to end)."""
+    _, plan, config = exported(name, tp)
+    names = {v: k for k, v in layer_names(exported(name, tp)[0]).items()}
+    pool = plan.pools[0]
+    size = plan.tensor(pool.tensors[0]).nbytes
+    for tensor in config["kv_cache_tensors"]:
+        for slot, vllm_name in enumerate(tensor["layers"]):
+            p = plan.placement(names[vllm_name])
+            base = pool.tensors.index(p.tensor) * size
+            start = p.k_offset if isinstance(p, KVPlacement) else p.offset
+            for block in (0, 1, config["num_blocks"] - 1):
+                vllm_at = tensor["offset"] + slot * tensor["layer_stride"]
+                vllm_at += block * tensor["block_stride"]
+                stride = p.block_stride if isinstance(p, KVPlacement) else p.slot_stride
+                assert vllm_at == base + start + block * stride
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_block_sizes_in_align_mode(exported, name, tp):
+    _, plan, config = exported(name, tp)
+    for group in config["kv_cache_groups"]:
+        spec = group["kv_cache_spec"]
+        assert spec["block_size"] == plan.block_size
+        if spec["kind"] == "MambaSpec":
+            assert spec["mamba_cache_mode"] == "align"
+    assert config["hash_block_size"] == plan.block_size
+    assert config["cache_hit_alignment_tokens"] == plan.block_size
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_block_sizes_without_prefix_caching(name, tp):
+    """none mode: MambaModelConfig makes the Mamba block max_model_len; the attention block is
+    the plan's (no checkpoint alignment)."""
+    model = models.load(name, tp_size=tp)
+    target = VllmTarget(enable_prefix_caching=False)
+    plan = make_plan(model, "inflate", memory="64GiB", max_num_seqs=8, target=target)
+    config = kv_cache_config(plan, model)
+    max_len = plan.vllm.max_model_len
+    assert max_len == model.max_position_embeddings
+    sizes = set()
+    for group in config["kv_cache_groups"]:
+        spec = group["kv_cache_spec"]
+        if spec["kind"] == "MambaSpec":
+            assert spec["block_size"] == max_len
+            assert spec["mamba_cache_mode"] == "none"
+            # only MambaMixer2 declares a checkpoint block outside align mode
+            mamba2 = spec["mamba_type"] == "MAMBA2"
+            assert spec["num_prefill_checkpoint_blocks"] == int(mamba2)
+            assert spec["prefill_checkpoint_alignment"] == (1 if mamba2 else None)
+        else:
+            assert spec["block_size"] == plan.block_size
+        sizes.add(spec["block_size"])
+    # no prefix caching: hashes and hits at the scheduler block, the lcm of the group blocks
+    assert config["hash_block_size"] == math.lcm(*sizes)
+    assert config["cache_hit_alignment_tokens"] == math.lcm(*sizes)
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_grouping_is_vllms_apart_from_known_notes(exported, name, tp):
+    model, plan, _ = exported(name, tp)
+    allowed = KNOWN_NOTES + KNOWN_EXTRA.get(name, ())
+    for note in vllm_disagreements(plan, model):
+        assert note.startswith(allowed), note
+
+
+def test_qwen3_next_groups_in_vllm_order(exported):
+    """Layer 0 is a GDN layer, so vLLM's first bucket (and groups 0-2) is GDN; group i of a
+    bucket takes layers[i::3]."""
+    _, _, config = exported("qwen3-next-80b-a3b", 1)
+    groups = config["kv_cache_groups"]
+    assert [g["kv_cache_spec"]["kind"] for g in groups] == ["MambaSpec"] * 3 + [
+        "FullAttentionSpec"
+    ]
+    gdn = [i for i in range(48) if i % 4 != 3]
+    for k in range(3):
+        assert groups[k]["layer_names"] == [f"model.layers.{i}.linear_attn" for i in gdn[k::3]]
+    attn = [f"model.layers.{i}.self_attn.attn" for i in range(3, 48, 4)]
+    assert groups[3]["layer_names"] == attn
+
+
+def test_falcon_h1_keeps_attention_first(exported):
+    """Falcon-H1 builds layer i's attention before its SSM branch, which vLLM names
+    model.{num_hidden_layers + i}.mixer."""
+    model, _, config = exported("falcon-h1-0.5b", 1)
+    first, second = config["kv_cache_groups"]
+    assert first["kv_cache_spec"]["kind"] == "FullAttentionSpec"
+    assert first["layer_names"][:2] == ["model.layers.0.attn", "model.layers.1.attn"]
+    assert second["layer_names"][:2] == ["model.36.mixer", "model.37.mixer"]
+    assert model.num_hidden_layers == 36
+
+
+@pytest.mark.parametrize(
+    ("name", "layer", "expected"),
+    [
+        ("qwen3.5-4b", "layers.3.attn", "language_model.model.layers.3.self_attn.attn"),
+        ("qwen3.5-4b", "layers.0.mixer", "language_model.model.layers.0.linear_attn"),
+        ("qwen3-next-80b-a3b", "layers.3.attn", "model.layers.3.self_attn.attn"),
+        ("qwen3-next-80b-a3b", "layers.0.mixer", "model.layers.0.linear_attn"),
+        ("nemotron-h-8b", "layers.7.attn", "model.layers.7.mixer.attn"),
+        ("nemotron-h-8b", "layers.0.mixer", "model.layers.0.mixer"),
+        ("nemotron-3-nano-30b-a3b", "layers.5.attn", "model.layers.5.mixer.attn"),
+        ("granite-4.0-h-tiny", "layers.5.attn", "model.layers.5.self_attn.attn"),
+        ("granite-4.0-h-tiny", "layers.0.mixer", "model.layers.0.mixer"),
+        ("falcon-h1-0.5b", "layers.0.attn", "model.layers.0.attn"),
+        ("falcon-h1-0.5b", "layers.0.mixer", "model.36.mixer"),
+        ("jamba-v0.1", "layers.4.attn", "model.layers.4.attn"),
+        ("jamba-v0.1", "layers.0.mixer", "model.layers.0.mixer"),
+        ("kimi-linear-48b-a3b", "layers.3.attn", "model.layers.3.self_attn"),
+        ("kimi-linear-48b-a3b", "layers.0.mixer", "model.layers.0.self_attn"),
+        ("lfm2-1.2b", "layers.2.attn", "model.layers.2.self_attn.attn"),
+        ("lfm2-1.2b", "layers.0.mixer", "model.layers.0.short_conv"),
+        ("lfm2-8b-a1b", "layers.0.mixer", "model.layers.0.short_conv"),
+        ("olmo-hybrid-7b", "layers.3.attn", "model.layers.3.self_attn.attn"),
+        ("olmo-hybrid-7b", "layers.0.mixer", "model.layers.0.linear_attn"),
+        # Zamba2: Mamba layers as str(hybrid layers + i) + ".mixer", shared attention as
+        # model.attn.j; 1.2B has 6 hybrid layers and one shared block (j = k)
+        ("zamba2-1.2b", "layers.0.mixer", "6.mixer"),
+        ("zamba2-1.2b", "layers.11.attn", "model.attn.1"),
+        # 2.7B: 9 hybrid layers, two shared blocks: block 1's j starts at (9 + 1) // 2 = 5
+        ("zamba2-2.7b", "layers.0.mixer", "9.mixer"),
+        ("zamba2-2.7b", "layers.6.attn", "model.attn.0"),
+        ("zamba2-2.7b", "layers.12.attn", "model.attn.5"),
+        ("zamba2-2.7b", "layers.18.attn", "model.attn.1"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and "/" not in v else None,
+)
+def test_layer_name(name, layer, expected):
+    assert layer_names(models.load(name))[layer] == expected
+
+
+def test_family_table_names_a_vllm_file_for_each_family():
+    for fam in VLLM_FAMILIES.values():
+        assert fam.source.startswith("vllm/")
+        assert fam.state
+
+
+@pytest.mark.parametrize(
+    ("model_type", "key"),
+    [
+        ("qwen3_next", "qwen3_next"),
+        ("qwen3_5", "qwen3_5"),
+        ("qwen3_5_moe", "qwen3_5"),
+        ("qwen3_5_text", "qwen3_5"),  # a multimodal config.json reads as its text model type
+        ("qwen3_5_moe_text", "qwen3_5"),
+        ("nemotron_h", "nemotron_h"),
+        ("granitemoehybrid", "granitemoehybrid"),
+        ("falcon_h1", "falcon_h1"),
+        ("jamba", "jamba"),
+        ("kimi_linear", "kimi_linear"),
+        ("lfm2", "lfm2"),
+        ("lfm2_moe", "lfm2_moe"),
+        ("zamba2", "zamba2"),
+        ("olmo_hybrid", "olmo_hybrid"),
+    ],
+)
+def test_hf_model_types(model_type, key):
+    model = replace(models.load("qwen3.5-4b"), family=model_type)
+    assert vllm_family(model).key == key
+
+
+def test_text_only_qwen3_5_has_no_language_model_prefix():
+    model = replace(
+        models.load("qwen3.5-4b"),
+        family="qwen3_5_text",
+        extra={"architectures": ["Qwen3_5ForCausalLM"]},
+    )
+    assert layer_names(model)["layers.3.attn"] == "model.layers.3.self_attn.attn"
+
+
+@pytest.mark.parametrize("config", ["qwen3.5-9b", "qwen3-next-80b-a3b", "falcon-h1-34b"])
+def test_config_json_models_export(config):
+    path = Path(__file__).parent / "data" / "hf_configs" / f"{config}.json"
+    model = models.from_hf_config(path)
+    plan = make_plan(model, "inflate", memory="80GiB", max_num_seqs=8)
+    names = [n for g in kv_cache_config(plan, model)["kv_cache_groups"] for n in g["layer_names"]]
+    prefix = "language_model.model." if config.startswith("qwen3.5") else "model."
+    assert all(n.startswith(prefix) for n in names)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", sorted(NOT_SERVED))
+def test_families_vllm_does_not_serve_are_refused(name, tp):
+    model = models.load(name, tp_size=tp)
+    plan = make_plan(model, "inflate", memory="200GiB", max_num_seqs=4)
+    with pytest.raises(ValueError, match=re.escape(NOT_SERVED[name])):
+        kv_cache_config(plan, model)
+
+
+# ---- spec fields ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "mamba_type", "blocks", "alignment"),
+    [
+        ("qwen3-next-80b-a3b", "GDN_ATTN", 1, "block"),  # Qwen GDN + FlashInfer: the grid
+        ("qwen3.5-4b", "GDN_ATTN", 1, "block"),
+        ("nemotron-h-8b", "MAMBA2", 1, 1),  # MambaMixer2.get_kv_cache_spec
+        ("falcon-h1-0.5b", "MAMBA2", 1, 1),
+        ("jamba-v0.1", "MAMBA1", 0, None),
+        ("kimi-linear-48b-a3b", "GDN_ATTN", 0, None),  # KDA is a GatedDeltaNetAttention
+        ("lfm2-1.2b", "SHORT_CONV", 0, None),
+        ("olmo-hybrid-7b", "GDN_ATTN", 0, None),  # OLMo's GDN exports no checkpoints
+    ],
+)
+def test_mamba_spec_fields(exported, name, mamba_type, blocks, alignment):
+    model, plan, config = exported(name, 1)
+    specs = [g["kv_cache_spec"] for g in config["kv_cache_groups"]]
+    mamba = [s for s in specs if s["kind"] == "MambaSpec"]
+    assert mamba
+    for spec in mamba:
+        assert spec["mamba_type"] == mamba_type
+        assert spec["num_prefill_checkpoint_blocks"] == blocks
+        expected = plan.block_size if alignment == "block" else alignment
+        assert spec["prefill_checkpoint_alignment"] == expected
+        assert spec["num_speculative_blocks"] == 0
+        assert spec["dcp_sharded"] is False
+        layer = model.layer(plan.state_placements[0].layer)
+        tensors = layer.spec.state_tensors()
+        assert spec["shapes"] == [list(t.shape) for t in tensors]
+        assert spec["dtypes"] == [f"torch.{t.dtype}" for t in tensors]
+
+
+def test_attention_spec_fields(exported):
+    _, plan, config = exported("qwen3-next-80b-a3b", 2)
+    (spec,) = [
+        g["kv_cache_spec"]
+        for g in config["kv_cache_groups"]
+        if g["kv_cache_spec"]["kind"] == "FullAttentionSpec"
+    ]
+    assert spec["num_kv_heads"] == 1  # 2 KV heads over TP 2
+    assert (spec["head_size"], spec["head_size_v"]) == (256, 256)
+    assert spec["dtype"] == "torch.bfloat16"
+    assert spec["kv_quant_mode"] == "NONE"
+    assert spec["page_size_padded"] is None
+    assert spec["dcp_sharded"] is True
+    assert spec["page_size_bytes"] == plan.block_size * 1 * 512 * 2
+
+
+def test_mla_fp8_spec_fields():
+    model = models.load("kimi-linear-48b-a3b", kv_dtype="fp8", tp_size=2)
+    plan = make_plan(model, "inflate", memory="64GiB", max_num_seqs=8)
+    config = kv_cache_config(plan, model)
+    (spec,) = [
+        g["kv_cache_spec"]
+        for g in config["kv_cache_groups"]
+        if g["kv_cache_spec"]["kind"] == "MLAAttentionSpec"
+    ]
+    assert spec["dtype"] == "torch.uint8"  # STR_DTYPE_TO_TORCH_DTYPE["fp8"]
+    assert spec["kv_quant_mode"] == "FP8_PER_TENSOR"
+    assert spec["cache_dtype_str"] == "fp8"
+    assert (spec["num_kv_heads"], spec["head_size"], spec["head_size_v"]) == (1, 576, 0)
+    assert spec["max_tp_shards"] == 1
+    assert spec["block_size"] % 128 == 0  # MLA hybrids align to 128
+    assert spec["page_size_bytes"] == spec["block_size"] * 576
+    assert config["kv_tp_replicas"] == 1  # the Mamba groups are TP-sharded
+
+
+# ---- layouts --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "layout", "kwargs"),
+    [
+        ("qwen3-next-80b-a3b", "pack", {"pack_size": 3}),
+        ("qwen3-next-80b-a3b", "pack", {"pack_size": 5}),  # 12 layers: a partial last pack
+        ("qwen3-next-80b-a3b", "aggregate", {}),
+        ("nemotron-h-8b", "pack", {"pack_size": 2}),
+        ("kimi-linear-48b-a3b", "pack", {"pack_size": 7}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_packed_layouts_export(exported, name, layout, kwargs):
+    model, plan, config = exported(name, 1, layout, **kwargs)
+    assert config["kv_cache_layout"] == "BLNHC"
+    assert config["num_blocks"] == plan.pools[0].num_blocks
+    page = plan.extra["page_bytes"]
+    names = {v: k for k, v in layer_names(model).items()}
+    size = plan.tensor(plan.pools[0].tensors[0]).nbytes
+    for tensor in config["kv_cache_tensors"]:
+        assert tensor["block_stride"] == page
+        assert tensor["layer_stride"] == size
+        for slot, vllm_name in enumerate(tensor["layers"]):
+            p = plan.placement(names[vllm_name])
+            start = p.k_offset if isinstance(p, KVPlacement) else p.offset
+            base = plan.pools[0].tensors.index(p.tensor) * size + start
+            assert tensor["offset"] + slot * tensor["layer_stride"] == base
+    for group in config["kv_cache_groups"]:
+        spec = group["kv_cache_spec"]
+        if spec["kind"] == "MambaSpec":
+            assert spec["page_size_bytes"] == page
+        else:
+            assert spec["page_size_bytes"] * plan.pack_size <= page
+    in_tensors = sorted(n for t in config["kv_cache_tensors"] for n in t["layers"])
+    assert in_tensors == sorted(layer_names(model).values())
+
+
+@pytest.mark.parametrize("layout", ["per_group", "two_level"])
+def test_layouts_with_more_than_one_pool_are_refused(layout):
+    model, plan = _plan("qwen3.5-4b", 1, layout)
+    with pytest.raises(ValueError, match=r"one shared block pool.*--layout inflate"):
+        kv_cache_config(plan, model)
+
+
+def test_plan_for_vllm_032_is_refused():
+    model = models.load("qwen3.5-4b")
+    plan = make_plan(
+        model, "inflate", memory="64GiB", max_num_seqs=8, target=VllmTarget(version="0.32")
+    )
+    with pytest.raises(ValueError, match=re.escape("--vllm-version 0.33")):
+        kv_cache_config(plan, model)
+
+
+def test_plan_and_model_must_match():
+    _, plan = _plan("qwen3.5-4b", 1)
+    with pytest.raises(ValueError, match="TP"):
+        kv_cache_config(plan, models.load("qwen3.5-4b", tp_size=2))
+
+
+def test_olmo_hybrid_exports_no_gdn_checkpoints(exported):
+    """OLMo-Hybrid's GDN layer class exports no FlashInfer checkpoints: vLLM's 16-token unit."""
+    model, plan, config = exported("olmo-hybrid-7b", 1)
+    assert plan.block_size % 64 != 0 or plan.vllm.checkpoint_alignment is None
+    assert plan.vllm.checkpoint_alignment is None
+    (state,) = {
+        json.dumps(g["kv_cache_spec"]["num_prefill_checkpoint_blocks"])
+        for g in config["kv_cache_groups"]
+        if g["kv_cache_spec"]["kind"] == "MambaSpec"
+    }
+    assert state == "0"
+    assert not any(n.startswith("block size") for n in vllm_disagreements(plan, model))
+
+
+# ---- real vLLM objects ----------------------------------------------------------------------
+
+
+def test_vllm_objects_need_vllm():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed")
+    model, plan = _plan("qwen3.5-4b", 1)
+    with pytest.raises(ImportError, match="vLLM"):
+        vllm_objects(plan, model)
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_vllm_objects_page_sizes(name, tp):
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import compute_layout_strides
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    model, plan = _plan(name, tp)
+    config = vllm_objects(plan, model)
+    exported_config = kv_cache_config(plan, model)
+    assert config.num_blocks == exported_config["num_blocks"]
+    for group, data in zip(config.kv_cache_groups, exported_config["kv_cache_groups"]):
+        assert group.kv_cache_spec.page_size_bytes == data["kv_cache_spec"]["page_size_bytes"]
+        assert group.kv_cache_spec.page_size_bytes == plan.extra["page_bytes"]
+    for tensor, group in zip(config.kv_cache_tensors, config.kv_cache_groups):
+        strides = compute_layout_strides(
+            group.kv_cache_spec, config.num_blocks, len(tensor.layers), KVCacheLayout.LBNHC
+        )
+        assert strides[:2] == (tensor.layer_stride, tensor.block_stride)
+
+
+@pytest.mark.parametrize(("name", "tp"), CASES)
+def test_vllm_planner_builds_the_same_config(name, tp):
+    """vLLM's own grouping and placement, run on the exported specs in vLLM's layer
+    registration order, give the exported groups, tensors and num_blocks."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.core import kv_cache_planning as kp
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from hybridkv.vllm_export import _names_and_order
+
+    model, plan = _plan(name, tp)
+    config = vllm_objects(plan, model)
+    names, order = _names_and_order(model)
+    by_vllm_name = {v: k for k, v in names.items()}
+    specs = {n: g.kv_cache_spec for g in config.kv_cache_groups for n in g.layer_names}
+    registered = dict(sorted(specs.items(), key=lambda kv: order[by_vllm_name[kv[0]]]))
+    groups = kp._get_kv_cache_groups_uniform_page_size(registered)
+    ours = [g.layer_names for g in config.kv_cache_groups]
+    if "groups:" in KNOWN_EXTRA.get(name, ()):
+        assert [g.layer_names for g in groups] != ours  # a known, reported difference
+        return
+    assert [g.layer_names for g in groups] == ours
+    layout = KVCacheLayout[config.kv_cache_layout]
+    vllm_config = SimpleNamespace(
+        attention_config=SimpleNamespace(hisparse_config=None),
+        cache_config=SimpleNamespace(
+            get_resolved_kv_cache_layout=lambda: layout,
+            num_gpu_blocks_override=None,
+            prefix_cache_retention_interval=0,
+        ),
+    )
+    theirs = kp.get_kv_cache_config_from_groups(vllm_config, groups, plan.config.memory_bytes)
+    assert theirs.num_blocks == config.num_blocks
+
+    def rows(c):
+        return [(t.size, t.layers, t.layer_stride, t.block_stride, t.offset) for t in c]
+
+    assert rows(theirs.kv_cache_tensors) == rows(config.kv_cache_tensors)

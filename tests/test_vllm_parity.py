@@ -1,0 +1,313 @@
+"""``inflate`` plans against vLLM's own rules, model by model.
+
+The reference below is written from vLLM 0.33.0's source, independently of hybridkv's specs and
+layouts: it reads the zoo's raw JSON numbers and applies
+
+- state shapes and dtypes: ``MambaStateShapeCalculator`` / ``MambaStateDtypeCalculator``
+  (``vllm/model_executor/layers/mamba/mamba_utils.py``), with NemotronH's SSM dtype defaulting to
+  float32 (``NemotronHForCausalLMConfig``) and Qwen3.5's ``mamba_ssm_dtype``
+  (``Qwen3_5ForConditionalGenerationConfig``, both in ``vllm/model_executor/models/config.py``);
+- the block size: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``);
+- the state blocks a request holds: ``MambaSpec.max_memory_usage_bytes``
+  (``vllm/v1/kv_cache_interface.py``);
+- the groups: ``_get_kv_cache_groups_uniform_page_size`` (``vllm/v1/core/kv_cache_planning.py``).
+
+Configurations vLLM refuses (a TP size that does not divide the heads) must be refused by
+hybridkv too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+
+import pytest
+
+from hybridkv import models
+from hybridkv.layouts import make_plan
+from hybridkv.target import VllmTarget
+
+MODELS = [
+    "qwen3.5-4b",
+    "qwen3.5-35b-a3b",
+    "qwen3.5-397b-a17b",
+    "qwen3-next-80b-a3b",
+    "nemotron-h-8b",
+    "nemotron-nano-12b-v2",
+    "nemotron-3-nano-30b-a3b",
+    "falcon-h1-7b",
+    "granite-4.0-h-small",
+    "granite-4.0-h-tiny",
+    "jamba-1.5-mini",
+    "kimi-linear-48b-a3b",
+    "lfm2-1.2b",
+    "lfm2-8b-a1b",
+    "olmo-hybrid-7b",
+    "zamba2-2.7b",
+]
+# Bamba and MiniMax-01 are in the zoo but vLLM 0.33 no longer serves them (removed in 0.23.0),
+# so there is no vLLM 0.33 number to hold them to.
+BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+
+
+def _zoo(name: str) -> dict:
+    text = resources.files("hybridkv.models").joinpath("zoo", f"{name}.json").read_text()
+    return json.loads(text)
+
+
+def _div(a: int, b: int) -> int:
+    if a % b:
+        raise ValueError(f"{a} is not divisible by {b}")  # vLLM's divide() asserts the same
+    return a // b
+
+
+def _state(mixer: dict, tp: int, model_dtype: str, ssm_dtype: str) -> list[tuple[tuple, str]]:
+    """One layer's state tensors (shape, dtype) as vLLM's shape/dtype calculators give them."""
+    k = mixer["kind"]
+    if k == "mamba2":
+        groups = mixer["n_groups"] + (0 if mixer["n_groups"] % tp == 0 else tp - mixer["n_groups"])
+        inner = mixer["num_heads"] * mixer["head_dim"]
+        conv = _div(inner + 2 * groups * mixer["d_state"], tp)
+        heads = _div(mixer["num_heads"], tp)
+        return [
+            ((mixer["d_conv"] - 1, conv), model_dtype),
+            ((heads, mixer["head_dim"], mixer["d_state"]), ssm_dtype),
+        ]
+    if k == "mamba1":
+        inner = _div(mixer["d_inner"], tp)
+        return [
+            ((mixer["d_conv"] - 1, inner), model_dtype),
+            ((inner, mixer["d_state"]), ssm_dtype),
+        ]
+    if k == "gated_deltanet":
+        conv = 2 * mixer["num_k_heads"] * mixer["head_k_dim"]
+        conv += mixer["num_v_heads"] * mixer["head_v_dim"]
+        _div(mixer["num_k_heads"], tp)
+        return [
+            ((mixer["conv_kernel"] - 1, _div(conv, tp)), model_dtype),
+            (
+                (_div(mixer["num_v_heads"], tp), mixer["head_v_dim"], mixer["head_k_dim"]),
+                ssm_dtype,
+            ),
+        ]
+    if k == "kda":  # KDA's recurrent state: float32 unless asked otherwise
+        conv = 3 * mixer["num_heads"] * mixer["head_dim"]
+        heads = _div(mixer["num_heads"], tp)
+        return [
+            ((mixer["conv_kernel"] - 1, _div(conv, tp)), model_dtype),
+            ((heads, mixer["head_dim"], mixer["head_dim"]), "float32"),
+        ]
+    if k == "linear_attention":  # one state in the mamba_cache_dtype
+        heads = _div(mixer["num_heads"], tp)
+        return [((heads, mixer["head_dim"], mixer["head_dim"]), model_dtype)]
+    if k == "short_conv":
+        return [((mixer["conv_kernel"] - 1, _div(mixer["conv_dim"], tp)), model_dtype)]
+    raise AssertionError(f"no vLLM state for {k}")
+
+
+def vllm_reference(name: str, tp: int, kv: str, prefix_caching: bool) -> dict[str, int] | None:
+    """vLLM 0.33 on Hopper (FlashAttention, FlashInfer GDN prefill) for one zoo model; None where
+    vLLM refuses the TP size."""
+    z = _zoo(name)
+    dtype = z["torch_dtype"]
+    family = z["family"].lower()
+    attn = [m for m in z["mixers"] if m["kind"] in ("full_attention", "mla")]
+    states = [m for m in z["mixers"] if m not in attn]
+    ssm_dtype = z.get("ssm_dtype_declared") or dtype
+    try:
+        a = attn[0]
+        for m in attn:
+            _div(m["num_heads"], tp)
+        if a["kind"] == "mla":
+            page_1 = (a["kv_lora_rank"] + a["qk_rope_head_dim"]) * BYTES[
+                kv if kv != "auto" else dtype
+            ]
+        else:
+            kv_heads = a["num_kv_heads"]
+            if tp <= kv_heads:
+                _div(kv_heads, tp)
+            elif tp % kv_heads:
+                raise ValueError("KV heads cannot be replicated")
+            heads = max(1, kv_heads // tp)
+            page_1 = 2 * heads * a["head_dim"] * BYTES["fp8" if kv == "fp8" else dtype]
+        tensors = [_state(m, tp, dtype, ssm_dtype) for m in states]
+    except ValueError:
+        return None
+    state_page = max(sum(math.prod(s) * BYTES[d] for s, d in t) for t in tensors)
+    mode = "align" if prefix_caching else "none"
+    # only Qwen's GDN layer class exports FlashInfer prefill checkpoints (OLMo-Hybrid's does not)
+    gdn_flashinfer = mode == "align" and "qwen" in family
+    unit = 16
+    if a["kind"] == "mla":
+        unit = max(unit, 128)
+    if gdn_flashinfer:
+        unit = math.lcm(unit, 64)
+    block = max(16, unit * -(-state_page // (unit * page_1)))
+    mamba2 = any(m["kind"] == "mamba2" for m in states)
+    ckpt = 1 if (mamba2 or gdn_flashinfer) else 0
+    # groups: one bucket per distinct spec, split to the group size vLLM picks
+    counts = [len(m["layers"]) for m in z["mixers"]]
+    lo, hi = min(counts), max(counts)
+    group_size = hi if hi < 1.5 * lo else lo
+    return {
+        "block_size": block,
+        "page_bytes": block * page_1,
+        "state_bytes": state_page,
+        "groups": sum(-(-c // group_size) for c in counts),
+        "group_size": group_size,
+        "state_blocks_per_request": 2 + ckpt if mode == "align" else 1,
+    }
+
+
+CASES = [
+    pytest.param(
+        name,
+        tp,
+        kv,
+        pc,
+        id=f"{name}-tp{tp}-{'fp8' if kv == 'fp8' else 'bf16'}-{'pc' if pc else 'nopc'}",
+    )
+    for name in MODELS
+    for tp in (1, 2, 4)
+    for kv in ("auto", "fp8")
+    for pc in (True, False)
+]
+
+
+@pytest.mark.parametrize("name, tp, kv, prefix_caching", CASES)
+def test_inflate_matches_vllm_033(name, tp, kv, prefix_caching):
+    expected = vllm_reference(name, tp, kv, prefix_caching)
+    target = VllmTarget(enable_prefix_caching=prefix_caching)
+    if expected is None:
+        with pytest.raises(ValueError, match="tensor-parallel size"):
+            models.load(name, tp_size=tp, kv_dtype=kv)
+        return
+    model = models.load(name, tp_size=tp, kv_dtype=kv)
+    plan = make_plan(model, "inflate", memory="80GiB", max_num_seqs=8, target=target)
+    got = {
+        "block_size": plan.block_size,
+        "page_bytes": plan.extra["page_bytes"],
+        "state_bytes": max(layer.spec.state_bytes for layer in model.state_layers),
+        "groups": len(plan.groups),
+        "group_size": plan.extra["group_size"],
+        "state_blocks_per_request": plan.vllm.state_blocks_per_request,
+    }
+    assert got == expected
+    # every group's page is the one page, and each state fits in it
+    assert {g.page_bytes for g in plan.groups} == {expected["page_bytes"]}
+    assert plan.vllm.mamba_cache_mode == ("align" if prefix_caching else "none")
+
+
+def test_the_table_covers_what_the_issue_asks():
+    """At least 12 models x TP 1/2/4 x bf16/fp8 KV x prefix caching on/off, most of them real
+    configurations (not refused)."""
+    planned = [c for c in CASES if vllm_reference(*c.values) is not None]
+    assert len(MODELS) >= 12
+    assert len(planned) >= 12 * 3 * 2 * 2 * 0.75
+
+
+@pytest.mark.parametrize(
+    "name, options, target, block",
+    [
+        # the issue's numbers: vLLM 0.33 with prefix caching, without it, and 0.32
+        pytest.param("qwen3-next-80b-a3b", {}, VllmTarget(), 576, id="qwen3-next-pc-576"),
+        pytest.param(
+            "qwen3-next-80b-a3b",
+            {},
+            VllmTarget(enable_prefix_caching=False),
+            544,
+            id="qwen3-next-nopc-544",
+        ),
+        pytest.param(
+            "qwen3-next-80b-a3b", {}, VllmTarget(version="0.32"), 544, id="qwen3-next-v0.32-544"
+        ),
+        # Ampere: Triton GDN prefill, no 64-token checkpoint alignment
+        pytest.param(
+            "qwen3-next-80b-a3b", {}, VllmTarget(gpu="ampere"), 544, id="qwen3-next-ampere-544"
+        ),
+        # Nemotron-H-8B with vLLM's float32 SSM state: 1040, not 528
+        pytest.param("nemotron-h-8b", {}, VllmTarget(), 1040, id="nemotron-h-8b-1040"),
+        # MLA hybrid: a multiple of 128
+        pytest.param("kimi-linear-48b-a3b", {}, VllmTarget(), 1920, id="kimi-linear-mla-1920"),
+    ],
+)
+def test_the_issues_figures(name, options, target, block):
+    plan = make_plan(models.load(name, **options), "inflate", memory="80GiB", target=target)
+    assert plan.block_size == block
+
+
+@pytest.mark.parametrize(
+    "user_block, expected",
+    [
+        # vLLM uses max(16, --block-size) as the unit: Qwen3.5-4B with 64 -> 576 (not 528)
+        pytest.param(64, 576, id="block-64-unit-64"),
+        # 48 is the unit; with prefix caching its lcm with FlashInfer's 64 is 192
+        pytest.param(48, 576, id="block-48-unit-192"),
+        # a block larger than the state needs is kept as given
+        pytest.param(1024, 1024, id="block-1024-kept"),
+    ],
+)
+def test_user_block_size_is_the_alignment_unit(user_block, expected):
+    model = models.load("qwen3.5-4b")
+    plan = make_plan(model, "inflate", memory="80GiB", block_size=user_block)
+    assert plan.block_size == expected
+    off = make_plan(
+        model,
+        "inflate",
+        memory="80GiB",
+        block_size=user_block,
+        target=VllmTarget(enable_prefix_caching=False),
+    )
+    state = max(layer.spec.state_bytes for layer in model.state_layers)
+    per_token = model.attention_layers[0].spec.bytes_per_token
+    unit = max(16, user_block)
+    assert off.block_size == max(user_block, unit * -(-state // (unit * per_token)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        pytest.param({"version": "0.31"}, "not modelled", id="old-version"),
+        pytest.param({"gpu": "blackwell"}, "kernel_block_size", id="blackwell"),
+        pytest.param(
+            {"enable_prefix_caching": False, "mamba_cache_mode": "align"},
+            "needs prefix caching",
+            id="align-without-pc",
+        ),
+        pytest.param({"mamba_cache_mode": "all"}, "mamba_cache_mode", id="bad-mode"),
+        pytest.param(
+            {"gpu": "ampere", "gdn_prefill_backend": "flashinfer"}, "Hopper", id="fi-ampere"
+        ),
+        pytest.param({"max_model_len": 0}, "positive", id="zero-len"),
+        pytest.param({"enable_prefix_caching": "yes"}, "True, False or None", id="pc-string"),
+    ],
+)
+def test_bad_targets_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        VllmTarget(**kwargs)
+
+
+def test_mamba_cache_mode_follows_prefix_caching():
+    model = models.load("nemotron-h-8b")
+    rules = VllmTarget(mamba_cache_mode="none").resolve(model)
+    assert (rules.enable_prefix_caching, rules.mamba_cache_mode) == (False, "none")
+    assert rules.state_blocks_per_request == 1
+    with pytest.raises(ValueError, match="align mode whenever prefix caching is on"):
+        VllmTarget(enable_prefix_caching=True, mamba_cache_mode="none").resolve(model)
+    # a model without recurrent state has no Mamba cache mode to speak of
+    attention_only = VllmTarget(enable_prefix_caching=True).resolve(models.load("qwen3.5-4b"))
+    assert attention_only.mamba_cache_mode == "align"
+
+
+def test_olmo_hybrid_gdn_exports_no_checkpoints():
+    """OLMo-Hybrid's GDN layer is not Qwen's class: no 64-token alignment, 2 state blocks."""
+    rules = VllmTarget().resolve(models.load("olmo-hybrid-7b"))
+    assert rules.checkpoint_alignment is None
+    assert rules.state_blocks_per_request == 2
+    assert VllmTarget().resolve(models.load("qwen3.5-4b")).checkpoint_alignment == 64
+
+
+def test_version_strings_are_normalised():
+    assert VllmTarget(version="v0.33.0").version == "0.33"
+    assert VllmTarget(version="0.32.0").version == "0.32"
