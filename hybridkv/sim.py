@@ -7,12 +7,16 @@ admitted one, which frees everything and starts over later (recompute). Prefix-c
 state checkpoints and block accounting are done by the real :class:`HybridAllocator` on the plan.
 Time advances by the roofline cost of each step (:mod:`hybridkv.costmodel`).
 
-Chunked prefills end on multiples of the state groups' block size, and with the ``align`` policy a
-prefill that would cross the last block boundary of the request's tokens stops there first
-(vLLM's ``_mamba_block_aligned_split``: "force to cache the last chunk"), so that the state is
-checkpointed at that boundary and the last partial block is computed in the next step. With
-``marconi`` a chunk stops at the request's pending branch point (the allocator's
-``next_checkpoint``), where Marconi checkpoints a shared prefix's state.
+With the ``align`` policy, where a prefill chunk ends is vLLM 0.33's rule
+(``Scheduler._mamba_block_aligned_split``, asked through the allocator's ``split_prefill``; the
+rules are listed in :class:`hybridkv.alloc.policies.VllmAlign`): a chunk the token budget cuts
+ends on a block multiple, and a prompt that fits runs in one chunk to its last cacheable block
+boundary (to its end when the state layers export the checkpoint from inside the prefill,
+``SimConfig.prefill_checkpoint_alignment``), stopping earlier only at a junction or, with hash
+units finer than the block, at the prompt's last hash boundary. With the other policies chunks
+the budget cuts end on multiples of the state groups' block size; ``align_every_block`` also
+stops a chunk at every block multiple, and ``marconi`` at the request's pending branch point
+(the allocator's ``next_checkpoint``), where Marconi checkpoints a shared prefix's state.
 
 **Speed.** Most steps are decode steps in which most requests only take the allocator's fast
 path (no new block, no cache or checkpoint work), which changes nothing but a counter. So a
@@ -47,6 +51,15 @@ from .traces import Trace
 class SimConfig:
     """Scheduler and cache options (vLLM's names where they exist).
 
+    ``hash_block_size`` is vLLM's ``prefix_match_unit`` (vLLM's default is the block size, which
+    turns hits inside a block off). ``prefix_cache_retention_interval`` and
+    ``prefill_checkpoint_alignment`` apply to the ``align`` policy (see
+    :class:`hybridkv.alloc.HybridAllocator`); the latter is ``None`` for state layers whose
+    prefill cannot export a checkpoint (vLLM 0.32's Gated DeltaNet, or any GPU without
+    FlashInfer's GDN prefill), 1 for Mamba-2, and for vLLM 0.33's Gated DeltaNet under
+    FlashInfer the block size (``lcm(hash_block_size, 64)`` with hits inside a block); the
+    default ``"auto"`` takes it from the plan's vLLM target.
+
     Memory is sampled every ``sample_every`` steps; once ``max_samples`` samples are taken the
     interval doubles (every other sample is dropped), so long runs keep at most that many."""
 
@@ -59,6 +72,8 @@ class SimConfig:
     sample_every: int = 16  # steps between memory samples
     max_samples: int = 512
     fast_decode: bool = True  # park decoding requests between allocator events (same results)
+    prefix_cache_retention_interval: int | None = 0
+    prefill_checkpoint_alignment: int | str | None = "auto"
 
 
 @dataclass(frozen=True)
@@ -193,15 +208,18 @@ def simulate(
         hash_block_size=config.hash_block_size,
         checkpoint_policy=config.checkpoint_policy,
         max_model_len=config.max_model_len,
+        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+        prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
     )
     coster = StepCoster(model, config.gpu)
     windows = bool(coster.windows)  # sliding-window layers: decode cost needs every context
     fast = config.fast_decode
     align = math.lcm(*(g.block_size for g in plan.state_groups)) if plan.state_groups else 1
     caching = config.enable_prefix_caching and bool(plan.state_groups)
-    stop_align = caching and config.checkpoint_policy == "align"
-    stop_branch = caching and config.checkpoint_policy == "marconi"
+    vllm_split = caching and config.checkpoint_policy == "align"
+    stop_next = caching and config.checkpoint_policy in ("marconi", "align_every_block")
     max_seqs = plan.config.max_num_seqs
+    max_prefill = config.max_num_batched_tokens
     reqs = trace.requests
     finish_time: dict[int, float] = {}
     children: dict[int, list[int]] = {}
@@ -306,13 +324,13 @@ def simulate(
             heapq.heappush(ready, (max(c.arrival_s, t + c.think_time_s), pushed, child))
             pushed += 1
 
-    def stop_at(live: _Live) -> int:
-        """Where this prefill's chunk must end for a checkpoint (0: nowhere)."""
-        if stop_align:
-            return live.num_tokens // align * align
-        if stop_branch:
-            return alloc.next_checkpoint(live.rid) or 0
-        return 0
+    def chunk_of(live: _Live, done: int, budget: int) -> int:
+        """Prefill tokens of ``live`` this step, ``done`` already having slots."""
+        remaining = live.num_tokens - done
+        if vllm_split:
+            return alloc.split_prefill(live.rid, min(remaining, budget), max_prefill)
+        stop = (alloc.next_checkpoint(live.rid) or 0) if stop_next else 0
+        return _chunk(remaining, budget, done, align, stop)
 
     def sample() -> None:
         nonlocal held, stride
@@ -388,14 +406,14 @@ def simulate(
             done = alloc.num_tokens(live.rid)
             if done >= live.num_tokens:
                 continue
-            chunk = _chunk(live.num_tokens - done, budget, done, align, stop_at(live))
+            chunk = chunk_of(live, done, budget)
             if chunk and alloc.allocate_slots(live.rid, chunk):
                 prefill_work.append((chunk, done))
                 budget -= chunk
         while waiting and budget > 0 and len(running) < max_seqs:
             live = waiting[0]
             try:
-                hit = alloc.add_request(live.rid, live.tokens())
+                hit = alloc.add_request(live.rid, live.tokens(), num_prompt_tokens=live.prompt_len)
             except PoolExhausted:
                 blocked = True
                 break
@@ -415,7 +433,7 @@ def simulate(
             running.append(live)
             prefilling.append(live)
             done = hit.num_cached_tokens
-            chunk = _chunk(live.num_tokens - done, budget, done, align, stop_at(live))
+            chunk = chunk_of(live, done, budget)
             if chunk and alloc.allocate_slots(live.rid, chunk):
                 prefill_work.append((chunk, done))
                 budget -= chunk

@@ -20,9 +20,9 @@ here, each with the vLLM 0.33 file and function it follows:
 - **State blocks per request** (``MambaSpec.max_memory_usage_bytes`` in
   ``vllm/v1/kv_cache_interface.py``): ``1 + num_speculative_tokens`` in ``none`` mode,
   ``2 + num_speculative_tokens + num_prefill_checkpoint_blocks`` in ``align`` mode, where the
-  checkpoint block is 1 for Mamba-2 (``MambaMixer2.get_kv_cache_spec``) and for GDN under
-  FlashInfer's prefill (``GatedDeltaNetAttention.get_kv_cache_spec``), 0 otherwise and always 0
-  in vLLM 0.32.
+  checkpoint block is 1 for Mamba-2 (``MambaMixer2.get_kv_cache_spec``, 0.32 and 0.33) and for
+  Qwen's GDN under FlashInfer's prefill (``QwenGatedDeltaNetAttention.get_kv_cache_spec``, 0.33
+  only), 0 otherwise.
 - **Mamba block size** (``MambaModelConfig``): the attention block size in ``align`` mode,
   ``max_model_len`` in ``none`` mode.
 
@@ -190,11 +190,11 @@ class VllmTarget:
             else None
         )
         # num_prefill_checkpoint_blocks: Mamba-2 layers always set 1 (MambaMixer2.
-        # get_kv_cache_spec), GDN layers when they export checkpoints; vLLM 0.32 has none.
+        # get_kv_cache_spec, in 0.32 and 0.33), Qwen's GDN layers when they export checkpoints
+        # (0.33 only)
         checkpoint_blocks = 0
-        if new_rules and (
-            Mamba2Spec in state_kinds
-            or (GatedDeltaNetSpec in state_kinds and checkpoint_alignment is not None)
+        if Mamba2Spec in state_kinds or (
+            GatedDeltaNetSpec in state_kinds and checkpoint_alignment is not None
         ):
             checkpoint_blocks = 1
         spec_blocks = model.num_spec_tokens
@@ -326,6 +326,24 @@ class VllmRules:
             f"the {state_page_bytes:,} B state (unit {unit}: {steps})"
         )
         return BlockSizeRule(block, unit, text)
+
+    def prefill_checkpoint_grid(self, block_size: int, hash_unit: int) -> int | None:
+        """Token grid on which the state layers export checkpoints from inside a prefill (vLLM's
+        ``MambaSpec.prefill_checkpoint_alignment``), or None when they export none and vLLM's
+        scheduler splits the prefill instead (``Scheduler._mamba_block_aligned_split``).
+
+        Mamba-2: any token (1). Qwen's GDN under FlashInfer: the prefix-cache grid
+        (``get_mamba_prefill_checkpoint_grid``): the block, or ``lcm(prefix_match_unit, 64)`` when
+        hits land inside a block (``hash_unit`` smaller than the block)."""
+        if self.mamba_cache_mode != "align" or not self.num_prefill_checkpoint_blocks:
+            return None
+        if self.checkpoint_alignment is None:  # Mamba-2 (MambaMixer2.get_kv_cache_spec)
+            return 1
+        if hash_unit < block_size:
+            return math.lcm(hash_unit, self.checkpoint_alignment)
+        # vLLM's blocks are multiples of the alignment already; a layout with smaller blocks
+        # (per_group) still gets states only where FlashInfer emits them
+        return math.lcm(block_size, self.checkpoint_alignment)
 
     @property
     def mamba_block_size(self) -> int | None:

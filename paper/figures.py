@@ -797,7 +797,10 @@ def sim_speed(ctx: Context) -> list[Path]:
 # ---- simulator ----------------------------------------------------------------------------------
 #: the deployment the simulator figures replay (40 GiB of cache, at most 256 running requests)
 SIM_DEPLOYMENT = Deployment("qwen3-next-80b-a3b")
-SIM_POLICIES = ("align", "last", "marconi")
+#: ``align`` is vLLM 0.33's (one chunk to the last cacheable block, only that state and
+#: shared-prefix junctions kept); ``align_every_block`` keeps a state at every block boundary a
+#: step ends on (hybridkv's earlier ``align``, not vLLM's)
+SIM_POLICIES = ("align", "align_every_block", "last", "marconi")
 #: the workloads: (label, generator, parameters); seed 0
 SIM_TRACES = (
     ("chat", "multi_turn_chat", {}),
@@ -806,7 +809,7 @@ SIM_TRACES = (
 )
 #: per_group with as many cached-checkpoint slots as running ones (the advisor's per_group)
 PER_GROUP_CACHED = "per_group+cache"
-POLICY_HATCH = {"align": "", "last": "//", "marconi": ".."}
+POLICY_HATCH = {"align": "", "align_every_block": "xx", "last": "//", "marconi": ".."}
 _SIM_RUNS: dict[tuple, object] = {}
 
 
@@ -871,8 +874,8 @@ def _layout_color(layout: str) -> str:
 @register(
     "sim_hit_rate",
     "Under a 40 GiB budget the checkpoint policy decides the hit rate as much as the layout: "
-    "frequent align checkpoints crowd out KV or are evicted before reuse, marconi's few "
-    "well-placed ones are kept.",
+    "checkpoints at every block boundary crowd out KV or are evicted before reuse, vLLM's align "
+    "keeps too few to serve shared prefixes, marconi's few well-placed ones are kept.",
     requires=("hybridkv.sim",),
 )
 def sim_hit_rate(ctx: Context) -> list[Path]:

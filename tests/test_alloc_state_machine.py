@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -58,14 +59,23 @@ class AllocMachine(RuleBasedStateMachine):
     layout = "inflate"
     policy = "align"
     slots = 2
+    retention: int | None = 0  # align: in scheduler blocks (None: dense)
+    export: int | None = None  # align: prefill_checkpoint_alignment (0: the block size)
 
     def __init__(self) -> None:
         super().__init__()
         self.plan = small_plan(self.model, self.layout, self.slots)
         self.B = max(g.block_size for g in self.plan.groups)
         self.max_len = 5 * self.B
+        S = math.lcm(*(g.block_size for g in self.plan.groups))
         self.a = HybridAllocator(
-            self.plan, checkpoint_policy=self.policy, max_model_len=self.max_len
+            self.plan,
+            checkpoint_policy=self.policy,
+            max_model_len=self.max_len,
+            prefix_cache_retention_interval=None if self.retention is None else self.retention * S,
+            prefill_checkpoint_alignment=(self.export or self.B)
+            if self.export is not None
+            else None,
         )
         self.index = CacheIndex()
         self.prompts: list[list[int]] = []
@@ -119,7 +129,7 @@ class AllocMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(
         data=st.data(),
-        how=st.sampled_from(["all", "checkpoint", "random"]),
+        how=st.sampled_from(["all", "checkpoint", "random", "split"]),
         commit=st.booleans(),
     )
     def prefill(self, data, how, commit):
@@ -139,6 +149,10 @@ class AllocMachine(RuleBasedStateMachine):
                 target = min(n, nxt)
         elif how == "random":
             target = data.draw(st.integers(done + 1, n))
+        elif how == "split":  # what the scheduler may run of a random budget
+            target = done + self.a.split_prefill(rid, data.draw(st.integers(1, n - done)), self.B)
+            if target == done:
+                return
         before = snapshot(self.a)
         if self.a.allocate_slots(rid, target - done):
             assert self.a.num_tokens(rid) == target
@@ -168,7 +182,7 @@ class AllocMachine(RuleBasedStateMachine):
         if rid is None:
             return
         for _ in range(4):
-            self._prefill(data, rid, "checkpoint")
+            self._prefill(data, rid, "checkpoint" if decode % 3 else "split")
             self.commit()
         toks = self.live[rid]
         for t in range(decode):
@@ -221,20 +235,38 @@ class AllocMachine(RuleBasedStateMachine):
 
 
 CASES = [
-    (model, layout, policy)
+    (model, layout, policy, 0, None)
     for model in MODELS
     for layout in LAYOUTS
-    for policy in ("align", "last", "marconi")
+    for policy in ("align", "align_every_block", "last", "marconi")
+]
+# vLLM's align with dense or periodic retention and with exports from inside the prefill
+# (alignment 1 as Mamba-2, or the block size as Gated DeltaNet under FlashInfer)
+CASES += [
+    (model, layout, "align", retention, export)
+    for model, retention, export in (
+        ("qwen3.5-0.8b", None, None),
+        ("nemotron-h-8b", 2, 1),
+        ("qwen3.5-0.8b", 0, 0),
+    )
+    for layout in LAYOUTS
 ]
 
 
-@pytest.mark.parametrize("model,layout,policy", CASES)
-def test_state_machine(model, layout, policy):
+@pytest.mark.parametrize("model,layout,policy,retention,export", CASES)
+def test_state_machine(model, layout, policy, retention, export):
     slots = 1 if (model, policy) == ("nemotron-h-8b", "align") else 2
     machine = type(
         f"M_{layout}_{policy}",
         (AllocMachine,),
-        {"model": model, "layout": layout, "policy": policy, "slots": slots},
+        {
+            "model": model,
+            "layout": layout,
+            "policy": policy,
+            "slots": slots,
+            "retention": retention,
+            "export": export,
+        },
     )
     machine.TestCase.settings = settings(
         max_examples=8,

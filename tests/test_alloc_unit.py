@@ -172,6 +172,27 @@ def test_two_level_evicts_the_least_recent_block_of_any_group():
     g0.free(got + a[1:])
 
 
+def test_two_level_reactivated_idle_page_is_used_or_idle_again():
+    """Group 1 needs an id and has neither free ids nor cached ones in its lists, only an idle
+    page whose two ids both hold checkpoints; group 0's idle page went idle earlier."""
+    tl = TwoLevelPool(4, {0: 4, 1: 2}, 0, "p")
+    g0, g1 = tl.view(0), tl.view(1)
+    a = g0.allocate(7)  # page 0 (3 ids) and page 1 (4 ids)
+    g0.cache(a[3], "kv")
+    g0.free(a[3:])  # page 1 idle, stamped first
+    b = g1.allocate(2)  # page 2
+    g1.cache(b[0], "state-0")
+    g1.cache(b[1], "state-1")
+    g1.free(b)  # page 2 idle
+    c = g0.allocate(4)  # the last free page
+    assert not tl.free_pages and list(tl.idle) == [1, 2]
+    (s,) = g1.allocate(1)
+    check = [p for p in g1.pages if tl.used[p] == 0 and p not in g1.idle_pages]
+    g1.free([s])
+    g0.free(a[:3] + c)
+    assert check == [], f"pages {check} of group 1 are neither used, idle nor free"
+
+
 # ---- hashes -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ["sha256", "blake2b", "builtin"])
 def test_hash_chain(algo):
@@ -201,7 +222,7 @@ def test_extra_keys_and_lora_separate_caches():
 # ---- hit rules and checkpoint policies -------------------------------------------------------
 def test_state_hit_needs_checkpoint_at_hit_length():
     p = plan("qwen3.5-0.8b", "inflate")
-    B = p.groups[1].block_size  # 544: the state checkpoint granularity in align mode
+    B = p.groups[1].block_size  # the state checkpoint granularity in align mode
     a = HybridAllocator(p, checkpoint_policy="align", max_model_len=8192)
     base = list(range(1000, 1000 + 2 * B))
     # Only 300 shared tokens: the state group has no checkpoint there.
@@ -209,7 +230,7 @@ def test_state_hit_needs_checkpoint_at_hit_length():
     a.free("a")
     assert a.add_request("b", base[:300] + [2] * 400).num_cached_tokens == 0
     a.free("b")
-    # Chunked at the block boundary, align mode checkpoints the state at 544.
+    # Chunked at the block boundary (its last cacheable one), align keeps the state at B.
     assert a.add_request("c", base[: B + 100]).num_cached_tokens == 0
     assert a.next_checkpoint("c") == B
     copies: list = []
@@ -234,7 +255,7 @@ def test_state_unchunked_prefill_cannot_hit_in_align_mode():
     B = p.groups[1].block_size
     a = HybridAllocator(p, max_model_len=8192)
     prompt = list(range(B + 300))
-    _prefill_to(a, "a", prompt, [len(prompt)])  # state only at 844, not at 544
+    _prefill_to(a, "a", prompt, [len(prompt)])  # state only at B + 300, not at B
     a.free("a")
     assert a.add_request("b", [*prompt, 9]).num_cached_tokens == 0
 
@@ -242,21 +263,23 @@ def test_state_unchunked_prefill_cannot_hit_in_align_mode():
 def test_checkpoint_is_visible_only_after_the_commit():
     """A hit may not read a checkpoint (or KV) the running forward pass has not written."""
     p = plan("qwen3.5-0.8b", "per_group", ckpt_slots=4)
-    a = HybridAllocator(p, checkpoint_policy="align")
-    prompt = list(range(64))
+    # a prefill that cannot export checkpoints (vLLM 0.32's GDN): the scheduler splits it
+    a = HybridAllocator(p, checkpoint_policy="align", prefill_checkpoint_alignment=None)
+    prompt = list(range(65))  # align keeps the state at 64, its last cacheable block boundary
     a.add_request("a", prompt)
+    assert a.split_prefill("a", 65) == 64
     assert a.allocate_slots("a", 64)
-    assert a.find_longest_cache_hit([*prompt, 1]) == 0  # forward not done yet
+    assert a.find_longest_cache_hit([*prompt[:64], 1]) == 0  # forward not done yet
     copies = _step(a)
     assert copies and all(src == a.state_slot("a", g) for g, src, _ in copies)
-    assert a.find_longest_cache_hit([*prompt, 1]) == 64
+    assert a.find_longest_cache_hit([*prompt[:64], 1]) == 64
 
 
 def test_hit_sources_are_held_until_the_commit_only():
     p = plan("qwen3.5-0.8b", "per_group", ckpt_slots=4)
     a = HybridAllocator(p, checkpoint_policy="align")
     prompt = list(range(64))
-    _prefill_to(a, "a", prompt, [64])
+    _prefill_to(a, "a", [*prompt, 0], [64, 65])
     a.free("a")
     hit = a.add_request("b", [*prompt, 1, 2])
     ((g, src, _dst),) = hit.state_copies
@@ -310,7 +333,7 @@ def test_private_end_checkpoints_give_way_to_new_requests():
 
 
 def test_partial_block_hit_copies_the_reused_tokens():
-    """With large blocks (inflate: 544 tokens) and an end-of-request state, the next turn
+    """With large blocks (inflate: hundreds of tokens) and an end-of-request state, the next turn
     resumes inside the last attention block: the reused tokens are copied into a new block."""
     p = plan("qwen3.5-0.8b", "inflate")
     B = p.groups[0].block_size
@@ -399,7 +422,8 @@ def test_policy_errors():
 
 def test_full_attention_hit_and_block_tables():
     p = plan("qwen3.5-0.8b", "two_level")
-    a = HybridAllocator(p, max_model_len=4096)
+    # align_every_block checkpoints a decode step that ends on a block boundary (align does not)
+    a = HybridAllocator(p, max_model_len=4096, checkpoint_policy="align_every_block")
     prompt = list(range(100))
     _prefill_to(a, "a", prompt, [100])
     ids_a = a.block_ids("a")
@@ -408,7 +432,7 @@ def test_full_attention_hit_and_block_tables():
     # attention would hit 80, but the state group has no checkpoint there: fixed point is 0
     assert hit.num_cached_tokens == 0
     a.free("b")
-    _decode(a, "a", range(12))  # decode to a block boundary (112): align checkpoints
+    _decode(a, "a", range(12))  # decode to a block boundary (112): a checkpoint
     a.append_tokens("a", [99])
     hit = a.add_request("c", prompt + list(range(12)) + [3] * 5)
     assert hit.num_cached_tokens == 112
@@ -452,7 +476,8 @@ def test_sliding_window_hit_past_the_window_needs_only_the_window():
     a = HybridAllocator(p, max_model_len=8192)
     n = W + 5 * B
     prompt = list(range(n))
-    _prefill_to(a, "a", prompt, [n // 2, n])
+    # align keeps the state at n, the last cacheable block boundary of n + 1 tokens
+    _prefill_to(a, "a", [*prompt, 0], [n // 2, n, n + 1])
     a.free("a")
     pool = a.pool[g.group_id]
     hit = a.add_request("b", [*prompt, 1, 2, 3])
@@ -553,7 +578,7 @@ def test_events_replay_matches_cache():
 
 
 def test_blocks_sharing_leading_units_emit_each_unit_once():
-    """Two partly filled 544-token blocks agree on their first 288 tokens: the second request's
+    """Two partly filled inflate blocks agree on their first 288 tokens: the second request's
     entry stores only its new units, chained to the shared ones, and evicting one entry removes
     only the units nothing else covers."""
     p = plan("qwen3.5-0.8b", "inflate", memory=64 << 20, seqs=2)

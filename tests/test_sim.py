@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -79,10 +81,18 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize(
-    "layout,policy",
-    [("inflate", "align"), ("per_group", "last"), ("two_level", "marconi"), ("pack", "align")],
+    "layout,policy,kw",
+    [
+        ("inflate", "align", {}),
+        ("per_group", "last", {}),
+        ("two_level", "marconi", {}),
+        ("pack", "align", {}),
+        ("per_group", "align_every_block", {}),
+        ("inflate", "align", {"prefix_cache_retention_interval": None}),
+        ("pack", "align", {"prefill_checkpoint_alignment": 1, "hash_block_size": 64}),
+    ],
 )
-def test_parked_decoders_give_the_step_by_step_results(layout, policy, chat):
+def test_parked_decoders_give_the_step_by_step_results(layout, policy, kw, chat):
     # fast_decode parks decoding requests between allocator events and counts idle steps in a
     # tight loop; fast_decode=False touches every request every step, as the allocator's
     # protocol describes. The allocator sees the same state-changing calls in the same order.
@@ -90,8 +100,9 @@ def test_parked_decoders_give_the_step_by_step_results(layout, policy, chat):
 
     model = models.load("qwen3.5-0.8b")
     plan = make_plan(model, layout, memory="1GiB", max_num_seqs=8, block_size=16)
-    fast = simulate(plan, model, chat, SimConfig(checkpoint_policy=policy))
-    slow = simulate(plan, model, chat, SimConfig(checkpoint_policy=policy, fast_decode=False))
+    config = SimConfig(checkpoint_policy=policy, **kw)
+    fast = simulate(plan, model, chat, config)
+    slow = simulate(plan, model, chat, replace(config, fast_decode=False))
     _same(fast, slow)
 
 
@@ -118,8 +129,9 @@ def _repeat_trace(prompt_len: int):
 def test_saved_flops_by_hand():
     # Qwen3.5-0.8B: 6 full-attention layers (8 query heads, head_dim 256 for K and V), 18 Gated
     # DeltaNet layers (conv state 3 x 6144, recurrent state 16 x 128 x 128), 0.8e9 parameters.
-    # A 600-token prompt sent twice: align with 16-token blocks stops the first prefill at
-    # 592 = 600 // 16 * 16 to checkpoint the state there, so the second request hits 592 tokens.
+    # A 600-token prompt sent twice: align with 16-token blocks stops the first prefill at its
+    # last cacheable block boundary, 592 = (600 - 1) // 16 * 16, and keeps the state there, so
+    # the second request hits 592 tokens.
     model = models.load("qwen3.5-0.8b")
     plan = make_plan(model, "per_group", memory="1GiB", max_num_seqs=4, block_size=16)
     result = simulate(plan, model, _repeat_trace(600))
@@ -138,7 +150,7 @@ def test_align_stops_the_prefill_at_the_last_block_boundary():
     from hybridkv.sim import SimConfig
 
     align = simulate(plan, model, _repeat_trace(600), SimConfig(checkpoint_policy="align"))
-    assert align.hit_tokens == 592  # 600 // 16 * 16, checkpointed before the last 8 tokens
+    assert align.hit_tokens == 592  # (600 - 1) // 16 * 16, kept before the last 8 tokens
     last = simulate(plan, model, _repeat_trace(600), SimConfig(checkpoint_policy="last"))
     # last keeps only the end state (600 prompt + 3 outputs), not a prefix of the second prompt
     assert last.hit_tokens == 0

@@ -25,6 +25,14 @@ A request's block list for a state group is ``[running slot, spare slots...]``: 
 with 2 slots a checkpoint can always be taken even when the pool is full (vLLM's ``align`` mode
 reserves 2 pages per request for the same reason). Once spent, checkpoints come from free or
 evictable ids, best effort: a checkpoint never makes an allocation fail.
+
+With the ``align`` policy, where a prefill chunk ends is part of the policy (vLLM's scheduler
+cuts chunks where states are to be kept): a scheduler asks :meth:`HybridAllocator.split_prefill`
+how many of the tokens it offers a request may run this step. With
+``prefill_checkpoint_alignment`` set (a backend that exports states from inside a prefill), a
+commit may also cache a state from inside the step: :attr:`HybridAllocator.last_exports` lists
+them as ``(group, slot, position)``; the runner puts the state its forward exported after
+``position`` tokens into ``slot``.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from .errors import (
 )
 from .events import AllBlocksCleared, KVEventBatch
 from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
-from .policies import CACHE, NONE, ROLLING, CheckpointPolicy, MarconiEvictor
+from .policies import ALL_POLICIES, CACHE, NONE, ROLLING, CheckpointPolicy, MarconiEvictor
 from .prefix_cache import GroupRule, PrefixIndex, longest_hit
 from .tables import BlockTables
 from .two_level import GroupView, TwoLevelPool
@@ -81,14 +89,17 @@ class _Request:
         "end_ckpt",
         "extra",
         "hashes",
+        "junction",
         "lead",
         "limit",
         "lora_id",
         "ncached",
+        "nprompt",
         "num_alloc",
         "req_id",
         "row",
         "sources",
+        "step_start",
         "tokens",
         "work_at",
     )
@@ -117,13 +128,26 @@ class _Request:
         self.end_ckpt: dict[int, list[int]] = {}  # state gid -> [position, slot], private
         self.sources: list[tuple[int, int]] = []  # (gid, id) hits copy from, held to commit
         self.branch_at = -1  # marconi: position of this request's branch point
+        self.nprompt = len(tokens)  # align: the prompt's length (vLLM's num_prompt_tokens)
+        self.junction = 0  # align: vLLM's shared_prefix_boundary, found at admission
+        self.step_start = -1  # align with exports: num_alloc when the uncommitted step began
 
 
 class HybridAllocator:
     """See the module docstring. Arguments:
 
-    - ``hash_block_size``: tokens per prefix-cache hash unit; divides every group's block size.
-    - ``checkpoint_policy``: ``align``, ``last`` or ``marconi`` (:mod:`.policies`).
+    - ``hash_block_size``: tokens per prefix-cache hash unit; divides every group's block size
+      (vLLM's ``prefix_match_unit``; vLLM's default is the block size).
+    - ``checkpoint_policy``: ``align`` (vLLM 0.33's), ``align_every_block``, ``last`` or
+      ``marconi`` (:mod:`.policies`).
+    - ``prefix_cache_retention_interval`` (``align`` only): vLLM's option of that name: 0 keeps
+      only the replay boundary and junction states, ``R > 0`` also every multiple of ``R`` a
+      step ends on, ``None`` every block boundary a step ends on.
+    - ``prefill_checkpoint_alignment`` (``align`` only): the token alignment at which the state
+      layers' prefill kernels export a checkpoint from inside a prefill (vLLM's
+      ``MambaSpec.prefill_checkpoint_alignment``), or ``None`` when they cannot and the prefill
+      is split instead (:class:`~.policies.VllmAlign`, rule 2); ``"auto"`` (default) takes it
+      from the plan's vLLM target (:meth:`hybridkv.target.VllmRules.prefill_checkpoint_grid`).
     - ``partial_block_hits``: let attention hit inside a block (at hash-unit granularity) by
       copying the reused tokens into a new block; pays off where state checkpoints are finer
       than the attention block (``last``/``marconi`` with large blocks).
@@ -144,6 +168,8 @@ class HybridAllocator:
         hash_algo: str = "sha256",
         marconi_alpha: float = 1.0,
         eviction_window: int = 32,
+        prefix_cache_retention_interval: int | None = 0,
+        prefill_checkpoint_alignment: int | str | None = "auto",
     ) -> None:
         if hash_block_size < 1:
             raise ConfigError(f"hash_block_size must be >= 1, got {hash_block_size}")
@@ -161,7 +187,33 @@ class HybridAllocator:
         self.h = hash_block_size
         self.max_model_len = max_model_len
         self.slots_per_seq = plan.config.state_slots_per_seq
-        self.policy = CheckpointPolicy(checkpoint_policy, plan, hash_block_size)
+        if prefill_checkpoint_alignment == "auto":
+            # what the plan's vLLM target exports: Mamba-2 anywhere, Qwen's GDN under
+            # FlashInfer on its grid, otherwise nothing (the prefill is split)
+            prefill_checkpoint_alignment = (
+                plan.vllm.prefill_checkpoint_grid(plan.state_groups[0].block_size, hash_block_size)
+                if plan.vllm is not None and plan.state_groups
+                else None
+            )
+        try:
+            self.policy = CheckpointPolicy(
+                checkpoint_policy,
+                plan,
+                hash_block_size,
+                retention_interval=prefix_cache_retention_interval,
+                prefill_checkpoint_alignment=prefill_checkpoint_alignment,
+            )
+        except ValueError as e:
+            if checkpoint_policy not in ALL_POLICIES:
+                raise
+            raise ConfigError(str(e)) from None
+        self._vllm = self.policy.vllm if plan.state_groups else None
+        # exports need the start of each step: multi-token allocations take the slow path
+        self._exports = self._vllm is not None and self._vllm.export is not None
+        # hits inside a block (vLLM's partial hash hits): attention caches the prompt's tail
+        self._promote = self._vllm is not None and self._vllm.partial and partial_block_hits
+        #: states exported from inside the last committed step, ``(group, slot, position)``
+        self.last_exports: list[tuple[int, int, int]] = []
         self.hash_fn = get_hash_fn(hash_algo)
         self.partial = partial_block_hits
         self.index = PrefixIndex(hash_block_size)
@@ -181,6 +233,15 @@ class HybridAllocator:
             else:
                 raise ConfigError(f"group {g.group_id} has unknown kind {g.kind!r}")
         self._attn_rules, self._rules = self._hit_rules()
+        # vLLM's junction is the hit of the first group of its hit search (full attention first,
+        # groups of one spec looked up together)
+        first = self._attn_rules[0] if self._attn_rules else None
+        self._junction_rules = [
+            x
+            for x in self._attn_rules
+            if first
+            and (x.kind, x.block_size, x.window) == (first.kind, first.block_size, first.window)
+        ]
         # state groups by the pool object their ids come from (one pool for all of them in the
         # shared layouts, so a checkpoint takes its ids in one call)
         by_pool: dict[int, tuple[Any, list[int]]] = {}
@@ -375,6 +436,7 @@ class HybridAllocator:
         extra_keys: Any = None,
         *,
         lora_id: int | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> HitInfo:
         """Register a request: take its longest prefix hit and its state slots.
 
@@ -382,7 +444,11 @@ class HybridAllocator:
         and ``lora_id`` enter every hash, so only requests that agree on them share blocks.
         The request then has ``num_cached_tokens`` tokens with slots; call
         :meth:`allocate_slots` for the rest. Raises :class:`PoolExhausted`, changing nothing,
-        when the slots and hit blocks do not fit."""
+        when the slots and hit blocks do not fit.
+
+        ``num_prompt_tokens``: how many of the tokens are the prompt, when a preempted request is
+        re-added with its outputs (``align`` keeps states by the prompt's length, as vLLM's
+        ``num_prompt_tokens``); default all of them."""
         if req_id in self.reqs:
             raise DuplicateRequest(req_id)
         n = len(prompt_token_ids)
@@ -392,7 +458,7 @@ class HybridAllocator:
         extra = encode_extra_keys(extra_keys if lora_id is None else (extra_keys, lora_id))
         hashes: list[bytes] = []
         h = self.h
-        L, branch_at = 0, -1
+        L, branch_at, junction = 0, -1, 0
         if self.caching:
             extend_unit_hashes(hashes, tokens, n, h, extra, self.hash_fn)
             if n > 1 and self.index.entries:
@@ -403,6 +469,12 @@ class HybridAllocator:
                     )
                     if D > L:
                         branch_at = D // h * h
+                elif self._vllm is not None and self._junction_rules:
+                    J = longest_hit(
+                        self._junction_rules, hashes, n - 1, h, self._lookup, self.index.holder
+                    )
+                    if J > L:
+                        junction = J
             self.num_queries += 1
             self.num_query_tokens += n
             self.num_hit_tokens += L
@@ -457,6 +529,9 @@ class HybridAllocator:
             cap.release()
         r.num_alloc = L
         r.branch_at = branch_at
+        r.junction = junction
+        if num_prompt_tokens is not None:
+            r.nprompt = max(1, min(n, num_prompt_tokens))
         r.row = self.tables.add_row()
         for gid, blocks in enumerate(r.blocks):
             if blocks:
@@ -480,7 +555,11 @@ class HybridAllocator:
             self._missing(req_id)
         total = r.num_alloc + num_new_tokens  # type: ignore[union-attr]
         # Fast path (most decode steps): no new block, no cache or checkpoint work.
-        if num_new_tokens >= 0 and total < r.limit:  # type: ignore[union-attr]
+        if (
+            num_new_tokens >= 0
+            and total < r.limit  # type: ignore[union-attr]
+            and not (self._exports and num_new_tokens > 1)
+        ):
             r.num_alloc = total  # type: ignore[union-attr]
             return True
         return self._allocate_slow(r, num_new_tokens, total)  # type: ignore[arg-type]
@@ -512,6 +591,10 @@ class HybridAllocator:
                 blocks.extend(ids)
             for cap in reserved:
                 cap.release()
+        if self._exports and self.caching and num_new > 0:
+            if r.step_start < 0:
+                r.step_start = r.num_alloc
+            self._dirty[r.req_id] = r  # the commit looks for an export inside the step
         r.num_alloc = total
         if self.caching and total >= r.work_at:
             self._dirty[r.req_id] = r
@@ -548,7 +631,10 @@ class HybridAllocator:
             if thr < limit:
                 limit = thr
         if self.caching and self._state:
-            nxt = self.policy.next_position(r.num_alloc, r.branch_at)
+            if self._vllm is not None:
+                nxt = self._vllm.next_position(r.num_alloc, r.nprompt, r.junction)
+            else:
+                nxt = self.policy.next_position(r.num_alloc, r.branch_at)
             if nxt < work:
                 work = nxt
         r.work_at = work
@@ -570,6 +656,8 @@ class HybridAllocator:
         ``(group, running slot, checkpoint slot)`` to run after this forward pass."""
         copies: list[tuple[int, int, int]] = []
         held: list[tuple[Any, int]] = []
+        if self.last_exports:
+            self.last_exports = []
         if self._dirty:
             for r in self._dirty.values():
                 self._commit(r, copies, held)
@@ -605,9 +693,30 @@ class HybridAllocator:
                     key = (gid, hashes[(i + 1) * s - 1])
                     if pool.cache(bid, key):
                         index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
+                    elif self._promote and pool.key_of(bid) is not None:
+                        # the block was cached as the prompt's partial tail and is now full:
+                        # its entry grows to the whole block (vLLM's partial -> full promotion
+                        # in BlockPool.cache_full_blocks)
+                        pool.uncache(bid)
+                        if pool.cache(bid, key):
+                            index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
             r.ncached[gid] = full
         P = r.num_alloc
-        if self._state and known == P:
+        if self._vllm is not None:
+            start, r.step_start = r.step_start, -1
+            if self._promote:
+                # FullAttentionManager._cache_partial_tail_block: the block holding the
+                # prompt's last hash boundary is cached up to it once computed
+                t = self._vllm.pos(r.nprompt, h)
+                if 0 < t <= known:
+                    self._cache_tail_blocks(r, t)
+            if self._state and known == P and P > 0:
+                keep, cp = self._vllm.step_end(start, P, r.nprompt, len(r.tokens), r.junction)
+                if cp:
+                    self._checkpoint(r, cp, self.last_exports, held, export=True)
+                if keep:
+                    self._checkpoint(r, P, copies, held)
+        elif self._state and known == P:
             action = self.policy.at_step_end(P, r.branch_at)
             if action != NONE and P % h == 0:
                 if action == CACHE:
@@ -631,10 +740,13 @@ class HybridAllocator:
         sid = self._take_spare(r, gid)
         return sid if sid is not None else self._one_more(gid)
 
-    def _checkpoint(self, r: _Request, P: int, copies: list, held: list) -> None:
+    def _checkpoint(
+        self, r: _Request, P: int, copies: list, held: list, *, export: bool = False
+    ) -> None:
         """Copy the running state into a new slot cached at ``P`` (released after the commit,
         so that no other checkpoint of this commit evicts it). Best effort per group: a group
-        whose pool has no free or evictable id skips this checkpoint."""
+        whose pool has no free or evictable id skips this checkpoint. ``export``: the state
+        was exported from inside the step; ``copies`` gets ``(group, slot, P)`` instead."""
         unit = P // self.h - 1
         u = r.hashes[unit]
         taken: list[tuple[int, int]] = []
@@ -660,7 +772,7 @@ class HybridAllocator:
         pool_of = self.pool
         for gid, dst in taken:
             pool = pool_of[gid]
-            copies.append((gid, r.blocks[gid][0], dst))
+            copies.append((gid, dst, P) if export else (gid, r.blocks[gid][0], dst))
             pool.cache(dst, (gid, u))
             held.append((pool, dst))
         self.index.add_checkpoints(taken, unit, r.hashes, r.tokens, r.lora_id)
@@ -749,16 +861,47 @@ class HybridAllocator:
         return self._get(req_id).blocks[group_id][0]
 
     def next_checkpoint(self, req_id: Any) -> int | None:
-        """Where the policy wants a prefill chunk to end so that a state checkpoint is taken
-        (``align``: the next block multiple; ``marconi``: a pending branch point), or None."""
+        """Where the policy wants a prefill chunk to end so that a state checkpoint is taken, or
+        None: ``align``, where vLLM would end a chunk offered every remaining token
+        (:meth:`split_prefill`); ``align_every_block``: the next block multiple; ``marconi``: a
+        pending branch point."""
         r = self._get(req_id)
         if not self.caching or not self._state:
             return None
         if self.policy.branches:
             return r.branch_at if r.branch_at > r.num_alloc else None
-        if self.policy.name == "align":
+        if self._vllm is not None:
+            rest = len(r.tokens) - r.num_alloc
+            end = r.num_alloc + self.split_prefill(req_id, rest)
+            return end if end < len(r.tokens) else None
+        if self.policy.name == "align_every_block":
             return self.policy.next_position(r.num_alloc, -1)
         return None
+
+    def split_prefill(
+        self, req_id: Any, num_new_tokens: int, max_prefill_tokens: int | None = None
+    ) -> int:
+        """How many of ``num_new_tokens`` (what the token budget allows) the request may run this
+        step. ``align``: vLLM's ``Scheduler._mamba_block_aligned_split``
+        (:class:`~.policies.VllmAlign`, rule 1), with ``max_prefill_tokens`` the scheduler's
+        per-step token limit (default: no limit). Other policies (and ``align`` without prefix
+        caching or state groups) cut nothing."""
+        r = self._get(req_id)
+        if self._vllm is None or not self.caching or num_new_tokens <= 0:
+            return num_new_tokens
+        return self._vllm.split(
+            r.num_alloc,
+            num_new_tokens,
+            len(r.tokens),
+            r.nprompt,
+            r.junction,
+            _INF if max_prefill_tokens is None else max_prefill_tokens,
+        )
+
+    def junction(self, req_id: Any) -> int:
+        """``align``: the junction found when the request was admitted (vLLM's
+        ``shared_prefix_boundary``: attention hit past the states), 0 if none."""
+        return self._get(req_id).junction
 
     def fast_path_tokens(self, req_id: Any) -> int:
         """Tokens :meth:`allocate_slots` can add to ``req_id`` with no block, cache or

@@ -172,7 +172,10 @@ class GroupView(IdCache):
                 owner.reservations[self.gid] = r - 1
                 owner.reserved_pages -= 1
             owner.grant_page(self.gid)
-            return self.allocate_one()
+            # take the id from the page just granted: it may be our own idle page, reactivated
+            # with its cached ids at the front of the LRU, and recursing would then prefer
+            # another group's older idle page and leave this one owned but neither used nor idle
+            sid = self._plain.popitem()[0] if self._plain else self._pop_evict()
         self.ref[sid] = 1
         owner.used[sid // self.k] += 1
         return sid

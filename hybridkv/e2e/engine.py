@@ -115,6 +115,10 @@ class Engine:
         self.config = model.config
         self.plan = plan
         alloc_kwargs.setdefault("max_model_len", self.config.max_position_embeddings)
+        # the engine's prefill writes a state only where a step ends, so it cannot export the
+        # mid-prefill checkpoints vLLM's Mamba-2 / FlashInfer GDN kernels do: vLLM's scheduler
+        # then splits the prefill at the checkpoint instead (prefill_checkpoint_alignment=None)
+        alloc_kwargs.setdefault("prefill_checkpoint_alignment", None)
         self.alloc = HybridAllocator(plan, **alloc_kwargs)
         self.max_num_seqs = max_num_seqs or plan.config.max_num_seqs
         self.prefill_chunk = prefill_chunk
