@@ -15,7 +15,8 @@ boundary (to its end when the state layers export the checkpoint from inside the
 ``SimConfig.prefill_checkpoint_alignment``), stopping earlier only at a junction or, with hash
 units finer than the block, at the prompt's last hash boundary. With the other policies chunks
 the budget cuts end on multiples of the state groups' block size; ``align_every_block`` also
-stops a chunk at every block multiple, and ``marconi`` at the request's pending branch point
+stops a prefill at the last block boundary of the request's tokens (as hybridkv's ``align`` did
+before it followed vLLM 0.33), and ``marconi`` at the request's pending branch point
 (the allocator's ``next_checkpoint``), where Marconi checkpoints a shared prefix's state.
 
 **Speed.** Most steps are decode steps in which most requests only take the allocator's fast
@@ -217,7 +218,8 @@ def simulate(
     align = math.lcm(*(g.block_size for g in plan.state_groups)) if plan.state_groups else 1
     caching = config.enable_prefix_caching and bool(plan.state_groups)
     vllm_split = caching and config.checkpoint_policy == "align"
-    stop_next = caching and config.checkpoint_policy in ("marconi", "align_every_block")
+    stop_last_block = caching and config.checkpoint_policy == "align_every_block"
+    stop_next = caching and config.checkpoint_policy == "marconi"
     max_seqs = plan.config.max_num_seqs
     max_prefill = config.max_num_batched_tokens
     reqs = trace.requests
@@ -329,7 +331,12 @@ def simulate(
         remaining = live.num_tokens - done
         if vllm_split:
             return alloc.split_prefill(live.rid, min(remaining, budget), max_prefill)
-        stop = (alloc.next_checkpoint(live.rid) or 0) if stop_next else 0
+        if stop_last_block:
+            # a prefill that would cross the last block boundary of the request's tokens stops
+            # there first, so that boundary's state is kept (budget cuts already end on blocks)
+            stop = live.num_tokens // align * align
+        else:
+            stop = (alloc.next_checkpoint(live.rid) or 0) if stop_next else 0
         return _chunk(remaining, budget, done, align, stop)
 
     def sample() -> None:

@@ -90,20 +90,25 @@ def _hits(policy: str, first_len: int, n: int, h: int | None = None, **kw) -> in
 def test_second_sharer_of_a_1024_token_prefix(unit):
     """The prompts are long: vLLM runs the first in one chunk to its last cacheable block
     boundary, beyond the shared prefix, and keeps only that state (and, with 16-token hash units,
-    the prompt's last hash boundary), so the second sharer hits nothing. Every-block caching
-    leaves a state at each block boundary, so it hits the last one inside the prefix."""
+    the prompt's last hash boundary), so the second sharer hits nothing. ``align_every_block``
+    keeps a state at every block boundary a *step ends on*; with the whole prompt in one budget
+    its steps end at the last block boundary too, so it hits nothing either (hybridkv's earlier
+    ``align`` did the same); a budget that cuts the prompt at each block is what gives it the
+    block inside the prefix."""
     _, plan = gdn()
     B = _block(plan)
     h = 16 if unit == "16" else B
     first = SHARED + 2 * B
     assert pos(first, B) > SHARED  # the replay boundary is past the shared prefix
     assert _hits("align", first, 2, h) == 0
-    assert _hits("align_every_block", first, 2, h) == SHARED // B * B
+    assert _hits("align_every_block", first, 2, h) == 0
+    one_block = {"max_num_batched_tokens": B}
+    assert _hits("align_every_block", first, 2, h, **one_block) == SHARED // B * B
     # the second sharer found the shared prefix cached by attention only (a junction): it cut
     # its prefill at the junction's block boundary and kept that state (its own last cacheable
     # boundary is past the prefix), so the third hits it
     assert _hits("align", first, 3, h) == SHARED // B * B
-    assert _hits("align_every_block", first, 3, h) == 2 * (SHARED // B * B)
+    assert _hits("align_every_block", first, 3, h) == 0  # it knows no junctions
 
 
 @pytest.mark.parametrize("unit", ["16", "block"])
@@ -422,3 +427,25 @@ def test_auto_prefill_exports_follow_the_vllm_target(name, target, expected):
     a = HybridAllocator(plan, hash_block_size=B, max_model_len=1 << 16)
     want = B if expected == "block" else expected
     assert a.policy.vllm.export == want
+
+
+def test_align_every_block_prefill_stops_at_the_last_block_boundary_only():
+    """``align_every_block`` is hybridkv's earlier ``align``: a prompt that fits the budget runs
+    to its last block boundary in one chunk, then the rest (two prefill steps), never in
+    block-sized chunks."""
+    model, plan = gdn()
+    B = _block(plan)
+    trace = _sharers(3 * B + 5, 1)
+    config = {"hash_block_size": 16, "max_num_batched_tokens": 1 << 14}
+    every = simulate(
+        plan, model, trace, SimConfig(checkpoint_policy="align_every_block", **config)
+    )
+    last = simulate(plan, model, trace, SimConfig(checkpoint_policy="last", **config))
+    assert every.steps == last.steps + 1
+    # on a 16-token per_group plan the same prompt still takes two prefill steps, not 3B/16
+    small = make_plan(model, "per_group", memory="8GiB", max_num_seqs=16)
+    every = simulate(
+        small, model, trace, SimConfig(checkpoint_policy="align_every_block", **config)
+    )
+    last = simulate(small, model, trace, SimConfig(checkpoint_policy="last", **config))
+    assert every.steps == last.steps + 1
