@@ -23,8 +23,9 @@ def test_zmq_loopback_index_matches_allocator():
     pub = EventPublisher("tcp://127.0.0.1:*")
     sub = EventSubscriber(pub.endpoint)
     try:
-        # PUB/SUB drops messages until the subscription propagates: probe until one arrives.
-        deadline = time.monotonic() + 5
+        # PUB/SUB drops messages until the subscription propagates: probe until one arrives
+        # (a hang guard, generous so that a busy machine does not fail it)
+        deadline = time.monotonic() + 120
         while True:
             pub.publish(KVEventBatch(ts=0.0, events=[]))
             if sub.recv(timeout_ms=50) is not None:

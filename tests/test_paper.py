@@ -27,7 +27,8 @@ def make(out: Path) -> str:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        # a guard against a hang only: --small takes minutes on 2 cores, more on a busy machine
+        timeout=3600,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout

@@ -180,15 +180,12 @@ def test_ttft_counts_from_when_a_turn_is_sent():
 
 
 @pytest.mark.parametrize("layout", ["inflate", "per_group"])
-def test_a_thousand_chat_requests_are_fast(layout):
-    # the target: 10,000 requests in under a minute on 2 cores (paper/bench_sim.py records it);
-    # 1,000 take about 0.5 s (inflate) and 1.5 s (per_group) there, so this bound is generous
-    import time
-
+def test_a_thousand_chat_requests_run_to_the_end(layout):
+    # the speed target (10,000 requests in under a minute on 2 cores) is recorded by
+    # paper/bench_sim.py, not asserted here: the suite must pass on a busy machine
     model = models.load("qwen3-next-80b-a3b")
     plan = make_plan(model, layout, memory="40GiB")
     trace = traces.multi_turn_chat(1000, seed=0)
-    t0 = time.perf_counter()
     result = simulate(plan, model, trace)
-    assert time.perf_counter() - t0 < 30.0
     assert result.finished == 1000
+    assert result.output_tokens == sum(r.output_length for r in trace.requests)

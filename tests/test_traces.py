@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -30,17 +29,16 @@ def test_same_seed_same_trace_other_seed_other_trace(name):
 
 
 @pytest.mark.parametrize("name", list(traces.WORKLOADS))
-def test_ten_thousand_requests_in_well_under_a_second(name):
-    best = min(_timed(name) for _ in range(2))
-    assert best < 1.0, f"{name}: {best:.2f}s for 10,000 requests"
-
-
-def _timed(name: str) -> float:
-    start = time.perf_counter()
+def test_ten_thousand_requests_are_generated_whole(name):
+    """The work, not the wall time (speed belongs in the benchmarks, and this suite must pass on
+    a busy machine): 10,000 requests with distinct ids, in arrival order, each with a prompt."""
     tr = traces.generate(name, 10_000, seed=0)
-    elapsed = time.perf_counter() - start
     assert len(tr) == 10_000
-    return elapsed
+    ids = [r.request_id for r in tr.requests]
+    assert len(set(ids)) == 10_000
+    arrivals = [r.arrival_s for r in tr.requests]
+    assert arrivals == sorted(arrivals)
+    assert all(len(r.prompt) > 0 for r in tr.requests)
 
 
 @pytest.mark.parametrize("name", list(traces.WORKLOADS))
