@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,7 +52,8 @@ def _load_model(args: argparse.Namespace) -> HybridModel:
         num_spec_tokens=args.num_spec_tokens or 0,
     )
     path = Path(args.model)
-    if path.suffix == ".json" or path.is_dir():
+    # a config file under any name (config.json, my-model.cfg) or a folder holding one
+    if path.suffix == ".json" or path.is_dir() or path.is_file():
         return models.from_hf_config(path, **options)
     return models.load(args.model, **options)
 
@@ -458,6 +460,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"hybridkv: error: {msg}", file=sys.stderr)
         return 2
+    except FileNotFoundError as exc:
+        print(f"hybridkv: error: no such file: {exc.filename or exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # output piped into e.g. `head`, which closed it: stop quietly, as Unix tools do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

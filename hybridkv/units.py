@@ -16,6 +16,8 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+#: the largest budget accepted: far above any GPU, low enough that a typo such as 1e99GiB is caught
+MAX_BYTES = 2**50
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -37,6 +39,15 @@ def parse_bytes(value: int | float | str) -> int:
         n = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if n <= 0:
         raise ValueError(f"a memory size must be positive, got {value!r}")
+    if n > MAX_BYTES:
+        raise ValueError(
+            f"{value!r} is more memory than any GPU rank holds (at most "
+            f"{format_bytes(MAX_BYTES)}); did you mean a smaller unit?"
+        )
+    if isinstance(value, str) and not match.group(2) and n < 2**20:
+        raise ValueError(
+            f"{value!r} has no unit, so it is {n} bytes; write the unit, e.g. '{value.strip()}GiB'"
+        )
     return n
 
 

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from hybridkv.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bare_compare_runs_on_the_default(capsys):
@@ -125,6 +130,14 @@ def test_max_model_len_and_mamba_cache_mode(capsys):
         pytest.param(
             ["plan", "--gpu-memory", "1GiB", "--max-num-seqs", "4096"], "too small", id="too-small"
         ),
+        pytest.param(["plan", "--gpu-memory", "80"], "has no unit", id="memory-without-unit"),
+        pytest.param(["plan", "--gpu-memory", "1e99GiB"], "more memory than", id="memory-typo"),
+        pytest.param(
+            ["plan", "--layout", "pack", "--pack-size", "1000"], "at most 12", id="pack-too-big"
+        ),
+        pytest.param(
+            ["advise", "--trace", "/nonexistent/trace.jsonl"], "no such file", id="missing-trace"
+        ),
         pytest.param(
             ["plan", "--gpu-memory", "1GiB", "--gpu-memory-utilization", "0.9"],
             "give one of them",
@@ -174,3 +187,23 @@ def test_plan_format_vllm_is_a_kv_cache_config(capsys):
     # a layout vLLM cannot express is one clear error line
     assert main([*argv, "--layout", "per_group"]) == 2
     assert "inflate" in capsys.readouterr().err
+
+
+def test_a_config_file_under_any_name_is_read(tmp_path, capsys):
+    path = tmp_path / "my-model.cfg"
+    path.write_text((ROOT / "tests/data/hf_configs/zamba-7b-v1.json").read_text())
+    assert main(["plan", "--model", str(path), "--gpu-memory", "40GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model_name"]
+
+
+def test_output_piped_into_head_is_not_a_traceback():
+    cmd = [sys.executable, "-m", "hybridkv.cli", "plan", "--json"]
+    # the reader exits before the command writes (it takes a second to import), as `head -0`
+    head = "pass"
+    producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    consumer = subprocess.run([sys.executable, "-c", head], stdin=producer.stdout, timeout=600)
+    producer.stdout.close()
+    _, err = producer.communicate(timeout=600)
+    assert consumer.returncode == 0
+    assert producer.returncode == 0
+    assert b"Traceback" not in err

@@ -123,6 +123,13 @@ def plan_shared(
 
     # attention layers per page, per bucket
     packs_per_bucket: list[list[tuple[CacheLayer, ...]]] = []
+    if pack_size is not None and attn_buckets:
+        most = max(len(b.layers) for b in attn_buckets)
+        if pack_size > most:
+            raise ValueError(
+                f"pack_size {pack_size} is more than the {most} attention layers of a kind in "
+                f"{model.name}; use at most {most} (or 'auto')"
+            )
     for b in attn_buckets:
         n = len(b.layers) if pack_size is None else min(pack_size, len(b.layers))
         packs_per_bucket.append(_packs(b, n))
