@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import models
+from . import __version__, models
 from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -133,16 +133,21 @@ def cmd_models(args: argparse.Namespace) -> int:
             {
                 "name": name,
                 "layers": m.num_hidden_layers,
-                "mixers": ", ".join(f"{n} {k}" for k, n in m.layer_kinds.items()),
-                "kv_per_token": format_bytes(m.kv_bytes_per_token),
-                "state_per_seq": format_bytes(m.state_bytes_per_seq),
-                "verified": "yes" if m.verified else "no",
+                "mixers": dict(m.layer_kinds),
+                "kv_bytes_per_token": m.kv_bytes_per_token,
+                "state_bytes_per_seq": m.state_bytes_per_seq,
+                "verified": m.verified,
                 "hf_repo": m.hf_repo,
             }
         )
-    if args.json:
+    if args.json:  # numbers stay numbers (bytes, TP 1, the model's own dtypes)
         print(json.dumps(rows, indent=2))
         return 0
+    for row in rows:
+        row["kv_per_token"] = format_bytes(row["kv_bytes_per_token"])
+        row["state_per_seq"] = format_bytes(row["state_bytes_per_seq"])
+        row["mixers"] = ", ".join(f"{n} {k}" for k, n in row["mixers"].items())
+        row["verified"] = "yes" if row["verified"] else "no"
     cols = [
         ("name", "model"),
         ("layers", "layers"),
@@ -242,7 +247,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         row = plan.summary_row()
         rows.append(row)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"config": _run_config(model, args), "layouts": rows}, indent=2))
         return 0
     for row in rows:
         row["token_capacity"] = f"{row['token_capacity']:,}"
@@ -272,6 +277,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _run_config(model: HybridModel, args: argparse.Namespace) -> dict:
+    """What a ``--json`` result was computed for."""
+    return {
+        "model": model.name,
+        "tp_size": model.tp_size,
+        "kv_dtype": model.kv_dtype,
+        "conv_dtype": model.conv_dtype,
+        "ssm_dtype": model.ssm_dtype,
+        "num_spec_tokens": model.num_spec_tokens,
+        "memory_bytes": _cache_memory(args),
+        "max_num_seqs": args.max_num_seqs,
+        "block_size": args.block_size,
+        "vllm_target": _target(args).to_dict(),
+    }
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
@@ -420,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hybridkv",
         description="Memory layouts for the KV cache and recurrent state of hybrid LLMs.",
     )
+    parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("models", help="list the model zoo")
     p.add_argument("--json", action="store_true")

@@ -27,6 +27,36 @@ def test_models_lists_the_zoo(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) >= 15
     assert {"qwen3-next-80b-a3b", "qwen3.5-4b"} <= {r["name"] for r in rows}
+    # machine-readable: numbers and booleans, not formatted strings
+    row = next(r for r in rows if r["name"] == "qwen3.5-4b")
+    assert row["kv_bytes_per_token"] == 32768 and isinstance(row["state_bytes_per_seq"], int)
+    assert row["mixers"] == {"gated_deltanet": 24, "full_attention": 8}
+    assert row["verified"] in (True, False)
+    assert main(["models"]) == 0
+    assert "KV/token" in capsys.readouterr().out
+
+
+def test_compare_json_records_what_it_compared(capsys):
+    argv = ["compare", "--model", "qwen3.5-4b", "-tp", "2", "--gpu-memory", "20GiB", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["model"] == "qwen3.5-4b" and out["config"]["tp_size"] == 2
+    assert out["config"]["memory_bytes"] == 20 * 2**30
+    assert out["config"]["vllm_target"]["vllm_version"] == "0.33"
+    assert {r["layout"].split("(")[0] for r in out["layouts"]} == {
+        "inflate",
+        "pack",
+        "aggregate",
+        "per_group",
+        "two_level",
+    }
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("hybridkv 0.")
 
 
 def test_plan_json_has_placements(capsys):
