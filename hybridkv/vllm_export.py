@@ -401,20 +401,14 @@ def _mamba_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup, fam: 
                 "VllmTarget(max_model_len=...) (--max-model-len)"
             )
         block_size = rules.max_model_len
-    # per-layer overrides of MambaBase.get_kv_cache_spec: MambaMixer2 always declares one
-    # prefill checkpoint block at alignment 1; Qwen's GDN does when it exports FlashInfer
-    # checkpoints (align mode), on the prefix-cache grid = the Mamba block size
-    # (get_mamba_prefill_checkpoint_grid without --prefix-match-unit)
-    checkpoint_blocks, checkpoint_alignment = 0, None
-    if isinstance(spec, Mamba2Spec):
-        checkpoint_blocks, checkpoint_alignment = 1, 1
-    elif (
-        isinstance(spec, GatedDeltaNetSpec)
-        and fam.gdn_checkpoints
-        and align
-        and rules.gdn_prefill_backend == "flashinfer"
-    ):
-        checkpoint_blocks, checkpoint_alignment = 1, block_size
+    # per-layer overrides of MambaBase.get_kv_cache_spec, resolved by the target: MambaMixer2
+    # always declares one prefill checkpoint block at alignment 1; Qwen's GDN does when it
+    # exports FlashInfer checkpoints (align mode), on the prefix-cache grid = the Mamba block
+    # size (get_mamba_prefill_checkpoint_grid without --prefix-match-unit)
+    checkpoint_blocks = rules.num_prefill_checkpoint_blocks
+    checkpoint_alignment = None
+    if checkpoint_blocks:
+        checkpoint_alignment = 1 if rules.checkpoint_alignment is None else block_size
     fields = {
         "block_size": block_size,
         "dcp_sharded": False,

@@ -166,7 +166,9 @@ def test_max_model_len_and_mamba_cache_mode(capsys):
             ["plan", "--layout", "pack", "--pack-size", "1000"], "at most 12", id="pack-too-big"
         ),
         pytest.param(
-            ["advise", "--trace", "/nonexistent/trace.jsonl"], "no such file", id="missing-trace"
+            ["advise", "--trace", "tests/data/no-such-trace.jsonl"],
+            "no such file",
+            id="missing-trace",
         ),
         pytest.param(
             ["plan", "--gpu-memory", "1GiB", "--gpu-memory-utilization", "0.9"],

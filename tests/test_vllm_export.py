@@ -2,7 +2,7 @@
 
 Field lists are checked against vLLM 0.33.0's dataclasses twice: against the list checked in
 below (so the test runs on a machine without vLLM), and, where vLLM's source is on the machine
-(``HYBRIDKV_VLLM_SRC``, an installed ``vllm`` package, or ``/tmp/vllm/src/vllm``), against the
+(``HYBRIDKV_VLLM_SRC`` pointing at an unpacked ``vllm`` package, or an installed one), against the
 fields parsed from ``vllm/v1/kv_cache_interface.py`` with ``ast``. The layout facts (strides,
 offsets, ``num_blocks``, block sizes) are checked against vLLM's own formulas, written out here
 from ``get_kv_cache_config_from_groups`` / ``compute_layout_strides``
@@ -204,7 +204,6 @@ def _vllm_source() -> Path | None:
     spec = importlib.util.find_spec("vllm")  # locates the package without importing it
     if spec is not None and spec.origin:
         candidates.append(str(Path(spec.origin).parent))
-    candidates.append("/tmp/vllm/src/vllm")
     for c in candidates:
         if c and (Path(c) / "v1" / "kv_cache_interface.py").is_file():
             return Path(c) / "v1" / "kv_cache_interface.py"
