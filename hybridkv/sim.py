@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm.auto import tqdm
 
-from .alloc import HybridAllocator, PoolExhausted
+from .alloc import RECOVERY_POLICIES, HybridAllocator, PoolExhausted
 from .costmodel import GPU, H100_SXM, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -59,7 +59,9 @@ class SimConfig:
     prefill cannot export a checkpoint (vLLM 0.32's Gated DeltaNet, or any GPU without
     FlashInfer's GDN prefill), 1 for Mamba-2, and for vLLM 0.33's Gated DeltaNet under
     FlashInfer the block size (``lcm(hash_block_size, 64)`` with hits inside a block); the
-    default ``"auto"`` takes it from the plan's vLLM target.
+    default ``"auto"`` takes it from the plan's vLLM target. ``checkpoint_interval`` is where the
+    ``periodic`` and ``hash_boundary`` policies keep states inside a prompt (exported from inside
+    the prefill when the alignment divides it, else prefill chunks end there).
 
     Memory is sampled every ``sample_every`` steps; once ``max_samples`` samples are taken the
     interval doubles (every other sample is dropped), so long runs keep at most that many."""
@@ -75,6 +77,7 @@ class SimConfig:
     fast_decode: bool = True  # park decoding requests between allocator events (same results)
     prefix_cache_retention_interval: int | None = 0
     prefill_checkpoint_alignment: int | str | None = "auto"
+    checkpoint_interval: int | None = None  # periodic / hash_boundary (default 512)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,10 @@ class SimResult:
 
     ``saved_flops``: prefill FLOPs (one rank) of the prompt tokens served from the prefix cache,
     :func:`hybridkv.costmodel.prefill_flops` of each admission's hit. ``sample_t_s``: the
-    simulated time of each memory sample."""
+    simulated time of each memory sample. ``checkpoints``: state checkpoints cached over the
+    run (at one position, in every state group), ``checkpoint_bytes`` the pages they took (a
+    checkpoint lives until evicted, so this is memory *churn*; ``state_bytes`` is what is
+    held)."""
 
     layout: str
     num_requests: int
@@ -103,6 +109,8 @@ class SimResult:
     memory_bytes: int
     saved_flops: float = 0.0
     sample_t_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    checkpoints: int = 0  # state checkpoints cached (every state group at one position)
+    checkpoint_bytes: int = 0  # the state memory those checkpoints were given, in total
 
     @property
     def token_hit_rate(self) -> float:
@@ -126,6 +134,14 @@ class SimResult:
             "ttft_p90_ms": round(1e3 * float(np.quantile(ttft, 0.9)), 3) if ttft.size else 0.0,
             "throughput_tok_s": round(self.throughput_tok_s, 1),
             "padding_bytes": self.padding_bytes,
+            "checkpoints": self.checkpoints,
+            "checkpoint_gib": round(self.checkpoint_bytes / 2**30, 3),
+            "state_gib_mean": round(float(self.state_bytes.mean()) / 2**30, 3)
+            if self.state_bytes.size
+            else 0.0,
+            "kv_gib_mean": round(float(self.kv_bytes.mean()) / 2**30, 3)
+            if self.kv_bytes.size
+            else 0.0,
         }
 
 
@@ -211,6 +227,7 @@ def simulate(
         max_model_len=config.max_model_len,
         prefix_cache_retention_interval=config.prefix_cache_retention_interval,
         prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
+        checkpoint_interval=config.checkpoint_interval,
     )
     coster = StepCoster(model, config.gpu)
     windows = bool(coster.windows)  # sliding-window layers: decode cost needs every context
@@ -219,7 +236,8 @@ def simulate(
     caching = config.enable_prefix_caching and bool(plan.state_groups)
     vllm_split = caching and config.checkpoint_policy == "align"
     stop_last_block = caching and config.checkpoint_policy == "align_every_block"
-    stop_next = caching and config.checkpoint_policy == "marconi"
+    # marconi's branch points; periodic / hash_boundary positions when not exported
+    stop_next = caching and config.checkpoint_policy in ("marconi", *RECOVERY_POLICIES)
     max_seqs = plan.config.max_num_seqs
     max_prefill = config.max_num_batched_tokens
     reqs = trace.requests
@@ -512,6 +530,8 @@ def simulate(
         memory_bytes=plan.config.memory_bytes,
         saved_flops=saved_flops,
         sample_t_s=np.asarray([x[1] for x in samples], dtype=np.float64),
+        checkpoints=alloc.num_checkpoints,
+        checkpoint_bytes=alloc.num_checkpoint_ids * _state_id_bytes(plan),
     )
 
 
@@ -533,6 +553,18 @@ def _chunk(remaining: int, budget: int, done: int, align: int, stop: int = 0) ->
     if done < stop < done + n:
         n = stop - done
     return n
+
+
+def _state_id_bytes(plan: MemoryPlan) -> int:
+    """Bytes one state id takes, averaged over the state groups (equal in every layout but
+    ``per_group`` with mixed state kinds)."""
+    sizes = [
+        g.page_bytes
+        if plan.pool_of(g.group_id).kind == "two_level"
+        else plan.pool_of(g.group_id).block_bytes
+        for g in plan.state_groups
+    ]
+    return sum(sizes) // len(sizes) if sizes else 0
 
 
 def _held_bytes(alloc: HybridAllocator, plan: MemoryPlan) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybridkv import models
-from hybridkv.alloc import CacheIndex, HybridAllocator, PoolExhausted
+from hybridkv.alloc import RECOVERY_POLICIES, CacheIndex, HybridAllocator, PoolExhausted
 from hybridkv.alloc.check import check_consistency
 from hybridkv.layouts import LAYOUTS, make_plan
 
@@ -61,6 +61,7 @@ class AllocMachine(RuleBasedStateMachine):
     slots = 2
     retention: int | None = 0  # align: in scheduler blocks (None: dense)
     export: int | None = None  # align: prefill_checkpoint_alignment (0: the block size)
+    interval: int | None = None  # periodic / hash_boundary: checkpoint_interval
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,6 +77,7 @@ class AllocMachine(RuleBasedStateMachine):
             prefill_checkpoint_alignment=(self.export or self.B)
             if self.export is not None
             else None,
+            checkpoint_interval=self.interval,
         )
         self.index = CacheIndex()
         self.prompts: list[list[int]] = []
@@ -251,6 +253,13 @@ CASES += [
     )
     for layout in LAYOUTS
 ]
+# states inside prompts, exported (alignment 1) or with the prefill cut at them
+CASES += [
+    ("qwen3.5-0.8b", layout, policy, 0, export)
+    for policy in RECOVERY_POLICIES
+    for export in (None, 1)
+    for layout in LAYOUTS
+]
 
 
 @pytest.mark.parametrize("model,layout,policy,retention,export", CASES)
@@ -266,6 +275,7 @@ def test_state_machine(model, layout, policy, retention, export):
             "slots": slots,
             "retention": retention,
             "export": export,
+            "interval": 32 if policy in RECOVERY_POLICIES else None,
         },
     )
     machine.TestCase.settings = settings(

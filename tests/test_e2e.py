@@ -202,3 +202,36 @@ def test_poison_catches_unwritten_state():
     eng._zero_states = lambda r: None  # type: ignore[method-assign]
     eng.generate({"p": _prompt(5, seed=0)}, 1)
     assert torch.isnan(eng.finished["p"].logits[0]).all()
+
+
+@pytest.mark.parametrize("policy", ["periodic", "hash_boundary"])
+@pytest.mark.parametrize("name", MODELS)
+def test_hit_on_a_state_kept_inside_the_prompt(name, policy):
+    """``periodic`` / ``hash_boundary`` keep states inside a prompt (the engine cannot export
+    them from inside a chunk, so its prefill ends there): a second prompt sharing 70 of the
+    first's 100 tokens resumes from the state at 64, and both match transformers."""
+    n = 3
+    first = _prompt(100, seed=11)
+    eng = Engine(
+        _model(name),
+        _plan(name, "pack"),
+        checkpoint_policy=policy,
+        checkpoint_interval=32,
+        prefill_chunk=128,  # no chunk ends at 64 but where the policy cuts
+    )
+    eng.generate({"a": first}, n)
+    second = first[:70] + _prompt(9, seed=12)
+    eng.generate({"b": second}, n)
+    for rid, prompt in (("a", first), ("b", second)):
+        tokens, _ = _reference(name, tuple(prompt), n)
+        assert eng.finished[rid].output == tokens
+    hit = eng.finished["b"].hits[0]
+    # periodic keeps 32 and 64; hash_boundary only the first prompt's last multiple of 32 (96)
+    want = 64 if policy == "periodic" else 0
+    assert hit.num_cached_tokens == want
+    assert bool(hit.state_copies) == bool(want)
+
+
+def test_engine_refuses_exports():
+    with pytest.raises(ValueError, match="cannot export"):
+        Engine(_model("bamba"), _plan("bamba", "pack"), prefill_checkpoint_alignment=1)

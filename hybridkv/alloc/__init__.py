@@ -21,11 +21,13 @@ from .errors import (
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from .index import CacheIndex
 from .manager import HitInfo, HybridAllocator
-from .policies import POLICIES
+from .policies import ALL_POLICIES, POLICIES, RECOVERY_POLICIES
 from .two_level import TwoLevelPool
 
 __all__ = [
+    "ALL_POLICIES",
     "POLICIES",
+    "RECOVERY_POLICIES",
     "AllBlocksCleared",
     "AllocatorError",
     "BlockPool",

@@ -138,8 +138,12 @@ class HybridAllocator:
 
     - ``hash_block_size``: tokens per prefix-cache hash unit; divides every group's block size
       (vLLM's ``prefix_match_unit``; vLLM's default is the block size).
-    - ``checkpoint_policy``: ``align`` (vLLM 0.33's), ``align_every_block``, ``last`` or
-      ``marconi`` (:mod:`.policies`).
+    - ``checkpoint_policy``: ``align`` (vLLM 0.33's), ``align_every_block``, ``last``,
+      ``marconi``, ``periodic`` or ``hash_boundary`` (:mod:`.policies`).
+    - ``checkpoint_interval`` (``periodic`` / ``hash_boundary`` only, default 512): where those
+      keep states inside a prompt; a multiple of ``hash_block_size``. They are exported from
+      inside the prefill (:attr:`last_exports`) when ``prefill_checkpoint_alignment`` divides
+      the interval, else :meth:`next_checkpoint` asks the scheduler to end chunks there.
     - ``prefix_cache_retention_interval`` (``align`` only): vLLM's option of that name: 0 keeps
       only the replay boundary and junction states, ``R > 0`` also every multiple of ``R`` a
       step ends on, ``None`` every block boundary a step ends on.
@@ -170,6 +174,7 @@ class HybridAllocator:
         eviction_window: int = 32,
         prefix_cache_retention_interval: int | None = 0,
         prefill_checkpoint_alignment: int | str | None = "auto",
+        checkpoint_interval: int | None = None,
     ) -> None:
         if hash_block_size < 1:
             raise ConfigError(f"hash_block_size must be >= 1, got {hash_block_size}")
@@ -202,6 +207,7 @@ class HybridAllocator:
                 hash_block_size,
                 retention_interval=prefix_cache_retention_interval,
                 prefill_checkpoint_alignment=prefill_checkpoint_alignment,
+                checkpoint_interval=checkpoint_interval,
             )
         except ValueError as e:
             if checkpoint_policy not in ALL_POLICIES:
@@ -209,7 +215,9 @@ class HybridAllocator:
             raise ConfigError(str(e)) from None
         self._vllm = self.policy.vllm if plan.state_groups else None
         # exports need the start of each step: multi-token allocations take the slow path
-        self._exports = self._vllm is not None and self._vllm.export is not None
+        self._exports = bool(plan.state_groups) and (
+            (self._vllm is not None and self._vllm.export is not None) or self.policy.exports_marks
+        )
         # hits inside a block (vLLM's partial hash hits): attention caches the prompt's tail
         self._promote = self._vllm is not None and self._vllm.partial and partial_block_hits
         #: states exported from inside the last committed step, ``(group, slot, position)``
@@ -265,6 +273,9 @@ class HybridAllocator:
         self._dirty: dict[Any, _Request] = {}  # allocated this step: commit has work
         self._sourced: dict[Any, _Request] = {}  # hold hit sources until the commit
         self.num_queries = self.num_query_tokens = self.num_hit_tokens = 0
+        #: state checkpoints cached (one per position, all state groups together), and the
+        #: state ids they took
+        self.num_checkpoints = self.num_checkpoint_ids = 0
 
     # ---- construction -----------------------------------------------------------------------
     def _build_pools(self) -> None:
@@ -717,7 +728,14 @@ class HybridAllocator:
                 if keep:
                     self._checkpoint(r, P, copies, held)
         elif self._state and known == P:
-            action = self.policy.at_step_end(P, r.branch_at)
+            if self._exports:
+                start, r.step_start = r.step_start, -1
+                if start >= 0:
+                    for m in self.policy.marks(start, P - 1, r.nprompt):
+                        self._checkpoint(r, m, self.last_exports, held, export=True)
+                    if self.policy.marks(P - 1, P, r.nprompt):
+                        self._checkpoint(r, P, copies, held)  # the step ends on one
+            action = self.policy.at_step_end(P, r.branch_at, r.nprompt)
             if action != NONE and P % h == 0:
                 if action == CACHE:
                     self._checkpoint(r, P, copies, held)
@@ -769,6 +787,8 @@ class HybridAllocator:
                 taken.extend((gid, sid) for gid, sid in zip(need, ids) if sid is not None)
         if not taken:
             return
+        self.num_checkpoints += 1
+        self.num_checkpoint_ids += len(taken)
         pool_of = self.pool
         for gid, dst in taken:
             pool = pool_of[gid]
@@ -803,6 +823,7 @@ class HybridAllocator:
         self._dirty.pop(req_id, None)  # allocated but never committed: not computed
         if self.caching and self.partial and r.end_ckpt:
             self._cache_tail_blocks(r, min(p for p, _ in r.end_ckpt.values()))
+        kept = False
         for gid, (P, sid) in r.end_ckpt.items():
             pool = self.pool[gid]
             if self.caching and len(r.hashes) >= P // self.h:
@@ -811,7 +832,10 @@ class HybridAllocator:
                     self.index.add(
                         key, sid, P // self.h - 1, r.hashes, 1, r.tokens, r.lora_id, True
                     )
+                    self.num_checkpoint_ids += 1
+                    kept = True
             pool.free((sid,))
+        self.num_checkpoints += kept
         r.end_ckpt = {}
         if r.sources:
             self._release_sources(r)
@@ -864,7 +888,8 @@ class HybridAllocator:
         """Where the policy wants a prefill chunk to end so that a state checkpoint is taken, or
         None: ``align``, where vLLM would end a chunk offered every remaining token
         (:meth:`split_prefill`); ``align_every_block``: the next block multiple; ``marconi``: a
-        pending branch point."""
+        pending branch point; ``periodic`` / ``hash_boundary`` without exports: the next
+        position they keep a state at."""
         r = self._get(req_id)
         if not self.caching or not self._state:
             return None
@@ -876,6 +901,8 @@ class HybridAllocator:
             return end if end < len(r.tokens) else None
         if self.policy.name == "align_every_block":
             return self.policy.next_position(r.num_alloc, -1)
+        if self.policy.interval and not self.policy.exports_marks:
+            return self.policy.next_mark(r.num_alloc, r.nprompt)
         return None
 
     def split_prefill(
@@ -1014,4 +1041,6 @@ class HybridAllocator:
             "cached_units": len(self.index.parent),
             "prefix_queries": self.num_queries,
             "prefix_hit_rate": self.num_hit_tokens / q,
+            "checkpoints": self.num_checkpoints,
+            "checkpoint_ids": self.num_checkpoint_ids,
         }

@@ -27,7 +27,24 @@ inside a prefill (vLLM's prefill checkpoint blocks) also gives one position insi
 - ``marconi`` (Marconi, MLSys'25): ``last`` plus a checkpoint at the *branch point* of a request
   whose prompt diverges from a cached prefix (attention KV is cached past the point where the
   state hit stops, so another request shared these tokens: the next one will too). Eviction
-  weighs recency against compute saved per byte (:class:`MarconiEvictor`).
+  weighs recency against compute saved per byte (:class:`MarconiEvictor`). Its admission is
+  what the name means when comparing policies: a state is admitted at a prefix only once a
+  second request has shown that prefix to be shared.
+- ``periodic`` (``checkpoint_interval`` ``N``): ``last`` plus a state at every multiple of ``N``
+  inside each prompt, exported from inside the prefill (SGLang keeps extra state buffers at a
+  fixed interval; Mamba-2's chunked scan and the chunked Gated-DeltaNet kernels compute the
+  state at every chunk boundary anyway). A later prompt sharing ``P`` tokens hits at the last
+  multiple of ``N`` below ``P``, whatever ``P`` is; each kept state costs a whole state page,
+  about ``state / N`` bytes per prompt token.
+- ``hash_boundary`` (``checkpoint_interval`` ``N``): ``last`` plus one state per prompt, at its
+  last multiple of ``N`` (``N`` = a trace's hash unit: Mooncake's 512). A request that shares
+  every whole ``N``-token block of an earlier prompt (the next turn of a conversation as a
+  block-hashed trace records it, or another question on the same document) hits there.
+
+Where a backend cannot export from inside a prefill (``prefill_checkpoint_alignment`` ``None``,
+or an interval that is not a multiple of it), ``periodic`` and ``hash_boundary`` end prefill
+chunks at those positions instead (:meth:`CheckpointPolicy.next_mark`, asked through the
+allocator's ``next_checkpoint``): the same states, more, smaller steps.
 """
 
 from __future__ import annotations
@@ -42,8 +59,10 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "ALL_POLICIES",
     "CACHE",
+    "DEFAULT_CHECKPOINT_INTERVAL",
     "NONE",
     "POLICIES",
+    "RECOVERY_POLICIES",
     "ROLLING",
     "CheckpointPolicy",
     "MarconiEvictor",
@@ -53,8 +72,12 @@ __all__ = [
 NONE, CACHE, ROLLING = 0, 1, 2
 #: the policies a deployment can choose between (``align`` is vLLM's)
 POLICIES = ("align", "last", "marconi")
+#: policies that keep extra states inside prompts, to recover reuse the others miss
+RECOVERY_POLICIES = ("periodic", "hash_boundary")
 #: every policy name the allocator accepts: ``align_every_block`` is a bound, not a system
-ALL_POLICIES = (*POLICIES, "align_every_block")
+ALL_POLICIES = (*POLICIES, *RECOVERY_POLICIES, "align_every_block")
+#: ``checkpoint_interval`` when none is given: Mooncake's hash unit
+DEFAULT_CHECKPOINT_INTERVAL = 512
 
 _INF = 1 << 62
 
@@ -298,6 +321,7 @@ class CheckpointPolicy:
         *,
         retention_interval: int | None = 0,
         prefill_checkpoint_alignment: int | None = None,
+        checkpoint_interval: int | None = None,
     ) -> None:
         if name not in ALL_POLICIES:
             raise ValueError(
@@ -309,9 +333,29 @@ class CheckpointPolicy:
         # align: every state group checkpoints at its block multiples; they share one size in
         # every layout, and the lcm keeps all groups in step if they did not.
         self.block = block
-        self.keeps_end_state = name in ("last", "marconi")
+        self.keeps_end_state = name in ("last", "marconi", *RECOVERY_POLICIES)
         self.branches = name == "marconi"
         self.vllm: VllmAlign | None = None
+        #: periodic / hash_boundary: the interval of the states kept inside prompts (0: none)
+        self.interval = 0
+        #: those states are exported from inside a prefill step (else chunks end at them)
+        self.exports_marks = False
+        if checkpoint_interval is not None and name not in RECOVERY_POLICIES:
+            raise ValueError(
+                f"checkpoint_interval applies to the {' and '.join(RECOVERY_POLICIES)} policies, "
+                f"not {name!r}; leave it unset"
+            )
+        if name in RECOVERY_POLICIES:
+            n = DEFAULT_CHECKPOINT_INTERVAL if checkpoint_interval is None else checkpoint_interval
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n % hash_block_size:
+                raise ValueError(
+                    f"checkpoint_interval must be a positive multiple of the hash unit "
+                    f"({hash_block_size} tokens): a state is only found at a hash boundary; "
+                    f"got {n!r}"
+                )
+            self.interval = n
+            a = prefill_checkpoint_alignment
+            self.exports_marks = a is not None and a >= 1 and n % a == 0
         if name == "align_every_block":
             self.step = block
         elif name == "align":
@@ -353,11 +397,35 @@ class CheckpointPolicy:
         else:
             self.step = hash_block_size
 
-    def at_step_end(self, P: int, branch_at: int) -> int:
-        """For ``align_every_block``, ``last`` and ``marconi`` (``align``: :class:`VllmAlign`)."""
+    def marks(self, start: int, end: int, num_prompt: int) -> list[int]:
+        """``periodic`` / ``hash_boundary``: the positions in ``(start, end]`` at which a state
+        is kept inside the prompt (states strictly inside a prompt: the end state is
+        ``last``'s)."""
+        N = self.interval
+        if not N:
+            return []
+        top = min(end, num_prompt - 1)
+        if self.name == "hash_boundary":
+            m = (num_prompt - 1) // N * N
+            return [m] if start < m <= top and m > 0 else []
+        return list(range((start // N + 1) * N, top + 1, N))
+
+    def next_mark(self, after: int, num_prompt: int) -> int | None:
+        """The first position of :meth:`marks` past ``after``, or None."""
+        if self.name == "periodic":
+            m = (after // self.interval + 1) * self.interval
+            return m if m < num_prompt else None
+        found = self.marks(after, num_prompt - 1, num_prompt)
+        return found[0] if found else None
+
+    def at_step_end(self, P: int, branch_at: int, num_prompt: int = 0) -> int:
+        """For every policy but ``align`` (:class:`VllmAlign`); ``num_prompt`` locates the
+        states ``periodic`` and ``hash_boundary`` keep inside a prompt."""
         if P <= 0:
             return NONE
         if self.branches and branch_at == P:
+            return CACHE
+        if self.interval and not self.exports_marks and self.marks(P - 1, P, num_prompt):
             return CACHE
         if P % self.step:
             return NONE

@@ -119,6 +119,11 @@ class Engine:
         # mid-prefill checkpoints vLLM's Mamba-2 / FlashInfer GDN kernels do: vLLM's scheduler
         # then splits the prefill at the checkpoint instead (prefill_checkpoint_alignment=None)
         alloc_kwargs.setdefault("prefill_checkpoint_alignment", None)
+        if alloc_kwargs["prefill_checkpoint_alignment"] is not None:
+            raise ValueError(
+                "the engine's prefill cannot export states from inside a chunk; leave "
+                "prefill_checkpoint_alignment unset (chunks then end where states are kept)"
+            )
         self.alloc = HybridAllocator(plan, **alloc_kwargs)
         self.max_num_seqs = max_num_seqs or plan.config.max_num_seqs
         self.prefill_chunk = prefill_chunk

@@ -1,0 +1,221 @@
+"""The ``periodic`` and ``hash_boundary`` checkpoint policies: states kept inside prompts so that a
+later prompt sharing only part of an earlier one (a whole number of a trace's hash blocks) still
+finds a state. Checked on the allocator directly (where the states are and what a hit gets), in
+both modes (exported from inside the prefill, or prefill chunks cut at them), and in the
+simulator (the same hits either way, the memory they take)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from hybridkv import models
+from hybridkv.alloc import ALL_POLICIES, RECOVERY_POLICIES, ConfigError, HybridAllocator
+from hybridkv.alloc.check import check_consistency
+from hybridkv.alloc.policies import CheckpointPolicy
+from hybridkv.layouts import make_plan
+from hybridkv.sim import SimConfig, simulate
+from hybridkv.traces import Request, Trace
+
+H = 16
+
+
+@functools.cache
+def _plan(layout: str = "per_group", memory: str = "2GiB"):
+    return make_plan(
+        models.load("qwen3.5-0.8b"),
+        layout,
+        memory=memory,
+        max_num_seqs=8,
+        block_size=16,
+        cache_state_slots=64,
+    )
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 50_000, n).tolist()
+
+
+def _run_prompt(a: HybridAllocator, rid: str, prompt: list[int], chunk: int = 10_000) -> int:
+    """Admit ``prompt`` and prefill it in steps of at most ``chunk`` tokens, ending steps where
+    the allocator asks (``next_checkpoint``); returns the hit."""
+    hit = a.add_request(rid, prompt)
+    done = hit.num_cached_tokens
+    while done < len(prompt):
+        n = min(chunk, len(prompt) - done)
+        stop = a.next_checkpoint(rid)
+        if stop is not None and done < stop < done + n:
+            n = stop - done
+        assert a.allocate_slots(rid, n)
+        a.take_state_copies()
+        check_consistency(a)
+        done += n
+    return hit.num_cached_tokens
+
+
+def _alloc(policy: str, interval: int | None, exports: bool) -> HybridAllocator:
+    return HybridAllocator(
+        _plan(),
+        hash_block_size=H,
+        checkpoint_policy=policy,
+        checkpoint_interval=interval,
+        prefill_checkpoint_alignment=1 if exports else None,
+        max_model_len=1 << 16,
+    )
+
+
+def test_policy_names():
+    assert set(RECOVERY_POLICIES) == {"periodic", "hash_boundary"}
+    assert set(RECOVERY_POLICIES) <= set(ALL_POLICIES)
+
+
+@pytest.mark.parametrize(
+    ("policy", "start", "end", "prompt", "expected"),
+    [
+        ("periodic", 0, 1199, 1200, [512, 1024]),
+        ("periodic", 512, 1199, 1200, [1024]),
+        ("periodic", 0, 5000, 1024, [512]),  # not the prompt's end (that is `last`'s state)
+        ("periodic", 0, 5000, 1025, [512, 1024]),
+        ("hash_boundary", 0, 1199, 1200, [1024]),
+        ("hash_boundary", 0, 1000, 1200, []),
+        ("hash_boundary", 0, 1199, 1024, [512]),
+        ("hash_boundary", 0, 500, 400, []),  # a prompt shorter than one unit has none
+    ],
+    ids=lambda v: str(v),
+)
+def test_marks(policy, start, end, prompt, expected):
+    pol = CheckpointPolicy(policy, _plan(), H, checkpoint_interval=512)
+    assert pol.marks(start, end, prompt) == expected
+    first = pol.next_mark(start, prompt)
+    assert first == (pol.marks(start, prompt - 1, prompt) or [None])[0]
+
+
+@pytest.mark.parametrize(
+    ("policy", "interval", "match"),
+    [
+        ("periodic", 100, "multiple of the hash unit"),
+        ("periodic", 0, "positive multiple"),
+        ("hash_boundary", -512, "positive multiple"),
+        ("last", 512, "applies to the periodic and hash_boundary"),
+        ("align", 512, "applies to the periodic and hash_boundary"),
+    ],
+    ids=["not-a-hash-multiple", "zero", "negative", "last", "align"],
+)
+def test_bad_interval(policy, interval, match):
+    with pytest.raises(ConfigError, match=match):
+        HybridAllocator(_plan(), checkpoint_policy=policy, checkpoint_interval=interval)
+
+
+@pytest.mark.parametrize("exports", [True, False], ids=["exported", "split"])
+@pytest.mark.parametrize(
+    ("policy", "interval", "shared", "want"),
+    [
+        ("periodic", 512, 1100, 1024),  # the last multiple of 512 inside the shared part
+        ("periodic", 512, 700, 512),
+        ("periodic", 256, 700, 512),
+        ("hash_boundary", 512, 1100, 1024),  # the first prompt's last 512 boundary
+        ("hash_boundary", 512, 700, 0),  # shares less than that boundary: nothing
+        ("last", None, 1100, 0),  # the end state (at 1200) is no prefix of the second prompt
+    ],
+    ids=lambda v: str(v),
+)
+def test_second_prompt_hits_inside_the_first(policy, interval, shared, want, exports):
+    a = _alloc(policy, interval, exports)
+    first = _tokens(1200, seed=1)
+    _run_prompt(a, "a", first)
+    a.free("a")
+    second = first[:shared] + _tokens(300, seed=2)
+    assert _run_prompt(a, "b", second) == want
+    check_consistency(a)
+
+
+def test_exports_report_slots_and_positions():
+    """Exported states come back from the step's commit as ``(group, slot, position)``, one per
+    state group and position, into slots cached at those positions."""
+    a = _alloc("periodic", 512, exports=True)
+    a.add_request("a", _tokens(1600, seed=3))
+    assert a.allocate_slots("a", 1600)
+    copies = a.take_state_copies()
+    positions = sorted({p for _, _, p in a.last_exports})
+    assert positions == [512, 1024, 1536]
+    assert len(a.last_exports) == 3 * len(_plan().state_groups)
+    assert a.num_checkpoints == 3
+    assert not any(dst == a.state_slot("a", g) for g, _, dst in copies)
+    check_consistency(a)
+
+
+def test_split_mode_cuts_the_prefill():
+    a = _alloc("periodic", 512, exports=False)
+    a.add_request("a", _tokens(1200, seed=4))
+    assert a.next_checkpoint("a") == 512
+    assert a.allocate_slots("a", 512)
+    a.take_state_copies()
+    assert a.next_checkpoint("a") == 1024
+    assert a.num_checkpoints == 1
+
+
+def _doc_trace(n_docs: int = 3, per_doc: int = 4) -> Trace:
+    """Documents asked several questions: each prompt is a document then its own question, so
+    prompts share the document's length exactly (not a block multiple)."""
+    reqs, t = [], 0.0
+    rng = np.random.default_rng(5)
+    docs = [_tokens(int(rng.integers(1500, 2600)), seed=10 + d) for d in range(n_docs)]
+    for q in range(per_doc):
+        for d, doc in enumerate(docs):
+            prompt = doc + _tokens(int(rng.integers(20, 200)), seed=100 + 10 * q + d)
+            reqs.append(Request(len(reqs), t, np.asarray(prompt), 8, shared_prefix_length=None))
+            t += 2.0
+    return Trace("docs", tuple(reqs))
+
+
+@pytest.mark.parametrize("policy", ["periodic", "hash_boundary"])
+def test_simulator_same_hits_exported_or_split(policy):
+    """Exporting the states or ending chunks at them keeps the same states: the same hits."""
+    plan, model = _plan("inflate", "4GiB"), models.load("qwen3.5-0.8b")
+    trace = _doc_trace()
+    got = {}
+    for exports in (1, None):
+        cfg = SimConfig(
+            checkpoint_policy=policy,
+            checkpoint_interval=256,
+            hash_block_size=H,
+            prefill_checkpoint_alignment=exports,
+        )
+        got[exports] = simulate(plan, model, trace, cfg)
+    a, b = got[1], got[None]
+    assert a.hit_tokens == b.hit_tokens > 0
+    assert a.checkpoints == b.checkpoints > 0
+    assert b.steps > a.steps  # split mode runs more, smaller steps
+
+
+def test_simulator_recovers_what_last_misses_and_reports_its_memory():
+    plan, model = _plan("inflate", "4GiB"), models.load("qwen3.5-0.8b")
+    trace = _doc_trace()
+    res = {
+        p: simulate(
+            plan,
+            model,
+            trace,
+            SimConfig(
+                checkpoint_policy=p,
+                hash_block_size=H,
+                checkpoint_interval=256 if p in RECOVERY_POLICIES else None,
+            ),
+        )
+        for p in ("last", "periodic", "hash_boundary")
+    }
+    assert res["last"].hit_tokens == 0  # no document ends where a question starts
+    assert res["periodic"].hit_tokens > res["hash_boundary"].hit_tokens > 0
+    # periodic keeps a state every 256 tokens of every prompt, hash_boundary one per prompt
+    # (where no hit already holds one), last only end states
+    c = {p: r.checkpoints for p, r in res.items()}
+    assert c["periodic"] > c["hash_boundary"] > c["last"]
+    for r in res.values():
+        s = r.summary()
+        per = r.checkpoint_bytes / max(1, r.checkpoints)
+        state_page = plan.pool_of(plan.state_groups[0].group_id).block_bytes
+        assert per == pytest.approx(len(plan.state_groups) * state_page, rel=0.01)
+        assert s["checkpoints"] == r.checkpoints
+        assert s["state_gib_mean"] > 0
