@@ -90,6 +90,7 @@ class _Request:
         "extra",
         "hashes",
         "junction",
+        "last_mark",
         "lead",
         "limit",
         "lora_id",
@@ -131,6 +132,7 @@ class _Request:
         self.nprompt = len(tokens)  # align: the prompt's length (vLLM's num_prompt_tokens)
         self.junction = 0  # align: vLLM's shared_prefix_boundary, found at admission
         self.step_start = -1  # align with exports: num_alloc when the uncommitted step began
+        self.last_mark = 0  # periodic / hash_boundary: the last position a state was kept at
 
 
 class HybridAllocator:
@@ -733,14 +735,21 @@ class HybridAllocator:
                 if start >= 0:
                     for m in self.policy.marks(start, P - 1, r.nprompt):
                         self._checkpoint(r, m, self.last_exports, held, export=True)
+                        r.last_mark = m
                     if self.policy.marks(P - 1, P, r.nprompt):
                         self._checkpoint(r, P, copies, held)  # the step ends on one
+                        r.last_mark = P
             action = self.policy.at_step_end(P, r.branch_at, r.nprompt)
             if action != NONE and P % h == 0:
                 if action == CACHE:
                     self._checkpoint(r, P, copies, held)
                     if r.branch_at == P:
                         r.branch_at = -1
+                    elif self.policy.interval:
+                        # a kept state inside the prompt is also the newest end state (as
+                        # when it is exported from a step that ends on it)
+                        r.last_mark = P
+                        self._roll(r, P, copies)
                 elif action == ROLLING:
                     self._roll(r, P, copies)
         self._set_limit(r)
@@ -821,8 +830,11 @@ class HybridAllocator:
         entry. Raises :class:`DoubleFree` or :class:`UnknownRequest` for ids not running."""
         r = self._get(req_id)
         self._dirty.pop(req_id, None)  # allocated but never committed: not computed
-        if self.caching and self.partial and r.end_ckpt:
-            self._cache_tail_blocks(r, min(p for p, _ in r.end_ckpt.values()))
+        if self.caching and self.partial and (r.end_ckpt or r.last_mark):
+            # the partly filled last block, up to the newest state kept in it: the end state,
+            # or a state periodic / hash_boundary kept inside the prompt
+            ends = [p for p, _ in r.end_ckpt.values()]
+            self._cache_tail_blocks(r, max(min(ends, default=0), r.last_mark))
         kept = False
         for gid, (P, sid) in r.end_ckpt.items():
             pool = self.pool[gid]
