@@ -3,7 +3,8 @@
 - :mod:`~hybridkv.traces.request`: :class:`Request` and :class:`Trace`.
 - :mod:`~hybridkv.traces.dists`: log-normal lengths and Poisson arrivals.
 - :mod:`~hybridkv.traces.synthetic`: seeded generators (:data:`WORKLOADS`).
-- :mod:`~hybridkv.traces.jsonl`: reading and writing real traces.
+- :mod:`~hybridkv.traces.jsonl`: reading and writing real traces; Mooncake's synthetic workload
+  ships with the package (:func:`load_mooncake`).
 - :mod:`~hybridkv.traces.reuse`: what block granularity alone costs a prefix cache.
 
 >>> from hybridkv import traces
@@ -13,9 +14,22 @@ True
 """
 
 from .dists import LogNormal, poisson_arrivals
-from .jsonl import load_jsonl, save_jsonl, synthetic_tokens
+from .jsonl import (
+    MOONCAKE_SYNTHETIC,
+    SHARED_LENGTHS,
+    load_jsonl,
+    load_mooncake,
+    save_jsonl,
+    synthetic_tokens,
+)
 from .request import Request, Trace
-from .reuse import block_hit_tokens, hashed_shared_prefix, hit_fraction, infinite_cache_hits
+from .reuse import (
+    block_hit_tokens,
+    hashed_shared_prefix,
+    hit_fraction,
+    infinite_cache_hits,
+    lru_cache_hits,
+)
 from .synthetic import (
     VOCAB_SIZE,
     WORKLOADS,
@@ -27,6 +41,8 @@ from .synthetic import (
 )
 
 __all__ = [
+    "MOONCAKE_SYNTHETIC",
+    "SHARED_LENGTHS",
     "VOCAB_SIZE",
     "WORKLOADS",
     "LogNormal",
@@ -39,6 +55,8 @@ __all__ = [
     "hit_fraction",
     "infinite_cache_hits",
     "load_jsonl",
+    "load_mooncake",
+    "lru_cache_hits",
     "multi_turn_chat",
     "no_sharing",
     "poisson_arrivals",

@@ -2,9 +2,11 @@
 
 Fields (unknown fields are ignored, so richer traces load as they are):
 
-- ``timestamp`` (required): arrival time in seconds (times ``time_scale``, e.g. ``1e-3`` for
-  milliseconds); non-decreasing down the file. With ``rebase`` (default) the first request
-  arrives at 0.
+- ``timestamp`` (required): arrival time, in seconds times ``time_scale``; non-decreasing down
+  the file. ``time_scale=None`` (default) reads Mooncake's format (lines with ``hash_ids``) in
+  milliseconds and anything else in seconds, and records which in ``Trace.params``. With
+  ``rebase`` (default) the first request arrives at 0. ``rate_scale`` is a load factor: arrival
+  times are divided by it (0.05 replays one GPU's share of a 20-GPU cluster's trace).
 - ``output_length`` (required): tokens generated, ``>= 1``.
 - the prompt, one of:
 
@@ -24,7 +26,26 @@ Fields (unknown fields are ignored, so richer traces load as they are):
 Synthesised tokens are a deterministic function of ``seed`` and the group key, hash id or line
 (a splitmix64 hash), so loading a file twice gives identical token ids, and a group's tokens do
 not depend on which other lines the file holds. A malformed line raises :class:`ValueError`
-naming the file, the line number and the problem.
+naming the file, the line number and the problem. ``limit`` reads only the first requests.
+
+**How long is a shared prefix?** Block hashes say only that two prompts share whole blocks, not
+where the sharing really ends, and a recurrent state can be reused only at the exact position it
+was saved at, so the answer decides what a hybrid model's cache can serve. ``shared_length``
+picks a reading; it is recorded in ``Trace.params``:
+
+- ``"blocks"`` (default): two prompts share exactly the whole hash blocks their ids agree on; a
+  block's tokens depend only on its chain of ids (a prompt's partial last block is a prefix of
+  any longer block with the same chain).
+- ``"continuation"``: a prompt whose ids begin with every whole block of an earlier prompt, and
+  which is at least as long, *continues* it, as a chat's next turn does: it starts with that
+  earlier prompt exactly, then (if it has room) that request's answer, then its own tokens. The
+  parent is the earlier request with the longest such chain (the latest among equals); its
+  answer gets synthesised ``output_ids`` so a simulator decodes the very tokens the next turn
+  resends. Tokens are still recorded per chain of ids, so prompts that share ids share tokens.
+
+The truth lies between: in a multi-turn chat the next turn resends the previous one exactly
+(``continuation``); several questions on one long document share the document, which ends
+somewhere inside the block where the questions differ (neither reading is exact there).
 """
 
 from __future__ import annotations
@@ -42,10 +63,21 @@ import numpy as np
 from .request import Request, Trace
 from .synthetic import VOCAB_SIZE
 
-__all__ = ["load_jsonl", "save_jsonl", "synthetic_tokens"]
+__all__ = [
+    "MOONCAKE_SYNTHETIC",
+    "SHARED_LENGTHS",
+    "load_jsonl",
+    "load_mooncake",
+    "save_jsonl",
+    "synthetic_tokens",
+]
 
 #: Mooncake traces hash prompts in blocks of 512 tokens
 MOONCAKE_BLOCK = 512
+#: Mooncake's synthetic workload (FAST'25 release, Apache-2.0), shipped with the package
+MOONCAKE_SYNTHETIC = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
+#: readings of a continuation's shared length (module docstring)
+SHARED_LENGTHS = ("blocks", "continuation")
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -96,21 +128,47 @@ def load_jsonl(
     path: str | PathLike[str],
     *,
     seed: int = 0,
-    time_scale: float = 1.0,
+    time_scale: float | None = None,
     rebase: bool = True,
     hash_block_size: int = MOONCAKE_BLOCK,
     vocab_size: int = VOCAB_SIZE,
     name: str | None = None,
+    limit: int | None = None,
+    rate_scale: float = 1.0,
+    shared_length: str = "blocks",
 ) -> Trace:
-    """Read a trace; see the module docstring for the format."""
+    """Read a trace; see the module docstring for the format and the options."""
     path = Path(path)
+    if shared_length not in SHARED_LENGTHS:
+        raise ValueError(
+            f"shared_length must be one of {', '.join(SHARED_LENGTHS)}, got {shared_length!r}"
+        )
+    if isinstance(rate_scale, bool) or not (
+        isinstance(rate_scale, (int, float)) and math.isfinite(rate_scale) and rate_scale > 0
+    ):
+        raise ValueError(
+            f"rate_scale must be a finite number > 0 (0.05: arrivals 20x further apart), "
+            f"got {rate_scale!r}"
+        )
+    if time_scale is not None and not (
+        isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale > 0
+    ):
+        raise ValueError(
+            f"time_scale must be a number > 0 (seconds per timestamp unit: 1e-3 for ms), "
+            f"got {time_scale!r}"
+        )
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit must be a positive number of requests, got {limit!r}")
+    unit_note = "" if time_scale is None else "as given"
     rows: list[dict[str, Any]] = []
     group_max: dict[int, int] = {}  # longest prefix of each group seen so far
-    chains: dict[int, int] = {}  # hash_ids chain key -> longest block seen with it
+    state = _HashState(continuation=shared_length == "continuation")
     first_t: float | None = None
     last_t = -math.inf
     with path.open() as fh:
         for lineno, text in enumerate(fh, 1):
+            if limit is not None and len(rows) >= limit:
+                break
             if not text.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -126,7 +184,15 @@ def load_jsonl(
             ts = line["timestamp"]
             if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
                 raise ValueError(f"{where}: 'timestamp' must be a finite number, got {ts!r}")
-            t = float(ts) * time_scale
+            if time_scale is None:
+                mooncake = "hash_ids" in line
+                time_scale = 1e-3 if mooncake else 1.0
+                unit_note = (
+                    "milliseconds (Mooncake's format: lines with hash_ids)"
+                    if mooncake
+                    else "seconds (no hash_ids: not Mooncake's format)"
+                )
+            t = float(ts) * time_scale / rate_scale
             if t < last_t:
                 raise ValueError(
                     f"{where}: timestamp {ts} is earlier than the previous line's; sort the "
@@ -223,7 +289,7 @@ def load_jsonl(
     # synthesise prompts in file order; unique tokens come from one generator
     rng = np.random.default_rng(seed)
     group_tokens: dict[int, np.ndarray] = {}
-    for row in rows:
+    for i, row in enumerate(rows):
         if "prompt" in row:
             pass
         elif "prefix" in row:
@@ -237,21 +303,7 @@ def load_jsonl(
             row["shared"] = min(p, group_max.get(g, 0))
             group_max[g] = max(p, group_max.get(g, 0))
         elif "hash_ids" in row:
-            n, hids, parts = row["length"], row["hash_ids"], []
-            shared, chain, matching = 0, 0, True
-            for k, h in enumerate(hids):
-                size = min(hash_block_size, n - k * hash_block_size)
-                parts.append(synthetic_tokens(_key("hash", h, seed), size, vocab_size))
-                chain = hash((chain, h))
-                seen = chains.get(chain, 0)
-                if matching:
-                    shared += min(size, seen)
-                    matching = seen >= size
-                chains[chain] = max(seen, size)
-            covered = sum(p.size for p in parts)
-            parts.append(rng.integers(0, vocab_size, n - covered, dtype=np.int32))
-            row["prompt"] = np.concatenate(parts)
-            row["shared"] = shared
+            _hashed_prompt(row, i, rows, seed, hash_block_size, vocab_size, rng, state)
         else:
             row["prompt"] = rng.integers(0, vocab_size, row["length"], dtype=np.int32)
             row["shared"] = 0
@@ -282,8 +334,117 @@ def load_jsonl(
             )
         except ValueError as exc:
             raise ValueError(f"{path}:{row['lineno']}: {exc}") from None
-    params = {"path": str(path), "seed": seed, "time_scale": time_scale, "rebase": rebase}
+    params = {
+        "path": str(path),
+        "seed": seed,
+        "time_scale": time_scale,
+        "time_unit": unit_note,
+        "rate_scale": rate_scale,
+        "rebase": rebase,
+        "limit": limit,
+        "shared_length": shared_length,
+        "hash_block_size": hash_block_size,
+    }
     return Trace(name or path.stem, tuple(requests), params)
+
+
+_EMPTY = np.zeros(0, np.int32)
+
+
+class _HashState:
+    """What synthesising hash-id prompts remembers across lines."""
+
+    def __init__(self, continuation: bool) -> None:
+        self.continuation = continuation
+        self.chain_len: dict[int, int] = {}  # chain key -> longest block seen with it
+        self.blocks: dict[int, np.ndarray] = {}  # chain key -> that block's tokens
+        self.parents: dict[int, int] = {}  # chain key of a prompt's whole blocks -> its row
+
+
+def _hashed_prompt(
+    row: dict[str, Any],
+    index: int,
+    rows: list[dict[str, Any]],
+    seed: int,
+    unit: int,
+    vocab_size: int,
+    rng: np.random.Generator,
+    st: _HashState,
+) -> None:
+    """Synthesise a ``hash_ids`` prompt (module docstring) and its shared length."""
+    n, hids = row["length"], row["hash_ids"]
+    keys, chain = [], 0
+    for h in hids:
+        chain = hash((chain, h))
+        keys.append(chain)
+    base = np.zeros(0, np.int32)
+    parent = None
+    if st.continuation:
+        # the longest chain of this prompt's ids that is an earlier prompt's whole blocks
+        for k in range(len(keys), 0, -1):
+            i = st.parents.get(keys[k - 1])
+            if i is not None and rows[i]["length"] <= n:
+                parent = rows[i]
+                break
+    if parent is not None:
+        if "output_ids" not in parent:
+            parent["output_ids"] = synthetic_tokens(
+                _key("output", parent["lineno"], seed), parent["output_length"], vocab_size
+            )
+        base = parent["prompt"]
+        if n >= base.size + parent["output_ids"].size:
+            base = np.concatenate([base, parent["output_ids"]])
+    parts, shared, matching = [], 0, True
+    for k, (h, key) in enumerate(zip(hids, keys)):
+        lo = k * unit
+        size = min(unit, n - lo)
+        known = st.blocks.get(key, _EMPTY)
+        if known.size >= size:
+            block = known[:size]
+        elif not known.size and base.size <= lo:  # the common case: plain tokens
+            block = synthetic_tokens(_key("hash", h, seed), size, vocab_size)
+        else:
+            # extend what is known of this chain's block: the parent's tokens, then tokens that
+            # depend only on the hash id and position (so blocks of one chain stay prefixes of
+            # one another); only blocks that are not those plain tokens are remembered
+            fill = base[lo + known.size : lo + size]
+            synth = synthetic_tokens(_key("hash", h, seed), size, vocab_size)
+            block = np.concatenate([known, fill, synth[known.size + fill.size :]])
+            if known.size or not np.array_equal(fill, synth[: fill.size]):
+                st.blocks[key] = block
+        parts.append(block)
+        seen = st.chain_len.get(key, 0)
+        if matching:
+            shared += min(size, seen)
+            matching = seen >= size
+        st.chain_len[key] = max(seen, size)
+    covered = sum(p.size for p in parts)
+    rest = base[covered:n]
+    parts.append(rest)
+    parts.append(rng.integers(0, vocab_size, n - covered - rest.size, dtype=np.int32))
+    row["prompt"] = np.concatenate(parts)
+    if parent is not None:
+        # the parent's prompt (and answer) as resent: compared, since a block another request
+        # recorded first wins over the parent's tokens
+        m = min(base.size, n)
+        differ = np.flatnonzero(row["prompt"][:m] != base[:m])
+        shared = max(shared, int(differ[0]) if differ.size else m)
+    row["shared"] = shared
+    whole = n // unit
+    if st.continuation and whole:
+        st.parents[keys[whole - 1]] = index
+
+
+def load_mooncake(**options: Any) -> Trace:
+    """Mooncake's synthetic workload (:data:`MOONCAKE_SYNTHETIC`: 3,993 requests, timestamps in
+    ms, 512-token hash blocks; provenance in ``data/README.md`` beside it), read by
+    :func:`load_jsonl` with ``options`` (``limit``, ``rate_scale``, ``shared_length``, ...)."""
+    if not MOONCAKE_SYNTHETIC.exists():
+        raise FileNotFoundError(
+            2, "the Mooncake trace is missing from this installation", str(MOONCAKE_SYNTHETIC)
+        )
+    options.setdefault("name", "mooncake_synthetic")
+    return load_jsonl(MOONCAKE_SYNTHETIC, **options)
 
 
 def _line(r: Request) -> dict[str, Any]:

@@ -11,18 +11,26 @@ Two bounds for a cache with ``block_size``-token blocks and unlimited memory:
   ``max(0, floor(P / B) - 1) * B`` cached tokens (reference facts, section 6).
 
 These ignore eviction, memory and scheduling: they are what block granularity alone costs. A
-cache simulator gives the numbers under a memory budget.
+cache simulator gives the numbers under a memory budget; :func:`lru_cache_hits` is the
+attention-only reference for one: the same blocks in an LRU cache of a given size.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Literal
 
 import numpy as np
 
 from .request import Trace
 
-__all__ = ["block_hit_tokens", "hashed_shared_prefix", "hit_fraction", "infinite_cache_hits"]
+__all__ = [
+    "block_hit_tokens",
+    "hashed_shared_prefix",
+    "hit_fraction",
+    "infinite_cache_hits",
+    "lru_cache_hits",
+]
 
 Mode = Literal["full", "align"]
 
@@ -85,3 +93,38 @@ def hit_fraction(trace: Trace, block_size: int, mode: Mode = "full") -> float:
     """Prompt tokens served from the cache over all prompt tokens (token hit rate)."""
     total = int(trace.prompt_lengths().sum())
     return float(infinite_cache_hits(trace, block_size, mode).sum() / total) if total else 0.0
+
+
+def lru_cache_hits(trace: Trace, block_size: int, capacity_tokens: int) -> np.ndarray:
+    """Per request, prompt tokens an attention-only prefix cache of ``capacity_tokens`` tokens
+    serves: whole ``block_size`` blocks found by chained hashes (as :func:`hashed_shared_prefix`),
+    least recently used blocks evicted first. Requests are replayed in arrival order; each looks
+    its prompt up, then its prompt's blocks and its known output's are inserted (hits refreshed).
+
+    A reference, not a simulation: the memory of running requests, preemption and timing are
+    ignored (the whole capacity is cache), so a real engine with that much memory serves less."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if capacity_tokens < 0:
+        raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
+    capacity = capacity_tokens // block_size
+    cache: OrderedDict[int, None] = OrderedDict()
+    out = np.zeros(len(trace), np.int64)
+    for i, r in enumerate(trace):
+        stream = r.prompt if r.output_ids is None else np.concatenate([r.prompt, r.output_ids])
+        n_prompt = r.prompt_length // block_size
+        h, matched, broken = 0, 0, False
+        for k in range(stream.size // block_size):
+            h = hash((h, stream[k * block_size : (k + 1) * block_size].tobytes()))
+            if h in cache:
+                cache.move_to_end(h)
+                if k < n_prompt and not broken:
+                    matched = k + 1
+            else:
+                broken = True
+                if capacity:
+                    cache[h] = None
+                    if len(cache) > capacity:
+                        cache.popitem(last=False)
+        out[i] = matched * block_size
+    return out
