@@ -295,28 +295,207 @@ def _run_config(model: HybridModel, args: argparse.Namespace) -> dict:
     }
 
 
-def cmd_advise(args: argparse.Namespace) -> int:
+#: generated workloads get this many requests unless --requests says otherwise
+DEFAULT_REQUESTS = 200
+
+
+def _load_trace(args: argparse.Namespace):
+    """The workload of ``--trace``: ``mooncake`` (the shipped Mooncake trace), a ``.jsonl`` file
+    or a generated workload's name, with the trace options applied."""
     from . import traces
+
+    name = args.trace
+    path = Path(name)
+    if name == "mooncake" or path.suffix == ".jsonl" or path.is_file():
+        options = dict(
+            limit=args.requests,
+            rate_scale=args.rate_scale,
+            shared_length=args.shared_length,
+            time_scale=args.time_scale,
+            seed=args.seed,
+        )
+        if name == "mooncake":
+            return traces.load_mooncake(**options)
+        return traces.load_jsonl(path, **options)
+    if name not in traces.WORKLOADS:
+        raise ValueError(
+            f"--trace {name!r} is neither a workload ({', '.join(traces.WORKLOADS)}), "
+            "'mooncake' (the Mooncake trace shipped with hybridkv) nor an existing .jsonl file"
+        )
+    given = [
+        flag
+        for flag, value, default in (
+            ("--time-scale", args.time_scale, None),
+            ("--rate-scale", args.rate_scale, 1.0),
+            ("--shared-length", args.shared_length, "blocks"),
+        )
+        if value != default
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} to trace files "
+            "(--trace mooncake or a .jsonl), not to "
+            f"the generated workload {name!r}"
+        )
+    return traces.generate(name, args.requests or DEFAULT_REQUESTS, seed=args.seed)
+
+
+def _trace_info(trace) -> dict:
+    """What a replay's trace was and how it was read (for text and ``--json``)."""
+    p = trace.params
+    arrivals = trace.arrivals()
+    info = {
+        "name": trace.name,
+        "requests": len(trace),
+        "duration_s": round(float(arrivals[-1] - arrivals[0]), 3) if len(trace) else 0.0,
+        "prompt_tokens": int(trace.prompt_lengths().sum()),
+    }
+    for key in ("time_scale", "time_unit", "rate_scale", "shared_length", "generator", "seed"):
+        if key in p:
+            info[key] = p[key]
+    return info
+
+
+def _trace_line(info: dict) -> str:
+    line = (
+        f"trace {info['name']}: {info['requests']:,} requests over "
+        f"{info['duration_s'] / 60:.1f} min, {info['prompt_tokens']:,} prompt tokens"
+    )
+    if "time_unit" in info:
+        line += (
+            f"; timestamps in {info['time_unit']}, arrivals / {info['rate_scale']:g} "
+            f"(--rate-scale); shared length read as {info['shared_length']!r} "
+            "(--shared-length)"
+        )
+    return line
+
+
+def _add_trace_options(p: argparse.ArgumentParser, default: str) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--trace",
+        default=default,
+        help="'mooncake' (Mooncake's synthetic trace, shipped), a .jsonl trace, or a generated "
+        "workload: multi_turn_chat, shared_prefix, agentic, no_sharing (default %(default)s)",
+    )
+    g.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"trace files: read only the first N requests; generated workloads: N requests "
+        f"(default {DEFAULT_REQUESTS})",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="seconds per timestamp unit of a trace file (default: ms for Mooncake's format, "
+        "else s)",
+    )
+    g.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="load factor for a trace file: arrival times are divided by it (0.05 replays one "
+        "GPU's share of a 20-GPU cluster trace)",
+    )
+    g.add_argument(
+        "--shared-length",
+        choices=("blocks", "continuation"),
+        default="blocks",
+        help="how far a prompt of a block-hashed trace shares an earlier one: exactly the "
+        "shared hash blocks, or (continuation) all of an earlier prompt it extends, as a chat's "
+        "next turn",
+    )
+    g.add_argument("--seed", type=int, default=0)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from . import traces
+    from .sim import SimConfig, simulate
+
+    model = _load_model(args)
+    trace = _load_trace(args)
+    plan = _plan(model, args.layout, args)
+    options = {}
+    if args.checkpoint_interval is not None:
+        options["checkpoint_interval"] = args.checkpoint_interval
+    unit = args.hash_block_size or min(16, plan.block_size)
+    config = SimConfig(checkpoint_policy=args.policy, hash_block_size=unit, **options)
+    result = simulate(plan, model, trace, config, progress=_show_progress(args))
+    total = max(1, int(trace.prompt_lengths().sum()))
+    capacity = plan.capacity.ideal_token_capacity
+    bounds = {
+        "attention_only_unlimited": round(traces.hit_fraction(trace, unit), 4),
+        "attention_only_same_memory": round(
+            int(traces.lru_cache_hits(trace, unit, capacity).sum()) / total, 4
+        ),
+        "same_memory_tokens": capacity,
+    }
+    info = _trace_info(trace)
+    summary = result.summary()
+    if args.json:
+        config_info = _run_config(model, args)
+        config_info.update(
+            layout=args.layout,
+            plan_block_size=plan.block_size,
+            policy=args.policy,
+            checkpoint_interval=args.checkpoint_interval,
+            hash_block_size=unit,
+        )
+        out = {"config": config_info, "trace": info, "result": summary, "bounds": bounds}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(_trace_line(info))
+    interval = f" every {args.checkpoint_interval}" if args.checkpoint_interval else ""
+    print(
+        f"{model.name}  {args.layout} (block {plan.block_size})  policy {args.policy}{interval}"
+        f"  memory={format_bytes(_cache_memory(args))}  max_num_seqs={args.max_num_seqs}  "
+        f"hash unit {unit}"
+    )
+    print(
+        f"hit rate {100 * summary['token_hit_rate']:.1f}% of prompt tokens; attention-only "
+        f"with unlimited memory {100 * bounds['attention_only_unlimited']:.1f}%, with the same "
+        f"memory (LRU, {capacity:,} tokens) {100 * bounds['attention_only_same_memory']:.1f}%"
+    )
+    print(
+        f"TTFT p50 {summary['ttft_p50_ms']:,.0f} ms, p90 {summary['ttft_p90_ms']:,.0f} ms; "
+        f"{summary['throughput_tok_s']:,.0f} output tok/s; {summary['preemptions']} preemptions;"
+        f" {summary['finished']:,} finished"
+    )
+    print(
+        f"state checkpoints {summary['checkpoints']:,} ({summary['checkpoint_gib']:,.1f} GiB "
+        f"written); held on average: states {summary['state_gib_mean']:.1f} GiB, KV "
+        f"{summary['kv_gib_mean']:.1f} GiB"
+    )
+    return 0
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    """A progress bar when asked, or by default when stderr is a terminal."""
+    if getattr(args, "progress", None) is not None:
+        return bool(args.progress)
+    return sys.stderr.isatty()
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
     from .advise import advise
 
     model = _load_model(args)
-    path = Path(args.trace)
-    if path.suffix == ".jsonl":
-        trace = traces.load_jsonl(path)
-    else:
-        trace = traces.generate(args.trace, args.requests, seed=args.seed)
+    trace = _load_trace(args)
     rows = advise(
         model,
         trace,
         memory=_cache_memory(args),
         max_num_seqs=args.max_num_seqs,
-        progress=args.progress,
+        progress=bool(args.progress),
     )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     memory = format_bytes(_cache_memory(args))
-    print(f"{model.name}  memory={memory}  trace={args.trace} ({len(trace)} requests)")
+    print(f"{model.name}  memory={memory}")
+    print(_trace_line(_trace_info(trace)))
     good = [r for r in rows if "error" not in r]
     cols = [
         ("config", "configuration"),
@@ -461,15 +640,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_compare)
     p = sub.add_parser("advise", help="simulate a workload under each layout and recommend one")
     _add_plan_options(p)
-    p.add_argument(
-        "--trace",
-        default="multi_turn_chat",
-        help="a workload name (multi_turn_chat, shared_prefix, agentic, no_sharing) or a .jsonl",
-    )
-    p.add_argument("--requests", type=int, default=200, help="requests of a generated workload")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--progress", action="store_true")
+    _add_trace_options(p, "multi_turn_chat")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     p.set_defaults(func=cmd_advise, max_num_seqs=64)
+    p = sub.add_parser(
+        "simulate",
+        help="replay a workload or a real trace on one plan; compare with attention-only bounds",
+    )
+    _add_plan_options(p)
+    _add_trace_options(p, "mooncake")
+    from .alloc import ALL_POLICIES
+
+    p.add_argument("--layout", default="inflate", choices=LAYOUTS)
+    p.add_argument(
+        "--policy",
+        default="align",
+        choices=ALL_POLICIES,
+        help="state checkpoint policy (align: vLLM 0.33's; periodic / hash_boundary keep states "
+        "inside prompts every --checkpoint-interval tokens / at the last multiple of it)",
+    )
+    p.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=None,
+        help="periodic / hash_boundary: tokens between kept states (default 512)",
+    )
+    p.add_argument(
+        "--hash-block-size",
+        type=int,
+        default=None,
+        help="the prefix cache's hash unit (default min(16, block size))",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar (default: when stderr is a terminal)",
+    )
+    p.set_defaults(func=cmd_simulate, max_num_seqs=64)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""Real traces from the command line: ``hybridkv simulate`` and ``advise`` with ``--trace
+mooncake`` or a ``.jsonl`` file, the trace options, what the output states, and the errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridkv.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_mooncake_states_how_it_read_the_trace(capsys):
+    code, out, _ = _run(
+        capsys, "simulate", "--trace", "mooncake", "--requests", "30", "--rate-scale", "0.05"
+    )
+    assert code == 0
+    assert "mooncake_synthetic: 30 requests" in out
+    assert "timestamps in milliseconds (Mooncake's format" in out
+    assert "arrivals / 0.05" in out and "shared length read as 'blocks'" in out
+    assert "attention-only with unlimited memory" in out and "with the same memory" in out
+    assert "state checkpoints" in out
+
+
+@pytest.mark.parametrize("policy", ["hash_boundary", "periodic"])
+def test_simulate_json(capsys, policy):
+    code, out, _ = _run(
+        capsys,
+        "simulate",
+        "--trace",
+        "mooncake",
+        "--requests",
+        "25",
+        "--shared-length",
+        "continuation",
+        "--policy",
+        policy,
+        "--checkpoint-interval",
+        "1024",
+        "--json",
+    )
+    assert code == 0
+    got = json.loads(out)
+    assert set(got) == {"config", "trace", "result", "bounds"}
+    assert got["config"]["policy"] == policy and got["config"]["checkpoint_interval"] == 1024
+    assert got["trace"]["shared_length"] == "continuation"
+    assert got["trace"]["time_scale"] == 1e-3 and got["trace"]["requests"] == 25
+    b = got["bounds"]
+    assert 0 <= b["attention_only_same_memory"] <= b["attention_only_unlimited"] <= 1
+    assert got["result"]["finished"] == 25
+
+
+def test_simulate_a_jsonl_in_seconds(capsys, tmp_path):
+    p = tmp_path / "mine.jsonl"
+    p.write_text(
+        "\n".join(
+            json.dumps({"timestamp": t, "input_length": 300, "output_length": 4}) for t in range(5)
+        )
+    )
+    code, out, _ = _run(capsys, "simulate", "--trace", str(p), "--json")
+    assert code == 0
+    got = json.loads(out)
+    assert got["trace"]["time_unit"].startswith("seconds")
+    assert got["trace"]["duration_s"] == 4.0
+
+
+def test_advise_header_states_the_trace(capsys):
+    code, out, _ = _run(capsys, "advise", "--trace", "mooncake", "--requests", "6")
+    assert code == 0
+    assert "timestamps in milliseconds" in out and "shared length read as 'blocks'" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trace", "chat"], "neither a workload"),
+        (["--trace", "multi_turn_chat", "--rate-scale", "2"], "--rate-scale applies to trace"),
+        (
+            ["--trace", "agentic", "--time-scale", "1", "--shared-length", "continuation"],
+            "--time-scale, --shared-length apply to trace files",
+        ),
+        (["--trace", "missing.jsonl"], "no such file: missing.jsonl"),
+        (["--trace", "mooncake", "--rate-scale", "0"], "rate_scale must be a finite number > 0"),
+        (["--trace", "mooncake", "--requests", "0"], "limit must be a positive number"),
+        (
+            ["--trace", "mooncake", "--policy", "last", "--checkpoint-interval", "512"],
+            "checkpoint_interval applies to the periodic and hash_boundary",
+        ),
+    ],
+    ids=[
+        "unknown-name",
+        "rate-on-generated",
+        "two-options-on-generated",
+        "missing-file",
+        "zero-rate",
+        "zero-requests",
+        "interval-on-last",
+    ],
+)
+def test_errors(capsys, argv, message):
+    code, out, err = _run(capsys, "simulate", *argv)
+    assert code == 2 and out == ""
+    assert message in err and "Traceback" not in err
