@@ -54,7 +54,10 @@ def _load_model(args: argparse.Namespace) -> HybridModel:
     path = Path(args.model)
     # a config file under any name (config.json, my-model.cfg) or a folder holding one
     if path.suffix == ".json" or path.is_dir() or path.is_file():
-        return models.from_hf_config(path, **options)
+        model = models.from_hf_config(path, **options)
+        if model.doubts:  # what the reader had to assume (e.g. bf16 weights): say it
+            print(f"hybridkv: note: {model.name}: {model.doubts}", file=sys.stderr)
+        return model
     return models.load(args.model, **options)
 
 
@@ -292,6 +295,7 @@ def _run_config(model: HybridModel, args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "block_size": args.block_size,
         "vllm_target": _target(args).to_dict(),
+        "model_doubts": model.doubts,
     }
 
 
@@ -422,7 +426,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         options["checkpoint_interval"] = args.checkpoint_interval
     unit = args.hash_block_size or min(16, plan.block_size)
     config = SimConfig(checkpoint_policy=args.policy, hash_block_size=unit, **options)
-    result = simulate(plan, model, trace, config, progress=_show_progress(args))
+    try:
+        result = simulate(plan, model, trace, config, progress=_show_progress(args))
+    except RuntimeError as exc:  # a plan too small for the trace: the simulator says why
+        raise ValueError(str(exc)) from None
     total = max(1, int(trace.prompt_lengths().sum()))
     capacity = plan.capacity.ideal_token_capacity
     bounds = {

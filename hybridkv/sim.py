@@ -467,8 +467,9 @@ def simulate(
         if not batch and not prefill_work:
             if running and not preempt_one(s):
                 raise RuntimeError(
-                    f"request {running[0].rid} cannot fit in the plan's memory even alone; "
-                    f"give the plan more memory or lower max_model_len"
+                    f"request {running[0].rid} ({running[0].num_tokens:,} tokens) cannot fit in "
+                    "the plan's memory even alone; give the plan more memory (--gpu-memory) "
+                    "or leave such long requests out of the trace"
                 )
             if not running and waiting and not ready:
                 raise RuntimeError(

@@ -107,3 +107,29 @@ def test_errors(capsys, argv, message):
     code, out, err = _run(capsys, "simulate", *argv)
     assert code == 2 and out == ""
     assert message in err and "Traceback" not in err
+
+
+def test_reader_assumptions_are_shown(capsys, tmp_path):
+    """A config.json without torch_dtype plans as bf16, and the CLI says it assumed so."""
+    from pathlib import Path
+
+    src = Path(__file__).parent / "data" / "hf_configs" / "qwen3-next-80b-a3b.json"
+    cfg = json.loads(src.read_text())
+    cfg.pop("torch_dtype", None)
+    cfg.pop("dtype", None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = _run(capsys, "compare", "--model", str(path), "--json")
+    assert code == 0
+    assert "hybridkv: note:" in err and "bfloat16 assumed" in err
+    assert "bfloat16 assumed" in json.loads(out)["config"]["model_doubts"]
+
+
+def test_long_request_error_names_the_fix(capsys, tmp_path):
+    p = tmp_path / "long.jsonl"
+    p.write_text(json.dumps({"timestamp": 0, "input_length": 400_000, "output_length": 2}))
+    code, _, err = _run(
+        capsys, "simulate", "--trace", str(p), "--gpu-memory", "4GiB", "--max-num-seqs", "4"
+    )
+    assert code == 2
+    assert "cannot fit in the plan's memory even alone" in err and "--gpu-memory" in err

@@ -43,7 +43,9 @@ class MaxLengthExceeded(AllocatorError):
         self.req_id, self.length, self.max_len = req_id, length, max_len
         super().__init__(
             f"request {req_id!r} would reach {length} tokens > max_model_len={max_len}; "
-            "finish or truncate the request, or raise max_model_len"
+            "finish or truncate the request, or give the allocator a larger max_model_len "
+            "(HybridAllocator(max_model_len=...), SimConfig.max_model_len; vLLM's "
+            "--max-model-len)"
         )
 
 
