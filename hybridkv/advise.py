@@ -2,19 +2,26 @@
 
 Candidates: every layout; for ``pack`` several pack sizes; for the layouts with free block sizes
 (``per_group``, ``two_level``) several block sizes; each with the ``align``, ``last`` and
-``marconi`` checkpoint policies. Ranked by median TTFT, then throughput, then token hit rate;
-the first row is the recommendation.
+``marconi`` checkpoint policies. The caller may pin any of these choices (:class:`Pins`). Ranked
+by median TTFT, then throughput, then token hit rate; the first row is the recommendation, and
+rows equal to it on all three are reported as ties (the order among them means nothing).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
 
 from .alloc import POLICIES
 from .layouts import make_plan
 from .models.model import HybridModel
 from .sim import SimConfig, simulate
+from .target import VllmTarget
 from .traces import Trace
+
+#: the ranking key's columns, in order (smaller TTFT first, then larger throughput and hits)
+RANKED_BY = ("ttft_p50_ms", "throughput_tok_s", "hit_rate")
 
 
 @dataclass(frozen=True)
@@ -31,16 +38,66 @@ class Candidate:
         return f"{self.layout}{extra}{block} {self.policy}"
 
 
-def candidates(model: HybridModel) -> list[Candidate]:
-    out = [Candidate("inflate"), Candidate("aggregate")]
+@dataclass(frozen=True)
+class Pins:
+    """Choices the caller fixes instead of letting the advisor try several (None: the
+    advisor's own).
+
+    - ``block_size``: the attention block for ``per_group``/``two_level``, and the requested
+      block (vLLM's ``--block-size``, which sets the unit the shared layouts align to) for the
+      others.
+    - ``pack_size``: the only pack size ``pack`` is tried with.
+    - ``state_slots_per_seq``: state slots per running request in every plan (default: 2 with
+      ``align``, whose checkpoints need a spare, else 1).
+    - ``cache_state_slots``: extra cached-state slots in every plan (default: ``max_num_seqs``
+      for ``per_group``, whose fixed state pool otherwise caches nothing, else 0).
+    """
+
+    block_size: int | None = None
+    pack_size: int | None = None
+    state_slots_per_seq: int | None = None
+    cache_state_slots: int | None = None
+
+
+@dataclass(frozen=True)
+class Advice:
+    """``results`` best first; ``errors`` the candidates that do not fit or cannot run;
+    ``ties`` the labels of the results ranked equal to the first (including it) when more than
+    one."""
+
+    results: list[dict]
+    errors: list[dict]
+    ties: list[str] = field(default_factory=list)
+
+    @property
+    def recommended(self) -> str | None:
+        return self.results[0]["config"] if self.results else None
+
+
+def candidates(model: HybridModel, pins: Pins | None = None) -> list[Candidate]:
+    pins = pins or Pins()
     n_attn = len(model.attention_layers)
-    out += [Candidate("pack", pack_size=n) for n in (2, 4) if n < n_attn and n_attn % n == 0]
-    align = 64 if any(layer.spec.kind == "mla" for layer in model.attention_layers) else 16
+    out = [Candidate("inflate", block_size=pins.block_size)]
+    out.append(Candidate("aggregate", block_size=pins.block_size))
+    if pins.pack_size is not None:
+        packs = [pins.pack_size]
+    else:
+        packs = [n for n in (2, 4) if n < n_attn and n_attn % n == 0]
+    out += [Candidate("pack", pack_size=n, block_size=pins.block_size) for n in packs]
+    if pins.block_size is not None:
+        blocks = [pins.block_size]
+    else:
+        align = 64 if any(layer.spec.kind == "mla" for layer in model.attention_layers) else 16
+        blocks = [align, 4 * align]
     for layout in ("per_group", "two_level"):
-        out += [Candidate(layout, block_size=b) for b in (align, 4 * align)]
+        out += [Candidate(layout, block_size=b) for b in blocks]
     return [
         Candidate(c.layout, c.pack_size, c.block_size, policy) for c in out for policy in POLICIES
     ]
+
+
+def _key(row: dict) -> tuple[float, float, float]:
+    return (row["ttft_p50_ms"], -row["throughput_tok_s"], -row["hit_rate"])
 
 
 def advise(
@@ -50,12 +107,23 @@ def advise(
     memory: int | str,
     max_num_seqs: int = 64,
     config: SimConfig | None = None,
+    pins: Pins | None = None,
+    target: VllmTarget | None = None,
     progress: bool = False,
-) -> list[dict]:
-    """Rows (best first) of the trade-off table; plans that do not fit are reported too."""
+) -> Advice:
+    """Simulate every candidate and rank them (see the module docstring). ``progress``: one bar
+    over the candidates, naming the one being simulated. ``target``: the vLLM whose rules the
+    shared-pool layouts follow (default vLLM 0.33's)."""
     config = config or SimConfig()
-    rows = []
-    for cand in candidates(model):
+    pins = pins or Pins()
+    results: list[dict] = []
+    errors: list[dict] = []
+    cands = candidates(model, pins)
+    bar = tqdm(cands, desc="advise", unit="config", disable=not progress, leave=False)
+    for cand in bar:
+        bar.set_postfix_str(cand.label, refresh=False)
+        slots = pins.state_slots_per_seq
+        cached = pins.cache_state_slots
         try:
             plan = make_plan(
                 model,
@@ -64,11 +132,14 @@ def advise(
                 max_num_seqs=max_num_seqs,
                 block_size=cand.block_size,
                 pack_size=cand.pack_size,
-                state_slots_per_seq=2 if cand.policy == "align" else 1,
-                cache_state_slots=max_num_seqs if cand.layout == "per_group" else 0,
+                state_slots_per_seq=slots if slots is not None else 1 + (cand.policy == "align"),
+                cache_state_slots=cached
+                if cached is not None
+                else (max_num_seqs if cand.layout == "per_group" else 0),
+                target=target,
             )
         except ValueError as exc:
-            rows.append({"config": cand.label, "error": str(exc)})
+            errors.append({"config": cand.label, "error": str(exc)})
             continue
         sim_config = SimConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -77,15 +148,20 @@ def advise(
             gpu=config.gpu,
         )
         try:
-            result = simulate(plan, model, trace, sim_config, progress=progress)
-        except RuntimeError as exc:
-            rows.append({"config": cand.label, "error": str(exc)})
+            result = simulate(plan, model, trace, sim_config)
+        except (RuntimeError, ValueError) as exc:
+            errors.append({"config": cand.label, "error": str(exc)})
             continue
         s = result.summary()
-        rows.append(
+        results.append(
             {
                 "config": cand.label,
+                "layout": cand.layout,
+                "policy": cand.policy,
                 "block_size": plan.block_size,
+                "pack_size": plan.pack_size if cand.layout == "pack" else None,
+                "state_slots_per_seq": plan.config.state_slots_per_seq,
+                "cache_state_slots": plan.config.cache_state_slots,
                 "capacity_pct": round(100 * plan.capacity.fraction_of_ideal, 2),
                 "hit_rate": s["token_hit_rate"],
                 "ttft_p50_ms": s["ttft_p50_ms"],
@@ -94,6 +170,7 @@ def advise(
                 "preemptions": s["preemptions"],
             }
         )
-    ok = [r for r in rows if "error" not in r]
-    ok.sort(key=lambda r: (r["ttft_p50_ms"], -r["throughput_tok_s"], -r["hit_rate"]))
-    return ok + [r for r in rows if "error" in r]
+    bar.close()
+    results.sort(key=_key)
+    ties = [r["config"] for r in results if _key(r) == _key(results[0])] if results else []
+    return Advice(results, errors, ties if len(ties) > 1 else [])

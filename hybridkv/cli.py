@@ -486,24 +486,47 @@ def _show_progress(args: argparse.Namespace) -> bool:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from .advise import advise
+    from .advise import RANKED_BY, Pins, advise
 
     model = _load_model(args)
     trace = _load_trace(args)
-    rows = advise(
+    pack = args.pack_size
+    if pack != "auto":
+        try:
+            pack = int(pack)
+        except ValueError:
+            raise ValueError(f"--pack-size must be 'auto' or a number, got {pack!r}") from None
+    pins = Pins(
+        block_size=args.block_size,
+        pack_size=None if pack == "auto" else pack,
+        state_slots_per_seq=args.state_slots_per_seq,
+        cache_state_slots=args.cache_state_slots,
+    )
+    advice = advise(
         model,
         trace,
         memory=_cache_memory(args),
         max_num_seqs=args.max_num_seqs,
-        progress=bool(args.progress),
+        pins=pins,
+        target=_target(args),
+        progress=_show_progress(args),
     )
     if args.json:
-        print(json.dumps(rows, indent=2))
+        out = {
+            "config": _run_config(model, args),
+            "trace": _trace_info(trace),
+            "ranked_by": list(RANKED_BY),
+            "recommended": advice.recommended,
+            "ties": advice.ties,
+            "results": advice.results,
+            "errors": advice.errors,
+        }
+        print(json.dumps(out, indent=2))
         return 0
     memory = format_bytes(_cache_memory(args))
     print(f"{model.name}  memory={memory}")
     print(_trace_line(_trace_info(trace)))
-    good = [r for r in rows if "error" not in r]
+    good = advice.results
     cols = [
         ("config", "configuration"),
         ("block_size", "block"),
@@ -515,11 +538,20 @@ def cmd_advise(args: argparse.Namespace) -> int:
         ("preemptions", "preempt"),
     ]
     print(_table(good, cols))
-    for r in rows:
-        if "error" in r:
+    if advice.errors:
+        print("\nnot run:")
+        for r in advice.errors:
             print(f"  {r['config']}: {r['error']}")
-    if good:
-        print(f"\nrecommended: {good[0]['config']} (lowest median TTFT on this workload)")
+    if advice.recommended:
+        print(
+            f"\nrecommended: {advice.recommended} (lowest median TTFT on this workload, then "
+            "throughput, then hit rate)"
+        )
+    if advice.ties:
+        print(
+            f"{len(advice.ties)} configurations tie on all three: {', '.join(advice.ties)}; "
+            "any of them is as good on this workload"
+        )
     return 0
 
 
@@ -608,16 +640,29 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="vLLM's --max-model-len (the Mamba block size without prefix caching)",
     )
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None, help="requested attention block size")
-    p.add_argument("--pack-size", default="auto", help="layers per page for --layout pack")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="requested attention block size (advise: the only block size tried)",
+    )
+    p.add_argument(
+        "--pack-size",
+        default="auto",
+        help="layers per page for --layout pack (advise: the only pack size tried)",
+    )
     p.add_argument(
         "--state-slots-per-seq",
         type=int,
         default=1,
-        help="state pages hybridkv reserves per running request in its capacity figures",
+        help="state pages reserved per running request (advise default: 2 with align, else 1)",
     )
     p.add_argument(
-        "--cache-state-slots", type=int, default=0, help="extra state slots for checkpoints"
+        "--cache-state-slots",
+        type=int,
+        default=0,
+        help="extra state slots for cached checkpoints (advise default: max-num-seqs for "
+        "per_group, else 0)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
 
@@ -648,8 +693,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("advise", help="simulate a workload under each layout and recommend one")
     _add_plan_options(p)
     _add_trace_options(p, "multi_turn_chat")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    p.set_defaults(func=cmd_advise, max_num_seqs=64)
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one progress bar over the configurations (default: when stderr is a terminal)",
+    )
+    # advise's own choices unless pinned (see hybridkv.advise.Pins)
+    p.set_defaults(
+        func=cmd_advise, max_num_seqs=64, state_slots_per_seq=None, cache_state_slots=None
+    )
     p = sub.add_parser(
         "simulate",
         help="replay a workload or a real trace on one plan; compare with attention-only bounds",

@@ -60,10 +60,12 @@ def test_advise_ranks_and_reports_what_does_not_fit(capsys):
 
     argv = ["advise", "--model", "qwen3.5-0.8b", "--gpu-memory", "2GiB", "--requests", "20"]
     assert main([*argv, "--json"]) == 0
-    rows = __import__("json").loads(capsys.readouterr().out)
-    ok = [r for r in rows if "error" not in r]
-    assert ok and any("too small" in r["error"] for r in rows if "error" in r)
-    assert {r["config"].rsplit(" ", 1)[1] for r in rows} == {"align", "last", "marconi"}
+    got = __import__("json").loads(capsys.readouterr().out)
+    ok, errors = got["results"], got["errors"]
+    assert ok and errors and all("too small" in r["error"] for r in errors)
+    assert all("error" not in r for r in ok)
+    assert got["recommended"] == ok[0]["config"]
+    assert {r["config"].rsplit(" ", 1)[1] for r in ok + errors} == {"align", "last", "marconi"}
     keys = [(r["ttft_p50_ms"], -r["throughput_tok_s"], -r["hit_rate"]) for r in ok]
     assert keys == sorted(keys)
     assert main(argv) == 0
