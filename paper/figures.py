@@ -1,8 +1,10 @@
 """Every figure and table of the paper, one function each, and the command that makes them.
 
-    python -m paper.figures [--small] [--out paper/figures] [--only NAME ...] [--list]
+    python -m paper.figures [--small] [--out DIR] [--only NAME ...] [--list]
 
-``--small`` runs a fast subset (three models, short traces) for the tests. Figures that need a
+Figures go to ``paper/figures`` (the committed ones). ``--small`` runs a fast subset (three
+models, short traces) for the tests and writes to ``paper/figures-small`` (git-ignored), so it
+never overwrites the committed figures with small-run numbers. Figures that need a
 part of hybridkv that is not there yet (the simulator) are skipped with the reason printed and
 written to ``MANIFEST.md``; they never draw placeholder numbers.
 """
@@ -30,6 +32,9 @@ from .data import Deployment, GiB, available, layout_label, markdown_table, plan
 from .registry import FIGURES, Context, Skip, register, run
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: the committed figures, and where ``--small`` runs go unless told otherwise (git-ignored)
+OUT = Path(__file__).resolve().parent / "figures"
+SMALL_OUT = Path(__file__).resolve().parent / "figures-small"
 
 LAYOUT_COLORS = {
     "inflate": "#d62728",
@@ -1115,8 +1120,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m paper.figures", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--small", action="store_true", help="fast subset (for tests)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "figures")
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help=f"fast subset (for tests); written to {SMALL_OUT.name}/ unless --out says otherwise",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"where to write (default {OUT.parent.name}/{OUT.name}, the committed figures; "
+        f"with --small {OUT.parent.name}/{SMALL_OUT.name}, which git ignores)",
+    )
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one progress bar over the figures (default: when stderr is a terminal)",
+    )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="make only these figures")
     parser.add_argument("--list", action="store_true", help="list the figures and exit")
     args = parser.parse_args(argv)
@@ -1125,11 +1146,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             req = f"  (needs {', '.join(f.requires)})" if f.requires else ""
             print(f"{f.name:<22} {f.message}{req}")
         return 0
+    out = args.out or (SMALL_OUT if args.small else OUT)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
     try:
-        run(Context(args.out, small=args.small), args.only)
+        run(Context(out, small=args.small), args.only, progress=progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"written to {out}")
     return 0
 
 

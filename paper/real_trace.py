@@ -35,14 +35,14 @@ POLICIES = (
     ("periodic 2048", "periodic", 2048),
     ("periodic 512", "periodic", 512),
 )
-SMALL_POLICIES = ("align", "last", "hash_boundary 512", "periodic 512")
+SMALL_POLICIES = ("align", "hash_boundary 512", "periodic 512")
 #: the continuation reading is replayed on these layouts only (run time)
 CONTINUATION_LAYOUTS = ("inflate", "per_group+cache")
 HASH_UNIT = 16  # the simulator's hash unit: hits at any 16-token boundary
 
 
 def _requests(ctx: Context) -> int:
-    return 120 if ctx.small else 2000
+    return 80 if ctx.small else 2000
 
 
 @cache
@@ -88,7 +88,7 @@ def real_trace(ctx: Context) -> list[Path]:
         raise Skip(f"{TRACE.name} is not in this installation")
     dep = DEPLOYMENT
     model = data.load(dep.model, dep.tp, dep.kv_dtype)
-    layouts = list(LAYOUTS)
+    layouts = list(CONTINUATION_LAYOUTS if ctx.small else LAYOUTS)
     names: dict[str, str] = {}
     policies = [p for p in POLICIES if not ctx.small or p[0] in SMALL_POLICIES]
     readings = ("blocks", "continuation")

@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
+from tqdm import tqdm
 
 __all__ = ["FIGURES", "Context", "Figure", "Outcome", "Skip", "register", "run"]
 
@@ -110,16 +111,24 @@ def _missing(modules: Sequence[str]) -> list[str]:
     return out
 
 
-def run(ctx: Context, names: Sequence[str] | None = None, *, echo: bool = True) -> list[Outcome]:
-    """Make the figures ``names`` (all by default) in registry order; write ``MANIFEST.md``."""
+def run(
+    ctx: Context,
+    names: Sequence[str] | None = None,
+    *,
+    echo: bool = True,
+    progress: bool = False,
+) -> list[Outcome]:
+    """Make the figures ``names`` (all by default) in registry order; write ``MANIFEST.md``.
+    ``progress``: one bar over the figures, naming the one being made."""
     ctx.out.mkdir(parents=True, exist_ok=True)
     unknown = sorted(set(names or ()) - set(FIGURES))
     if unknown:
         raise ValueError(f"unknown figure(s) {unknown}; known: {', '.join(FIGURES)}")
     outcomes = []
-    for fig in FIGURES.values():
-        if names and fig.name not in names:
-            continue
+    todo = [f for f in FIGURES.values() if not names or f.name in names]
+    bar = tqdm(todo, desc="figures", unit="figure", disable=not progress, leave=False)
+    for fig in bar:
+        bar.set_postfix_str(fig.name, refresh=True)
         start = time.perf_counter()
         missing = _missing(fig.requires)
         try:
@@ -137,7 +146,7 @@ def run(ctx: Context, names: Sequence[str] | None = None, *, echo: bool = True) 
                 if outcome.skipped
                 else ", ".join(p.name for p in outcome.files)
             )
-            print(f"{fig.name:<28} {outcome.seconds:6.2f}s  {what}", flush=True)
+            tqdm.write(f"{fig.name:<28} {outcome.seconds:6.2f}s  {what}")
     if names is None:
         _manifest(ctx, outcomes)
     return outcomes

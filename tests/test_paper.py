@@ -97,3 +97,26 @@ def check_two_runs_are_identical(a, b):
     assert len([n for n in files_a if n.endswith(".md")]) >= 5
     for name in files_a:
         assert (a / name).read_bytes() == (b / name).read_bytes(), f"{name} differs between runs"
+
+
+def test_small_runs_write_elsewhere(tmp_path, registry, monkeypatch, capsys):
+    """``--small`` without ``--out`` must not overwrite the committed figures."""
+    from paper import figures
+
+    committed = ROOT / "paper" / "figures" / "block_sizes.md"
+    before = committed.read_bytes()
+    monkeypatch.setattr(figures, "SMALL_OUT", tmp_path / "small")
+    assert figures.main(["--small", "--only", "block_sizes", "--no-progress"]) == 0
+    assert (tmp_path / "small" / "block_sizes.md").exists()
+    assert committed.read_bytes() == before
+    assert f"written to {tmp_path / 'small'}" in capsys.readouterr().out
+    assert (
+        figures.SMALL_OUT != figures.OUT and "figures-small" in (ROOT / ".gitignore").read_text()
+    )
+
+
+def test_real_trace_uses_the_simulator_figures_deployment(registry):
+    from paper import figures, real_trace
+
+    assert real_trace.DEPLOYMENT == figures.SIM_DEPLOYMENT
+    assert real_trace.PER_GROUP_CACHED == figures.PER_GROUP_CACHED
