@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm.auto import tqdm
+from tqdm import tqdm  # a text bar: in a notebook tqdm.auto would want ipywidgets
 
 from .alloc import RECOVERY_POLICIES, HybridAllocator, PoolExhausted
 from .costmodel import GPU, H100_SXM, StepCoster

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,44 @@ def test_runs_at_small_size(path, monkeypatch):
         o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
     ]
     assert not errors
+
+
+def test_readme_commands_are_installed_by_the_extras():
+    """Each tool notebooks/README.md tells a reader to run comes with the extra it names."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    readme = (root / "notebooks" / "README.md").read_text()
+    assert '".[notebooks]"' in readme
+    names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in extras["notebooks"]}
+    needs = {"jupyter lab": "jupyterlab", "jupyter nbconvert": "nbconvert", "nbclient": "nbclient"}
+    named = [cmd for cmd in needs if cmd in readme]
+    assert named, "the README names no command to run the notebooks"
+    for cmd in named:
+        assert needs[cmd] in names, f"notebooks/README.md runs `{cmd}`; add {needs[cmd]}"
+
+
+def test_notebook_03_names_the_readme_benchmark_command():
+    root = Path(__file__).resolve().parents[1]
+    nb = (root / "notebooks" / "03_kernels.ipynb").read_text()
+    assert "python -m paper.bench_kernels" in (root / "README.md").read_text()
+    assert "python -m paper.bench_kernels" in nb and "python paper/bench_kernels.py" not in nb
+
+
+def test_no_widget_warnings(tmp_path, monkeypatch):
+    """Progress bars in notebooks are plain text: no 'IProgress not found' warning from tqdm."""
+    monkeypatch.setenv("HYBRIDKV_NB_SMALL", "1")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    path = next(p for p in NOTEBOOKS if p.stem.startswith("04"))
+    nb = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
+    text = json.dumps([o for c in nb.cells if c.cell_type == "code" for o in c.outputs])
+    assert "IProgress" not in text and "ipywidgets" not in text
+    assert "simulate" in text  # the bar did run
