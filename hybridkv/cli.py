@@ -244,20 +244,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     model = _load_model(args)
-    rows = []
+    rows, errors, ideal = [], [], 0
     for layout in LAYOUTS:
-        plan = _plan(model, layout, args)
-        row = plan.summary_row()
-        rows.append(row)
+        try:
+            plan = _plan(model, layout, args)
+        except ValueError as exc:  # this layout does not fit: say so beside the others
+            errors.append({"layout": layout, "error": str(exc)})
+            continue
+        rows.append(plan.summary_row())
+        # the padding-free capacity of this budget: the same whatever the layout
+        ideal = plan.capacity.ideal_token_capacity
+    if not rows:
+        raise ValueError(errors[0]["error"])
     if args.json:
-        print(json.dumps({"config": _run_config(model, args), "layouts": rows}, indent=2))
+        out = {"config": _run_config(model, args), "layouts": rows, "errors": errors}
+        print(json.dumps(out, indent=2))
         return 0
     for row in rows:
         row["token_capacity"] = f"{row['token_capacity']:,}"
         row["pct_of_ideal"] = f"{row['pct_of_ideal']:.2f}%"
         row["padding"] = format_bytes(row["padding_bytes"])
         row["unusable"] = format_bytes(row["unusable_bytes"])
-    ideal = _plan(model, "per_group", args).capacity.ideal_token_capacity
     print(
         f"{model.name}  TP={model.tp_size}  kv={model.kv_dtype}  state={model.conv_dtype}/"
         f"{model.ssm_dtype}  memory={format_bytes(_cache_memory(args))}  "
@@ -279,6 +286,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             ],
         )
     )
+    for e in errors:
+        print(f"  {e['layout']} does not fit: {e['error']}")
     return 0
 
 

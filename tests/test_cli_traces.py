@@ -133,3 +133,19 @@ def test_long_request_error_names_the_fix(capsys, tmp_path):
     )
     assert code == 2
     assert "cannot fit in the plan's memory even alone" in err and "--gpu-memory" in err
+
+
+def test_compare_reports_a_layout_that_does_not_fit(capsys):
+    code, out, _ = _run(
+        capsys, "compare", "--model", "qwen3.5-4b", "--gpu-memory", "16GiB", "--kv-dtype", "fp8"
+    )
+    assert code == 0
+    assert "aggregate does not fit: 16.00 GiB is too small" in out and "per_group" in out
+    code, out, _ = _run(
+        capsys, "compare", "--model", "qwen3.5-4b", "--gpu-memory", "16GiB", "--json"
+    )
+    got = json.loads(out)
+    assert [e["layout"] for e in got["errors"]] == ["aggregate"]
+    assert "aggregate" not in [r["layout"] for r in got["layouts"]]
+    code, _, err = _run(capsys, "compare", "--model", "qwen3.5-4b", "--gpu-memory", "1GiB")
+    assert code == 2 and "too small" in err
