@@ -98,8 +98,8 @@ PACK_CASES = (
 
 @register(
     "pack_effect",
-    "Packing N attention layers per page divides the inflated block by about N (2096 -> 272 at "
-    "N=8 for Qwen3.5-397B-A17B TP2) at a small capacity cost when N does not divide the layers.",
+    "Packing N attention layers per page divides the inflated block by about N; what it costs in "
+    "capacity depends on N (the summary is computed from the table).",
 )
 def pack_effect(ctx: Context) -> list[Path]:
     cases = available(PACK_CASES[2:] if ctx.small else PACK_CASES)
@@ -107,6 +107,7 @@ def pack_effect(ctx: Context) -> list[Path]:
         raise Skip("the Qwen3.5 models are not in the zoo")
     fig, (ax_b, ax_c) = plt.subplots(1, 2, figsize=(10, 3.8))
     rows = []
+    facts = []  # per deployment: (label, block at N=1, smallest block and its N, caps split)
     for d in cases:
         n_attn = len(data.load(d.model, d.tp, d.kv_dtype).attention_layers)
         ns, blocks, caps = [], [], []
@@ -125,6 +126,11 @@ def pack_effect(ctx: Context) -> list[Path]:
                     "cap": f"{caps[-1]:.2f}",
                 }
             )
+        if ns:
+            k = int(np.argmin(blocks))
+            divides = [c for n, c in zip(ns, caps) if n > 1 and n_attn % n == 0]
+            other = [c for n, c in zip(ns, caps) if n_attn % n]
+            facts.append((d.label, blocks[0], blocks[k], ns[k], caps[0], divides, other))
         (line,) = ax_b.plot(ns, blocks, marker="o", ms=3, label=d.label)
         ax_c.plot(ns, caps, marker="o", ms=3, color=line.get_color(), label=d.label)
         ax_b.annotate(
@@ -162,7 +168,39 @@ def pack_effect(ctx: Context) -> list[Path]:
             ("cap", "capacity (% of ideal)"),
         ],
     )
-    return [ctx.save(fig, "pack_effect"), ctx.table("pack_effect", table)]
+    summary = ctx.summary("pack_effect", _pack_summary(facts))
+    return [ctx.save(fig, "pack_effect"), ctx.table("pack_effect", f"{summary}\n\n{table}")]
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.0f}%" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}%"
+
+
+def _pack_summary(facts: list) -> str:
+    """What the pack-size table shows, in words, from its numbers."""
+    parts = []
+    for label, b1, bmin, nmin, cap1, divides, other in facts:
+        text = (
+            f"{label}: block {b1:,} at N=1 (capacity {cap1:.0f}% of ideal), {bmin:,} at N={nmin}"
+        )
+        if divides:
+            text += f"; capacity {_span(divides)} where N divides the attention layers"
+        if other:
+            text += f", {_span(other)} where it does not"
+        parts.append(text)
+    worst = min((min(f[5] + f[6]) for f in facts if f[5] or f[6]), default=None)
+    tail = (
+        f" Capacity falls as low as {worst:.0f}% of ideal: a smaller block can cost real capacity."
+        if worst is not None and worst < 90
+        else ""
+    )
+    return (
+        "Packing N attention layers per page divides the block by about N. "
+        + "; ".join(parts)
+        + "."
+        + tail
+    )
 
 
 # ---- (iii) capacity as % of ideal ---------------------------------------------------------------
@@ -774,27 +812,46 @@ def alloc_overhead(ctx: Context) -> list[Path]:
 
 @register(
     "sim_speed",
-    "10,000 simulated chat requests take 5-40 s of CPU per layout and checkpoint policy.",
+    "The simulator's wall time for 10,000 chat requests per layout and checkpoint policy "
+    "(each layout at its own block size; the range is in the summary).",
 )
 def sim_speed(ctx: Context) -> list[Path]:
     data_ = _bench("sim-cpu.json")
     rows = [
-        {**r, "wall": f"{r['wall_s']:.1f}", "steps_": f"{r['steps']:,}"} for r in data_["rows"]
+        {
+            **r,
+            "wall": f"{r['wall_s']:.1f}",
+            "steps_": f"{r['steps']:,}",
+            "block": f"{r['block_size']:,}" if "block_size" in r else "not recorded",
+        }
+        for r in data_["rows"]
     ]
     table = markdown_table(
         rows,
         [
             ("layout", "layout"),
+            ("block", "block (tokens)"),
             ("policy", "policy"),
             ("requests", "requests"),
             ("steps_", "scheduler steps"),
             ("wall", "wall time (s)"),
         ],
     )
+    walls = [r["wall_s"] for r in data_["rows"]]
+    blocks = sorted({r["block_size"] for r in data_["rows"] if "block_size" in r}, reverse=True)
+    summary = ctx.summary(
+        "sim_speed",
+        f"{data_['rows'][0]['requests']:,} simulated chat requests take {min(walls):.0f}-"
+        f"{max(walls):.0f} s of wall time per layout and checkpoint policy. The rows differ in "
+        f"block size ({', '.join(f'{b:,}' for b in blocks)} tokens): each layout runs at its own, "
+        "and a smaller block means more allocator events per token, so this compares the "
+        "layouts as deployed, not at equal block size.",
+    )
     return [
         ctx.table(
             "sim_speed",
-            f"{data_['meta'].get('what', '')}\n\n{table}\n\n{_bench_meta(data_['meta'])}",
+            f"{data_['meta'].get('what', '')}\n\n{summary}\n\n{table}\n\n"
+            f"{_bench_meta(data_['meta'])}",
         )
     ]
 
@@ -878,9 +935,8 @@ def _layout_color(layout: str) -> str:
 
 @register(
     "sim_hit_rate",
-    "Under a 40 GiB budget the checkpoint policy decides the hit rate as much as the layout: "
-    "checkpoints at every block boundary crowd out KV or are evicted before reuse, vLLM's align "
-    "keeps too few to serve shared prefixes, marconi's few well-placed ones are kept.",
+    "Under a 40 GiB budget the checkpoint policy decides the hit rate as much as the layout (the "
+    "summary, computed from the table, names the best and worst per workload).",
     requires=("hybridkv.sim",),
 )
 def sim_hit_rate(ctx: Context) -> list[Path]:
@@ -959,13 +1015,37 @@ def sim_hit_rate(ctx: Context) -> list[Path]:
         "`hybridkv.traces.generate(name, n, seed=0)`; PFLOP: prefill FLOPs of the hit tokens on "
         "one rank (`hybridkv.costmodel.prefill_flops`)."
     )
-    return [ctx.save(fig, "sim_hit_rate"), ctx.table("sim_hit_rate", table + note)]
+    summary = ctx.summary("sim_hit_rate", _hit_summary(rows))
+    return [
+        ctx.save(fig, "sim_hit_rate"),
+        ctx.table("sim_hit_rate", f"{summary}\n\n{table}{note}"),
+    ]
+
+
+def _hit_summary(rows: list[dict]) -> str:
+    """Per workload: each policy's hit-rate range over the layouts, best first."""
+    parts = []
+    for label in dict.fromkeys(r["trace"] for r in rows):
+        spans = {}
+        for pol in SIM_POLICIES:
+            hits = [float(r["hit"]) for r in rows if r["trace"] == label and r["policy"] == pol]
+            if hits:
+                spans[pol] = (min(hits), max(hits))
+        order = sorted(spans, key=lambda p: -sum(spans[p]))
+        text = ", ".join(
+            f"{p} {lo:.0f}-{hi:.0f}%" for p, (lo, hi) in ((p, spans[p]) for p in order)
+        )
+        parts.append(f"{label}: {text}")
+    return (
+        "Token hit rate per policy over the layouts (best first) -- " + "; ".join(parts) + ". "
+        "The spread within a policy is the layouts'; between policies, the checkpoints'."
+    )
 
 
 @register(
     "sim_ttft",
-    "With the align policy TTFT follows the hit rate (inflate's large blocks hit most); output "
-    "throughput is the offered load, the same for every layout.",
+    "Simulated TTFT and output throughput per layout and policy; whether TTFT follows the hit "
+    "rate is computed in the summary (rank correlation per workload).",
     requires=("hybridkv.sim",),
 )
 def sim_ttft(ctx: Context) -> list[Path]:
@@ -1046,7 +1126,43 @@ def sim_ttft(ctx: Context) -> list[Path]:
         "\n\nTTFT counts from the moment a request is sent (a chat turn: its think time after "
         "the previous turn finished) to the end of the step that computes its last prompt token."
     )
-    return [ctx.save(fig, "sim_ttft"), ctx.table("sim_ttft", table + note)]
+    summary = ctx.summary("sim_ttft", _ttft_summary(rows))
+    return [ctx.save(fig, "sim_ttft"), ctx.table("sim_ttft", f"{summary}\n\n{table}{note}")]
+
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    rx = np.argsort(np.argsort(x)).astype(float)
+    ry = np.argsort(np.argsort(y)).astype(float)
+    if rx.std() == 0 or ry.std() == 0:
+        return 0.0
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def _num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def _ttft_summary(rows: list[dict]) -> str:
+    """Whether TTFT follows the hit rate, and which policy is fastest and slowest, per workload
+    (medians over the layouts)."""
+    parts = []
+    for label in dict.fromkeys(r["trace"] for r in rows):
+        sel = [r for r in rows if r["trace"] == label]
+        rho = _spearman([_num(r["hit"]) for r in sel], [_num(r["p50"]) for r in sel])
+        med = {
+            pol: float(np.median([_num(r["p50"]) for r in sel if r["policy"] == pol]))
+            for pol in SIM_POLICIES
+            if any(r["policy"] == pol for r in sel)
+        }
+        fast, slow = min(med, key=med.get), max(med, key=med.get)
+        parts.append(
+            f"{label}: rank correlation of hit rate and TTFT p50 {rho:+.2f}; median TTFT p50 "
+            f"lowest with {fast} ({med[fast]:,.0f} ms), highest with {slow} ({med[slow]:,.0f} ms)"
+        )
+    return (
+        "Does TTFT follow the hit rate? (a rank correlation near -1 would mean more hits, lower "
+        "TTFT; medians over the layouts) -- " + "; ".join(parts) + "."
+    )
 
 
 SIM_MEMORY_LAYOUTS = ("inflate", "per_group", "two_level")

@@ -46,10 +46,20 @@ class Skip(Exception):
 
 @dataclass(frozen=True)
 class Context:
-    """Where figures go and how big the runs are (``small``: a fast subset for tests)."""
+    """Where figures go and how big the runs are (``small``: a fast subset for tests).
+
+    A figure whose point depends on its numbers states it with :meth:`summary`, computed from
+    the data it drew; the manifest then shows that instead of the registered message, so no
+    summary can claim what its own table contradicts."""
 
     out: Path
     small: bool = False
+    summaries: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def summary(self, name: str, text: str) -> str:
+        """Record the summary of figure ``name``, computed from its data; returns it."""
+        self.summaries[name] = text
+        return text
 
     def save(self, fig: Any, name: str) -> Path:
         """Save a matplotlib figure as ``name.png`` deterministically and close it."""
@@ -136,7 +146,8 @@ def run(
                 raise Skip(f"needs {', '.join(missing)}, which is not in this checkout yet")
             with plt.rc_context(_RC):
                 files = tuple(Path(p) for p in fig.fn(ctx))
-            outcome = Outcome(fig.name, fig.message, files, None, time.perf_counter() - start)
+            message = ctx.summaries.get(fig.name, fig.message)
+            outcome = Outcome(fig.name, message, files, None, time.perf_counter() - start)
         except Skip as why:
             outcome = Outcome(fig.name, fig.message, (), str(why), time.perf_counter() - start)
         outcomes.append(outcome)
@@ -149,7 +160,33 @@ def run(
             tqdm.write(f"{fig.name:<28} {outcome.seconds:6.2f}s  {what}")
     if names is None:
         _manifest(ctx, outcomes)
+    elif (ctx.out / "MANIFEST.md").exists():
+        _update_manifest(ctx, outcomes)
     return outcomes
+
+
+def _row(o: Outcome) -> str:
+    files = (
+        f"skipped: {o.skipped}"
+        if o.skipped
+        else ", ".join(f"[{p.name}]({p.name})" for p in o.files)
+    )
+    return f"| `{o.name}` | {o.message} | {files} |"
+
+
+def _update_manifest(ctx: Context, outcomes: Sequence[Outcome]) -> None:
+    """``--only``: replace the rows of the figures just made in an existing manifest."""
+    path = ctx.out / "MANIFEST.md"
+    made = {o.name: o for o in outcomes}
+    lines = path.read_text().splitlines()
+    seen = set()
+    for i, line in enumerate(lines):
+        for name, o in made.items():
+            if line.startswith(f"| `{name}` |"):
+                lines[i] = _row(o)
+                seen.add(name)
+    lines += [_row(o) for name, o in made.items() if name not in seen]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def _manifest(ctx: Context, outcomes: Sequence[Outcome]) -> None:
@@ -162,11 +199,5 @@ def _manifest(ctx: Context, outcomes: Sequence[Outcome]) -> None:
         "| figure | message | files |",
         "| --- | --- | --- |",
     ]
-    for o in outcomes:
-        files = (
-            f"skipped: {o.skipped}"
-            if o.skipped
-            else ", ".join(f"[{p.name}]({p.name})" for p in o.files)
-        )
-        lines.append(f"| `{o.name}` | {o.message} | {files} |")
+    lines += [_row(o) for o in outcomes]
     ctx.table("MANIFEST", "\n".join(lines))
