@@ -16,8 +16,10 @@ boundary (to its end when the state layers export the checkpoint from inside the
 units finer than the block, at the prompt's last hash boundary. With the other policies chunks
 the budget cuts end on multiples of the state groups' block size; ``align_every_block`` also
 stops a prefill at the last block boundary of the request's tokens (as hybridkv's ``align`` did
-before it followed vLLM 0.33), and ``marconi`` at the request's pending branch point
-(the allocator's ``next_checkpoint``), where Marconi checkpoints a shared prefix's state.
+before it followed vLLM 0.33), ``marconi`` at the request's pending branch point
+(the allocator's ``next_checkpoint``), where Marconi checkpoints a shared prefix's state, and
+``periodic`` / ``hash_boundary`` at their next kept position when the backend cannot export
+states from inside a prefill (else those states are exported and the prefill is not cut).
 
 **Speed.** Most steps are decode steps in which most requests only take the allocator's fast
 path (no new block, no cache or checkpoint work), which changes nothing but a counter. So a
