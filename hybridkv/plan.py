@@ -363,6 +363,26 @@ class MemoryPlan:
         """Valid block ids of a group (null id 0 included)."""
         return self.pool_of(group_id).num_ids(group_id)
 
+    def id_bytes(self, group_id: int) -> int:
+        """Bytes of the budget one block id of ``group_id`` takes: a whole block of its pool
+        (every layer slot of a shared pool), or one small page of a two-level pool."""
+        pool = self.pool_of(group_id)
+        return self.groups[group_id].page_bytes if pool.kind == "two_level" else pool.block_bytes
+
+    def id_data_bytes(self, group_id: int) -> int:
+        """Bytes of cache data one id of ``group_id`` holds when full: ``block_size`` tokens of
+        K and V of the group's layers, or one request's state of its layers. The rest of
+        :meth:`id_bytes` is padding."""
+        kv = sum(
+            p.k_bytes_per_block + p.v_bytes_per_block
+            for p in self.kv_placements
+            if p.group_id == group_id
+        )
+        state = sum(
+            c.nbytes for s in self.state_placements if s.group_id == group_id for c in s.components
+        )
+        return kv + state
+
     def allocation_unit(self, group_id: int, block_id: int) -> tuple[str, int]:
         """The (pool, unit) that block ``block_id`` of ``group_id`` belongs to.
 

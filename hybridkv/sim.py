@@ -17,9 +17,11 @@ units finer than the block, at the prompt's last hash boundary. With the other p
 the budget cuts end on multiples of the state groups' block size; ``align_every_block`` also
 stops a prefill at the last block boundary of the request's tokens (as hybridkv's ``align`` did
 before it followed vLLM 0.33), ``marconi`` at the request's pending branch point
-(the allocator's ``next_checkpoint``), where Marconi checkpoints a shared prefix's state, and
+(the allocator's ``next_checkpoint``), where Marconi checkpoints a shared prefix's state,
 ``periodic`` / ``hash_boundary`` at their next kept position when the backend cannot export
-states from inside a prefill (else those states are exported and the prefill is not cut).
+states from inside a prefill (else those states are exported and the prefill is not cut), and
+``last``, ``marconi``, ``periodic`` and ``hash_boundary`` at the prompt's last hash boundary, so
+that a request whose answer is too short to reach the next one still leaves an end state.
 
 **Speed.** Most steps are decode steps in which most requests only take the allocator's fast
 path (no new block, no cache or checkpoint work), which changes nothing but a counter. So a
@@ -43,7 +45,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm  # a text bar: in a notebook tqdm.auto would want ipywidgets
 
-from .alloc import RECOVERY_POLICIES, HybridAllocator, PoolExhausted
+from .alloc import RECOVERY_POLICIES, HybridAllocator, MemoryBreakdown, PoolExhausted
+from .alloc.breakdown import breakdown_table
 from .costmodel import GPU, H100_SXM, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -66,7 +69,10 @@ class SimConfig:
     the prefill when the alignment divides it, else prefill chunks end there).
 
     Memory is sampled every ``sample_every`` steps; once ``max_samples`` samples are taken the
-    interval doubles (every other sample is dropped), so long runs keep at most that many."""
+    interval doubles (every other sample is dropped), so long runs keep at most that many. Every
+    ``breakdown_every``-th sample also records the pool's full byte breakdown
+    (:func:`hybridkv.alloc.memory_breakdown`: live, cached and reachable or not, owned but
+    empty, padding, free; one pass over the cache index, hence not every sample; 0: never)."""
 
     max_num_batched_tokens: int = 8192
     hash_block_size: int = 16
@@ -76,6 +82,7 @@ class SimConfig:
     max_model_len: int = 1 << 20
     sample_every: int = 16  # steps between memory samples
     max_samples: int = 512
+    breakdown_every: int = 8
     fast_decode: bool = True  # park decoding requests between allocator events (same results)
     prefix_cache_retention_interval: int | None = 0
     prefill_checkpoint_alignment: int | str | None = "auto"
@@ -113,6 +120,14 @@ class SimResult:
     sample_t_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     checkpoints: int = 0  # state checkpoints cached (every state group at one position)
     checkpoint_bytes: int = 0  # the state memory those checkpoints were given, in total
+    #: where the pool's bytes were (:class:`~hybridkv.alloc.MemoryBreakdown`), every
+    #: ``breakdown_every`` memory samples, at the times in ``breakdown_t_s``
+    breakdown: tuple[MemoryBreakdown, ...] = ()
+    breakdown_t_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    def breakdown_mean(self) -> dict[str, float]:
+        """Mean bytes per breakdown field over the run's breakdown samples."""
+        return breakdown_table(list(self.breakdown))
 
     @property
     def token_hit_rate(self) -> float:
@@ -144,6 +159,11 @@ class SimResult:
             "kv_gib_mean": round(float(self.kv_bytes.mean()) / 2**30, 3)
             if self.kv_bytes.size
             else 0.0,
+            **{
+                f"{k}_gib_mean": round(v / 2**30, 3)
+                for k, v in self.breakdown_mean().items()
+                if k in ("reachable", "unreachable", "owned_empty", "free") and self.breakdown
+            },
         }
 
 
@@ -239,7 +259,7 @@ def simulate(
     vllm_split = caching and config.checkpoint_policy == "align"
     stop_last_block = caching and config.checkpoint_policy == "align_every_block"
     # marconi's branch points; periodic / hash_boundary positions when not exported
-    stop_next = caching and config.checkpoint_policy in ("marconi", *RECOVERY_POLICIES)
+    stop_next = caching and config.checkpoint_policy in ("last", "marconi", *RECOVERY_POLICIES)
     max_seqs = plan.config.max_num_seqs
     max_prefill = config.max_num_batched_tokens
     reqs = trace.requests
@@ -269,6 +289,8 @@ def simulate(
     blocked = False  # the head of `waiting` failed to be admitted and nothing changed since
     ttft: list[float] = []
     samples: list[tuple[int, float, int, int]] = []  # (step, time, kv bytes, state bytes)
+    breakdowns: list[tuple[int, float, MemoryBreakdown]] = []
+    every = max(0, config.breakdown_every)
     stride = max(1, config.sample_every)
     held: tuple[int, int] | None = None  # memory held, while known not to have changed
     bar = tqdm(total=len(reqs), disable=not progress, desc=f"simulate {plan.layout}")
@@ -364,9 +386,12 @@ def simulate(
         if held is None:
             held = _held_bytes(alloc, plan)
         samples.append((steps, t, *held))
+        if every and steps % (stride * every) == 0:
+            breakdowns.append((steps, t, alloc.memory_breakdown()))
         if len(samples) >= config.max_samples:
             stride *= 2
             samples[:] = [x for x in samples if x[0] % stride == 0]
+            breakdowns[:] = [x for x in breakdowns if x[0] % (stride * every) == 0]
 
     while ready or waiting or running:
         while ready and ready[0][0] <= t:
@@ -533,6 +558,8 @@ def simulate(
         memory_bytes=plan.config.memory_bytes,
         saved_flops=saved_flops,
         sample_t_s=np.asarray([x[1] for x in samples], dtype=np.float64),
+        breakdown=tuple(x[2] for x in breakdowns),
+        breakdown_t_s=np.asarray([x[1] for x in breakdowns], dtype=np.float64),
         checkpoints=alloc.num_checkpoints,
         checkpoint_bytes=alloc.num_checkpoint_ids * _state_id_bytes(plan),
     )
@@ -561,12 +588,7 @@ def _chunk(remaining: int, budget: int, done: int, align: int, stop: int = 0) ->
 def _state_id_bytes(plan: MemoryPlan) -> int:
     """Bytes one state id takes, averaged over the state groups (equal in every layout but
     ``per_group`` with mixed state kinds)."""
-    sizes = [
-        g.page_bytes
-        if plan.pool_of(g.group_id).kind == "two_level"
-        else plan.pool_of(g.group_id).block_bytes
-        for g in plan.state_groups
-    ]
+    sizes = [plan.id_bytes(g.group_id) for g in plan.state_groups]
     return sum(sizes) // len(sizes) if sizes else 0
 
 
@@ -576,9 +598,7 @@ def _held_bytes(alloc: HybridAllocator, plan: MemoryPlan) -> tuple[int, int]:
     count = alloc.ids_in_use()
     kv = state = 0
     for g in plan.groups:
-        pool = plan.pool_of(g.group_id)
-        # one id covers a whole block of the pool, except in a two-level pool (one small page)
-        size = g.page_bytes if pool.kind == "two_level" else pool.block_bytes
+        size = plan.id_bytes(g.group_id)
         if g.is_state:
             state += count[g.group_id] * size
         else:

@@ -178,7 +178,8 @@ def test_two_level_reactivated_idle_page_is_used_or_idle_again():
     tl = TwoLevelPool(4, {0: 4, 1: 2}, 0, "p")
     g0, g1 = tl.view(0), tl.view(1)
     a = g0.allocate(7)  # page 0 (3 ids) and page 1 (4 ids)
-    g0.cache(a[3], "kv")
+    for i in range(3, 7):  # every id of page 1 holds a block: no hole to reuse
+        g0.cache(a[i], f"kv-{i}")
     g0.free(a[3:])  # page 1 idle, stamped first
     b = g1.allocate(2)  # page 2
     g1.cache(b[0], "state-0")
@@ -191,6 +192,40 @@ def test_two_level_reactivated_idle_page_is_used_or_idle_again():
     g1.free([s])
     g0.free(a[:3] + c)
     assert check == [], f"pages {check} of group 1 are neither used, idle nor free"
+
+
+def test_two_level_holes_of_an_idle_page_are_used_before_a_free_page():
+    """An idle page whose ids partly hold nothing is owned memory no one else can use: its
+    owner fills those holes before it takes another page (which stays free for any group)."""
+    tl = TwoLevelPool(4, {0: 4, 1: 2}, 0, "p")
+    g0 = tl.view(0)
+    a = g0.allocate(7)  # page 0 (3 ids) and page 1 (4 ids)
+    g0.cache(a[3], "kv")
+    g0.free(a[3:])  # page 1 idle: one cached id, three holes
+    assert g0.num_owned_empty() == 3 + 0  # page 0's ids are all in use
+    free_before = list(tl.free_pages)
+    got = g0.allocate(3)
+    assert sorted(x // 4 for x in got) == [1, 1, 1] and list(tl.free_pages) == free_before
+    assert g0.lookup("kv") == a[3] and g0.num_owned_empty() == 0
+    g0.free(got + a[:3])
+
+
+def test_two_level_reactivated_cached_ids_keep_their_lru_place():
+    """Reactivating an idle page puts its cached ids back where their last use puts them in
+    the LRU, not at the front: a page reactivated for its holes must not lose its newest
+    blocks first."""
+    tl = TwoLevelPool(5, {0: 4, 1: 2}, 0, "p")
+    g0 = tl.view(0)
+    a = g0.allocate(3)  # page 0
+    old = g0.allocate(1)  # page 1
+    g0.cache(old[0], "old")
+    g0.free(old)  # page 1 idle
+    b = g0.allocate(2)  # page 1's holes
+    g0.cache(b[0], "mid")
+    g0.free(b)  # page 1 idle again, "old" freed before "mid"
+    c = g0.allocate(2)  # the holes again: "old" and "mid" rejoin the LRU by their last use
+    assert list(g0._lru) == [old[0], b[0]]
+    g0.free(a + c)
 
 
 # ---- hashes -----------------------------------------------------------------------------------
@@ -378,8 +413,8 @@ def test_marconi_checkpoints_the_branch_point():
             assert a.allocate_slots("b", nxt)
             _step(a, copies)
             assert copies  # the branch-point checkpoint
-        else:
-            assert nxt is None
+        else:  # the prompt's last hash boundary, where its end state is kept
+            assert nxt == len(b) // 16 * 16
         assert a.allocate_slots("b", len(b) - a.num_tokens("b"))
         _step(a)
         a.free("b")
@@ -402,14 +437,28 @@ def test_marconi_eviction_weighs_recency_against_value():
         def entry_info(self, key):
             return self.info[key]
 
+        def continuations(self, key, chain_group):
+            return self.kids.get(key, 0)
+
     # ids 1..3 oldest first: an attention block, another, a checkpoint after 16 tokens
     info = {1: (16, False), 2: (32, False), 3: (16, True)}
     fake = Fake(info)
+    fake.kids = {}
     ev = MarconiEvictor(fake, fake, p, alpha=0.0)
     assert ev([1, 2, 3]) == 1  # alpha 0: plain LRU
     assert ev.efficiency(16, True) < ev.efficiency(100_000, True) < 1 == ev.efficiency(16, False)
     ev = MarconiEvictor(fake, fake, p, alpha=2.0)
     assert ev([1, 2, 3]) == 3  # a short-prefix state saves little per byte: evicted first
+    # entries others depend on are passed over: block 1 continues (a state lies below it) and
+    # the state is a branch point (two chains continue below it)
+    fake.kids = {1: 1, 3: 2}
+    assert MarconiEvictor(fake, fake, p, alpha=0.0)([1, 2, 3]) == 2
+    assert MarconiEvictor(fake, fake, p, alpha=2.0)([1, 2, 3]) == 2
+    # unless every candidate is one: then recency and value decide as before
+    fake.kids = {1: 1, 2: 1, 3: 2}
+    assert MarconiEvictor(fake, fake, p, alpha=0.0)([1, 2, 3]) == 1
+    # a window of one candidate (eviction_window=1) is that candidate
+    assert MarconiEvictor(fake, fake, p, alpha=2.0)([2]) == 2
 
 
 def test_policy_errors():
@@ -580,9 +629,10 @@ def test_events_replay_matches_cache():
 def test_blocks_sharing_leading_units_emit_each_unit_once():
     """Two partly filled inflate blocks agree on their first 288 tokens: the second request's
     entry stores only its new units, chained to the shared ones, and evicting one entry removes
-    only the units nothing else covers."""
+    only the units nothing else covers. (Unit accounting alone: with ``evict_unreachable``
+    b's allocations would evict a's end state and, with it, a's now useless KV.)"""
     p = plan("qwen3.5-0.8b", "inflate", memory=64 << 20, seqs=2)
-    a = HybridAllocator(p, checkpoint_policy="last")
+    a = HybridAllocator(p, checkpoint_policy="last", evict_unreachable=False)
     idx = CacheIndex()
     base = list(range(300))
     _prefill_to(a, "a", base, [300])
@@ -623,7 +673,8 @@ def test_blocks_sharing_leading_units_emit_each_unit_once():
 def test_reset_prefix_cache_emits_all_blocks_cleared():
     a = HybridAllocator(plan("qwen3.5-0.8b", "per_group", ckpt_slots=2))
     idx = CacheIndex()
-    _prefill_to(a, "a", list(range(64)), [64])
+    # align keeps the state where a chunk ends on the replay boundary (48): vLLM's split
+    _prefill_to(a, "a", list(range(64)), [48, 64])
     assert not a.reset_prefix_cache()  # a request still runs
     a.free("a")
     idx.apply(a.take_events())

@@ -37,9 +37,14 @@ def test_zmq_loopback_index_matches_allocator():
         removed = 0
         for i in range(16):  # enough traffic to cause evictions in the tiny pools
             prompt = list(range(i % 5 * 100, i % 5 * 100 + 40 + 16 * (i % 4)))
-            hit = a.add_request(i, prompt)
-            assert a.allocate_slots(i, len(prompt) - hit.num_cached_tokens)
-            a.take_state_copies()  # the step's commit: its full blocks become cache entries
+            done = a.add_request(i, prompt).num_cached_tokens
+            # a chunk ends where the policy keeps the end state (the prompt's last hash
+            # boundary): without a state, the request's KV could serve no hit and is dropped
+            for end in (a.next_checkpoint(i), len(prompt)):
+                if end is not None and end > done:
+                    assert a.allocate_slots(i, end - done)
+                    a.take_state_copies()  # the step's commit: full blocks become entries
+                    done = end
             a.free(i)
             batch = a.take_events()
             removed += sum(type(e).__name__ == "BlockRemoved" for e in batch.events)

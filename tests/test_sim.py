@@ -154,8 +154,13 @@ def test_align_stops_the_prefill_at_the_last_block_boundary():
     align = simulate(plan, model, _repeat_trace(600), SimConfig(checkpoint_policy="align"))
     assert align.hit_tokens == 592  # (600 - 1) // 16 * 16, kept before the last 8 tokens
     last = simulate(plan, model, _repeat_trace(600), SimConfig(checkpoint_policy="last"))
-    # last keeps only the end state (600 prompt + 3 outputs), not a prefix of the second prompt
-    assert last.hit_tokens == 0
+    # last keeps the end state: its prefill ends at the prompt's last hash boundary (592) and
+    # the 3-token answer never reaches the next one (608), so the resend hits there too
+    assert last.hit_tokens == 592
+    align_every = simulate(
+        plan, model, _repeat_trace(600), SimConfig(checkpoint_policy="align_every_block")
+    )
+    assert align_every.hit_tokens == 592
 
 
 def test_memory_samples_are_bounded_and_timed(chat):

@@ -9,6 +9,7 @@
 """
 
 from .block_pool import BlockPool
+from .breakdown import CATEGORIES, MemoryBreakdown, memory_breakdown
 from .errors import (
     AllocatorError,
     ConfigError,
@@ -26,6 +27,7 @@ from .two_level import TwoLevelPool
 
 __all__ = [
     "ALL_POLICIES",
+    "CATEGORIES",
     "POLICIES",
     "RECOVERY_POLICIES",
     "AllBlocksCleared",
@@ -41,7 +43,9 @@ __all__ = [
     "HybridAllocator",
     "KVEventBatch",
     "MaxLengthExceeded",
+    "MemoryBreakdown",
     "PoolExhausted",
     "TwoLevelPool",
     "UnknownRequest",
+    "memory_breakdown",
 ]

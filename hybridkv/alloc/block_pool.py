@@ -66,6 +66,24 @@ class IdCache:
         if self.on_evict is not None:
             self.on_evict(key, bid)
 
+    def drop_cached(self, bid: int) -> bool:
+        """Evict the cached entry of a free id now (it can no longer serve a hit) and make the
+        id plain free. False, changing nothing, if the id is held or holds no entry."""
+        if self.ref[bid] or bid not in self._id_to_key:
+            return False
+        self._forget(bid)
+        return True
+
+    def demote(self, bid: int) -> None:
+        """Make a free cached id the next to be evicted (its entry is unlikely to be hit)."""
+        if self.ref[bid] == 0 and bid in self._lru:
+            self._lru.move_to_end(bid, last=False)
+
+    def _forget(self, bid: int) -> None:
+        del self._lru[bid]
+        self._drop_key(bid)
+        self._plain[bid] = None
+
     def refcount(self, bid: int) -> int:
         return self.ref[bid]
 
@@ -137,6 +155,11 @@ class BlockPool(IdCache):
     @property
     def num_cached(self) -> int:
         return len(self._key_to_id)
+
+    @property
+    def num_plain_free(self) -> int:
+        """Free ids that hold nothing."""
+        return len(self._plain)
 
     @property
     def num_cached_free(self) -> int:

@@ -47,6 +47,7 @@ import torch
 
 from ..plan import MemoryPlan
 from .block_pool import BlockPool
+from .breakdown import MemoryBreakdown, memory_breakdown
 from .errors import (
     ConfigError,
     DoubleFree,
@@ -89,6 +90,7 @@ class _Request:
         "end_ckpt",
         "extra",
         "hashes",
+        "hit_unit",
         "junction",
         "last_mark",
         "lead",
@@ -133,6 +135,7 @@ class _Request:
         self.junction = 0  # align: vLLM's shared_prefix_boundary, found at admission
         self.step_start = -1  # align with exports: num_alloc when the uncommitted step began
         self.last_mark = 0  # periodic / hash_boundary: the last position a state was kept at
+        self.hit_unit: bytes | None = None  # the hash unit of the state its hit copied from
 
 
 class HybridAllocator:
@@ -160,6 +163,10 @@ class HybridAllocator:
     - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
     - ``marconi_alpha`` / ``eviction_window``: the Marconi eviction trade-off and how many of the
       oldest cached ids it compares.
+    - ``evict_unreachable``: when an eviction leaves cached entries no hit can use, evict them
+      too (:meth:`_settle`): the KV of a chain whose last state went, or everything after a
+      KV block that went. Marconi evicts a radix-tree leaf's KV with its state for the same
+      reason. ``False`` keeps them until they age out (vLLM's behaviour).
     """
 
     def __init__(
@@ -177,6 +184,7 @@ class HybridAllocator:
         prefix_cache_retention_interval: int | None = 0,
         prefill_checkpoint_alignment: int | str | None = "auto",
         checkpoint_interval: int | None = None,
+        evict_unreachable: bool = True,
     ) -> None:
         if hash_block_size < 1:
             raise ConfigError(f"hash_block_size must be >= 1, got {hash_block_size}")
@@ -227,6 +235,9 @@ class HybridAllocator:
         self.hash_fn = get_hash_fn(hash_algo)
         self.partial = partial_block_hits
         self.index = PrefixIndex(hash_block_size)
+        self.evict_unreachable = evict_unreachable
+        # evicted entries: (group, units, is a state, the unit before them)
+        self._dead: list[tuple[int, list[bytes], bool, bytes | None]] = []
         self._build_pools()
         self._attn: list[tuple[int, int]] = []
         self._swa: list[tuple[int, int, int]] = []
@@ -281,7 +292,7 @@ class HybridAllocator:
 
     # ---- construction -----------------------------------------------------------------------
     def _build_pools(self) -> None:
-        on_evict = self.index.remove
+        on_evict = self._evicted if self.evict_unreachable else self.index.remove
         self.pool: dict[int, BlockPool | GroupView] = {}  # group -> where its ids come from
         self._cap: dict[int, BlockPool | TwoLevelPool] = {}  # group -> capacity it shares
         self._pools: dict[str, BlockPool | TwoLevelPool] = {}
@@ -325,6 +336,108 @@ class HybridAllocator:
             else:
                 full.append(GroupRule(g.group_id, "full", g.block_size, step))
         return full + window, full + window + state
+
+    # ---- unreachable entries ----------------------------------------------------------------
+    def _evicted(self, key: Any, bid: int) -> None:
+        """A pool evicted ``key``: update the index, and remember it for :meth:`_settle` (pools
+        call this in the middle of an allocation, where no other id may change)."""
+        _, _, units, is_state = self.index.entries[key]
+        above = self.index.parent.get((key[0], units[0]))  # the unit before the entry
+        self.index.remove(key, bid)
+        self._dead.append((key[0], units, is_state, above))
+
+    def _settle(self) -> None:
+        """Evict the free cached entries that the evictions since the last call left useless.
+
+        A hit needs, at its length ``P``, a state in every state group and the KV of every
+        token before ``P`` in every full-attention group. So when a state goes, the KV between
+        it and the previous state or branch of its chain serves nothing (unless a state lies
+        further down the chain); when a KV block goes, nothing after it on its chain can be
+        reached. Those entries would otherwise sit in the LRU, cached but useless, until they
+        aged out. A request that recomputes the missing part caches it again."""
+        index = self.index
+        parent, entries = index.parent, index.entries
+        full = self._cascade_groups
+        while self._dead:
+            dead, self._dead = self._dead, []
+            # units whose entries go, in the order found (a dict: runs must not depend on the
+            # hash seed)
+            doomed: dict[tuple[int, bytes], None] = {}
+            for gid, units, is_state, above in dead:
+                if is_state:
+                    u = units[0]
+                    if any(self.pool[g].lookup((g, u)) is not None for g in self._state):
+                        # another state group still holds u: those states are useless alone
+                        for g in self._state:
+                            doomed[(g, u)] = None
+                        continue
+                    if not full:
+                        continue
+                    seg = self._dead_segment(full[0], u)
+                    for g in full:
+                        doomed.update(dict.fromkeys((g, x) for x in seg))
+                    for g, _, _ in self._swa:
+                        doomed.update(dict.fromkeys((g, x) for x in seg))
+                elif gid in full:
+                    gone = [u for u in units if (gid, u) not in parent]
+                    if not gone:
+                        continue
+                    below = self._subtree(gid, gone)
+                    for g in range(len(self.groups)):
+                        doomed.update(dict.fromkeys((g, x) for x in below))
+                    if above is not None and (gid, above) in parent:
+                        # the chain above the gap served only what lay below it, perhaps
+                        seg = self._dead_segment(gid, above)
+                        for g in full:
+                            doomed.update(dict.fromkeys((g, x) for x in seg))
+                        for g, _, _ in self._swa:
+                            doomed.update(dict.fromkeys((g, x) for x in seg))
+            for g, x in doomed:
+                key = (g, x)
+                info = entries.get(key)
+                if info is None:
+                    continue
+                if not info[3] and any(
+                    (g, y) not in doomed and len(index.holders[(g, y)]) == 1 for y in info[2]
+                ):
+                    continue  # the block's first tokens still serve a hit inside it
+                self.pool[g].drop_cached(info[0])
+
+    @property
+    def _cascade_groups(self) -> list[int]:
+        return [g for g, _ in self._attn if not self._window[g]]
+
+    def _has_state(self, unit: bytes) -> bool:
+        return any(self.pool[g].lookup((g, unit)) is not None for g in self._state)
+
+    def _subtree(self, gid: int, roots: list[bytes], limit: int = 1 << 20) -> list[bytes]:
+        """``roots`` and every unit cached after them in ``gid``."""
+        out, stack = [], list(roots)
+        children = self.index.children
+        while stack and len(out) < limit:
+            x = stack.pop()
+            out.append(x)
+            kids = children.get((gid, x))
+            if kids:
+                stack.extend(kids)
+        return out
+
+    def _dead_segment(self, gid: int, u: bytes) -> list[bytes]:
+        """The units of ``gid`` that no state serves once the state at ``u`` is gone: nothing
+        if a state lies below ``u``; else ``u``'s subtree and the chain above it up to the
+        previous state or branch (exclusive)."""
+        below = self._subtree(gid, [u])
+        if any(self._has_state(x) for x in below):
+            return []
+        parent, children = self.index.parent, self.index.children
+        seg = below
+        x = parent.get((gid, u))
+        while x is not None and (gid, x) in parent:
+            if self._has_state(x) or len(children.get((gid, x), ())) > 1:
+                break
+            seg.append(x)
+            x = parent[(gid, x)]
+        return seg
 
     # ---- lookups ----------------------------------------------------------------------------
     def _lookup(self, gid: int, unit: bytes) -> int | None:
@@ -541,6 +654,8 @@ class HybridAllocator:
         for cap in reserved:
             cap.release()
         r.num_alloc = L
+        if state_src:
+            r.hit_unit = hashes[L // h - 1]
         r.branch_at = branch_at
         r.junction = junction
         if num_prompt_tokens is not None:
@@ -554,6 +669,8 @@ class HybridAllocator:
         if r.sources:
             self._sourced[req_id] = r
         self._set_limit(r)
+        if self._dead:
+            self._settle()
         return hit
 
     def allocate_slots(self, req_id: Any, num_new_tokens: int) -> bool:
@@ -612,6 +729,8 @@ class HybridAllocator:
         if self.caching and total >= r.work_at:
             self._dirty[r.req_id] = r
         self._set_limit(r)
+        if self._dead:
+            self._settle()
         return True
 
     def _free_outside_window(self, r: _Request, gid: int, B: int, first_needed: int) -> None:
@@ -685,6 +804,8 @@ class HybridAllocator:
                 by_pool.setdefault(id(pool), (pool, []))[1].append(sid)
             for pool, sids in by_pool.values():
                 pool.free(sids)
+        if self._dead:
+            self._settle()
         return copies
 
     def _commit(self, r: _Request, copies: list, held: list) -> None:
@@ -848,6 +969,8 @@ class HybridAllocator:
                     kept = True
             pool.free((sid,))
         self.num_checkpoints += kept
+        if kept and r.hit_unit is not None:
+            self._demote_superseded(r.hit_unit)
         r.end_ckpt = {}
         if r.sources:
             self._release_sources(r)
@@ -855,11 +978,54 @@ class HybridAllocator:
         for gid, blocks in enumerate(r.blocks):
             # Tail first: among this request's blocks the tail is evicted first (vLLM).
             self.pool[gid].free(reversed(blocks))
+        if self.evict_unreachable and self.caching and self._state:
+            self._drop_past_last_state(r)
         self.tables.release_row(r.row)
         del self.reqs[req_id]
         self._freed[req_id] = None
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)
+
+    def _drop_past_last_state(self, r: _Request) -> None:
+        """Evict the finished request's cached KV past the last state kept on its chain (the
+        answer's blocks under ``align``, which keeps states only in the prompt): no hit can
+        reach it, and a request that computes past that state again computes it anyway."""
+        hashes, h = r.hashes, self.h
+        last = len(hashes)
+        while last > 0 and not self._has_state(hashes[last - 1]):
+            last -= 1
+        if last == len(hashes):
+            return
+        for gid, B in self._attn:
+            if self._window[gid]:
+                continue
+            blocks, s = r.blocks[gid], B // h
+            for j in range(last // s, len(blocks)):
+                bid = blocks[j]
+                if not bid:
+                    continue
+                key = self.pool[gid].key_of(bid)
+                info = self.index.entries.get(key) if key is not None else None
+                # an entry of this chain whose every unit lies past the last state
+                if info is not None and info[1] >= last and info[2][0] == hashes[info[1]]:
+                    self.pool[gid].drop_cached(bid)
+        if self._dead:
+            self._settle()
+
+    def _demote_superseded(self, unit: bytes) -> None:
+        """A request hit the state at ``unit`` and cached its own end state further down the
+        same chain: the KV up to ``unit`` stays reachable through the new state, so the old one
+        only serves a prompt that ends or diverges exactly there. Unless the chain branches at
+        ``unit`` (a shared prefix's branch point), it becomes the next state to evict (Marconi
+        evicts such single-child nodes' states first for the same reason)."""
+        full = self._cascade_groups
+        if not full or len(self.index.children.get((full[0], unit), ())) > 1:
+            return
+        for gid in self._state:
+            pool = self.pool[gid]
+            sid = pool.lookup((gid, unit))
+            if sid is not None:
+                pool.demote(sid)
 
     def _cache_tail_blocks(self, r: _Request, P: int) -> None:
         """At free, cache the partly filled attention block holding token ``P - 1`` (``P``:
@@ -899,23 +1065,26 @@ class HybridAllocator:
     def next_checkpoint(self, req_id: Any) -> int | None:
         """Where the policy wants a prefill chunk to end so that a state checkpoint is taken, or
         None: ``align``, where vLLM would end a chunk offered every remaining token
-        (:meth:`split_prefill`); ``align_every_block``: the next block multiple; ``marconi``: a
-        pending branch point; ``periodic`` / ``hash_boundary`` without exports: the next
-        position they keep a state at."""
+        (:meth:`split_prefill`); ``align_every_block``: the next block multiple; ``last``,
+        ``marconi``, ``periodic`` and ``hash_boundary``: the prompt's last hash boundary (a
+        state is only kept where a step ends on one, and an answer too short to reach the next
+        would leave the request with no end state; Marconi keeps the last token's), before it
+        ``marconi``'s pending branch point and, when they are not exported, the next position
+        ``periodic`` / ``hash_boundary`` keep a state at."""
         r = self._get(req_id)
         if not self.caching or not self._state:
             return None
-        if self.policy.branches:
-            return r.branch_at if r.branch_at > r.num_alloc else None
         if self._vllm is not None:
             rest = len(r.tokens) - r.num_alloc
             end = r.num_alloc + self.split_prefill(req_id, rest)
             return end if end < len(r.tokens) else None
         if self.policy.name == "align_every_block":
             return self.policy.next_position(r.num_alloc, -1)
+        stops = [r.nprompt // self.h * self.h, r.branch_at]
         if self.policy.interval and not self.policy.exports_marks:
-            return self.policy.next_mark(r.num_alloc, r.nprompt)
-        return None
+            stops.append(self.policy.next_mark(r.num_alloc, r.nprompt) or 0)
+        after = [p for p in stops if p > r.num_alloc]
+        return min(after) if after else None
 
     def split_prefill(
         self, req_id: Any, num_new_tokens: int, max_prefill_tokens: int | None = None
@@ -1002,6 +1171,26 @@ class HybridAllocator:
                 held[g].discard(0)
                 count[g] = len(held[g])
         return count
+
+    def held_ids(self) -> list[tuple[int, list[int]]]:
+        """Every id running requests hold, as ``(group, ids)``: each request's block list per
+        group, its private end checkpoints, and the cached entries its hit copies from until
+        the commit (an id appears once per holder)."""
+        out: list[tuple[int, list[int]]] = []
+        for r in self.reqs.values():
+            for gid, blocks in enumerate(r.blocks):
+                if blocks:
+                    out.append((gid, blocks))
+            for gid, (_, sid) in r.end_ckpt.items():
+                out.append((gid, [sid]))
+            for gid, sid in r.sources:
+                out.append((gid, [sid]))
+        return out
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Where the plan's bytes are now: live, cached and reachable, cached but unreachable,
+        owned but empty, padding, free, unusable (:mod:`.breakdown`)."""
+        return memory_breakdown(self)
 
     def block_tables(self, req_ids: list[Any]) -> list[torch.Tensor]:
         """One int32 ``[len(req_ids), max blocks]`` table per group, padded with the null id."""

@@ -452,12 +452,19 @@ class MarconiEvictor:
       of one sequence's recurrent state. Short-prefix states are poor value; long ones approach 1.
 
     ``alpha = 0`` is plain LRU.
+
+    Like Marconi's tree, which evicts only leaves and single-child nodes, it passes over
+    entries other cached entries depend on, unless every candidate is one: a state at a
+    *branch point* (the chain continues in two or more ways below it: every branch hits there)
+    and a KV block the chain continues after (evicting it cuts every state below it off).
     """
 
     def __init__(self, pool: object, index: PrefixIndex, plan: MemoryPlan, alpha: float) -> None:
         self.pool = pool
         self.index = index
         self.alpha = alpha
+        full = [g.group_id for g in plan.attention_groups if not g.sliding_window]
+        self.chain_group = full[0] if full else None  # whose children tell a chain's shape
         self.kv_per_token = sum(
             (p.k_bytes_per_block + p.v_bytes_per_block) / p.block_size for p in plan.kv_placements
         )
@@ -469,8 +476,22 @@ class MarconiEvictor:
         kv = prefix_tokens * self.kv_per_token
         return kv / (self.state_bytes + kv) if kv or self.state_bytes else 1.0
 
+    def depended_on(self, bid: int) -> bool:
+        """A branch-point state, or a KV block with cached units after it."""
+        g = self.chain_group
+        if g is None:
+            return False
+        key = self.pool.key_of(bid)  # type: ignore[attr-defined]
+        _, is_state = self.index.entry_info(key)
+        return self.index.continuations(key, g) > (1 if is_state else 0)
+
     def __call__(self, candidates: list[int]) -> int:
+        free = [c for c in candidates if not self.depended_on(c)]
+        if free:
+            candidates = free
         n = len(candidates)
+        if n == 1:
+            return candidates[0]
         key_of = self.pool.key_of  # type: ignore[attr-defined]
         info = self.index.entry_info
         best, best_u = candidates[0], math.inf

@@ -45,6 +45,9 @@ class PrefixIndex:
         self.medium = medium
         self.holders: dict[UnitKey, list[int]] = {}  # unit -> ids of the entries covering it
         self.parent: dict[UnitKey, bytes | None] = {}
+        # (group, unit) -> units cached right after it, in the order they came (a dict, not a
+        # set: walks down a chain must not depend on the hash seed)
+        self.children: dict[UnitKey, dict[bytes, None]] = {}
         # entry key -> (id, first unit index, units covered, is a state checkpoint)
         self.entries: dict[CacheKey, tuple[int, int, list[bytes], bool]] = {}
         self.events: list[Any] = []
@@ -75,7 +78,8 @@ class PrefixIndex:
             lst = holders.get(k)
             if lst is None:
                 holders[k] = [bid]
-                parent[k] = hashes[first_unit - 1] if first_unit else None
+                par = parent[k] = hashes[first_unit - 1] if first_unit else None
+                self._link(gid, par, units[0])
                 self._stored(gid, hashes, first_unit, 1, tokens, lora_id)
             else:
                 lst.append(bid)
@@ -87,7 +91,8 @@ class PrefixIndex:
             if lst is None:
                 holders[k] = [bid]
                 idx = first_unit + i
-                parent[k] = hashes[idx - 1] if idx else None
+                par = parent[k] = hashes[idx - 1] if idx else None
+                self._link(gid, par, u)
                 if run_start < 0:
                     run_start = i
             else:
@@ -126,6 +131,7 @@ class PrefixIndex:
                 continue
             holders[k] = [bid]
             parent[k] = par
+            self._link(gid, par, u)
             if self.emit:
                 if token_ids is None:
                     token_ids = tokens[unit * self.h : (unit + 1) * self.h].tolist()
@@ -169,12 +175,25 @@ class PrefixIndex:
             lst = holders[k]
             if len(lst) == 1:
                 del holders[k]
-                del parent[k]
+                par = parent.pop(k)
+                if par is not None:
+                    kids = self.children[(gid, par)]
+                    kids.pop(u, None)
+                    if not kids:
+                        del self.children[(gid, par)]
                 gone.append(u)
             else:
                 lst.remove(bid)
         if gone and self.emit:
             self.events.append(BlockRemoved(block_hashes=gone, medium=self.medium, group_idx=gid))
+
+    def _link(self, gid: int, par: bytes | None, unit: bytes) -> None:
+        if par is not None:
+            kids = self.children.get((gid, par))
+            if kids is None:
+                self.children[(gid, par)] = {unit: None}
+            else:
+                kids[unit] = None
 
     def holder(self, gid: int, unit: bytes) -> int | None:
         """An entry id covering ``unit`` of ``gid`` (for partial-block hits)."""
@@ -186,6 +205,13 @@ class PrefixIndex:
         _, first, units, is_state = self.entries[key]
         return (first + len(units)) * self.h, is_state
 
+    def continuations(self, key: CacheKey, chain_group: int) -> int:
+        """How many units are cached right after entry ``key`` on its chain: in its own group
+        for a KV entry, in ``chain_group`` (a full-attention group) for a state checkpoint."""
+        _, _, units, is_state = self.entries[key]
+        gid = chain_group if is_state else key[0]  # type: ignore[index]
+        return len(self.children.get((gid, units[-1]), ()))
+
     def take_events(self) -> list[Any]:
         out, self.events = self.events, []
         return out
@@ -193,6 +219,7 @@ class PrefixIndex:
     def clear(self) -> None:
         self.holders.clear()
         self.parent.clear()
+        self.children.clear()
         self.entries.clear()
 
     def units(self) -> dict[UnitKey, bytes | None]:

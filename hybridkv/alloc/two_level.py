@@ -25,6 +25,7 @@ multi-group allocations all-or-nothing.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -55,6 +56,7 @@ class GroupView(IdCache):
         self.num_evictions = 0
         self.on_evict = owner.on_evict
         self.stamp = [0] * self.num_ids  # owner.clock when a cached id was last freed
+        self.ncached = [0] * owner.num_pages  # cached ids per page
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -68,6 +70,50 @@ class GroupView(IdCache):
 
     def can_allocate(self, n: int) -> bool:
         return self.owner.can_allocate({self.gid: n})
+
+    def cache(self, bid: int, key: CacheKey) -> bool:
+        if not super().cache(bid, key):
+            return False
+        self.ncached[bid // self.k] += 1
+        return True
+
+    def _drop_key(self, bid: int) -> None:
+        super()._drop_key(bid)
+        self.ncached[bid // self.k] -= 1
+
+    def demote(self, bid: int) -> None:
+        if self.ref[bid] or bid not in self._id_to_key:
+            return
+        self.stamp[bid] = 0  # as if last used before anything else
+        page = bid // self.k
+        if page in self.idle_pages:
+            self.owner.idle.move_to_end(page, last=False)
+            self.owner.idle_stamp[page] = 0
+        else:
+            self._lru.move_to_end(bid, last=False)
+
+    def _forget(self, bid: int) -> None:
+        page = bid // self.k
+        if page not in self.idle_pages:
+            super()._forget(bid)
+            return
+        self._drop_key(bid)
+        if not self.ncached[page]:
+            # nothing left worth keeping on the idle page: it goes back to every group
+            del self.idle_pages[page]
+            del self.owner.idle[page]
+            del self.owner.idle_stamp[page]
+            self._give_back(page)
+
+    def num_owned_empty(self) -> int:
+        """Ids on this group's pages (active or idle) that hold nothing: neither in use nor
+        cached. The null ids of page 0 are not counted."""
+        n = len(self._plain)
+        cached = self._id_to_key
+        for page in self.idle_pages:
+            lo = page * self.k
+            n += sum(1 for sid in range(lo, lo + self.k) if sid not in cached)
+        return n
 
     def usage(self) -> float:
         return self.owner.usage()
@@ -101,12 +147,28 @@ class GroupView(IdCache):
         del self.owner.idle_stamp[page]
         lo = page * self.k
         cached = self._id_to_key
+        back = []
         for sid in range(lo + self.k - 1, lo - 1, -1):
             if sid in cached:
-                self._lru[sid] = None
-                self._lru.move_to_end(sid, last=False)  # idle longer than any active id
+                back.append(sid)
             else:
                 self._plain[sid] = None
+        self._rejoin_lru(back)
+
+    def _rejoin_lru(self, ids: list[int]) -> None:
+        """Put cached free ids back into the LRU where their last use puts them (the LRU is
+        ordered by ``stamp``), so that reactivating a page does not make its blocks the next
+        victims, however recently they were used."""
+        if not ids:
+            return
+        stamp, lru = self.stamp, self._lru
+        ids.sort(key=stamp.__getitem__)
+        if not lru or stamp[ids[0]] >= stamp[next(reversed(lru))]:
+            for sid in ids:
+                lru[sid] = None
+            return
+        merged = heapq.merge(lru, ids, key=stamp.__getitem__)
+        self._lru = OrderedDict.fromkeys(merged)
 
     def _went_unused(self, page: int) -> None:
         """The last id in use on ``page`` was freed: idle it or give it back."""
@@ -154,6 +216,11 @@ class GroupView(IdCache):
         spare = owner.pages_available > owner.reserved_pages  # a page nobody has reserved
         if self._plain:
             sid = self._plain.popitem()[0]
+        elif self._holey_idle_page() is not None:
+            # an idle page of ours has ids holding nothing: use them before taking another
+            # page, or they stay owned and empty while the cache shrinks elsewhere
+            self._reactivate(self._holey_idle_page())  # type: ignore[arg-type]
+            return self.allocate_one()
         elif owner.free_pages and spare:
             # take a free page rather than evict a cached block: the cache gives way only when
             # nothing is free, as in vLLM
@@ -179,6 +246,16 @@ class GroupView(IdCache):
         self.ref[sid] = 1
         owner.used[sid // self.k] += 1
         return sid
+
+    def _holey_idle_page(self) -> int | None:
+        """Our idle page with the most ids holding nothing (None: no idle page has any)."""
+        best, most = None, 0
+        k, ncached = self.k, self.ncached
+        for page in self.idle_pages:
+            holes = k - ncached[page]
+            if holes > most:
+                best, most = page, holes
+        return best
 
     def _idle_page_is_older(self) -> bool:
         owner = self.owner
@@ -361,6 +438,7 @@ class TwoLevelPool:
             "pages": self.num_pages - 1,
             "free_pages": len(self.free_pages),
             "idle_pages": len(self.idle),
+            "evictions": sum(v.num_evictions for v in self.views.values()),
         }
         for g, v in self.views.items():
             out[f"g{g}_pages"] = len(v.pages)

@@ -1,0 +1,192 @@
+"""Replay a trace one request at a time: the cache-policy replay of Marconi's simulator.
+
+Each request in trace order looks up its longest prefix hit, runs its prompt and then its answer
+alone, and is freed, so its tokens stay cached for the requests after it. There is no batching,
+no clock and no preemption: what is measured is the cache policy and the layout, at exactly the
+same request sequence and memory as another simulator that replays requests this way (Marconi's
+``policy_exploration.py`` does: ``match_prefix`` then ``insert`` per request). For serving
+behaviour (batches, TTFT, preemption) use :func:`hybridkv.sim.simulate`.
+
+The allocator sees the calls an engine would make: prefill chunks end where the policy wants a
+checkpoint (:meth:`~hybridkv.alloc.HybridAllocator.next_checkpoint`, and ``align``'s
+:meth:`~hybridkv.alloc.HybridAllocator.split_prefill`), every step is committed, and decode
+steps with no allocator work are handed over together (the allocator's fast path, as the
+simulator does). The answer's last token is appended but never computed: a server samples it
+and stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from .alloc import HybridAllocator, MemoryBreakdown
+from .alloc.breakdown import breakdown_table
+from .plan import MemoryPlan
+from .traces import Request, Trace
+
+__all__ = ["ReplayResult", "replay", "serve"]
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Per-request hits of a :func:`replay`, with the memory breakdowns it sampled.
+
+    ``hits[i]`` / ``prompts[i]``: cached and prompt tokens of request ``i`` (trace order).
+    ``samples[j]`` is the pool's :class:`~hybridkv.alloc.MemoryBreakdown` after request
+    ``sample_at[j]`` was freed (what the cache holds when the next request looks it up)."""
+
+    layout: str
+    policy: str
+    hits: np.ndarray
+    prompts: np.ndarray
+    samples: tuple[MemoryBreakdown, ...] = ()
+    sample_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    checkpoints: int = 0
+    evictions: int = 0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return float(self.hits.sum()) / max(1, int(self.prompts.sum()))
+
+    def breakdown_mean(self, after: float = 0.5) -> dict[str, float]:
+        """Mean bytes per breakdown field over the samples taken after the first ``after``
+        fraction of the requests (default: the second half, once the cache is full)."""
+        first = int(after * len(self.hits))
+        picked = [s for s, i in zip(self.samples, self.sample_at) if i >= first]
+        return breakdown_table(picked)
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "layout": self.layout,
+            "policy": self.policy,
+            "requests": len(self.hits),
+            "token_hit_rate": round(self.token_hit_rate, 4),
+            "checkpoints": self.checkpoints,
+            "evictions": self.evictions,
+        }
+        if self.samples:
+            out["breakdown_gb"] = {
+                k: round(v / 1e9, 3)
+                for k, v in self.breakdown_mean().items()
+                if k != "cached_states"
+            }
+            out["cached_states_mean"] = round(self.breakdown_mean()["cached_states"], 1)
+        return out
+
+
+def _requests(trace: Trace | Iterable[Request]) -> Sequence[Request]:
+    return trace.requests if isinstance(trace, Trace) else list(trace)
+
+
+def replay(
+    plan: MemoryPlan,
+    trace: Trace | Iterable[Request],
+    *,
+    checkpoint_policy: str = "marconi",
+    hash_block_size: int = 16,
+    sample_every: int = 0,
+    progress: bool = False,
+    **allocator_options: Any,
+) -> ReplayResult:
+    """Replay ``trace`` on ``plan`` one request at a time (see the module docstring).
+
+    ``allocator_options`` go to :class:`~hybridkv.alloc.HybridAllocator` (``marconi_alpha``,
+    ``evict_unreachable``, ...). ``sample_every`` > 0 records the memory breakdown after every
+    that many requests (0: none). Requests need ``output_ids`` (the answer's tokens) when
+    ``output_length`` > 0: later turns of a conversation resend them. A request that does not
+    fit in the plan's memory alone raises ``ValueError``."""
+    reqs = _requests(trace)
+    alloc = HybridAllocator(
+        plan,
+        checkpoint_policy=checkpoint_policy,
+        hash_block_size=hash_block_size,
+        max_model_len=max((len(r.prompt) + r.output_length for r in reqs), default=1),
+        **allocator_options,
+    )
+    hits = np.zeros(len(reqs), dtype=np.int64)
+    samples: list[MemoryBreakdown] = []
+    sample_at: list[int] = []
+    bar = tqdm(total=len(reqs), desc=f"replay {plan.layout}", disable=not progress)
+    for i, req in enumerate(reqs):
+        hits[i] = serve(alloc, req, index=i)
+        bar.update()
+        if sample_every and (i + 1) % sample_every == 0:
+            samples.append(alloc.memory_breakdown())
+            sample_at.append(i)
+    bar.close()
+    prompts = np.asarray([len(r.prompt) for r in reqs], dtype=np.int64)
+    stats = alloc.stats()
+    return ReplayResult(
+        layout=plan.layout,
+        policy=checkpoint_policy,
+        hits=hits,
+        prompts=prompts,
+        samples=tuple(samples),
+        sample_at=np.asarray(sample_at, dtype=np.int64),
+        checkpoints=stats["checkpoints"],
+        evictions=sum(p.get("evictions", 0) for p in stats["pools"].values()),
+    )
+
+
+def serve(alloc: HybridAllocator, req: Request, *, index: int | None = None) -> int:
+    """Run one request alone on ``alloc``, from prefix lookup to free; returns its cached
+    (hit) prompt tokens. ``index`` names it in errors (default: its request id)."""
+    i = req.request_id if index is None else index
+    prompt = req.prompt.tolist()
+    rid = req.request_id
+    hit = alloc.add_request(rid, prompt)
+    done = hit.num_cached_tokens
+    while done < len(prompt):
+        # offered every remaining token (no token budget): align cuts where vLLM would, the
+        # other policies where they want a checkpoint
+        n = alloc.split_prefill(rid, len(prompt) - done)
+        stop = alloc.next_checkpoint(rid)
+        if stop is not None and done < stop < done + n:
+            n = stop - done
+        if n <= 0:  # pragma: no cover - an allocator that cuts nothing would loop forever
+            raise RuntimeError(f"request {i}: the policy leaves a prefill chunk of {n} tokens")
+        _step(alloc, rid, n, i, len(prompt))
+        done += n
+    _decode(alloc, req, i)
+    alloc.free(rid)
+    return hit.num_cached_tokens
+
+
+def _step(alloc: HybridAllocator, rid: Any, n: int, i: int, length: int) -> None:
+    if not alloc.allocate_slots(rid, n):
+        raise ValueError(
+            f"request {i} ({length:,} tokens and its answer) does not fit in the plan's memory "
+            "even alone; give the plan more memory or leave such long requests out"
+        )
+    alloc.take_state_copies()
+
+
+def _decode(alloc: HybridAllocator, req: Request, i: int) -> None:
+    """The answer: every token but the last is computed (its KV and state are kept)."""
+    k = int(req.output_length)
+    if k <= 0:
+        return
+    if req.output_ids is None or len(req.output_ids) < k:
+        raise ValueError(
+            f"request {i} has no output_ids for its {k} answer tokens; replay needs them "
+            "(later turns resend the answer)"
+        )
+    out = req.output_ids[:k].tolist()
+    rid = req.request_id
+    j = 0
+    while j < k - 1:
+        free_run = min(alloc.fast_path_tokens(rid), k - 1 - j)
+        if free_run > 1:  # decode steps with no allocator work, in one call
+            alloc.append_tokens(rid, out[j : j + free_run])
+            _step(alloc, rid, free_run, i, len(req.prompt))
+            j += free_run
+            continue
+        alloc.append_tokens(rid, [out[j]])
+        _step(alloc, rid, 1, i, len(req.prompt))
+        j += 1
+    alloc.append_tokens(rid, [out[k - 1]])
