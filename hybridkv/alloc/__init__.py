@@ -4,8 +4,9 @@
   all-or-nothing allocation, prefix caching with state checkpoints, block tables, KV events.
 - :class:`BlockPool` / :class:`TwoLevelPool`: the id pools behind a plan's pools.
 - :mod:`.prefix_cache`, :mod:`.policies`, :mod:`.hashing`: hit rules, checkpoint policies,
-  chained hashes. :mod:`.events`, :mod:`.index`, :mod:`.zmq_events`: KV events, a subscriber's
-  index, ZMQ transport.
+  chained hashes. :mod:`.breakdown`: where a pool's bytes are (live, cached and reachable or
+  not, owned but empty, padding, free, unusable). :mod:`.events`, :mod:`.index`,
+  :mod:`.zmq_events`: KV events, a subscriber's index, ZMQ transport.
 """
 
 from .block_pool import BlockPool
