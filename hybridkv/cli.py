@@ -484,6 +484,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"written); held on average: states {summary['state_gib_mean']:.1f} GiB, KV "
         f"{summary['kv_gib_mean']:.1f} GiB"
     )
+    if "reachable_gib_mean" in summary:
+        print(
+            f"pool on average (memory_breakdown): cached and reachable "
+            f"{summary['reachable_gib_mean']:.2f} GiB, cached but unreachable "
+            f"{summary['unreachable_gib_mean']:.2f} GiB, owned but empty "
+            f"{summary['owned_empty_gib_mean']:.2f} GiB, free {summary['free_gib_mean']:.2f} GiB"
+        )
     return 0
 
 

@@ -26,6 +26,9 @@ def test_simulate_mooncake_states_how_it_read_the_trace(capsys):
     assert "arrivals / 0.05" in out and "shared length read as 'blocks'" in out
     assert "attention-only with unlimited memory" in out and "with the same memory" in out
     assert "state checkpoints" in out
+    # where the pool's bytes were, from the simulator's memory breakdown samples
+    line = next(x for x in out.splitlines() if x.startswith("pool on average"))
+    assert "cached and reachable" in line and "owned but empty" in line and "free" in line
 
 
 @pytest.mark.parametrize("policy", ["hash_boundary", "periodic"])
