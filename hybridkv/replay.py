@@ -70,12 +70,11 @@ class ReplayResult:
             "evictions": self.evictions,
         }
         if self.samples:
+            mean = self.breakdown_mean()
             out["breakdown_gb"] = {
-                k: round(v / 1e9, 3)
-                for k, v in self.breakdown_mean().items()
-                if k != "cached_states"
+                k: round(v / 1e9, 3) for k, v in mean.items() if k != "cached_states"
             }
-            out["cached_states_mean"] = round(self.breakdown_mean()["cached_states"], 1)
+            out["cached_states_mean"] = round(mean["cached_states"], 1)
         return out
 
 

@@ -38,6 +38,8 @@ from hybridkv.layouts import make_plan
 from hybridkv.models.model import HybridModel
 from hybridkv.replay import replay
 
+from .registry import Context, register
+
 RESULTS = Path(__file__).parent / "results" / "marconi-peer.json"
 #: the cache sizes compared (bytes): Marconi's artifact sweeps 1-10 GB for chat traces
 CAPACITIES = (1_200_000_000, 5_000_000_000, 11_500_000_000)
@@ -290,224 +292,221 @@ def _loss_split(ours, peer: list[int], prompts) -> tuple[float, float, float]:
     return 100 * small, 100 * big, 100 * won
 
 
-def register_figure() -> None:
-    from .registry import Context, register
+@register(
+    "marconi_gap",
+    "hybridkv's marconi policy against Marconi's own simulator at equal bytes, with the "
+    "byte breakdown that says where each cache's memory went.",
+    requires=("hybridkv.replay",),
+)
+def marconi_gap(ctx: Context) -> list[Path]:
+    import matplotlib.pyplot as plt
+    import numpy as np
 
-    @register(
-        "marconi_gap",
-        "hybridkv's marconi policy against Marconi's own simulator at equal bytes, with the "
-        "byte breakdown that says where each cache's memory went.",
-        requires=("hybridkv.replay",),
-    )
-    def marconi_gap(ctx: Context) -> list[Path]:
-        import matplotlib.pyplot as plt
-        import numpy as np
+    from . import data
 
-        from . import data
+    n, capacities = _figure_runs(ctx.small)
+    peer = peer_results() if n == NUM_REQUESTS else None
+    runs: dict[tuple[str, str, int, bool], Any] = {}
+    misfits: list[str] = []
 
-        n, capacities = _figure_runs(ctx.small)
-        peer = peer_results() if n == NUM_REQUESTS else None
-        runs: dict[tuple[str, str, int, bool], Any] = {}
-        misfits: list[str] = []
+    def attempt(layout: str, cap: int, policy: str, cascade: bool) -> None:
+        try:
+            runs[(layout, policy, cap, cascade)] = run_hybridkv(
+                layout, cap, policy, n=n, evict_unreachable=cascade
+            )
+        except ValueError as e:  # a layout whose memory cannot hold the longest request
+            misfits.append(f"{layout} at {cap / 1e9:g} GB: {e}")
 
-        def attempt(layout: str, cap: int, policy: str, cascade: bool) -> None:
-            try:
-                runs[(layout, policy, cap, cascade)] = run_hybridkv(
-                    layout, cap, policy, n=n, evict_unreachable=cascade
-                )
-            except ValueError as e:  # a layout whose memory cannot hold the longest request
-                misfits.append(f"{layout} at {cap / 1e9:g} GB: {e}")
-
-        for cap in capacities:
-            for layout in LAYOUTS:
-                attempt(layout, cap, "marconi", True)
-            for layout in ("inflate", "two_level"):
-                attempt(layout, cap, "align", True)
-                attempt(layout, cap, "marconi", False)
-
-        def rate(key: tuple[str, str, int, bool]) -> float | None:
-            r = runs.get(key)
-            return None if r is None else r.token_hit_rate
-
-        def pct(x: float | None) -> str:
-            return "-" if x is None else f"{100 * x:.1f}"
-
-        rows = []
-        for cap in capacities:
-            row = {"cap": f"{cap / 1e9:g} GB"}
-            for p in PEER_POLICIES:
-                row[p] = pct(peer_rate(cap, p)) if peer else "-"
-            for layout in LAYOUTS:
-                row[f"{layout}+marconi"] = pct(rate((layout, "marconi", cap, True)))
-            for layout in ("inflate", "two_level"):
-                row[f"{layout}+align"] = pct(rate((layout, "align", cap, True)))
-                row[f"{layout}+marconi, no cascade"] = pct(rate((layout, "marconi", cap, False)))
-            rows.append(row)
-        cols = [("cap", "capacity")]
-        cols += [(p, f"{p} (peer)") for p in PEER_POLICIES]
-        cols += [(f"{x}+marconi", f"{x} marconi") for x in LAYOUTS]
-        cols += [(f"{x}+align", f"{x} align") for x in ("inflate", "two_level")]
-        cols += [
-            (f"{x}+marconi, no cascade", f"{x} marconi, evict_unreachable off")
-            for x in ("inflate", "two_level")
-        ]
-
-        mid = capacities[len(capacities) // 2]
-        bd_rows = []
+    for cap in capacities:
         for layout in LAYOUTS:
-            for policy in ("marconi", "align"):
-                r = runs.get((layout, policy, mid, True))
-                if r is None:
+            attempt(layout, cap, "marconi", True)
+        for layout in ("inflate", "two_level"):
+            attempt(layout, cap, "align", True)
+            attempt(layout, cap, "marconi", False)
+
+    def rate(key: tuple[str, str, int, bool]) -> float | None:
+        r = runs.get(key)
+        return None if r is None else r.token_hit_rate
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}"
+
+    rows = []
+    for cap in capacities:
+        row = {"cap": f"{cap / 1e9:g} GB"}
+        for p in PEER_POLICIES:
+            row[p] = pct(peer_rate(cap, p)) if peer else "-"
+        for layout in LAYOUTS:
+            row[f"{layout}+marconi"] = pct(rate((layout, "marconi", cap, True)))
+        for layout in ("inflate", "two_level"):
+            row[f"{layout}+align"] = pct(rate((layout, "align", cap, True)))
+            row[f"{layout}+marconi, no cascade"] = pct(rate((layout, "marconi", cap, False)))
+        rows.append(row)
+    cols = [("cap", "capacity")]
+    cols += [(p, f"{p} (peer)") for p in PEER_POLICIES]
+    cols += [(f"{x}+marconi", f"{x} marconi") for x in LAYOUTS]
+    cols += [(f"{x}+align", f"{x} align") for x in ("inflate", "two_level")]
+    cols += [
+        (f"{x}+marconi, no cascade", f"{x} marconi, evict_unreachable off")
+        for x in ("inflate", "two_level")
+    ]
+
+    mid = capacities[len(capacities) // 2]
+    bd_rows = []
+    for layout in LAYOUTS:
+        for policy in ("marconi", "align"):
+            r = runs.get((layout, policy, mid, True))
+            if r is None:
+                continue
+            m = r.breakdown_mean()
+            bd_rows.append(
+                {
+                    "layout": layout,
+                    "policy": policy,
+                    "hit": pct(r.token_hit_rate),
+                    **{
+                        k: f"{m[k] / 1e9:.2f}"
+                        for k in (
+                            "reachable_kv",
+                            "reachable_state",
+                            "unreachable",
+                            "owned_empty",
+                            "padding",
+                            "free",
+                            "unusable",
+                        )
+                    },
+                    "states": f"{m['cached_states']:.1f}",
+                }
+            )
+    bd_cols = [
+        ("layout", "layout"),
+        ("policy", "policy"),
+        ("hit", "hit %"),
+        ("reachable_kv", "reachable KV"),
+        ("reachable_state", "reachable states"),
+        ("unreachable", "cached, unreachable"),
+        ("owned_empty", "owned but empty"),
+        ("padding", "padding"),
+        ("free", "free"),
+        ("unusable", "unusable"),
+        ("states", "states cached"),
+    ]
+
+    split_rows = []
+    if peer:
+        prompts = np.asarray([len(r.prompt) for r in chat_trace(n).requests])
+        for cap in capacities:
+            ref = next(
+                x["hits"]
+                for x in peer["runs"]
+                if x["capacity"] == cap and x["policy"] == "marconi"
+            )
+            for layout in ("inflate", "two_level"):
+                if (layout, "marconi", cap, True) not in runs:
                     continue
-                m = r.breakdown_mean()
-                bd_rows.append(
+                small_loss, big_loss, won = _loss_split(
+                    runs[(layout, "marconi", cap, True)].hits, ref, prompts
+                )
+                split_rows.append(
                     {
+                        "cap": f"{cap / 1e9:g} GB",
                         "layout": layout,
-                        "policy": policy,
-                        "hit": pct(r.token_hit_rate),
-                        **{
-                            k: f"{m[k] / 1e9:.2f}"
-                            for k in (
-                                "reachable_kv",
-                                "reachable_state",
-                                "unreachable",
-                                "owned_empty",
-                                "padding",
-                                "free",
-                                "unusable",
-                            )
-                        },
-                        "states": f"{m['cached_states']:.1f}",
+                        "small": f"{small_loss:.2f}",
+                        "big": f"{big_loss:.2f}",
+                        "won": f"{won:.2f}",
                     }
                 )
-        bd_cols = [
-            ("layout", "layout"),
-            ("policy", "policy"),
-            ("hit", "hit %"),
-            ("reachable_kv", "reachable KV"),
-            ("reachable_state", "reachable states"),
-            ("unreachable", "cached, unreachable"),
-            ("owned_empty", "owned but empty"),
-            ("padding", "padding"),
-            ("free", "free"),
-            ("unusable", "unusable"),
-            ("states", "states cached"),
-        ]
 
-        split_rows = []
-        if peer:
-            prompts = np.asarray([len(r.prompt) for r in chat_trace(n).requests])
-            for cap in capacities:
-                ref = next(
-                    x["hits"]
+    # figure: hit rate per capacity, peer policies then hybridkv's layouts
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    series = [(p, f"{p} (peer)") for p in PEER_POLICIES[:3]] + [
+        (f"{x}+marconi", f"hybridkv {x} + marconi") for x in LAYOUTS
+    ]
+    width = 0.8 / len(series)
+    cmap = plt.get_cmap("tab10")
+    for j, (key, label) in enumerate(series):
+        xs, ys = [], []
+        for i, row in enumerate(rows):
+            if row[key] != "-":
+                xs.append(i + (j - (len(series) - 1) / 2) * width)
+                ys.append(float(row[key]))
+        if xs:
+            ax.bar(xs, ys, width, color=cmap(j), label=label, hatch="//" if j < 3 else None)
+    ax.set_xticks(range(len(rows)), [r["cap"] for r in rows])
+    ax.set_ylabel("prompt tokens served from the cache (%)")
+    ax.set_xlabel("cache capacity (bytes, Marconi's 7B hybrid byte for byte)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"multi_turn_chat, {n} requests, one at a time", fontsize=9)
+    png = ctx.save(fig, "marconi_gap")
+
+    summary = ctx.summary("marconi_gap", _summary(rows, capacities, peer is not None))
+    prov = (
+        f"Peer: {peer['peer']} at commit {peer['peer_commit']}, measured {peer['date']} "
+        f"({peer['machine']}, Python {peer['python']}) by `python -m paper.marconi_gap "
+        f"--peer PATH`, file `paper/results/marconi-peer.json`."
+        if peer
+        else "Peer: not measured here (no paper/results/marconi-peer.json or a small run)."
+    )
+    over = ""
+    if peer:
+        over = (
+            "Peer tree size (mean over the second half / max / inserts over capacity): "
+            + (
+                "; ".join(
+                    f"{x['capacity'] / 1e9:g} GB {x['policy']}: "
+                    f"{x['tree_bytes_mean_second_half'] / 1e9:.2f} / "
+                    f"{x['tree_bytes_max_second_half'] / 1e9:.2f} GB / "
+                    f"{x['inserts_over_capacity']}"
                     for x in peer["runs"]
-                    if x["capacity"] == cap and x["policy"] == "marconi"
+                    if x["policy"] in ("marconi", "marconi capacity-enforced")
                 )
-                for layout in ("inflate", "two_level"):
-                    if (layout, "marconi", cap, True) not in runs:
-                        continue
-                    small_loss, big_loss, won = _loss_split(
-                        runs[(layout, "marconi", cap, True)].hits, ref, prompts
-                    )
-                    split_rows.append(
-                        {
-                            "cap": f"{cap / 1e9:g} GB",
-                            "layout": layout,
-                            "small": f"{small_loss:.2f}",
-                            "big": f"{big_loss:.2f}",
-                            "won": f"{won:.2f}",
-                        }
-                    )
-
-        # figure: hit rate per capacity, peer policies then hybridkv's layouts
-        fig, ax = plt.subplots(figsize=(9, 4.2))
-        series = [(p, f"{p} (peer)") for p in PEER_POLICIES[:3]] + [
-            (f"{x}+marconi", f"hybridkv {x} + marconi") for x in LAYOUTS
-        ]
-        width = 0.8 / len(series)
-        cmap = plt.get_cmap("tab10")
-        for j, (key, label) in enumerate(series):
-            xs, ys = [], []
-            for i, row in enumerate(rows):
-                if row[key] != "-":
-                    xs.append(i + (j - (len(series) - 1) / 2) * width)
-                    ys.append(float(row[key]))
-            if xs:
-                ax.bar(xs, ys, width, color=cmap(j), label=label, hatch="//" if j < 3 else None)
-        ax.set_xticks(range(len(rows)), [r["cap"] for r in rows])
-        ax.set_ylabel("prompt tokens served from the cache (%)")
-        ax.set_xlabel("cache capacity (bytes, Marconi's 7B hybrid byte for byte)")
-        ax.legend(fontsize=7, ncol=2)
-        ax.set_title(f"multi_turn_chat, {n} requests, one at a time", fontsize=9)
-        png = ctx.save(fig, "marconi_gap")
-
-        summary = ctx.summary("marconi_gap", _summary(rows, capacities, peer is not None))
-        prov = (
-            f"Peer: {peer['peer']} at commit {peer['peer_commit']}, measured {peer['date']} "
-            f"({peer['machine']}, Python {peer['python']}) by `python -m paper.marconi_gap "
-            f"--peer PATH`, file `paper/results/marconi-peer.json`."
-            if peer
-            else "Peer: not measured here (no paper/results/marconi-peer.json or a small run)."
-        )
-        over = ""
-        if peer:
-            over = (
-                "Peer tree size (mean over the second half / max / inserts over capacity): "
-                + (
-                    "; ".join(
-                        f"{x['capacity'] / 1e9:g} GB {x['policy']}: "
-                        f"{x['tree_bytes_mean_second_half'] / 1e9:.2f} / "
-                        f"{x['tree_bytes_max_second_half'] / 1e9:.2f} GB / "
-                        f"{x['inserts_over_capacity']}"
-                        for x in peer["runs"]
-                        if x["policy"] in ("marconi", "marconi capacity-enforced")
-                    )
-                )
-                + "."
             )
-        lines = [
-            summary,
+            + "."
+        )
+    lines = [
+        summary,
+        "",
+        f"Trace: hybridkv multi_turn_chat({n}, seed=0), exact token ids, one request at a "
+        "time (`hybridkv.replay`); model: Marconi's 7B hybrid byte for byte "
+        "(`paper.marconi_gap.marconi_model`); hash unit 16 tokens; max_num_seqs 1; "
+        "per_group+cache: per_group with a quarter of the budget in cached-state slots "
+        f"({', '.join(str(per_group_cache_slots(c)) for c in capacities)}). {prov}",
+        "",
+        "Token hit rate (%):",
+        "",
+        data.markdown_table(rows, cols),
+        "",
+        f"Where the bytes are at {mid / 1e9:g} GB (GB, mean after each request of the "
+        "second half; `hybridkv.alloc.memory_breakdown`):",
+        "",
+        data.markdown_table(bd_rows, bd_cols),
+    ]
+    if misfits:
+        lines += ["", "Not run (`-` above): " + "; ".join(misfits)]
+    if over:
+        lines += ["", over]
+    if split_rows:
+        lines += [
             "",
-            f"Trace: hybridkv multi_turn_chat({n}, seed=0), exact token ids, one request at a "
-            "time (`hybridkv.replay`); model: Marconi's 7B hybrid byte for byte "
-            "(`paper.marconi_gap.marconi_model`); hash unit 16 tokens; max_num_seqs 1; "
-            "per_group+cache: per_group with a quarter of the budget in cached-state slots "
-            f"({', '.join(str(per_group_cache_slots(c)) for c in capacities)}). {prov}",
+            "Against the peer's Marconi, request by request (points of hit rate): lost on "
+            "requests within 16 tokens of the peer's hit (a state sits on a hash boundary; "
+            "the peer's at the exact token), lost on the rest (a prefix no longer cached), "
+            "won:",
             "",
-            "Token hit rate (%):",
-            "",
-            data.markdown_table(rows, cols),
-            "",
-            f"Where the bytes are at {mid / 1e9:g} GB (GB, mean after each request of the "
-            "second half; `hybridkv.alloc.memory_breakdown`):",
-            "",
-            data.markdown_table(bd_rows, bd_cols),
+            data.markdown_table(
+                split_rows,
+                [
+                    ("cap", "capacity"),
+                    ("layout", "layout"),
+                    ("small", "lost, within 16 tokens"),
+                    ("big", "lost, prefix evicted"),
+                    ("won", "won"),
+                ],
+            ),
         ]
-        if misfits:
-            lines += ["", "Not run (`-` above): " + "; ".join(misfits)]
-        if over:
-            lines += ["", over]
-        if split_rows:
-            lines += [
-                "",
-                "Against the peer's Marconi, request by request (points of hit rate): lost on "
-                "requests within 16 tokens of the peer's hit (a state sits on a hash boundary; "
-                "the peer's at the exact token), lost on the rest (a prefix no longer cached), "
-                "won:",
-                "",
-                data.markdown_table(
-                    split_rows,
-                    [
-                        ("cap", "capacity"),
-                        ("layout", "layout"),
-                        ("small", "lost, within 16 tokens"),
-                        ("big", "lost, prefix evicted"),
-                        ("won", "won"),
-                    ],
-                ),
-            ]
-        md = ctx.table("marconi_gap", "\n".join(lines))
-        return [png, md]
+    md = ctx.table("marconi_gap", "\n".join(lines))
+    return [png, md]
 
 
 def _summary(rows: list[dict], capacities, have_peer: bool) -> str:

@@ -31,15 +31,11 @@ __all__ = ["check_consistency", "holdings"]
 def holdings(a: HybridAllocator) -> Counter:
     """(id of the pool object, block id) -> references running requests hold."""
     held: Counter = Counter()
-    for r in a.reqs.values():
-        for gid, blocks in enumerate(r.blocks):
-            for b in blocks:
-                if b:
-                    held[(id(a.pool[gid]), b)] += 1
-        for gid, (_, sid) in r.end_ckpt.items():
-            held[(id(a.pool[gid]), sid)] += 1
-        for gid, sid in r.sources:
-            held[(id(a.pool[gid]), sid)] += 1
+    for gid, ids in a.held_ids():
+        pool = id(a.pool[gid])
+        for b in ids:
+            if b:
+                held[(pool, b)] += 1
     return held
 
 

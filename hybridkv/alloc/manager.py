@@ -253,6 +253,8 @@ class HybridAllocator:
                     self._window[g.group_id] = g.sliding_window
             else:
                 raise ConfigError(f"group {g.group_id} has unknown kind {g.kind!r}")
+        # full-attention groups: a hit needs every token before it there (cascades, demotion)
+        self._full = [g for g, _ in self._attn if not self._window[g]]
         self._attn_rules, self._rules = self._hit_rules()
         # vLLM's junction is the hit of the first group of its hit search (full attention first,
         # groups of one spec looked up together)
@@ -357,7 +359,7 @@ class HybridAllocator:
         aged out. A request that recomputes the missing part caches it again."""
         index = self.index
         parent, entries = index.parent, index.entries
-        full = self._cascade_groups
+        full = self._full
         while self._dead:
             dead, self._dead = self._dead, []
             # units whose entries go, in the order found (a dict: runs must not depend on the
@@ -366,7 +368,7 @@ class HybridAllocator:
             for gid, units, is_state, above in dead:
                 if is_state:
                     u = units[0]
-                    if any(self.pool[g].lookup((g, u)) is not None for g in self._state):
+                    if self._has_state(u):
                         # another state group still holds u: those states are useless alone
                         for g in self._state:
                             doomed[(g, u)] = None
@@ -402,10 +404,6 @@ class HybridAllocator:
                 ):
                     continue  # the block's first tokens still serve a hit inside it
                 self.pool[g].drop_cached(info[0])
-
-    @property
-    def _cascade_groups(self) -> list[int]:
-        return [g for g, _ in self._attn if not self._window[g]]
 
     def _has_state(self, unit: bytes) -> bool:
         return any(self.pool[g].lookup((g, unit)) is not None for g in self._state)
@@ -1018,7 +1016,7 @@ class HybridAllocator:
         only serves a prompt that ends or diverges exactly there. Unless the chain branches at
         ``unit`` (a shared prefix's branch point), it becomes the next state to evict (Marconi
         evicts such single-child nodes' states first for the same reason)."""
-        full = self._cascade_groups
+        full = self._full
         if not full or len(self.index.children.get((full[0], unit), ())) > 1:
             return
         for gid in self._state:

@@ -216,10 +216,10 @@ class GroupView(IdCache):
         spare = owner.pages_available > owner.reserved_pages  # a page nobody has reserved
         if self._plain:
             sid = self._plain.popitem()[0]
-        elif self._holey_idle_page() is not None:
+        elif (holey := self._holey_idle_page()) is not None:
             # an idle page of ours has ids holding nothing: use them before taking another
             # page, or they stay owned and empty while the cache shrinks elsewhere
-            self._reactivate(self._holey_idle_page())  # type: ignore[arg-type]
+            self._reactivate(holey)
             return self.allocate_one()
         elif owner.free_pages and spare:
             # take a free page rather than evict a cached block: the cache gives way only when
