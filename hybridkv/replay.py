@@ -17,7 +17,7 @@ and stops.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +26,11 @@ from tqdm import tqdm
 
 from .alloc import HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
+from .alloc.marconi import tokens_as_flops
 from .plan import MemoryPlan
 from .traces import Request, Trace
 
-__all__ = ["ReplayResult", "replay", "serve"]
+__all__ = ["MARCONI_ALPHAS", "ReplayResult", "replay", "serve", "tune_marconi_alpha"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class ReplayResult:
     sample_at: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     checkpoints: int = 0
     evictions: int = 0
+    #: ``marconi``'s alpha at the end, and after which request it was tuned (None: fixed)
+    marconi_alpha: float | None = None
+    alpha_tuned_at: int | None = None
 
     @property
     def token_hit_rate(self) -> float:
@@ -69,6 +73,9 @@ class ReplayResult:
             "checkpoints": self.checkpoints,
             "evictions": self.evictions,
         }
+        if self.marconi_alpha is not None:
+            out["marconi_alpha"] = self.marconi_alpha
+            out["alpha_tuned_at"] = self.alpha_tuned_at
         if self.samples:
             mean = self.breakdown_mean()
             out["breakdown_gb"] = {
@@ -82,6 +89,10 @@ def _requests(trace: Trace | Iterable[Request]) -> Sequence[Request]:
     return trace.requests if isinstance(trace, Trace) else list(trace)
 
 
+#: Marconi's grid for ``alpha`` (its ``ConfigTuner.tune_config``)
+MARCONI_ALPHAS = tuple(round(0.1 * i, 1) for i in range(21))
+
+
 def replay(
     plan: MemoryPlan,
     trace: Trace | Iterable[Request],
@@ -90,30 +101,65 @@ def replay(
     hash_block_size: int = 16,
     sample_every: int = 0,
     progress: bool = False,
+    marconi_alpha: float | str = "auto",
+    alpha_grid: Sequence[float] = MARCONI_ALPHAS,
+    bootstrap_multiplier: int = 5,
+    tuning_last: int = 500,
     **allocator_options: Any,
 ) -> ReplayResult:
     """Replay ``trace`` on ``plan`` one request at a time (see the module docstring).
 
-    ``allocator_options`` go to :class:`~hybridkv.alloc.HybridAllocator` (``marconi_alpha``,
+    ``allocator_options`` go to :class:`~hybridkv.alloc.HybridAllocator` (``marconi_flops``,
     ``evict_unreachable``, ...). ``sample_every`` > 0 records the memory breakdown after every
     that many requests (0: none). Requests need ``output_ids`` (the answer's tokens) when
     ``output_length`` > 0: later turns of a conversation resend them. A request that does not
-    fit in the plan's memory alone raises ``ValueError``."""
+    fit in the plan's memory alone raises ``ValueError``.
+
+    ``marconi_alpha`` (``marconi`` only): a number fixes it; ``"auto"`` tunes it as Marconi
+    does (:func:`tune_marconi_alpha`): it starts at 0, and once ``bootstrap_multiplier`` times
+    as many requests as were served before the first eviction have been seen, those requests
+    are replayed from an empty cache with each value of ``alpha_grid``; the value that saved
+    the most prefill FLOPs over the last ``tuning_last`` of them is used from then on."""
     reqs = _requests(trace)
-    alloc = HybridAllocator(
-        plan,
-        checkpoint_policy=checkpoint_policy,
-        hash_block_size=hash_block_size,
-        max_model_len=max((len(r.prompt) + r.output_length for r in reqs), default=1),
-        **allocator_options,
-    )
+    marconi = checkpoint_policy == "marconi"
+    auto = marconi and marconi_alpha == "auto"
+    if marconi and not auto:
+        if isinstance(marconi_alpha, str):
+            raise ValueError(f"marconi_alpha must be a number or 'auto', got {marconi_alpha!r}")
+        allocator_options["marconi_alpha"] = marconi_alpha
+    elif auto:
+        allocator_options["marconi_alpha"] = 0.0
+    if bootstrap_multiplier < 1:
+        raise ValueError(f"bootstrap_multiplier must be >= 1, got {bootstrap_multiplier}")
+    max_len = max((len(r.prompt) + r.output_length for r in reqs), default=1)
+
+    def make() -> HybridAllocator:
+        return HybridAllocator(
+            plan,
+            checkpoint_policy=checkpoint_policy,
+            hash_block_size=hash_block_size,
+            max_model_len=max_len,
+            **allocator_options,
+        )
+
+    alloc = make()
     hits = np.zeros(len(reqs), dtype=np.int64)
     samples: list[MemoryBreakdown] = []
     sample_at: list[int] = []
+    tuned_at: int | None = None
+    window: int | None = None  # requests seen when alpha is tuned
     bar = tqdm(total=len(reqs), desc=f"replay {plan.layout}", disable=not progress)
     for i, req in enumerate(reqs):
         hits[i] = serve(alloc, req, index=i)
         bar.update()
+        if auto and tuned_at is None:
+            if window is None and _evictions(alloc):
+                window = bootstrap_multiplier * (i + 1)
+            if window is not None and i + 1 == window:
+                alloc.marconi_alpha = tune_marconi_alpha(
+                    make, reqs[:window], alpha_grid, tuning_last, flops=_flops(allocator_options)
+                )
+                tuned_at = i
         if sample_every and (i + 1) % sample_every == 0:
             samples.append(alloc.memory_breakdown())
             sample_at.append(i)
@@ -128,8 +174,43 @@ def replay(
         samples=tuple(samples),
         sample_at=np.asarray(sample_at, dtype=np.int64),
         checkpoints=stats["checkpoints"],
-        evictions=sum(p.get("evictions", 0) for p in stats["pools"].values()),
+        evictions=_evictions(alloc),
+        marconi_alpha=alloc.marconi_alpha,
+        alpha_tuned_at=tuned_at,
     )
+
+
+def _evictions(alloc: HybridAllocator) -> int:
+    return sum(p.get("evictions", 0) for p in alloc.stats()["pools"].values())
+
+
+def _flops(options: dict[str, Any]) -> Callable[[int, int], float]:
+    return options.get("marconi_flops") or tokens_as_flops
+
+
+def tune_marconi_alpha(
+    make: Callable[[], HybridAllocator],
+    requests: Sequence[Request],
+    grid: Sequence[float] = MARCONI_ALPHAS,
+    last: int = 500,
+    *,
+    flops: Callable[[int, int], float] = tokens_as_flops,
+) -> float:
+    """Marconi's retrospective tuning: replay ``requests`` on a fresh allocator from ``make``
+    (an empty cache, as Marconi's snapshot taken before its first request) with each ``alpha``
+    of ``grid``; return the one whose hits saved the most prefill FLOPs over the last ``last``
+    requests (the first such in grid order on a tie)."""
+    if not grid:
+        raise ValueError("alpha_grid is empty; give at least one value")
+    best, best_saved = grid[0], -1.0
+    for alpha in grid:
+        alloc = make()
+        alloc.marconi_alpha = alpha
+        hits = [serve(alloc, r, index=i) for i, r in enumerate(requests)]
+        saved = sum(flops(h, 0) for h in hits[-last:] if h)
+        if saved > best_saved:
+            best, best_saved = alpha, saved
+    return float(best)
 
 
 def serve(alloc: HybridAllocator, req: Request, *, index: int | None = None) -> int:

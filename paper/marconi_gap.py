@@ -29,11 +29,13 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from hybridkv import traces
+from hybridkv.costmodel import H100_SXM, ParamCount, StepCoster
 from hybridkv.layouts import make_plan
 from hybridkv.models.model import HybridModel
 from hybridkv.replay import replay
@@ -118,10 +120,26 @@ def per_group_cache_slots(capacity: int) -> int:
     return int(PER_GROUP_STATE_SHARE * capacity) // marconi_model().state_bytes_per_seq
 
 
+#: Marconi's 7B by its FLOP formulas (``utils.py``): per token 24 x (12 d^2 + 16 d n + 10 d)
+#: (Mamba) + 4 x 8 d^2 (attention projections) + 28 x 16 d^2 (MLP) ~ 1.31e10 FLOPs, i.e.
+#: 2 x 6.54e9 parameters; hybridkv's cost model adds the attention context and the recurrent
+#: updates itself
+MARCONI_PARAMS = ParamCount(6.54e9, 6.54e9, "Marconi utils.py FLOP formulas, d 4096, n 128")
+
+
+def marconi_flops() -> Callable[[int, int], float]:
+    """FLOPs of prefilling ``new`` tokens after ``cached`` on Marconi's 7B (the FLOP model of
+    the ``marconi`` eviction and of its alpha tuning)."""
+    return StepCoster(marconi_model(), H100_SXM, params=MARCONI_PARAMS).prefill_flops
+
+
 def run_hybridkv(
     layout: str, capacity: int, policy: str = "marconi", n: int = NUM_REQUESTS, **options: Any
 ):
-    """One replay of the chat trace on ``layout`` at ``capacity`` bytes (a ReplayResult)."""
+    """One replay of the chat trace on ``layout`` at ``capacity`` bytes (a ReplayResult).
+    ``marconi`` tunes its alpha as Marconi does unless ``marconi_alpha`` is given."""
+    if policy == "marconi":
+        options.setdefault("marconi_flops", marconi_flops())
     return replay(
         plan(layout, capacity), chat_trace(n), checkpoint_policy=policy, sample_every=5, **options
     )
@@ -481,6 +499,41 @@ def marconi_gap(ctx: Context) -> list[Path]:
         "second half; `hybridkv.alloc.memory_breakdown`):",
         "",
         data.markdown_table(bd_rows, bd_cols),
+    ]
+    alpha_rows = [
+        {
+            "cap": f"{cap / 1e9:g} GB",
+            **{
+                x: (
+                    "-"
+                    if (r := runs.get((x, "marconi", cap, True))) is None
+                    else f"{r.marconi_alpha:g} (after {r.alpha_tuned_at + 1})"
+                    if r.alpha_tuned_at is not None
+                    else f"{r.marconi_alpha:g} (never tuned)"
+                )
+                for x in LAYOUTS
+            },
+        }
+        for cap in capacities
+    ]
+    lines += [
+        "",
+        'hybridkv `marconi`\'s alpha, tuned as Marconi tunes its own (`marconi_alpha="auto"`: '
+        "0 until five times as many requests as were served before the first eviction, then "
+        "the grid value 0-2 that saved the most FLOPs replaying those; in brackets, the "
+        "requests seen). The peer's own tuning ended at "
+        + (
+            ", ".join(
+                f"{x['alpha_at_end']:g} ({x['capacity'] / 1e9:g} GB)"
+                for x in peer["runs"]
+                if x["policy"] == "marconi"
+            )
+            if peer
+            else "(not measured here)"
+        )
+        + ":",
+        "",
+        data.markdown_table(alpha_rows, [("cap", "capacity"), *((x, x) for x in LAYOUTS)]),
     ]
     if misfits:
         lines += ["", "Not run (`-` above): " + "; ".join(misfits)]

@@ -33,7 +33,7 @@ from hybridkv.alloc.hashing import (
     hash_tokens,
     token_array,
 )
-from hybridkv.alloc.policies import MarconiEvictor
+from hybridkv.alloc.marconi import MarconiScorer
 from hybridkv.layouts import make_plan
 
 
@@ -425,40 +425,41 @@ def test_marconi_checkpoints_the_branch_point():
 
 
 def test_marconi_eviction_weighs_recency_against_value():
+    """Marconi's utility, recency + alpha x efficiency (each min-max normalised): with alpha 0
+    the oldest state goes; with a large alpha the state whose own segment saves the fewest
+    FLOPs per byte kept, however recent; a segment reaches up to the previous state or branch
+    point of its chain."""
+    from hybridkv.alloc.prefix_cache import PrefixIndex
+
     p = plan("qwen3.5-0.8b", "per_group")
+    chain = next(g.group_id for g in p.attention_groups)
+    index = PrefixIndex(16)
+    # a chain of 8 units u0..u7 with a branch at u1 (u1 -> u2 and u1 -> v2)
+    units = [bytes([i]) for i in range(8)]
+    for par, u in zip([None, *units], units):
+        index.parent[(chain, u)] = par
+        if par is not None:
+            index.children.setdefault((chain, par), {})[u] = None
+    index.parent[(chain, b"v2")] = units[1]
+    index.children[(chain, units[1])][b"v2"] = None
 
-    class Fake:
-        def __init__(self, info):
-            self.info = info
+    class Pool:  # every state is cached (segment starts stop at states)
+        def lookup(self, key):
+            return 1
 
-        def key_of(self, bid):
-            return bid
-
-        def entry_info(self, key):
-            return self.info[key]
-
-        def continuations(self, key, chain_group):
-            return self.kids.get(key, 0)
-
-    # ids 1..3 oldest first: an attention block, another, a checkpoint after 16 tokens
-    info = {1: (16, False), 2: (32, False), 3: (16, True)}
-    fake = Fake(info)
-    fake.kids = {}
-    ev = MarconiEvictor(fake, fake, p, alpha=0.0)
-    assert ev([1, 2, 3]) == 1  # alpha 0: plain LRU
-    assert ev.efficiency(16, True) < ev.efficiency(100_000, True) < 1 == ev.efficiency(16, False)
-    ev = MarconiEvictor(fake, fake, p, alpha=2.0)
-    assert ev([1, 2, 3]) == 3  # a short-prefix state saves little per byte: evicted first
-    # entries others depend on are passed over: block 1 continues (a state lies below it) and
-    # the state is a branch point (two chains continue below it)
-    fake.kids = {1: 1, 3: 2}
-    assert MarconiEvictor(fake, fake, p, alpha=0.0)([1, 2, 3]) == 2
-    assert MarconiEvictor(fake, fake, p, alpha=2.0)([1, 2, 3]) == 2
-    # unless every candidate is one: then recency and value decide as before
-    fake.kids = {1: 1, 2: 1, 3: 2}
-    assert MarconiEvictor(fake, fake, p, alpha=0.0)([1, 2, 3]) == 1
-    # a window of one candidate (eviction_window=1) is that candidate
-    assert MarconiEvictor(fake, fake, p, alpha=2.0)([2]) == 2
+    s = MarconiScorer(index, p, {g.group_id: Pool() for g in p.groups}, alpha=0.0)
+    assert s.segment_start(units[7], 128) == 32  # up to the branch point u1 (32 tokens)
+    s.accessed(units[4])  # a state at u4 (80 tokens) ends the segment of u7 there
+    assert s.segment_start(units[7], 128) == 80
+    s.tick()
+    # (id, unit, tokens, last access): a long old segment, a short recent one
+    options = [(10, units[4], 80, 0), (11, units[7], 128, 1)]
+    assert s.choose(options) == 10  # alpha 0: the older
+    s.alpha = 5.0
+    assert s.efficiency(80, 128) < s.efficiency(32, 80)
+    assert s.choose(options) == 11  # 48 tokens on top of 80 save little per byte kept
+    with pytest.raises(ValueError, match="marconi_alpha"):
+        MarconiScorer(index, p, {}, alpha=-1.0)
 
 
 def test_policy_errors():

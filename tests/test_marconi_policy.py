@@ -124,8 +124,9 @@ EXPECTED_ORDER = {
 }
 
 
-def _after_filler(layout: str, length: int) -> dict[str, int]:
+def _after_filler(layout: str, length: int, alpha: float = 0.0) -> dict[str, int]:
     alloc = _alloc(layout)
+    alloc.marconi_alpha = alpha
     for r in SEQUENCE:
         serve(alloc, r)
     serve(alloc, _req(10, _seg(100_000, length), [5]))
@@ -149,6 +150,76 @@ def test_hand_worked_eviction_order(layout):
     # what the hand-worked order keeps: the shared prefix and its branch state, and R3
     if layout in ("inflate", "pack", "aggregate"):
         assert state["S"] == 64 and state["R3"] == 144
+
+
+#: with a large alpha (FLOPs saved per byte first): R3's end state saves only the 32 tokens
+#: after R0's state for a 144-token prefix's bytes, the least per byte, so it goes first although
+#: it is the newest; then R0 (now a leaf, superseded, the oldest of three equally valuable
+#: segments above the branch point), R1, R2. ``two_level`` takes another group's idle page by
+#: its LRU age before its own Marconi choice (see the paper, section 4.10).
+EXPECTED_ORDER_VALUE = [{"R3": 112}, {"R0": 64, "R3": 64}, {"R1": 64}, {"R2": 64}]
+
+
+@pytest.mark.parametrize("layout", ["inflate", "pack", "aggregate", "per_group"])
+def test_hand_worked_eviction_order_by_value(layout):
+    seen: list[dict[str, int]] = []
+    state = dict(INTACT)
+    for length in range(16, 8000, 16):
+        now = _after_filler(layout, length, alpha=10.0)
+        changed = {k: v for k, v in now.items() if v != state[k]}
+        if changed:
+            seen.append(changed)
+            state = now
+        if len(seen) == len(EXPECTED_ORDER_VALUE):
+            break
+    assert seen == EXPECTED_ORDER_VALUE
+
+
+def test_replay_tunes_alpha_as_marconi_does():
+    """``marconi_alpha="auto"``: alpha starts at 0 and is tuned once, after five times as many
+    requests as were served before the first eviction, to the grid value that saved the most
+    FLOPs when those requests are replayed from an empty cache; a fixed alpha stays."""
+    from hybridkv.replay import tune_marconi_alpha
+
+    trace = _chat(120)
+    p = _plan("inflate", 700_000_000)
+    auto = replay(p, trace, alpha_grid=(0.0, 0.5, 5.0), bootstrap_multiplier=2)
+    assert auto.alpha_tuned_at is not None and auto.marconi_alpha in (0.0, 0.5, 5.0)
+    # the first eviction came during request k: tuned after 2 (k + 1) requests
+    assert auto.alpha_tuned_at == 2 * (_first_eviction(p, trace) + 1) - 1
+
+    def make():
+        return HybridAllocator(
+            p, checkpoint_policy="marconi", hash_block_size=16, max_model_len=1 << 16
+        )
+
+    window = trace.requests[: auto.alpha_tuned_at + 1]
+    assert tune_marconi_alpha(make, window, (0.0, 0.5, 5.0)) == auto.marconi_alpha
+    fixed = replay(p, trace, marconi_alpha=0.5)
+    assert fixed.marconi_alpha == 0.5 and fixed.alpha_tuned_at is None
+    with pytest.raises(ValueError, match="'auto'"):
+        replay(p, trace, marconi_alpha="tuned")
+    with pytest.raises(ValueError, match="alpha_grid"):
+        tune_marconi_alpha(make, window, ())
+
+
+def _chat(n: int) -> Trace:
+    from hybridkv import traces
+
+    return traces.multi_turn_chat(n, seed=2, system_prompt=128)
+
+
+def _first_eviction(p, trace: Trace) -> int:
+    """The request during which a replay with alpha 0 first evicts."""
+    alloc = HybridAllocator(
+        p, checkpoint_policy="marconi", hash_block_size=16, max_model_len=1 << 16
+    )
+    alloc.marconi_alpha = 0.0
+    for i, r in enumerate(trace.requests):
+        serve(alloc, r, index=i)
+        if any(x.get("evictions", 0) for x in alloc.stats()["pools"].values()):
+            return i
+    raise AssertionError("the trace never fills the plan")
 
 
 # ---- the byte breakdown -------------------------------------------------------------------

@@ -87,6 +87,10 @@ class IdCache:
     def refcount(self, bid: int) -> int:
         return self.ref[bid]
 
+    def evictable(self, bid: int) -> bool:
+        """Whether ``bid`` is free and cached in this pool's LRU (an eviction could take it)."""
+        return bid in self._lru
+
     # ---- prefix cache -----------------------------------------------------------------------
     def lookup(self, key: CacheKey) -> int | None:
         return self._key_to_id.get(key)

@@ -58,7 +58,8 @@ from .errors import (
 )
 from .events import AllBlocksCleared, KVEventBatch
 from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
-from .policies import ALL_POLICIES, CACHE, NONE, ROLLING, CheckpointPolicy, MarconiEvictor
+from .marconi import MarconiEvictor, MarconiScorer, PrefillFlops
+from .policies import ALL_POLICIES, CACHE, NONE, ROLLING, CheckpointPolicy
 from .prefix_cache import GroupRule, PrefixIndex, longest_hit
 from .tables import BlockTables
 from .two_level import GroupView, TwoLevelPool
@@ -161,8 +162,11 @@ class HybridAllocator:
       copying the reused tokens into a new block; pays off where state checkpoints are finer
       than the attention block (``last``/``marconi`` with large blocks).
     - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
-    - ``marconi_alpha`` / ``eviction_window``: the Marconi eviction trade-off and how many of the
-      oldest cached ids it compares.
+    - ``marconi_alpha``, ``marconi_flops``: Marconi's eviction (:mod:`.marconi`): the weight of
+      FLOPs saved per byte against recency (settable later, :attr:`marconi_alpha`), and the FLOP
+      model (``costmodel.StepCoster(model, gpu).prefill_flops``; default: every token costs
+      the same). ``eviction_window``: how many of the oldest cached ids a pool's fallback
+      (when no cached state is a candidate) looks through.
     - ``evict_unreachable``: when an eviction leaves cached entries no hit can use, evict them
       too (:meth:`_settle`): the KV of a chain whose last state went, or everything after a
       KV block that went. Marconi evicts a radix-tree leaf's KV with its state for the same
@@ -180,6 +184,7 @@ class HybridAllocator:
         partial_block_hits: bool = True,
         hash_algo: str = "sha256",
         marconi_alpha: float = 1.0,
+        marconi_flops: PrefillFlops | None = None,
         eviction_window: int = 32,
         prefix_cache_retention_interval: int | None = 0,
         prefill_checkpoint_alignment: int | str | None = "auto",
@@ -271,14 +276,16 @@ class HybridAllocator:
         for gid in self._state:
             by_pool.setdefault(id(self.pool[gid]), (self.pool[gid], []))[1].append(gid)
         self._state_pools = list(by_pool.values())
+        #: Marconi's eviction utility (``marconi`` only): one clock and score for every pool
+        self._scorer: MarconiScorer | None = None
         if self.policy.name == "marconi":
-            seen: set[int] = set()
+            self._scorer = MarconiScorer(self.index, plan, self.pool, marconi_alpha, marconi_flops)
+            groups_of: dict[int, tuple[Any, list[int]]] = {}
             for gid in range(len(self.groups)):
-                p = self.pool[gid]
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    p.evictor = MarconiEvictor(p, self.index, plan, marconi_alpha)
-                    p.evictor_window = max(1, eviction_window)
+                groups_of.setdefault(id(self.pool[gid]), (self.pool[gid], []))[1].append(gid)
+            for p, gids in groups_of.values():
+                p.evictor = MarconiEvictor(self._scorer, p, gids)
+                p.evictor_window = max(1, eviction_window)
         self.reqs: dict[Any, _Request] = {}
         # a state group's row is its running slot and spares: a fixed width
         self.tables = BlockTables(
@@ -602,6 +609,10 @@ class HybridAllocator:
             self.num_queries += 1
             self.num_query_tokens += n
             self.num_hit_tokens += L
+            if self._scorer is not None:
+                self._scorer.tick()
+                if L:
+                    self._scorer.accessed(hashes[L // h - 1])
         r = _Request(req_id, tokens, extra, lora_id, hashes, len(self.groups))
         touch: dict[int, list[int]] = {}
         needs: dict[int, int] = {}
@@ -924,6 +935,8 @@ class HybridAllocator:
             pool.cache(dst, (gid, u))
             held.append((pool, dst))
         self.index.add_checkpoints(taken, unit, r.hashes, r.tokens, r.lora_id)
+        if self._scorer is not None:
+            self._scorer.accessed(u)
 
     def _roll(self, r: _Request, P: int, copies: list) -> None:
         """Refresh the request's private end-of-request checkpoint to position ``P``."""
@@ -965,6 +978,8 @@ class HybridAllocator:
                     )
                     self.num_checkpoint_ids += 1
                     kept = True
+                    if self._scorer is not None:
+                        self._scorer.accessed(key[1])
             pool.free((sid,))
         self.num_checkpoints += kept
         if kept and r.hit_unit is not None:
@@ -1024,6 +1039,8 @@ class HybridAllocator:
             sid = pool.lookup((gid, unit))
             if sid is not None:
                 pool.demote(sid)
+        if self._scorer is not None:
+            self._scorer.demote(unit)
 
     def _cache_tail_blocks(self, r: _Request, P: int) -> None:
         """At free, cache the partly filled attention block holding token ``P - 1`` (``P``:
@@ -1230,6 +1247,22 @@ class HybridAllocator:
     def usage(self) -> dict[str, float]:
         """Per pool: fraction in use by running requests (cached free memory counts free)."""
         return {name: p.usage() for name, p in self._pools.items()}
+
+    @property
+    def marconi_alpha(self) -> float | None:
+        """``marconi``'s weight of FLOPs saved per byte against recency (None for the other
+        policies). Settable: Marconi tunes it once it has seen the workload."""
+        return None if self._scorer is None else self._scorer.alpha
+
+    @marconi_alpha.setter
+    def marconi_alpha(self, alpha: float) -> None:
+        if self._scorer is None:
+            raise ValueError(
+                f"marconi_alpha is for checkpoint_policy='marconi', not {self.policy.name!r}"
+            )
+        if not alpha >= 0:
+            raise ValueError(f"marconi_alpha must be >= 0, got {alpha}")
+        self._scorer.alpha = float(alpha)
 
     def stats(self) -> dict[str, Any]:
         q = max(1, self.num_query_tokens)

@@ -27,7 +27,7 @@ inside a prefill (vLLM's prefill checkpoint blocks) also gives one position insi
 - ``marconi`` (Marconi, MLSys'25): ``last`` plus a checkpoint at the *branch point* of a request
   whose prompt diverges from a cached prefix (attention KV is cached past the point where the
   state hit stops, so another request shared these tokens: the next one will too). Eviction
-  weighs recency against compute saved per byte (:class:`MarconiEvictor`). Its admission is
+  weighs recency against compute saved per byte (:mod:`.marconi`). Its admission is
   what the name means when comparing policies: a state is admitted at a prefix only once a
   second request has shown that prefix to be shared.
 - ``periodic`` (``checkpoint_interval`` ``N``): ``last`` plus a state at every multiple of ``N``
@@ -54,7 +54,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import MemoryPlan
-    from .prefix_cache import PrefixIndex
 
 __all__ = [
     "ALL_POLICIES",
@@ -65,7 +64,6 @@ __all__ = [
     "RECOVERY_POLICIES",
     "ROLLING",
     "CheckpointPolicy",
-    "MarconiEvictor",
     "VllmAlign",
 ]
 
@@ -437,67 +435,3 @@ class CheckpointPolicy:
         if self.branches and after < branch_at < nxt:
             return branch_at
         return nxt
-
-
-class MarconiEvictor:
-    """Victim choice among the ``window`` oldest cached free ids of one pool.
-
-    utility = recency + alpha * efficiency, the smallest is evicted:
-
-    - recency: rank among the candidates, 0 for the oldest, 1 for the newest;
-    - efficiency: tokens of prefix a hit on the entry saves per byte kept, relative to attention
-      KV (whose efficiency is 1: a block saves B tokens for B tokens of KV). A state checkpoint at
-      ``P`` tokens saves ``P`` tokens of compute and keeps a state page plus the prefix's KV:
-      ``P * kv / (state + P * kv)``, with ``kv`` the KV bytes per token and ``state`` the bytes
-      of one sequence's recurrent state. Short-prefix states are poor value; long ones approach 1.
-
-    ``alpha = 0`` is plain LRU.
-
-    Like Marconi's tree, which evicts only leaves and single-child nodes, it passes over
-    entries other cached entries depend on, unless every candidate is one: a state at a
-    *branch point* (the chain continues in two or more ways below it: every branch hits there)
-    and a KV block the chain continues after (evicting it cuts every state below it off).
-    """
-
-    def __init__(self, pool: object, index: PrefixIndex, plan: MemoryPlan, alpha: float) -> None:
-        self.pool = pool
-        self.index = index
-        self.alpha = alpha
-        full = [g.group_id for g in plan.attention_groups if not g.sliding_window]
-        self.chain_group = full[0] if full else None  # whose children tell a chain's shape
-        self.kv_per_token = sum(
-            (p.k_bytes_per_block + p.v_bytes_per_block) / p.block_size for p in plan.kv_placements
-        )
-        self.state_bytes = sum(c.nbytes for s in plan.state_placements for c in s.components)
-
-    def efficiency(self, prefix_tokens: int, is_state: bool) -> float:
-        if not is_state:
-            return 1.0
-        kv = prefix_tokens * self.kv_per_token
-        return kv / (self.state_bytes + kv) if kv or self.state_bytes else 1.0
-
-    def depended_on(self, bid: int) -> bool:
-        """A branch-point state, or a KV block with cached units after it."""
-        g = self.chain_group
-        if g is None:
-            return False
-        key = self.pool.key_of(bid)  # type: ignore[attr-defined]
-        _, is_state = self.index.entry_info(key)
-        return self.index.continuations(key, g) > (1 if is_state else 0)
-
-    def __call__(self, candidates: list[int]) -> int:
-        free = [c for c in candidates if not self.depended_on(c)]
-        if free:
-            candidates = free
-        n = len(candidates)
-        if n == 1:
-            return candidates[0]
-        key_of = self.pool.key_of  # type: ignore[attr-defined]
-        info = self.index.entry_info
-        best, best_u = candidates[0], math.inf
-        for i, bid in enumerate(candidates):
-            P, is_state = info(key_of(bid))
-            u = i / (n - 1) + self.alpha * self.efficiency(P, is_state)
-            if u < best_u:
-                best, best_u = bid, u
-        return best

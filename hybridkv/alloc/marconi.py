@@ -1,0 +1,282 @@
+"""Marconi's eviction (MLSys'25, its ``evict_v2``): which cached *segment* gives way.
+
+Marconi's radix tree holds, per node, the KV of the node's tokens and the recurrent state at
+its end. It evicts only nodes with at most one child: a leaf goes with its KV, a single-child
+node loses its state (its KV still serves the child). Among those it evicts the smallest
+
+    utility = recency + alpha * efficiency        (each min-max normalised over the candidates)
+
+- recency: ``1 / (now - last access)``, with a logical clock; an access is the node's creation
+  or a prefix match that ends on it (only the last node of a match is refreshed);
+- efficiency: FLOPs the node saves relative to its parent (prefilling its ``c`` tokens after the
+  parent's ``p``) per byte it keeps (a state plus the KV of all ``p + c`` tokens).
+
+In hybridkv the nodes are the cached state checkpoints: the KV between a state and the previous
+state or branch point of its chain is its segment. A leaf state's segment goes with it (the
+allocator's ``evict_unreachable`` cascade evicts KV that no state can reach any more); a state
+whose chain continues (superseded by a later turn) loses only itself; a branch-point state is
+never a candidate. A pool that holds state ids evicts the chosen state; a pool of attention
+ids only (``per_group``, ``two_level``'s KV view) evicts the chosen leaf's last KV block, and
+the cascade takes the rest of the segment. A pool with no such candidate falls back to its LRU
+(first an entry nothing depends on).
+
+``alpha = 0`` is recency alone. Marconi tunes ``alpha`` online (:func:`hybridkv.replay.replay`
+does the same with ``marconi_alpha="auto"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import MemoryPlan
+    from .prefix_cache import PrefixIndex
+
+__all__ = ["MarconiEvictor", "MarconiScorer", "PrefillFlops", "tokens_as_flops"]
+
+#: FLOPs of prefilling ``new`` tokens after ``cached`` ones (``StepCoster.prefill_flops``)
+PrefillFlops = Callable[[int, int], float]
+
+
+def tokens_as_flops(new: int, cached: int) -> float:
+    """The FLOP model when none is given: every token costs the same (the weights' work, which
+    dominates prefill FLOPs below tens of thousands of tokens of context)."""
+    return float(new)
+
+
+def _normalise(values: list[float]) -> list[float]:
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    span = hi - lo
+    return [(v - lo) / span for v in values]
+
+
+class MarconiScorer:
+    """The shared part of every pool's :class:`MarconiEvictor`: the logical clock, each cached
+    state's last access, and the utility of evicting it.
+
+    ``pool_of`` maps a group id to the pool its ids come from (the allocator's). ``flops``:
+    :data:`PrefillFlops`, default :func:`tokens_as_flops`."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        plan: MemoryPlan,
+        pool_of: dict[int, Any],
+        alpha: float,
+        flops: PrefillFlops | None = None,
+    ) -> None:
+        if not alpha >= 0:
+            raise ValueError(f"marconi_alpha must be >= 0, got {alpha}")
+        self.index = index
+        self.pool_of = pool_of
+        self.alpha = float(alpha)
+        self.flops = flops or tokens_as_flops
+        self.h = index.h
+        full = [g.group_id for g in plan.attention_groups if not g.sliding_window]
+        self.chain_group = full[0] if full else None  # whose units tell a chain's shape
+        self.state_groups = [g.group_id for g in plan.state_groups]
+        self.kv_per_token = sum(
+            (p.k_bytes_per_block + p.v_bytes_per_block) / p.block_size for p in plan.kv_placements
+        )
+        self.state_bytes = sum(c.nbytes for s in plan.state_placements for c in s.components)
+        self.clock = 0
+        #: cached state unit -> logical time of its last access (a demoted state: -1)
+        self.last_access: dict[bytes, int] = {}
+        self._start: dict[bytes, int] = {}  # unit -> tokens where its segment starts (memo)
+
+    # ---- what the allocator tells it ----------------------------------------------------------
+    def tick(self) -> None:
+        """One step of the logical clock (a request looked up, as Marconi's ``match_prefix``)."""
+        self.clock += 1
+
+    def accessed(self, unit: bytes) -> None:
+        """A state at ``unit`` was cached or served a hit: it is the newest access."""
+        if unit not in self.last_access:
+            self._start.clear()  # a new state may start (end) other states' segments
+        self.last_access[unit] = self.clock
+
+    def demote(self, unit: bytes) -> None:
+        """The state at ``unit`` was superseded further down its chain: oldest of all."""
+        if unit in self.last_access:
+            self.last_access[unit] = -1
+
+    # ---- scoring ----------------------------------------------------------------------------
+    def segment_start(self, unit: bytes, end: int) -> int:
+        """Tokens before the segment of the state at ``unit`` (``end`` tokens): the previous
+        state or branch point up its chain, else 0. Remembered until a state is added or goes
+        (a branch point appearing inside a segment is seen at the next of those)."""
+        start = self._start.get(unit)
+        if start is not None:
+            return start
+        g = self.chain_group
+        parent, children = self.index.parent, self.index.children
+        states = self.last_access
+        x, pos = unit, end
+        while True:
+            par = parent.get((g, x)) if g is not None else None
+            pos -= self.h
+            if par is None or pos <= 0:
+                pos = max(pos, 0)
+                break
+            if len(children.get((g, par), ())) > 1 or (par in states and self.has_state(par)):
+                break
+            x = par
+        self._start[unit] = pos
+        return pos
+
+    def has_state(self, unit: bytes) -> bool:
+        g = self.state_groups[0]
+        return self.pool_of[g].lookup((g, unit)) is not None
+
+    def efficiency(self, start: int, end: int) -> float:
+        """FLOPs a hit at ``end`` saves over one at ``start``, per byte the state keeps."""
+        return self.flops(end - start, start) / (self.state_bytes + self.kv_per_token * end)
+
+    def candidates(self) -> list[tuple[bytes, int, int, bool]]:
+        """(unit, tokens, last access, is a leaf) of every free cached state that is not a
+        branch point; forgets states no longer cached."""
+        if not self.state_groups:
+            return []
+        g0 = self.state_groups[0]
+        pool = self.pool_of[g0]
+        entries, children, chain = self.index.entries, self.index.children, self.chain_group
+        h = self.h
+        out = []
+        gone = []
+        for u, ts in self.last_access.items():
+            e = entries.get((g0, u))
+            if e is None:
+                gone.append(u)
+                continue
+            if pool.refcount(e[0]):
+                continue  # a running request holds it (a hit source)
+            kids = len(children.get((chain, u), ())) if chain is not None else 0
+            if kids > 1:
+                continue  # a branch point: every branch hits there
+            out.append((u, (e[1] + 1) * h, ts, kids == 0))
+        if gone:
+            for u in gone:
+                del self.last_access[u]
+            self._start.clear()  # segments that ended at a state gone now reach further up
+        return out
+
+    def choose(self, options: list[tuple[int, bytes, int, int]]) -> int:
+        """The id to evict among ``(id, unit, tokens, last access)`` options: the smallest
+        utility (ties: the first)."""
+        if len(options) == 1:
+            return options[0][0]
+        now = self.clock + 1
+        recency = _normalise([1.0 / (now - ts) for _, _, _, ts in options])
+        if self.alpha:
+            eff = _normalise(
+                [self.efficiency(self.segment_start(u, P), P) for _, u, P, _ in options]
+            )
+            utility = [r + self.alpha * e for r, e in zip(recency, eff)]
+        else:
+            utility = recency
+        return options[min(range(len(options)), key=utility.__getitem__)][0]
+
+
+class MarconiEvictor:
+    """The victim choice of one pool (``BlockPool`` or a two-level group view): the ids whose
+    eviction removes the cached segment of least utility (:class:`MarconiScorer`), else the LRU
+    window's first entry nothing depends on.
+
+    A pool hands out one id per call, and the allocator's cascade runs only after the whole
+    allocation; so once a segment is chosen, its other ids in this pool are queued and taken
+    first, as Marconi frees a node's bytes together, rather than one state of another segment
+    per id needed."""
+
+    def __init__(self, scorer: MarconiScorer, pool: Any, groups: list[int]) -> None:
+        self.scorer = scorer
+        self.pool = pool
+        state = set(scorer.state_groups)
+        self.state_groups = [g for g in groups if g in state]
+        self.kv_groups = [g for g in groups if g not in state]
+        self._queue: list[tuple[int, Any]] = []  # (id, its key) of the segment being evicted
+
+    def __call__(self, candidates: list[int]) -> int:
+        pool = self.pool
+        while self._queue:
+            bid, key = self._queue.pop()
+            if pool.evictable(bid) and pool.key_of(bid) == key:
+                return bid
+        s = self.scorer
+        options: list[tuple[int, bytes, int, int]] = []
+        for u, P, ts, leaf in s.candidates():
+            bid = self._victim(u, leaf)
+            if bid is not None:
+                options.append((bid, u, P, ts))
+        if options:
+            bid = s.choose(options)
+            u, P = next((u, P) for b, u, P, _ in options if b == bid)
+            self._queue_segment(bid, u, P)
+            return bid
+        for bid in candidates:
+            if not self._depended_on(bid):
+                return bid
+        return candidates[0]
+
+    def _victim(self, unit: bytes, leaf: bool) -> int | None:
+        """This pool's free cached id whose eviction removes the state at ``unit`` (and, for a
+        leaf, its segment), or None."""
+        pool = self.pool
+        for g in self.state_groups:
+            bid = pool.lookup((g, unit))
+            if bid is not None and pool.evictable(bid):
+                return bid
+        if not leaf or self.state_groups:
+            return None
+        holders = self.scorer.index.holders
+        for g in self.kv_groups:
+            for bid in holders.get((g, unit), ()):
+                if pool.evictable(bid):
+                    return bid
+        return None
+
+    def _queue_segment(self, first: int, unit: bytes, end: int) -> None:
+        """Queue this pool's other evictable ids of the segment ending at ``unit``: the states
+        of its other groups there and, for a leaf, the KV blocks lying wholly inside it (last
+        first, so the queue pops the tail of the chain first)."""
+        s, pool = self.scorer, self.pool
+        index = s.index
+        queue: list[tuple[int, Any]] = []
+        for g in self.state_groups:
+            bid = pool.lookup((g, unit))
+            if bid is not None and bid != first and pool.evictable(bid):
+                queue.append((bid, (g, unit)))
+        chain = s.chain_group
+        leaf = chain is not None and not index.children.get((chain, unit))
+        if leaf and self.kv_groups:
+            units: list[bytes] = []
+            x: bytes | None = unit
+            for _ in range((end - s.segment_start(unit, end)) // s.h):
+                if x is None:
+                    break
+                units.append(x)
+                x = index.parent.get((chain, x))
+            inside = set(units)
+            seen = {first}
+            for x in reversed(units):  # the queue pops from the end: the tail goes first
+                for g in self.kv_groups:
+                    for bid in index.holders.get((g, x), ()):
+                        if bid in seen or not pool.evictable(bid):
+                            continue
+                        seen.add(bid)
+                        key = pool.key_of(bid)
+                        if all(y in inside for y in index.entries[key][2]):
+                            queue.append((bid, key))
+        self._queue = queue
+
+    def _depended_on(self, bid: int) -> bool:
+        """A branch-point state, or a KV block with cached units after it."""
+        s = self.scorer
+        if s.chain_group is None:
+            return False
+        key = self.pool.key_of(bid)
+        if key is None:
+            return False
+        return s.index.continuations(key, s.chain_group) > int(s.index.entry_info(key)[1])
