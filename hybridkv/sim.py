@@ -241,6 +241,7 @@ def simulate(
 ) -> SimResult:
     """Replay ``trace`` on ``plan`` (made for ``model``) and measure it."""
     config = config or SimConfig()
+    coster = StepCoster(model, config.gpu)
     alloc = HybridAllocator(
         plan,
         enable_prefix_caching=config.enable_prefix_caching,
@@ -250,8 +251,9 @@ def simulate(
         prefix_cache_retention_interval=config.prefix_cache_retention_interval,
         prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
         checkpoint_interval=config.checkpoint_interval,
+        # marconi weighs the FLOPs a state saves by the same cost model as the clock
+        marconi_flops=coster.prefill_flops,
     )
-    coster = StepCoster(model, config.gpu)
     windows = bool(coster.windows)  # sliding-window layers: decode cost needs every context
     fast = config.fast_decode
     align = math.lcm(*(g.block_size for g in plan.state_groups)) if plan.state_groups else 1

@@ -443,21 +443,33 @@ def test_marconi_eviction_weighs_recency_against_value():
     index.parent[(chain, b"v2")] = units[1]
     index.children[(chain, units[1])][b"v2"] = None
 
-    class Pool:  # every state is cached (segment starts stop at states)
+    class Pool:  # every state is cached and free
         def lookup(self, key):
             return 1
 
+        def refcount(self, bid):
+            return 0
+
     s = MarconiScorer(index, p, {g.group_id: Pool() for g in p.groups}, alpha=0.0)
     assert s.segment_start(units[7], 128) == 32  # up to the branch point u1 (32 tokens)
-    s.accessed(units[4])  # a state at u4 (80 tokens) ends the segment of u7 there
-    assert s.segment_start(units[7], 128) == 80
-    s.tick()
-    # (id, unit, tokens, last access): a long old segment, a short recent one
-    options = [(10, units[4], 80, 0), (11, units[7], 128, 1)]
-    assert s.choose(options) == 10  # alpha 0: the older
+    # states at u4 (80 tokens, cached first) and u7 (128 tokens, a step later)
+    state = s.state_groups[0]
+    for u in (units[4], units[7]):
+        index.entries[(state, u)] = (1, units.index(u), [u], True)
+        s.accessed(u)
+        s.tick()
+    assert s.segment_start(units[7], 128) == 80  # the state at u4 ends u7's segment
+    util = s.utilities()
+    assert set(util) == {units[4], units[7]}
+    assert util[units[4]][0] < util[units[7]][0]  # alpha 0: the older goes first
     s.alpha = 5.0
-    assert s.efficiency(80, 128) < s.efficiency(32, 80)
-    assert s.choose(options) == 11  # 48 tokens on top of 80 save little per byte kept
+    assert s.efficiency(80, 128) < s.efficiency(0, 80)
+    util = s.utilities()
+    # 48 tokens on top of 80 save less per byte kept than 80 from scratch: u7 goes first
+    assert util[units[7]][0] < util[units[4]][0]
+    # a branch point is never a candidate: a second child under u4
+    index.children[(chain, units[4])][b"w5"] = None
+    assert set(s.utilities()) == {units[7]}
     with pytest.raises(ValueError, match="marconi_alpha"):
         MarconiScorer(index, p, {}, alpha=-1.0)
 

@@ -163,21 +163,21 @@ class MarconiScorer:
             self._start.clear()  # segments that ended at a state gone now reach further up
         return out
 
-    def choose(self, options: list[tuple[int, bytes, int, int]]) -> int:
-        """The id to evict among ``(id, unit, tokens, last access)`` options: the smallest
-        utility (ties: the first)."""
-        if len(options) == 1:
-            return options[0][0]
+    def utilities(self) -> dict[bytes, tuple[float, int, bool]]:
+        """unit -> (utility, tokens, is a leaf) of every :meth:`candidates` state, recency and
+        efficiency normalised over all of them (Marconi scores every evictable node at once)."""
+        cands = self.candidates()
+        if not cands:
+            return {}
         now = self.clock + 1
-        recency = _normalise([1.0 / (now - ts) for _, _, _, ts in options])
+        recency = _normalise([1.0 / (now - ts) for _, _, ts, _ in cands])
         if self.alpha:
-            eff = _normalise(
-                [self.efficiency(self.segment_start(u, P), P) for _, u, P, _ in options]
-            )
+            start = self.segment_start
+            eff = _normalise([self.efficiency(start(u, P), P) for u, P, _, _ in cands])
             utility = [r + self.alpha * e for r, e in zip(recency, eff)]
         else:
             utility = recency
-        return options[min(range(len(options)), key=utility.__getitem__)][0]
+        return {u: (x, P, leaf) for (u, P, _, leaf), x in zip(cands, utility)}
 
 
 class MarconiEvictor:
@@ -204,21 +204,29 @@ class MarconiEvictor:
             bid, key = self._queue.pop()
             if pool.evictable(bid) and pool.key_of(bid) == key:
                 return bid
-        s = self.scorer
-        options: list[tuple[int, bytes, int, int]] = []
-        for u, P, ts, leaf in s.candidates():
-            bid = self._victim(u, leaf)
-            if bid is not None:
-                options.append((bid, u, P, ts))
-        if options:
-            bid = s.choose(options)
-            u, P = next((u, P) for b, u, P, _ in options if b == bid)
+        best = self._best_own(self.scorer.utilities())
+        if best is not None:
+            bid, u, P, _ = best
             self._queue_segment(bid, u, P)
             return bid
         for bid in candidates:
             if not self._depended_on(bid):
                 return bid
         return candidates[0]
+
+    def _best_own(
+        self, utilities: dict[bytes, tuple[float, int, bool]]
+    ) -> tuple[int, bytes, int, float] | None:
+        """(id, unit, tokens, utility) of this pool's least valuable segment (ties: the first
+        cached), or None."""
+        best = None
+        for u, (x, P, leaf) in utilities.items():
+            if best is not None and x >= best[3]:
+                continue
+            bid = self._victim(u, leaf)
+            if bid is not None:
+                best = (bid, u, P, x)
+        return best
 
     def _victim(self, unit: bytes, leaf: bool) -> int | None:
         """This pool's free cached id whose eviction removes the state at ``unit`` (and, for a
