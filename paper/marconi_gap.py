@@ -535,6 +535,24 @@ def marconi_gap(ctx: Context) -> list[Path]:
         "",
         data.markdown_table(alpha_rows, [("cap", "capacity"), *((x, x) for x in LAYOUTS)]),
     ]
+    small_cap = capacities[0]
+    tl, inf = (
+        runs.get(("two_level", "marconi", small_cap, True)),
+        runs.get(("inflate", "marconi", small_cap, True)),
+    )
+    if tl is not None and inf is not None:
+        # what two_level's pages cost in bytes, and what those bytes are worth on inflate
+        t, i = tl.breakdown_mean(), inf.breakdown_mean()
+        lost = sum(t[k] - i[k] for k in ("owned_empty", "padding", "unusable"))
+        shrunk = run_hybridkv("inflate", int(small_cap - lost), "marconi", n=n)
+        lines += [
+            "",
+            f"What two_level's large pages cost at {small_cap / 1e9:g} GB: owned but empty, "
+            f"padding and unusable bytes exceed inflate's by {lost / 1e9:.3f} GB on average; "
+            f"inflate + marconi given {(small_cap - lost) / 1e9:.3f} GB reaches "
+            f"{100 * shrunk.token_hit_rate:.1f}% (two_level: {100 * tl.token_hit_rate:.1f}%, "
+            f"inflate at {small_cap / 1e9:g} GB: {100 * inf.token_hit_rate:.1f}%).",
+        ]
     if misfits:
         lines += ["", "Not run (`-` above): " + "; ".join(misfits)]
     if over:

@@ -11,8 +11,9 @@ for sliding-window blocks that fell out of the window. Free ids sit in one of tw
   front. Callers free a request's blocks tail first, so among one request's blocks the tail
   (least shared, least likely to be hit) is evicted before its prefix, as in vLLM.
 
-An optional *evictor* replaces plain LRU: it sees the ``window`` oldest cached ids and picks the
-victim (Marconi's recency + efficiency utility, :mod:`.policies`).
+An optional *evictor* replaces plain LRU: it sees the ``window`` oldest cached ids and returns
+the victim, which may be any id of the LRU (Marconi's eviction, :mod:`.marconi`, picks the
+cached segment of least utility wherever its ids are in the LRU).
 """
 
 from __future__ import annotations
