@@ -85,7 +85,11 @@ class MarconiScorer:
         self.clock = 0
         #: cached state unit -> logical time of its last access (a demoted state: -1)
         self.last_access: dict[bytes, int] = {}
-        self._start: dict[bytes, int] = {}  # unit -> tokens where its segment starts (memo)
+        # segment starts, remembered: state unit -> (tokens, the unit the walk stopped at: a
+        # state or branch point, None at the root); and walked unit -> the state whose segment
+        # holds it (segments are disjoint: each ends at the next state or branch point)
+        self._start: dict[bytes, tuple[int, bytes | None]] = {}
+        self._owner: dict[bytes, bytes] = {}
 
     # ---- what the allocator tells it ----------------------------------------------------------
     def tick(self) -> None:
@@ -95,7 +99,11 @@ class MarconiScorer:
     def accessed(self, unit: bytes) -> None:
         """A state at ``unit`` was cached or served a hit: it is the newest access."""
         if unit not in self.last_access:
-            self._start.clear()  # a new state may start (end) other states' segments
+            # a new state inside another state's segment now starts that segment
+            owner = self._owner.pop(unit, None)
+            if owner is not None:
+                self._start.pop(owner, None)
+            self._start.pop(unit, None)
         self.last_access[unit] = self.clock
 
     def demote(self, unit: bytes) -> None:
@@ -106,15 +114,19 @@ class MarconiScorer:
     # ---- scoring ----------------------------------------------------------------------------
     def segment_start(self, unit: bytes, end: int) -> int:
         """Tokens before the segment of the state at ``unit`` (``end`` tokens): the previous
-        state or branch point up its chain, else 0. Remembered until a state is added or goes
-        (a branch point appearing inside a segment is seen at the next of those)."""
-        start = self._start.get(unit)
-        if start is not None:
-            return start
+        state or branch point up its chain, else 0. Remembered: a state added inside the
+        segment, or the state or branch point it starts at going, makes it walk again (a
+        branch point formed inside it without a state is seen at the next of those)."""
         g = self.chain_group
-        parent, children = self.index.parent, self.index.children
-        states = self.last_access
-        x, pos = unit, end
+        children = self.index.children
+        memo = self._start.get(unit)
+        if memo is not None:
+            start, at = memo
+            if at is None or len(children.get((g, at), ())) > 1 or self.has_state(at):
+                return start
+        parent = self.index.parent
+        states, owner = self.last_access, self._owner
+        x, pos, at = unit, end, None
         while True:
             par = parent.get((g, x)) if g is not None else None
             pos -= self.h
@@ -122,9 +134,11 @@ class MarconiScorer:
                 pos = max(pos, 0)
                 break
             if len(children.get((g, par), ())) > 1 or (par in states and self.has_state(par)):
+                at = par
                 break
+            owner[par] = unit
             x = par
-        self._start[unit] = pos
+        self._start[unit] = (pos, at)
         return pos
 
     def has_state(self, unit: bytes) -> bool:
@@ -157,10 +171,9 @@ class MarconiScorer:
             if kids > 1:
                 continue  # a branch point: every branch hits there
             out.append((u, (e[1] + 1) * h, ts, kids == 0))
-        if gone:
-            for u in gone:
-                del self.last_access[u]
-            self._start.clear()  # segments that ended at a state gone now reach further up
+        for u in gone:  # segments that started at u walk again when next scored
+            del self.last_access[u]
+            self._start.pop(u, None)
         return out
 
     def utilities(self) -> dict[bytes, tuple[float, int, bool]]:
