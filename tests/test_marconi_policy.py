@@ -133,19 +133,28 @@ def _after_filler(layout: str, length: int, alpha: float = 0.0) -> dict[str, int
     return _probe(alloc)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_hand_worked_eviction_order(layout):
-    expected = EXPECTED_ORDER[layout]
+def _fall_order(
+    layout: str, steps: int, alpha: float = 0.0
+) -> tuple[list[dict[str, int]], dict[str, int]]:
+    """The probes that fall, in order, as the filler grows (the first ``steps`` changes), and
+    the probes' hits after the last of them."""
     seen: list[dict[str, int]] = []
     state = dict(INTACT)
     for length in range(16, 8000, 16):
-        now = _after_filler(layout, length)
+        now = _after_filler(layout, length, alpha)
         changed = {k: v for k, v in now.items() if v != state[k]}
         if changed:
             seen.append(changed)
             state = now
-        if len(seen) == len(expected):
+        if len(seen) == steps:
             break
+    return seen, state
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hand_worked_eviction_order(layout):
+    expected = EXPECTED_ORDER[layout]
+    seen, state = _fall_order(layout, len(expected))
     assert seen == expected
     # what the hand-worked order keeps: the shared prefix and its branch state, and R3
     if layout in ("inflate", "pack", "aggregate"):
@@ -162,16 +171,7 @@ EXPECTED_ORDER_VALUE = [{"R3": 112}, {"R0": 64, "R3": 64}, {"R1": 64}, {"R2": 64
 
 @pytest.mark.parametrize("layout", ["inflate", "pack", "aggregate", "per_group"])
 def test_hand_worked_eviction_order_by_value(layout):
-    seen: list[dict[str, int]] = []
-    state = dict(INTACT)
-    for length in range(16, 8000, 16):
-        now = _after_filler(layout, length, alpha=10.0)
-        changed = {k: v for k, v in now.items() if v != state[k]}
-        if changed:
-            seen.append(changed)
-            state = now
-        if len(seen) == len(EXPECTED_ORDER_VALUE):
-            break
+    seen, _ = _fall_order(layout, len(EXPECTED_ORDER_VALUE), alpha=10.0)
     assert seen == EXPECTED_ORDER_VALUE
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -272,18 +273,12 @@ class HybridAllocator:
         ]
         # state groups by the pool object their ids come from (one pool for all of them in the
         # shared layouts, so a checkpoint takes its ids in one call)
-        by_pool: dict[int, tuple[Any, list[int]]] = {}
-        for gid in self._state:
-            by_pool.setdefault(id(self.pool[gid]), (self.pool[gid], []))[1].append(gid)
-        self._state_pools = list(by_pool.values())
+        self._state_pools = self._by_pool(self._state)
         #: Marconi's eviction utility (``marconi`` only): one clock and score for every pool
         self._scorer: MarconiScorer | None = None
         if self.policy.name == "marconi":
             self._scorer = MarconiScorer(self.index, plan, self.pool, marconi_alpha, marconi_flops)
-            groups_of: dict[int, tuple[Any, list[int]]] = {}
-            for gid in range(len(self.groups)):
-                groups_of.setdefault(id(self.pool[gid]), (self.pool[gid], []))[1].append(gid)
-            for p, gids in groups_of.values():
+            for p, gids in self._by_pool(range(len(self.groups))):
                 p.evictor = MarconiEvictor(self._scorer, p, gids)
                 p.evictor_window = max(1, eviction_window)
         self.reqs: dict[Any, _Request] = {}
@@ -300,6 +295,13 @@ class HybridAllocator:
         self.num_checkpoints = self.num_checkpoint_ids = 0
 
     # ---- construction -----------------------------------------------------------------------
+    def _by_pool(self, gids: Iterable[int]) -> list[tuple[Any, list[int]]]:
+        """``gids`` grouped by the pool object their ids come from, in first-seen order."""
+        out: dict[int, tuple[Any, list[int]]] = {}
+        for gid in gids:
+            out.setdefault(id(self.pool[gid]), (self.pool[gid], []))[1].append(gid)
+        return list(out.values())
+
     def _build_pools(self) -> None:
         on_evict = self._evicted if self.evict_unreachable else self.index.remove
         self.pool: dict[int, BlockPool | GroupView] = {}  # group -> where its ids come from
@@ -1260,9 +1262,7 @@ class HybridAllocator:
             raise ValueError(
                 f"marconi_alpha is for checkpoint_policy='marconi', not {self.policy.name!r}"
             )
-        if not alpha >= 0:
-            raise ValueError(f"marconi_alpha must be >= 0, got {alpha}")
-        self._scorer.alpha = float(alpha)
+        self._scorer.alpha = alpha  # the scorer checks it
 
     def stats(self) -> dict[str, Any]:
         q = max(1, self.num_query_tokens)

@@ -68,11 +68,9 @@ class MarconiScorer:
         alpha: float,
         flops: PrefillFlops | None = None,
     ) -> None:
-        if not alpha >= 0:
-            raise ValueError(f"marconi_alpha must be >= 0, got {alpha}")
         self.index = index
         self.pool_of = pool_of
-        self.alpha = float(alpha)
+        self.alpha = alpha
         self.flops = flops or tokens_as_flops
         self.h = index.h
         full = [g.group_id for g in plan.attention_groups if not g.sliding_window]
@@ -90,6 +88,17 @@ class MarconiScorer:
         # holds it (segments are disjoint: each ends at the next state or branch point)
         self._start: dict[bytes, tuple[int, bytes | None]] = {}
         self._owner: dict[bytes, bytes] = {}
+
+    @property
+    def alpha(self) -> float:
+        """The weight of efficiency against recency (>= 0; 0 is recency alone)."""
+        return self._alpha
+
+    @alpha.setter
+    def alpha(self, alpha: float) -> None:
+        if not alpha >= 0:
+            raise ValueError(f"marconi_alpha must be >= 0, got {alpha}")
+        self._alpha = float(alpha)
 
     # ---- what the allocator tells it ----------------------------------------------------------
     def tick(self) -> None:
