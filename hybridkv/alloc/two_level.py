@@ -167,8 +167,21 @@ class GroupView(IdCache):
             for sid in ids:
                 lru[sid] = None
             return
-        merged = heapq.merge(lru, ids, key=stamp.__getitem__)
-        self._lru = OrderedDict.fromkeys(merged)
+        # An idle page's blocks were last used long ago, so they belong near the front: merge
+        # them with only the LRU's ids not newer than the newest of them and put the merged run
+        # back at the front (O(run), where rebuilding the whole LRU made each reactivation
+        # O(cached ids)).
+        newest = stamp[ids[-1]]
+        older = []
+        for sid in lru:
+            if stamp[sid] > newest:
+                break
+            older.append(sid)
+        merged = list(heapq.merge(older, ids, key=stamp.__getitem__))
+        for sid in ids:
+            lru[sid] = None
+        for sid in reversed(merged):
+            lru.move_to_end(sid, last=False)
 
     def _went_unused(self, page: int) -> None:
         """The last id in use on ``page`` was freed: idle it or give it back."""
