@@ -39,6 +39,7 @@ __all__ = [
     "StateComponent",
     "StatePlacement",
     "TensorPlan",
+    "UnitRow",
 ]
 
 
@@ -145,6 +146,19 @@ class PoolPlan:
     large_page_bytes: int | None = None
     ids_per_large_page: tuple[tuple[int, int], ...] = ()
 
+    @property
+    def shares_ids(self) -> bool:
+        """Whether all the pool's groups draw from one id space (a ``shared`` pool: an id one
+        group frees can go to any other). A ``per_group`` pool gives each group its own ids; a
+        ``two_level`` pool gives each group its own ids inside large pages they share."""
+        return self.kind == "shared"
+
+    @property
+    def is_two_level(self) -> bool:
+        """Whether ids come in large pages (:attr:`large_page_bytes`) that hold
+        :meth:`ids_per_page` ids of the group owning the page."""
+        return self.kind == "two_level"
+
     def ids_per_page(self, group_id: int) -> int:
         """Ids of ``group_id`` in one allocation unit (1 except in a two-level pool)."""
         for gid, k in self.ids_per_large_page:
@@ -167,15 +181,36 @@ class Region:
 
 
 @dataclass(frozen=True)
+class UnitRow:
+    """One row of an allocation unit (:meth:`MemoryPlan.unit_rows`): bytes ``[start, end)`` of
+    ``tensor``, holding block id ``block_id`` of ``layers`` (and padding around them)."""
+
+    label: str
+    tensor: str
+    start: int
+    end: int
+    block_id: int
+    layers: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
 class KVPlacement:
     """Where one attention layer's K and V live.
 
     For block id ``b`` the K page starts at byte ``k_offset + b * block_stride`` of ``tensor``
     and element ``[t, h, d]`` of it at ``+ t * token_stride + h * head_stride + d * dsize``; the
     same for V with ``v_offset``. MLA layers have one latent (``v_offset`` is None).
+    ``layer_index`` is the model's decoder layer (the ``i`` of ``layers.{i}.attn``) and ``kind``
+    the layer spec's kind (``full_attention``, ``sliding_window``, ``mla``).
     """
 
     layer: str
+    layer_index: int
+    kind: str
     group_id: int
     tensor: str
     dtype: str
@@ -202,6 +237,15 @@ class KVPlacement:
         assert self.head_dim_v is not None
         return self.block_size * self.num_kv_heads * self.head_dim_v * dtype_bytes(self.dtype)
 
+    @property
+    def id_stride(self) -> int:
+        """Bytes from one block id's page to the next (same name on :class:`StatePlacement`)."""
+        return self.block_stride
+
+    def byte_offset(self, block_id: int) -> int:
+        """First byte of this layer's data for ``block_id`` (its K page)."""
+        return self.k_byte_offset(block_id)
+
     def k_byte_offset(self, block_id: int) -> int:
         return self.k_offset + block_id * self.block_stride
 
@@ -218,6 +262,11 @@ class KVPlacement:
             v0 = self.v_byte_offset(block_id)
             out.append(Region(self.tensor, v0, v0 + self.v_bytes_per_block))
         return out
+
+    def parts(self, block_id: int) -> list[tuple[str, Region]]:
+        """:meth:`regions` named: ``K`` and ``V``, or ``latent`` for MLA."""
+        names = ("K", "V") if self.v_offset is not None else ("latent",)
+        return list(zip(names, self.regions(block_id)))
 
     def element_strides(self) -> tuple[int, int, int, int]:
         """(block, token, head, dim) strides in elements of :attr:`dtype`."""
@@ -242,9 +291,13 @@ class StateComponent:
 @dataclass(frozen=True)
 class StatePlacement:
     """Where one state layer's per-request state lives: slot ``s`` starts at byte
-    ``offset + s * slot_stride`` of ``tensor``; components follow at their own offsets."""
+    ``offset + s * slot_stride`` of ``tensor``; components follow at their own offsets.
+    ``layer_index`` is the model's decoder layer and ``kind`` the layer spec's kind
+    (``mamba2``, ``gated_deltanet``, ...)."""
 
     layer: str
+    layer_index: int
+    kind: str
     group_id: int
     tensor: str
     num_slots: int
@@ -252,8 +305,21 @@ class StatePlacement:
     slot_stride: int
     components: tuple[StateComponent, ...]
 
+    @property
+    def id_stride(self) -> int:
+        """Bytes from one slot to the next (same name on :class:`KVPlacement`)."""
+        return self.slot_stride
+
+    def byte_offset(self, slot: int) -> int:
+        """First byte of ``slot`` (same name on :class:`KVPlacement`)."""
+        return self.slot_byte_offset(slot)
+
     def slot_byte_offset(self, slot: int) -> int:
         return self.offset + slot * self.slot_stride
+
+    def parts(self, slot: int) -> list[tuple[str, Region]]:
+        """:meth:`regions` named by their components (``conv``, ``ssm``, ...)."""
+        return [(c.name, r) for c, r in zip(self.components, self.regions(slot))]
 
     def regions(self, slot: int) -> list[Region]:
         base = self.slot_byte_offset(slot)
@@ -363,11 +429,28 @@ class MemoryPlan:
         """Valid block ids of a group (null id 0 included)."""
         return self.pool_of(group_id).num_ids(group_id)
 
+    def placements_of(self, group_id: int) -> tuple[KVPlacement | StatePlacement, ...]:
+        """The placements of the layers of ``group_id``, in group order."""
+        members = (*self.kv_placements, *self.state_placements)
+        return tuple(p for p in members if p.group_id == group_id)
+
+    @property
+    def checkpoint_granularity(self) -> int:
+        """Tokens between positions where a state checkpoint can be taken: the lcm of the state
+        groups' block sizes (1 without state groups)."""
+        return math.lcm(*(g.block_size for g in self.state_groups))
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """The lcm of every group's block size: the token multiple at which all groups' blocks
+        end together (vLLM's scheduler block size)."""
+        return math.lcm(*(g.block_size for g in self.groups))
+
     def id_bytes(self, group_id: int) -> int:
         """Bytes of the budget one block id of ``group_id`` takes: a whole block of its pool
         (every layer slot of a shared pool), or one small page of a two-level pool."""
         pool = self.pool_of(group_id)
-        return self.groups[group_id].page_bytes if pool.kind == "two_level" else pool.block_bytes
+        return self.groups[group_id].page_bytes if pool.is_two_level else pool.block_bytes
 
     def id_data_bytes(self, group_id: int) -> int:
         """Bytes of cache data one id of ``group_id`` holds when full: ``block_size`` tokens of
@@ -391,6 +474,50 @@ class MemoryPlan:
         """
         pool = self.pool_of(group_id)
         return pool.name, block_id // pool.ids_per_page(group_id)
+
+    def unit_rows(self, group_id: int, unit: int) -> tuple[UnitRow, ...]:
+        """Allocation unit ``unit`` of ``group_id`` as rows of equal width (for drawings):
+
+        - a shared pool: block id ``unit``, one page in each of the pool's tensors (a row per
+          tensor, with the group's layers that live in it);
+        - a two-level pool: large page ``unit`` carved into small pages (a row per id);
+        - a per-group pool: block id ``unit``, one page per layer of the group, pages that lie
+          far apart in the pool's tensor (a row per layer).
+        """
+        pool = self.pool_of(group_id)
+        members = self.placements_of(group_id)
+        if not members:
+            raise ValueError(f"group {group_id} of {self.layout} has no layers")
+        width = members[0].id_stride
+        if pool.shares_ids:
+            return tuple(
+                UnitRow(
+                    t,
+                    t,
+                    unit * width,
+                    (unit + 1) * width,
+                    unit,
+                    tuple(p.layer for p in members if p.tensor == t),
+                )
+                for t in pool.tensors
+            )
+        layers = tuple(p.layer for p in members)
+        if pool.is_two_level:
+            k = pool.ids_per_page(group_id)
+            ids = range(unit * k, unit * k + k)
+            t = members[0].tensor
+            return tuple(UnitRow(f"id {b}", t, b * width, (b + 1) * width, b, layers) for b in ids)
+        return tuple(
+            UnitRow(
+                p.layer,
+                p.tensor,
+                p.byte_offset(unit),
+                p.byte_offset(unit) + width,
+                unit,
+                (p.layer,),
+            )
+            for p in members
+        )
 
     # ---- real memory ------------------------------------------------------------------------
     def allocate(self, device: str | torch.device = "meta", *, fill: int | None = None):

@@ -1,14 +1,10 @@
 """Memory maps of a plan: which bytes of one allocation unit hold which layer's K, V or state.
 
-Everything is read from the plan's placements (:meth:`KVPlacement.regions`,
-:meth:`StatePlacement.regions`), so a drawing shows what the kernels would address, not a
-diagram drawn by hand. An *allocation unit* is what the allocator hands to one group at a time:
-
-- a shared pool (``inflate``, ``pack``, ``aggregate``): block id ``u``, one page in each of the
-  pool's tensors (one row per tensor);
-- a two-level pool: large page ``u``, carved into small pages (one row per small page);
-- a per-group pool: block id ``u`` of the group, one page per layer of the group, pages that lie
-  far apart in the pool's tensor (one row per layer).
+Everything is read from the plan: the rows of a unit from :meth:`MemoryPlan.unit_rows`, the
+bytes in them from the placements' ``parts`` (:meth:`KVPlacement.parts`,
+:meth:`StatePlacement.parts`), so a drawing shows what the kernels would address, not a diagram
+drawn by hand. An *allocation unit* is what the allocator hands to one group at a time (a block
+id of a shared or per-group pool, a large page of a two-level pool).
 
 :func:`unit_map` computes the segments; :func:`draw_unit` and :func:`memory_map_figure` draw them
 with matplotlib (imported lazily, so the rest of the package does not need it).
@@ -19,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .plan import KVPlacement, MemoryPlan, Region, StatePlacement
+from .plan import MemoryPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -41,8 +37,9 @@ PART_COLORS = {
 
 @dataclass(frozen=True)
 class Segment:
-    """Bytes ``[start, end)`` of row ``row`` of a unit: ``part`` of ``layer`` for block id
-    ``block_id`` (``layer`` is empty for padding)."""
+    """Bytes ``[start, end)`` of row ``row`` of a unit: ``part`` of ``layer`` (decoder layer
+    ``layer_index``) for block id ``block_id`` (``layer`` is empty and the index -1 for
+    padding)."""
 
     row: int
     start: int
@@ -50,6 +47,7 @@ class Segment:
     layer: str
     part: str
     block_id: int
+    layer_index: int = -1
 
 
 @dataclass(frozen=True)
@@ -72,25 +70,6 @@ class UnitMap:
         return out
 
 
-def _placement_regions(p: KVPlacement | StatePlacement, block_id: int) -> list[tuple[Region, str]]:
-    if isinstance(p, KVPlacement):
-        regions = p.regions(block_id)
-        parts = ["K", "V"] if p.v_offset is not None else ["latent"]
-        return list(zip(regions, parts))
-    names = [c.name if c.name in PART_COLORS else "state" for c in p.components]
-    return list(zip(p.regions(block_id), names))
-
-
-def _page_bytes(p: KVPlacement | StatePlacement) -> int:
-    return p.block_stride if isinstance(p, KVPlacement) else p.slot_stride
-
-
-def _base(p: KVPlacement | StatePlacement, block_id: int) -> int:
-    return (
-        p.k_byte_offset(block_id) if isinstance(p, KVPlacement) else p.slot_byte_offset(block_id)
-    )
-
-
 def unit_map(plan: MemoryPlan, group_id: int, unit: int = 1, *, max_rows: int = 8) -> UnitMap:
     """The segments of allocation unit ``unit`` while group ``group_id`` owns it.
 
@@ -98,50 +77,22 @@ def unit_map(plan: MemoryPlan, group_id: int, unit: int = 1, *, max_rows: int = 
     are left out and counted in :attr:`UnitMap.hidden_rows`.
     """
     group = plan.group(group_id)
-    pool = plan.pool_of(group_id)
-    members = [p for p in (*plan.kv_placements, *plan.state_placements) if p.group_id == group_id]
-    if not members:
-        raise ValueError(f"group {group_id} of {plan.layout} has no layers")
-    raw: list[tuple[int, Region, str, str, int]] = []  # (row, region, layer, part, block id)
-    if pool.kind == "shared":
-        width = _page_bytes(members[0])
-        labels = list(pool.tensors)
-        for p in members:
-            row = labels.index(p.tensor)
-            for region, part in _placement_regions(p, unit):
-                raw.append((row, region, p.layer, part, unit))
-        bases = [unit * width] * len(labels)
-    elif pool.kind == "two_level":
-        k = pool.ids_per_page(group_id)
-        width = _page_bytes(members[0])
-        ids = [unit * k + j for j in range(k)]
-        labels = [f"id {b}" for b in ids]
-        bases = [b * width for b in ids]
-        for row, b in enumerate(ids):
-            for p in members:
-                for region, part in _placement_regions(p, b):
-                    raw.append((row, region, p.layer, part, b))
-    elif pool.kind == "per_group":
-        width = _page_bytes(members[0])
-        labels = [p.layer for p in members]
-        bases = [_base(p, unit) for p in members]
-        for row, p in enumerate(members):
-            for region, part in _placement_regions(p, unit):
-                raw.append((row, region, p.layer, part, unit))
-    else:  # pragma: no cover - a new pool kind needs a drawing rule
-        raise ValueError(f"cannot draw pool kind {pool.kind!r}")
-
-    shown = min(len(labels), max_rows)
+    rows = plan.unit_rows(group_id, unit)
+    width = rows[0].nbytes
+    shown = min(len(rows), max_rows)
     segments: list[Segment] = []
-    for row, region, layer, part, b in raw:
-        if row >= shown:
-            continue
-        start, end = region.start - bases[row], region.end - bases[row]
-        if not 0 <= start < end <= width:
-            raise ValueError(
-                f"{layer} block {b}: bytes {start}..{end} fall outside its unit row of {width} B"
-            )
-        segments.append(Segment(row, start, end, layer, part, b))
+    for i, row in enumerate(rows[:shown]):
+        for layer in row.layers:
+            p = plan.placement(layer)
+            for part, region in p.parts(row.block_id):
+                start, end = region.start - row.start, region.end - row.start
+                if region.tensor != row.tensor or not 0 <= start < end <= width:
+                    raise ValueError(
+                        f"{layer} block {row.block_id}: bytes {start}..{end} fall outside its "
+                        f"unit row of {width} B"
+                    )
+                color = part if part in PART_COLORS else "state"
+                segments.append(Segment(i, start, end, layer, color, row.block_id, p.layer_index))
     # what no layer uses inside a row is padding
     for row in range(shown):
         cursor = 0
@@ -157,10 +108,10 @@ def unit_map(plan: MemoryPlan, group_id: int, unit: int = 1, *, max_rows: int = 
         group_id=group_id,
         group_kind=group.kind,
         unit=unit,
-        row_labels=tuple(labels[:shown]),
+        row_labels=tuple(r.label for r in rows[:shown]),
         row_bytes=width,
         segments=tuple(segments),
-        hidden_rows=len(labels) - shown,
+        hidden_rows=len(rows) - shown,
     )
 
 
@@ -170,12 +121,6 @@ def _scale(nbytes: int) -> tuple[float, str]:
     if nbytes >= 2 * 2**10:
         return 2**10, "KiB"
     return 1, "B"
-
-
-def _short(layer: str) -> str:
-    # "layers.11.attn" -> "11"
-    parts = layer.split(".")
-    return parts[1] if len(parts) >= 2 and parts[1].isdigit() else layer
 
 
 def draw_unit(ax: Axes, m: UnitMap, *, title: str | None = None) -> None:
@@ -201,7 +146,7 @@ def draw_unit(ax: Axes, m: UnitMap, *, title: str | None = None) -> None:
             ax.text(
                 x0 + w / 2,
                 s.row,
-                f"{s.part}{_short(s.layer)}",
+                f"{s.part}{s.layer_index}",
                 ha="center",
                 va="center",
                 fontsize=6,

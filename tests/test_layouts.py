@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -354,3 +356,144 @@ def test_unknown_layout_and_bad_memory():
         make_plan(model, "inflate", memory="8 gigs")
     with pytest.raises(ValueError, match="pack_size"):
         make_plan(model, "pack", memory="8GiB", pack_size=0)
+
+
+# ---- the plan answers layout questions ----------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["falcon-h1-0.5b", "kimi-linear-48b-a3b", "recurrentgemma-2b"])
+def test_placements_carry_layer_index_and_kind(name, layout):
+    # Falcon-H1 holds attention and Mamba-2 in every decoder layer: indices repeat across kinds
+    model = models.load(name)
+    plan = make_plan(model, layout, memory=GiB, max_num_seqs=2)
+    placements = (*plan.kv_placements, *plan.state_placements)
+    assert len(placements) == len(model.layers)
+    for p in placements:
+        layer = model.layer(p.layer)
+        assert (p.layer_index, p.kind) == (layer.index, layer.spec.kind)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_placements_answer_offsets_alike(layout):
+    """``id_stride``, ``byte_offset`` and ``parts`` mean the same on both placement kinds."""
+    plan = make_plan(models.load("qwen3.5-0.8b"), layout, memory=GiB, max_num_seqs=2)
+    kv, state = plan.kv_placements[0], plan.state_placements[0]
+    assert kv.byte_offset(3) == kv.k_byte_offset(3) == kv.byte_offset(2) + kv.id_stride
+    assert (
+        state.byte_offset(3) == state.slot_byte_offset(3) == state.byte_offset(2) + state.id_stride
+    )
+    assert [name for name, _ in kv.parts(3)] == ["K", "V"]
+    assert [r for _, r in kv.parts(3)] == kv.regions(3)
+    assert [name for name, _ in state.parts(3)] == ["conv", "ssm"]
+    assert [r for _, r in state.parts(3)] == state.regions(3)
+
+
+def test_mla_placement_has_one_latent_part():
+    plan = make_plan(models.load("kimi-linear-48b-a3b"), "inflate", memory=GiB, max_num_seqs=2)
+    assert [name for name, _ in plan.kv_placements[0].parts(1)] == ["latent"]
+
+
+@pytest.mark.parametrize(
+    "layout, checkpoint, scheduler",
+    [
+        # vLLM 0.33's align mode: the shared block (576) is the state block too
+        pytest.param("inflate", 576, 576, id="inflate-576"),
+        pytest.param("pack", 192, 192, id="pack-192"),
+        pytest.param("aggregate", 64, 64, id="aggregate-64"),
+        # dedicated state pools checkpoint at the requested attention block
+        pytest.param("per_group", 16, 16, id="per_group-16"),
+        pytest.param("two_level", 16, 16, id="two_level-16"),
+    ],
+)
+def test_checkpoint_granularity_and_scheduler_block(layout, checkpoint, scheduler):
+    plan = make_plan(models.load("qwen3-next-80b-a3b"), layout, memory="40GiB")
+    assert plan.checkpoint_granularity == checkpoint
+    assert plan.scheduler_block_size == scheduler
+    no_states = dataclasses.replace(plan, groups=plan.attention_groups)
+    assert no_states.checkpoint_granularity == 1
+    assert no_states.scheduler_block_size == plan.attention_groups[0].block_size
+
+
+@pytest.mark.parametrize(
+    "layout, shares_ids, two_level",
+    [
+        pytest.param("inflate", True, False, id="inflate-shared"),
+        pytest.param("pack", True, False, id="pack-shared"),
+        pytest.param("aggregate", True, False, id="aggregate-shared"),
+        pytest.param("per_group", False, False, id="per_group-own-ids"),
+        pytest.param("two_level", False, True, id="two_level-large-pages"),
+    ],
+)
+def test_pool_says_how_its_ids_are_shared(layout, shares_ids, two_level):
+    plan = make_plan(models.load("qwen3.5-0.8b"), layout, memory=GiB, max_num_seqs=2)
+    for pool in plan.pools:
+        assert (pool.shares_ids, pool.is_two_level) == (shares_ids, two_level)
+    for g in plan.groups:
+        pool = plan.pool_of(g.group_id)
+        # one id of a two-level pool is one small page; elsewhere a whole block of the pool
+        want = g.page_bytes if two_level else pool.block_bytes
+        assert plan.id_bytes(g.group_id) == want
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unit_rows_hold_every_region_of_the_unit(layout):
+    plan = make_plan(models.load("qwen3.5-0.8b"), layout, memory=GiB, max_num_seqs=2)
+    for g in plan.groups:
+        pool = plan.pool_of(g.group_id)
+        rows = plan.unit_rows(g.group_id, 2)
+        assert len({r.nbytes for r in rows}) == 1, "rows of a unit have one width"
+        if pool.shares_ids:
+            assert [r.label for r in rows] == list(pool.tensors)
+        elif pool.is_two_level:
+            k = pool.ids_per_page(g.group_id)
+            assert [r.block_id for r in rows] == list(range(2 * k, 3 * k))
+        else:
+            assert [r.label for r in rows] == list(g.layers)
+        placed = 0
+        for r in rows:
+            assert plan.allocation_unit(g.group_id, r.block_id) == (pool.name, 2)
+            for layer in r.layers:
+                for region in plan.placement(layer).regions(r.block_id):
+                    assert (
+                        region.tensor == r.tensor and r.start <= region.start < region.end <= r.end
+                    )
+                    placed += 1
+        assert placed == sum(len(p.regions(0)) for p in plan.placements_of(g.group_id)) * len(
+            {r.block_id for r in rows}
+        )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["qwen3.5-0.8b", "kimi-linear-48b-a3b", "recurrentgemma-2b"])
+def test_fit_tokens_is_the_smallest_plan_that_holds_them(name, layout):
+    model = models.load(name)
+    plan = make_plan(model, layout, fit_tokens=1000, max_num_seqs=3)
+    assert plan.capacity.token_capacity >= 1000
+    assert plan.config.max_num_seqs == 3
+    try:
+        one_less = make_plan(model, layout, memory=plan.config.memory_bytes - 1, max_num_seqs=3)
+    except ValueError:
+        return  # one byte less cannot even hold the states
+    assert one_less.capacity.token_capacity < 1000
+
+
+def test_fit_tokens_keeps_the_other_options():
+    model = models.load("qwen3.5-0.8b")
+    plan = make_plan(model, "per_group", fit_tokens=640, block_size=32, cache_state_slots=4)
+    assert (plan.block_size, plan.config.cache_state_slots) == (32, 4)
+    assert plan.capacity.token_capacity >= 640
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        pytest.param({"memory": GiB, "fit_tokens": 10}, "not both", id="memory-and-fit_tokens"),
+        pytest.param({}, "either memory or fit_tokens", id="neither"),
+        pytest.param({"fit_tokens": 0}, "positive number of tokens", id="zero-tokens"),
+        pytest.param({"fit_tokens": -5}, "positive number of tokens", id="negative-tokens"),
+        pytest.param({"fit_tokens": 10**20}, "cannot hold", id="more-than-any-budget"),
+        pytest.param({"fit_tokens": 64, "block_size": 24}, "kernel alignment", id="bad-block"),
+    ],
+)
+def test_fit_tokens_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_plan(models.load("qwen3.5-0.8b"), "per_group", **kwargs)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..models.model import HybridModel
@@ -31,7 +32,8 @@ def make_plan(
     model: HybridModel,
     layout: str,
     *,
-    memory: int | str,
+    memory: int | str | None = None,
+    fit_tokens: int | None = None,
     max_num_seqs: int = 256,
     block_size: int | None = None,
     pack_size: int | str = "auto",
@@ -46,9 +48,15 @@ def make_plan(
     ``target`` is the vLLM whose rules decide the shared-pool block size (default: vLLM 0.33 with
     its defaults on Hopper, i.e. prefix caching on and the Mamba cache in ``align`` mode); e.g.
     ``VllmTarget(enable_prefix_caching=False)`` or ``VllmTarget(version="0.32")``.
+
+    ``fit_tokens=N`` instead of ``memory``: the smallest plan of ``layout`` whose
+    :attr:`~hybridkv.plan.Capacity.token_capacity` is at least ``N`` once ``max_num_seqs``
+    requests hold their states (found by bisection over the budget, to the byte).
     """
+    if (memory is None) == (fit_tokens is None):
+        raise ValueError("give make_plan either memory or fit_tokens, not both or neither")
     config = PlanConfig(
-        memory_bytes=parse_bytes(memory),
+        memory_bytes=1 if memory is None else parse_bytes(memory),
         max_num_seqs=max_num_seqs,
         block_size=block_size,
         state_slots_per_seq=state_slots_per_seq,
@@ -57,7 +65,48 @@ def make_plan(
         pack_size=pack_size,
         target=target if target is not None else VllmTarget(),
     )
+    if fit_tokens is not None:
+        return _smallest_fit(model, layout, config, fit_tokens)
     return plan_with_config(model, layout, config)
+
+
+#: the largest budget :func:`make_plan` tries for ``fit_tokens`` (an exbibyte)
+_MAX_FIT_BYTES = 1 << 60
+
+
+def _smallest_fit(model: HybridModel, layout: str, config: PlanConfig, tokens: int) -> MemoryPlan:
+    """The plan of the smallest budget whose token capacity reaches ``tokens``: a budget that
+    fits, found by doubling, then bisection down to the byte where one less does not fit."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        raise ValueError(f"fit_tokens must be a positive number of tokens, got {tokens!r}")
+
+    def plan_at(memory: int) -> MemoryPlan | None:
+        try:
+            plan = plan_with_config(model, layout, replace(config, memory_bytes=memory))
+        except ValueError:
+            return None
+        return plan if plan.capacity.token_capacity >= tokens else None
+
+    # errors that are not about the budget (a bad block size, an unknown layout) surface here
+    largest = plan_with_config(model, layout, replace(config, memory_bytes=_MAX_FIT_BYTES))
+    if largest.capacity.token_capacity < tokens:
+        raise ValueError(
+            f"{model.name} with {layout} cannot hold {tokens} tokens in any budget up to "
+            f"{_MAX_FIT_BYTES} B (it holds {largest.capacity.token_capacity})"
+        )
+    lo, hi = 0, max(1, tokens * model.kv_bytes_per_token)  # lo never fits
+    best = plan_at(hi)
+    while best is None:
+        lo, hi = hi, min(2 * hi, _MAX_FIT_BYTES)
+        best = largest if hi == _MAX_FIT_BYTES else plan_at(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        plan = plan_at(mid)
+        if plan is None:
+            lo = mid
+        else:
+            hi, best = mid, plan
+    return best
 
 
 def plan_with_config(model: HybridModel, layout: str, config: PlanConfig) -> MemoryPlan:

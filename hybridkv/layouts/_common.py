@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..dtypes import dtype_bytes
 from ..models.model import CacheLayer, HybridModel
-from ..plan import Capacity, PlanConfig, StateComponent
+from ..plan import Capacity, PlanConfig, StateComponent, StatePlacement
 from ..specs import AttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
 from ..units import format_bytes
 
@@ -116,6 +116,29 @@ def state_components(spec: StateSpec, *, align: int = 1) -> tuple[tuple[StateCom
         comps.append(StateComponent(t.name, offset, t.shape, t.dtype))
         offset += t.nbytes
     return tuple(comps), offset
+
+
+def state_placement(
+    layer: CacheLayer,
+    group_id: int,
+    tensor: str,
+    num_slots: int,
+    offset: int,
+    slot_stride: int,
+    components: tuple[StateComponent, ...],
+) -> StatePlacement:
+    """Placement of state layer ``layer``: slot ``s`` at ``offset + s * slot_stride``."""
+    return StatePlacement(
+        layer=layer.name,
+        layer_index=layer.index,
+        kind=layer.spec.kind,
+        group_id=group_id,
+        tensor=tensor,
+        num_slots=num_slots,
+        offset=offset,
+        slot_stride=slot_stride,
+        components=components,
+    )
 
 
 def state_reservation(model: HybridModel, config: PlanConfig) -> int:

@@ -25,6 +25,7 @@ from ._common import (
     requested_block_size,
     round_up,
     state_components,
+    state_placement,
     state_reservation,
     too_small,
 )
@@ -55,7 +56,7 @@ def plan_per_group(model: HybridModel, config: PlanConfig) -> MemoryPlan:
         tensors.append(TensorPlan(name, nbytes))
         for i, layer in enumerate(b.layers):
             state_placements.append(
-                StatePlacement(layer.name, gid, name, num_slots, i * num_slots * slot, slot, comps)
+                state_placement(layer, gid, name, num_slots, i * num_slots * slot, slot, comps)
             )
         real = b.spec.state_bytes  # type: ignore[attr-defined]
         padding += (slot - real) * len(b.layers) * reserved_slots

@@ -39,6 +39,7 @@ from ._common import (
     make_capacity,
     split_bucket,
     state_components,
+    state_placement,
     state_reservation,
     too_small,
 )
@@ -69,6 +70,8 @@ def _kv_placement(
     if isinstance(spec, MLASpec):
         return KVPlacement(
             layer=layer.name,
+            layer_index=layer.index,
+            kind=spec.kind,
             group_id=group_id,
             tensor=tensor,
             dtype=spec.kv_dtype,
@@ -89,6 +92,8 @@ def _kv_placement(
     assert dv is not None
     return KVPlacement(
         layer=layer.name,
+        layer_index=layer.index,
+        kind=spec.kind,
         group_id=group_id,
         tensor=tensor,
         dtype=spec.kv_dtype,
@@ -222,7 +227,7 @@ def plan_shared(
                 (layer,) = pack
                 comps, span = state_components(layer.spec)  # type: ignore[arg-type]
                 state_placements.append(
-                    StatePlacement(layer.name, gid, tensor, num_blocks, 0, page, comps)
+                    state_placement(layer, gid, tensor, num_blocks, 0, page, comps)
                 )
                 state_padding_per_block += page - span
                 names.append(layer.name)

@@ -32,6 +32,7 @@ from ._common import (
     requested_block_size,
     round_up,
     state_components,
+    state_placement,
     state_reservation,
     too_small,
 )
@@ -112,7 +113,7 @@ def plan_two_level(model: HybridModel, config: PlanConfig) -> MemoryPlan:
             state_idx += 1
             for i, layer in enumerate(b.layers):  # type: ignore[attr-defined]
                 state_placements.append(
-                    StatePlacement(layer.name, gid, tensor.name, n_ids, i * slot, page, comps)
+                    state_placement(layer, gid, tensor.name, n_ids, i * slot, page, comps)
                 )
         else:
             offset = 0
