@@ -93,13 +93,12 @@ def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
 
 
 def _plan_for(model, layout: str, batch: int, ctx: int, device):
-    """A plan of ``layout`` just large enough for ``batch`` requests of ``ctx`` tokens, and its
-    buffers allocated on ``device``."""
-    probe = make_plan(model, layout, memory=1 << 50, max_num_seqs=batch)
-    unit = max(p.block_bytes for p in probe.pools)
-    kv_bytes = batch * ctx * model.kv_bytes_per_token
-    memory = int(probe.capacity.state_reserved_bytes + 1.05 * kv_bytes + 4 * unit)
-    plan = make_plan(model, layout, memory=memory, max_num_seqs=batch)
+    """The smallest plan of ``layout`` for ``batch`` requests of ``ctx`` tokens in whole blocks,
+    and its buffers allocated on ``device``."""
+    plan = make_plan(model, layout, fit_tokens=batch * ctx, max_num_seqs=batch)
+    whole_blocks = batch * math.ceil(ctx / plan.block_size) * plan.block_size
+    if whole_blocks > batch * ctx:
+        plan = make_plan(model, layout, fit_tokens=whole_blocks, max_num_seqs=batch)
     return plan, plan.allocate(device, fill=0)
 
 
@@ -223,14 +222,8 @@ def _state_cases(device, reps, quick):
     batches = [1, 2] if quick else [1, 8, 32, 128, 256]
     rows = []
     for batch in batches:
-        plan = make_plan(model, "inflate", memory=1 << 50, max_num_seqs=batch)
-        unit = plan.pools[0].block_bytes
-        plan = make_plan(
-            model,
-            "inflate",
-            memory=plan.capacity.state_reserved_bytes + 8 * unit,
-            max_num_seqs=batch,
-        )
+        # the smallest plan with ``batch`` states (and one block of KV)
+        plan = make_plan(model, "inflate", fit_tokens=1, max_num_seqs=batch)
         buffers = plan.allocate(device, fill=0)
         pool = plan.state_views(buffers, model.state_layers[0].name)["ssm"]
         slots = (torch.randperm(pool.shape[0] - 1, device=device)[:batch] + 1).to(torch.int32)
@@ -265,10 +258,7 @@ def _write_case(device, dtype, reps, quick):
     model = models.load("qwen3.5-0.8b" if quick else "qwen3-next-80b-a3b")
     spec = model.attention_layers[0].spec
     tokens = 64 if quick else 8192
-    plan = make_plan(model, "pack", memory=1 << 50, max_num_seqs=1)
-    unit = plan.pools[0].block_bytes
-    need = tokens * model.kv_bytes_per_token * 2 + plan.capacity.state_reserved_bytes + 8 * unit
-    plan = make_plan(model, "pack", memory=need, max_num_seqs=1)
+    plan = make_plan(model, "pack", fit_tokens=2 * tokens, max_num_seqs=1)
     buffers = plan.allocate(device, fill=0)
     k_cache, v_cache = plan.kv_views(buffers, model.attention_layers[0].name)
     key = torch.randn(tokens, spec.kv_heads_per_rank, spec.head_dim, device=device).to(dtype)

@@ -48,12 +48,10 @@ def synthetic_caches(
 
 
 def plan_caches(layout: str, dtype_name: str, tp_size: int = 2):
-    """(buffers, k_cache, v_cache) of the last attention layer of a small real plan."""
+    """(buffers, k_cache, v_cache) of the last attention layer of the smallest real plan that
+    holds 640 tokens (40 blocks of 16 where the layout keeps 16)."""
     model = models.load("qwen3.5-0.8b", tp_size=tp_size, kv_dtype=dtype_name)
-    probe = make_plan(model, layout, memory=1 << 40, max_num_seqs=2)
-    memory = probe.capacity.state_reserved_bytes + 4 * max(p.block_bytes for p in probe.pools)
-    memory += 40 * probe.block_size * model.kv_bytes_per_token
-    plan = make_plan(model, layout, memory=memory, max_num_seqs=2, block_size=16)
+    plan = make_plan(model, layout, fit_tokens=40 * 16, max_num_seqs=2, block_size=16)
     buffers = plan.allocate("cpu")
     for b in buffers.values():
         b.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype

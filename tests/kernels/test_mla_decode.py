@@ -100,10 +100,7 @@ def test_mla_decode_synthetic(lens, heads, dc, dr, block_size, dtype, splits):
 def test_mla_decode_on_real_plans(layout):
     """Kimi-Linear's MLA layers on a real plan: the last MLA layer's view of NaN-filled pools."""
     model = models.load("kimi-linear-48b-a3b", tp_size=4, kv_dtype="float16")
-    probe = make_plan(model, layout, memory=1 << 40, max_num_seqs=2)
-    memory = probe.capacity.state_reserved_bytes + 4 * max(p.block_bytes for p in probe.pools)
-    memory += 6 * probe.block_size * model.kv_bytes_per_token
-    plan = make_plan(model, layout, memory=memory, max_num_seqs=2)
+    plan = make_plan(model, layout, fit_tokens=6 * 64, max_num_seqs=2)
     buffers = plan.allocate("cpu")
     for b in buffers.values():
         b.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype
