@@ -27,22 +27,18 @@ MODELS = ("qwen3.5-0.8b", "nemotron-h-8b", "recurrentgemma-2b")
 
 @functools.cache
 def small_plan(model: str, layout: str, slots: int):
-    """The smallest plan (4 MiB steps) for MAX_SEQS requests, grown by half. Sliding windows
-    shrink to three blocks so that sequences of a few blocks leave the window."""
+    """The smallest plan for MAX_SEQS requests (their states and one token of KV), its budget
+    grown by half. Sliding windows shrink to three blocks so that sequences of a few blocks
+    leave the window."""
     m = models.load(model)
     kw = dict(max_num_seqs=MAX_SEQS, block_size=16, state_slots_per_seq=slots, cache_state_slots=2)
-    for mb in range(4, 4096, 4):
-        try:
-            make_plan(m, layout, memory=mb << 20, **kw)
-        except ValueError:
-            continue
-        plan = make_plan(m, layout, memory=(mb * 3 // 2) << 20, **kw)
-        groups = tuple(
-            dataclasses.replace(g, sliding_window=3 * g.block_size) if g.sliding_window else g
-            for g in plan.groups
-        )
-        return dataclasses.replace(plan, groups=groups)
-    raise AssertionError("no plan fits")
+    smallest = make_plan(m, layout, fit_tokens=1, **kw)
+    plan = make_plan(m, layout, memory=smallest.config.memory_bytes * 3 // 2, **kw)
+    groups = tuple(
+        dataclasses.replace(g, sliding_window=3 * g.block_size) if g.sliding_window else g
+        for g in plan.groups
+    )
+    return dataclasses.replace(plan, groups=groups)
 
 
 def snapshot(a: HybridAllocator) -> tuple:
