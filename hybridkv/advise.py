@@ -87,8 +87,7 @@ def candidates(model: HybridModel, pins: Pins | None = None) -> list[Candidate]:
     if pins.block_size is not None:
         blocks = [pins.block_size]
     else:
-        align = 64 if any(layer.spec.kind == "mla" for layer in model.attention_layers) else 16
-        blocks = [align, 4 * align]
+        blocks = [model.kernel_alignment, 4 * model.kernel_alignment]
     for layout in ("per_group", "two_level"):
         out += [Candidate(layout, block_size=b) for b in blocks]
     return [

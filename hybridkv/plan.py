@@ -56,8 +56,8 @@ class PlanConfig:
       vLLM's ``align`` mode holds 2, the running and the previous step's).
     - ``cache_state_slots``: extra state slots kept for prefix-cache checkpoints in the layouts
       with a dedicated state pool (``per_group``, ``two_level`` reserves them too).
-    - ``kernel_alignment``: smallest kernel block of the attention backend (``None``: 16; the
-      per-group layouts use 64 for MLA, FlashMLA's block).
+    - ``kernel_alignment``: smallest kernel block of the attention backend (``None``: the
+      model's, from its attention specs: 64 for MLA, FlashMLA's block, else 16).
     - ``pack_size``: attention layers per page for ``pack`` (an int or ``"auto"``).
     - ``target``: the vLLM whose rules the shared-pool layouts follow (version, prefix caching,
       Mamba cache mode, GPU family; :class:`~hybridkv.target.VllmTarget`, default vLLM 0.33's

@@ -31,6 +31,20 @@ def test_default_candidates():
 
 
 @pytest.mark.parametrize(
+    "name, blocks",
+    [
+        pytest.param("qwen3.5-0.8b", {16, 64}, id="gqa-16-64"),
+        # MLA's kernel block (FlashMLA) is 64 tokens: the specs say so, advise follows
+        pytest.param("kimi-linear-48b-a3b", {64, 256}, id="mla-64-256"),
+    ],
+)
+def test_own_pool_candidates_follow_the_specs_kernel_alignment(name, blocks):
+    model = models.load(name)
+    own = {c.block_size for c in candidates(model) if c.layout in ("per_group", "two_level")}
+    assert own == blocks == {model.kernel_alignment, 4 * model.kernel_alignment}
+
+
+@pytest.mark.parametrize(
     ("pins", "check"),
     [
         (Pins(block_size=32), lambda c: all(x.block_size == 32 for x in c)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -287,6 +288,14 @@ def test_configure_records_runtime_options_and_is_cached():
     # configure() leaves the base model alone
     assert models.load("qwen3.5-4b").tp_size == 1
     assert m.configure().kv_bytes_per_token == models.load("qwen3.5-4b").kv_bytes_per_token
+
+
+def test_kernel_alignment_comes_from_the_attention_specs():
+    assert models.load("qwen3.5-0.8b").kernel_alignment == 16
+    kimi = models.load("kimi-linear-48b-a3b")  # MLA: FlashMLA's 64-token block
+    assert kimi.kernel_alignment == 64 == kimi.attention_layers[0].spec.kernel_alignment
+    no_attention = dataclasses.replace(kimi, layers=kimi.state_layers)
+    assert no_attention.kernel_alignment == 16
 
 
 @pytest.mark.parametrize("name", ZOO)

@@ -58,10 +58,10 @@ def buckets(model: HybridModel) -> tuple[list[Bucket], list[Bucket]]:
 
 
 def kernel_alignment(model: HybridModel, config: PlanConfig) -> int:
+    """The config's override, else the model's (from its attention specs)."""
     if config.kernel_alignment is not None:
         return config.kernel_alignment
-    aligns = [layer.spec.kernel_alignment for layer in model.attention_layers]  # type: ignore[attr-defined]
-    return max(aligns, default=16)
+    return model.kernel_alignment
 
 
 def own_pool_block_rule(model: HybridModel, config: PlanConfig, layout: str) -> str:

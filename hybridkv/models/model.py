@@ -92,6 +92,14 @@ class HybridModel:
         """Bytes of one request's recurrent state on one TP rank, over all state layers."""
         return sum(layer.spec.state_bytes for layer in self.state_layers)  # type: ignore[attr-defined]
 
+    @cached_property
+    def kernel_alignment(self) -> int:
+        """Tokens an attention block must be a multiple of: the largest
+        :attr:`~hybridkv.specs.AttentionSpec.kernel_alignment` of the attention layers (FlashMLA's
+        64 for MLA, 16 otherwise and without attention layers)."""
+        aligns = [layer.spec.kernel_alignment for layer in self.attention_layers]  # type: ignore[attr-defined]
+        return max(aligns, default=16)
+
     @property
     def layer_kinds(self) -> dict[str, int]:
         kinds: dict[str, int] = {}
