@@ -2,8 +2,8 @@
 
 A step takes ``max(FLOPs / peak FLOP/s, bytes / peak bandwidth)`` on each rank (ranks run in
 parallel; communication is not modelled). All cache figures come from the model's layer specs,
-which already describe one rank; parameter counts come from :data:`PARAMS` (or an argument) and
-are split evenly over the ranks.
+which already describe one rank; parameter counts come from the zoo (each model's ``params``,
+:func:`param_count`) or an argument, and are split evenly over the ranks.
 
 - **FLOPs**: ``2 * active_params`` per token (every active weight is one multiply-add; the
   embedding lookup is counted as a matmul, a small overestimate), plus attention over the context
@@ -26,11 +26,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
 from .dtypes import canonical_dtype, dtype_bytes
-from .models.model import HybridModel
+from .models.model import HybridModel, ParamCount
 from .plan import MemoryPlan
 from .specs import FullAttentionSpec, MLASpec, SlidingWindowSpec
 
@@ -39,7 +40,6 @@ __all__ = [
     "GPUS",
     "H100_SXM",
     "H200",
-    "PARAMS",
     "STATE_FLOPS_PER_ELEMENT",
     "ParamCount",
     "StepCost",
@@ -78,85 +78,6 @@ H200 = GPU("H200", 4.8e12, 989e12, 1979e12, 141 * 10**9)
 GPUS = {"h100": H100_SXM, "h200": H200}
 
 
-@dataclass(frozen=True)
-class ParamCount:
-    """Parameters of a model: ``total`` stored, ``active`` used per token (equal for dense
-    models), and where the numbers come from (``"name"`` when the model's name is all we know:
-    ``35B-A3B`` reads as 35e9 total, 3e9 active)."""
-
-    total: float
-    active: float
-    source: str
-
-    def __post_init__(self) -> None:
-        if not 0 < self.active <= self.total:
-            raise ValueError(f"need 0 < active <= total, got {self.active} / {self.total}")
-
-
-def _dense(n: float) -> ParamCount:
-    return ParamCount(n, n, "name")
-
-
-def _moe(total: float, active: float, source: str = "name") -> ParamCount:
-    return ParamCount(total, active, source)
-
-
-#: parameter counts by model, keyed by the normalised model name (see :func:`param_count`)
-PARAMS: dict[str, ParamCount] = {
-    "qwen3-next-80b-a3b": _moe(80e9, 3e9, "Qwen3-Next-80B-A3B model card: 80B total, 3B active"),
-    "qwen3.5-0.8b": _dense(0.8e9),
-    "qwen3.5-2b": _dense(2e9),
-    "qwen3.5-4b": _dense(4e9),
-    "qwen3.5-9b": _dense(9e9),
-    "qwen3.5-27b": _dense(27e9),
-    "qwen3.5-35b-a3b": _moe(35e9, 3e9),
-    "qwen3.5-122b-a10b": _moe(122e9, 10e9),
-    "qwen3.5-397b-a17b": _moe(
-        397e9,
-        17e9,
-        "Qwen3.5-397B-A17B model card: 397B total, ~17B active (512 experts, "
-        "10 routed + 1 shared)",
-    ),
-    "nemotron-h-8b": _dense(8e9),
-    "nemotron-h-47b": _dense(47e9),
-    "nemotron-h-56b": _dense(56e9),
-    "nemotron-nano-9b-v2": _dense(9e9),
-    "nemotron-nano-12b-v2": _dense(12e9),
-    "nemotron-3-nano-30b-a3b": _moe(
-        30e9, 3.5e9, "NVIDIA Megatron-Bridge docs: 3.5B active, 30B total"
-    ),
-    "nemotron-3-super-120b-a12b": _moe(120e9, 12e9),
-    "jamba-v0.1": _moe(52e9, 12e9, "AI21 Jamba model card: 52B total, 12B active"),
-    "jamba-1.5-mini": _moe(52e9, 12e9, "AI21 Jamba 1.5 model card: 52B total, 12B active"),
-    "falcon-h1-0.5b": _dense(0.5e9),
-    "falcon-h1-1.5b": _dense(1.5e9),
-    "falcon-h1-1.5b-deep": _dense(1.5e9),
-    "falcon-h1-3b": _dense(3e9),
-    "falcon-h1-7b": _dense(7e9),
-    "falcon-h1-34b": _dense(34e9),
-    "granite-4.0-h-small": _moe(32e9, 9e9, "IBM Granite 4.0 release: 32B total, 9B active"),
-    "granite-4.0-h-tiny": _moe(7e9, 1e9, "IBM Granite 4.0 release: 7B total, 1B active"),
-    "granite-4.0-h-micro": _dense(3e9),
-    "bamba-9b": _dense(9e9),
-    "zamba2-1.2b": _dense(1.2e9),
-    "zamba2-2.7b": _dense(2.7e9),
-    "minimax-text-01": _moe(
-        456e9, 45.9e9, "MiniMax-Text-01 model card: 456B total, 45.9B active per token"
-    ),
-    "minimax-m1": _moe(456e9, 45.9e9, "MiniMax-M1 model card: 456B total, 45.9B active"),
-    "kimi-linear-48b-a3b": _moe(48e9, 3e9),
-    "lfm2-350m": _dense(0.35e9),
-    "lfm2-700m": _dense(0.7e9),
-    "lfm2-1.2b": _dense(1.2e9),
-    "lfm2-2.6b": _dense(2.6e9),
-    "lfm2-8b-a1b": _moe(8.3e9, 1.5e9, "LiquidAI LFM2-8B-A1B model card: 8.3B total, 1.5B active"),
-    "nemotron-3-nano-4b": _dense(4e9),
-    "olmo-hybrid-7b": _dense(7e9),
-    "zamba-7b-v1": _dense(7e9),
-    "recurrentgemma-2b": _dense(2e9),
-    "recurrentgemma-9b": _dense(9e9),
-}
-
 #: FLOPs per recurrent-state element per token: decay, rank-1 update and read-out are each a
 #: multiply-add over the state (Mamba-2: ``h = a*h + B x``, ``y = C h``; GDN adds the delta-rule
 #: correction). An order-of-magnitude figure; next to ``2 * active`` it is 1-5% for the zoo.
@@ -175,18 +96,33 @@ def _normalise(name: str) -> str:
     return name
 
 
+@cache
+def _zoo_params() -> dict[str, ParamCount]:
+    """Parameter counts of the zoo's models, by zoo name (read from the zoo files)."""
+    from . import models
+
+    out = {}
+    for name in models.list_models():
+        params = models.load(name).params
+        if params is not None:
+            out[name] = params
+    return out
+
+
 def param_count(model: HybridModel | str) -> ParamCount:
-    """The :data:`PARAMS` entry for a model (matched on its name, then its Hugging Face repos)."""
+    """A model's parameter counts: its own (the zoo's ``params``), else the zoo entry matched on
+    its name, then its Hugging Face repos."""
+    if isinstance(model, HybridModel) and model.params is not None:
+        return model.params
     names = [model] if isinstance(model, str) else [model.name, *model.hf_repo.split(",")]
+    known = _zoo_params()
     for n in names:
         key = _normalise(n)
-        if key in PARAMS:
-            return PARAMS[key]
-        if key.endswith("-v0.1") and key in PARAMS:  # pragma: no cover - covered by the table
-            return PARAMS[key]
+        if key in known:
+            return known[key]
     raise KeyError(
         f"no parameter count for {names[0]!r}; pass params=ParamCount(total, active, source) "
-        f"(known: {', '.join(sorted(PARAMS))})"
+        f"(known: {', '.join(sorted(known))})"
     )
 
 
@@ -205,22 +141,39 @@ def _context_sum(new: int, cached: int, window: int | None) -> int:
     return below + window * (hi - window)
 
 
-def attention_flops(model: HybridModel, new: int, cached: int = 0) -> float:
-    """FLOPs on one rank of all attention layers when ``new`` tokens follow ``cached`` ones."""
-    total = 0.0
+def _attention_terms(model: HybridModel) -> tuple[tuple[int, int | None], ...]:
+    """(FLOPs per context token, sliding window or None) of every attention layer on one rank,
+    in layer order: ``QK^T`` and ``PV`` are ``2 * heads * (head_dim + head_dim_v)``; absorbed MLA
+    scores over the latent and takes values over its rank-r part."""
+    terms = []
     for layer in model.attention_layers:
         spec = layer.spec
         if isinstance(spec, MLASpec):
-            # absorbed MLA: scores over the latent, values over the rank-r part
-            per_ctx = 2 * (spec.num_heads // spec.tp_size) * (spec.latent_dim + spec.kv_lora_rank)
-            window = None
-        else:
-            assert isinstance(spec, FullAttentionSpec)
-            dv = spec.head_dim_v or spec.head_dim
-            per_ctx = 2 * spec.heads_per_rank * (spec.head_dim + dv)
-            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        total += per_ctx * _context_sum(new, cached, window)
+            heads = spec.num_heads // spec.tp_size
+            terms.append((2 * heads * (spec.latent_dim + spec.kv_lora_rank), None))
+            continue
+        assert isinstance(spec, FullAttentionSpec)
+        dv = spec.head_dim_v or spec.head_dim
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        terms.append((2 * spec.heads_per_rank * (spec.head_dim + dv), window))
+    return tuple(terms)
+
+
+def _attention(terms: Sequence[tuple[int, int | None]], new: int, cached: int) -> float:
+    """Attention FLOPs of ``new`` tokens after ``cached`` ones over ``terms``: one exact integer
+    converted once while below 2**53, else the float sum layer by layer."""
+    exact = sum(per_ctx * _context_sum(new, cached, w) for per_ctx, w in terms)
+    if exact < _EXACT:
+        return float(exact)
+    total = 0.0
+    for per_ctx, w in terms:
+        total += per_ctx * _context_sum(new, cached, w)
     return total
+
+
+def attention_flops(model: HybridModel, new: int, cached: int = 0) -> float:
+    """FLOPs on one rank of all attention layers when ``new`` tokens follow ``cached`` ones."""
+    return _attention(_attention_terms(model), new, cached)
 
 
 def state_flops_per_token(model: HybridModel) -> float:
@@ -260,26 +213,6 @@ def _weights(params: ParamCount, tokens: int) -> float:
     return min(params.total, params.active * max(1, tokens))
 
 
-def _step(
-    model: HybridModel,
-    gpu: GPU,
-    *,
-    flops: float,
-    bytes_: float,
-    weight_dtype: str,
-    mfu: float,
-    mbu: float,
-) -> StepCost:
-    if not (0 < mfu <= 1 and 0 < mbu <= 1):
-        raise ValueError(f"mfu and mbu must be in (0, 1], got {mfu}, {mbu}")
-    return StepCost(
-        flops=flops,
-        bytes=bytes_,
-        compute_s=flops / (gpu.flops(weight_dtype) * mfu),
-        memory_s=bytes_ / (gpu.hbm_bandwidth * mbu),
-    )
-
-
 def _resolve(model: HybridModel, params: ParamCount | None) -> ParamCount:
     return params if params is not None else param_count(model)
 
@@ -301,28 +234,8 @@ def prefill(
     the weights once, the KV of the whole context read once and of the new tokens written, and
     the recurrent state read and written once.
     """
-    if new_tokens < 1 or cached_tokens < 0:
-        raise ValueError(
-            f"need new_tokens >= 1 and cached_tokens >= 0, got {new_tokens}, {cached_tokens}"
-        )
-    p = _resolve(model, params)
-    tp = model.tp_size
-    wbytes = dtype_bytes(canonical_dtype(weight_dtype))
-    flops = (
-        2 * p.active / tp * new_tokens
-        + attention_flops(model, new_tokens, cached_tokens)
-        + state_flops_per_token(model) * new_tokens
-    )
-    kv = model.kv_bytes_per_token
-    bytes_ = (
-        _weights(p, new_tokens) / tp * wbytes
-        + kv * (cached_tokens + new_tokens)  # read the context
-        + kv * new_tokens  # write the new tokens
-        + 2 * _state_bytes(model)
-    )
-    return _step(
-        model, gpu, flops=flops, bytes_=bytes_, weight_dtype=weight_dtype, mfu=mfu, mbu=mbu
-    )
+    coster = StepCoster(model, gpu, params=params, weight_dtype=weight_dtype, mfu=mfu, mbu=mbu)
+    return coster.prefill_cost(new_tokens, cached_tokens)
 
 
 def decode_step(
@@ -337,23 +250,8 @@ def decode_step(
 ) -> StepCost:
     """One decode step of a batch whose requests hold ``contexts`` tokens each (one new token
     per request; its KV is written, the context's KV read, every state read and written)."""
-    ctx = np.asarray(contexts, np.int64)
-    if ctx.ndim != 1 or ctx.size == 0 or np.any(ctx < 0):
-        raise ValueError("contexts must be a non-empty 1-D sequence of token counts >= 0")
-    p = _resolve(model, params)
-    tp, b = model.tp_size, int(ctx.size)
-    wbytes = dtype_bytes(canonical_dtype(weight_dtype))
-    # the attention work depends only on the context, so evaluate it once per distinct value
-    uniq, counts = np.unique(ctx, return_counts=True)
-    attn = float(sum(attention_flops(model, 1, int(c)) * n for c, n in zip(uniq, counts)))
-    flops = 2 * p.active / tp * b + attn + state_flops_per_token(model) * b
-    kv = model.kv_bytes_per_token
-    bytes_ = (
-        _weights(p, b) / tp * wbytes + kv * float(ctx.sum()) + kv * b + 2 * _state_bytes(model) * b
-    )
-    return _step(
-        model, gpu, flops=flops, bytes_=bytes_, weight_dtype=weight_dtype, mfu=mfu, mbu=mbu
-    )
+    coster = StepCoster(model, gpu, params=params, weight_dtype=weight_dtype, mfu=mfu, mbu=mbu)
+    return coster.decode_cost(contexts)
 
 
 def prefill_flops(
@@ -375,14 +273,14 @@ def prefill_flops(
 
 
 class StepCoster:
-    """:func:`prefill` and :func:`decode_step` times of one model on one GPU, with the per-model
-    constants worked out once: the simulator prices hundreds of thousands of steps.
+    """The roofline of one model on one GPU: every formula of :func:`prefill` and
+    :func:`decode_step` (which call it), with the per-model constants worked out once: the
+    simulator prices hundreds of thousands of steps.
 
-    Gives the same numbers as those functions, bit for bit: the attention FLOPs are a sum of
-    integer products, evaluated here as one exact integer and converted once (the functions'
-    float sum is exact too while below 2**53; past that this falls back to them). A decode step
-    needs only the batch size and the sum of its contexts, unless the model has sliding-window
-    layers (then pass ``contexts``)."""
+    The attention FLOPs are a sum of integer products, evaluated as one exact integer and
+    converted once (past 2**53, where a float loses integers, as a float sum layer by layer). A
+    decode step needs only the batch size and the sum of its contexts, unless the model has
+    sliding-window layers (then pass ``contexts``)."""
 
     def __init__(
         self,
@@ -397,7 +295,6 @@ class StepCoster:
         if not (0 < mfu <= 1 and 0 < mbu <= 1):
             raise ValueError(f"mfu and mbu must be in (0, 1], got {mfu}, {mbu}")
         self.model, self.gpu = model, gpu
-        self.kwargs = dict(params=params, weight_dtype=weight_dtype, mfu=mfu, mbu=mbu)
         p = self.params = _resolve(model, params)
         self.tp = model.tp_size
         self.wbytes = dtype_bytes(canonical_dtype(weight_dtype))
@@ -407,56 +304,84 @@ class StepCoster:
         self.state2 = 2 * _state_bytes(model)
         self.peak_flops = gpu.flops(weight_dtype) * mfu
         self.peak_bw = gpu.hbm_bandwidth * mbu
-        full = 0
-        windows: list[tuple[int, int]] = []
-        for layer in model.attention_layers:
-            spec = layer.spec
-            if isinstance(spec, MLASpec):
-                full += (
-                    2 * (spec.num_heads // spec.tp_size) * (spec.latent_dim + spec.kv_lora_rank)
-                )
-                continue
-            assert isinstance(spec, FullAttentionSpec)
-            dv = spec.head_dim_v or spec.head_dim
-            per_ctx = 2 * spec.heads_per_rank * (spec.head_dim + dv)
-            w = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-            if w is None:
-                full += per_ctx
-            else:
-                windows.append((per_ctx, w))
-        self.full_per_ctx = full
-        self.windows = tuple(windows)
+        self.attention = _attention_terms(model)
+        #: FLOPs per context token of the layers without a window, summed
+        self.full_per_ctx = sum(per_ctx for per_ctx, w in self.attention if w is None)
+        #: (FLOPs per context token, window) of each sliding-window layer
+        self.windows = tuple((per_ctx, w) for per_ctx, w in self.attention if w is not None)
 
-    def _attention(self, new: int, cached: int) -> float:
-        exact = self.full_per_ctx * _context_sum(new, cached, None)
-        for per_ctx, w in self.windows:
-            exact += per_ctx * _context_sum(new, cached, w)
-        if exact < _EXACT:
-            return float(exact)
-        return attention_flops(self.model, new, cached)  # pragma: no cover - huge contexts
+    def _cost(self, flops: float, bytes_: float) -> StepCost:
+        return StepCost(flops, bytes_, flops / self.peak_flops, bytes_ / self.peak_bw)
 
+    # ---- prefill ----------------------------------------------------------------------------
     def prefill_flops(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        """The FLOPs of :func:`prefill` (one rank)."""
+        """FLOPs of one request's prefill on one rank: the weights' ``2 * active / tp`` per new
+        token, attention over the context, the recurrent update of every state layer."""
         return (
             self.per_token * new_tokens
-            + self._attention(new_tokens, cached_tokens)
+            + _attention(self.attention, new_tokens, cached_tokens)
             + self.state_fpt * new_tokens
+        )
+
+    def prefill_bytes(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Bytes of one request's prefill on one rank: the weights once, the KV of the whole
+        context read and of the new tokens written, the recurrent state read and written."""
+        return (
+            _weights(self.params, new_tokens) / self.tp * self.wbytes
+            + self.kv * (cached_tokens + new_tokens)  # read the context
+            + self.kv * new_tokens  # write the new tokens
+            + self.state2
+        )
+
+    def prefill_cost(self, new_tokens: int, cached_tokens: int = 0) -> StepCost:
+        """:func:`prefill`."""
+        _check_prefill(new_tokens, cached_tokens)
+        return self._cost(
+            self.prefill_flops(new_tokens, cached_tokens),
+            self.prefill_bytes(new_tokens, cached_tokens),
         )
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """``prefill(...).time_s``."""
-        if new_tokens < 1 or cached_tokens < 0:
-            raise ValueError(
-                f"need new_tokens >= 1 and cached_tokens >= 0, got {new_tokens}, {cached_tokens}"
-            )
+        _check_prefill(new_tokens, cached_tokens)
         flops = self.prefill_flops(new_tokens, cached_tokens)
-        bytes_ = (
-            _weights(self.params, new_tokens) / self.tp * self.wbytes
-            + self.kv * (cached_tokens + new_tokens)
-            + self.kv * new_tokens
-            + self.state2
-        )
+        bytes_ = self.prefill_bytes(new_tokens, cached_tokens)
         return max(flops / self.peak_flops, bytes_ / self.peak_bw)
+
+    # ---- decode -----------------------------------------------------------------------------
+    def decode_flops(
+        self, batch: int, context_sum: int, contexts: Sequence[int] | np.ndarray | None = None
+    ) -> float:
+        """FLOPs on one rank of a decode step of ``batch`` requests whose contexts sum to
+        ``context_sum`` (``contexts``: the values themselves, needed for sliding windows)."""
+        attn = self.full_per_ctx * (context_sum + batch)  # sum of (context + 1)
+        if self.windows or attn >= _EXACT:
+            if contexts is None:
+                raise ValueError("this model has sliding-window layers: pass contexts")
+            # the attention work depends only on the context: once per distinct value
+            uniq, counts = np.unique(np.asarray(contexts, np.int64), return_counts=True)
+            attn = float(
+                sum(_attention(self.attention, 1, int(c)) * n for c, n in zip(uniq, counts))
+            )
+        return self.per_token * batch + float(attn) + self.state_fpt * batch
+
+    def decode_bytes(self, batch: int, context_sum: int) -> float:
+        """Bytes on one rank of that step: the weights once, every context's KV read and the
+        new tokens' written, every request's state read and written."""
+        return (
+            _weights(self.params, batch) / self.tp * self.wbytes
+            + self.kv * float(context_sum)
+            + self.kv * batch
+            + self.state2 * batch
+        )
+
+    def decode_cost(self, contexts: Sequence[int] | np.ndarray) -> StepCost:
+        """:func:`decode_step`."""
+        ctx = np.asarray(contexts, np.int64)
+        if ctx.ndim != 1 or ctx.size == 0 or np.any(ctx < 0):
+            raise ValueError("contexts must be a non-empty 1-D sequence of token counts >= 0")
+        b, total = int(ctx.size), int(ctx.sum())
+        return self._cost(self.decode_flops(b, total, ctx), self.decode_bytes(b, total))
 
     def decode_s(
         self, batch: int, context_sum: int, contexts: Sequence[int] | None = None
@@ -465,19 +390,16 @@ class StepCoster:
         ``context_sum`` (``contexts``: the values themselves, needed for sliding windows)."""
         if batch < 1:
             raise ValueError(f"a decode step needs a batch of at least 1, got {batch}")
-        attn = self.full_per_ctx * (context_sum + batch)  # sum of (context + 1)
-        if self.windows or attn >= _EXACT:
-            if contexts is None:
-                raise ValueError("this model has sliding-window layers: pass contexts")
-            return decode_step(self.model, self.gpu, contexts, **self.kwargs).time_s
-        flops = self.per_token * batch + float(attn) + self.state_fpt * batch
-        bytes_ = (
-            _weights(self.params, batch) / self.tp * self.wbytes
-            + self.kv * float(context_sum)
-            + self.kv * batch
-            + self.state2 * batch
-        )
+        flops = self.decode_flops(batch, context_sum, contexts)
+        bytes_ = self.decode_bytes(batch, context_sum)
         return max(flops / self.peak_flops, bytes_ / self.peak_bw)
+
+
+def _check_prefill(new_tokens: int, cached_tokens: int) -> None:
+    if new_tokens < 1 or cached_tokens < 0:
+        raise ValueError(
+            f"need new_tokens >= 1 and cached_tokens >= 0, got {new_tokens}, {cached_tokens}"
+        )
 
 
 _EXACT = 1 << 53  # integers below this are exact in a float

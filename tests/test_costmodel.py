@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hybridkv import costmodel as cm
@@ -208,4 +210,69 @@ def test_every_zoo_model_has_a_parameter_count():
             cm.param_count(models.load(name))
         except KeyError:
             missing.append(name)
-    assert not missing, f"add these to costmodel.PARAMS: {missing}"
+    assert not missing, f"add params to these zoo files: {missing}"
+
+
+# ---- one code path: the module functions are StepCoster's costs ---------------------------------
+def _swa_toy() -> HybridModel:
+    swa = dict(TOY)
+    swa["mixers"] = [
+        {**TOY["mixers"][0], "kind": "sliding_window", "sliding_window": 64},
+        TOY["mixers"][1],
+    ]
+    return HybridModel.from_dict(swa)
+
+
+@pytest.mark.parametrize("window", [False, True], ids=["full", "sliding-window"])
+def test_step_coster_parts_are_the_functions_costs(toy, window):
+    model = _swa_toy() if window else toy
+    coster = cm.StepCoster(model, cm.H200, params=MOE, mfu=0.5)
+    s = cm.prefill(model, cm.H200, 300, 700, params=MOE, mfu=0.5)
+    assert coster.prefill_cost(300, 700) == s
+    assert (coster.prefill_flops(300, 700), coster.prefill_bytes(300, 700)) == (s.flops, s.bytes)
+    assert coster.prefill_s(300, 700) == s.time_s
+    contexts = [10, 30, 30, 500]
+    d = cm.decode_step(model, cm.H200, contexts, params=MOE, mfu=0.5)
+    assert coster.decode_cost(contexts) == d
+    assert coster.decode_flops(4, 570, contexts) == d.flops
+    assert coster.decode_bytes(4, 570) == d.bytes
+    assert coster.decode_s(4, 570, contexts) == d.time_s
+
+
+def test_decode_without_contexts_needs_a_model_without_windows(toy):
+    assert cm.StepCoster(toy, cm.H200, params=DENSE).windows == ()
+    assert cm.StepCoster(toy, cm.H200, params=DENSE).decode_s(2, 40) > 0
+    coster = cm.StepCoster(_swa_toy(), cm.H200, params=DENSE)
+    assert coster.windows == ((ATTN_PER_CTX, 64),)
+    with pytest.raises(ValueError, match="pass contexts"):
+        coster.decode_s(2, 40)
+
+
+def test_attention_past_2_53_flops_is_summed_layer_by_layer(toy):
+    """Past 2**53 a float loses integers: the sum is then the float sum of the layers."""
+    new, cached = 10**8, 10**9
+    want = float(ATTN_PER_CTX * cm._context_sum(new, cached, None))
+    assert ATTN_PER_CTX * cm._context_sum(new, cached, None) >= 2**53
+    assert cm.attention_flops(toy, new, cached) == want
+    coster = cm.StepCoster(toy, cm.H100_SXM, params=DENSE)
+    assert (
+        coster.prefill_flops(new, cached)
+        == cm.prefill(toy, cm.H100_SXM, new, cached, params=DENSE).flops
+    )
+
+
+# ---- parameter counts are model facts: they live in the zoo files ------------------------------
+def test_parameter_counts_come_from_the_zoo_files():
+    from hybridkv import models
+
+    model = models.load("qwen3-next-80b-a3b", tp_size=2)
+    assert model.params == cm.ParamCount(
+        80e9, 3e9, "Qwen3-Next-80B-A3B model card: 80B total, 3B active"
+    )
+    assert cm.param_count(model) is model.params
+    assert cm.param_count("Qwen/Qwen3-Next-80B-A3B-Instruct") == model.params
+    # a model's own count wins over the zoo's entry of the same name
+    mine = cm.ParamCount(2e9, 1e9, "mine")
+    assert cm.param_count(dataclasses.replace(model, params=mine)) is mine
+    # a model read from a config alone is matched on its name
+    assert cm.param_count(dataclasses.replace(model, params=None)) == model.params

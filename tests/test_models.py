@@ -290,6 +290,19 @@ def test_configure_records_runtime_options_and_is_cached():
     assert m.configure().kv_bytes_per_token == models.load("qwen3.5-4b").kv_bytes_per_token
 
 
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        pytest.param({"total": 1e9}, "total, active and source", id="incomplete"),
+        pytest.param({"total": 1e9, "active": 2e9, "source": "x"}, "active <= total", id="moe"),
+    ],
+)
+def test_zoo_params_are_checked(params, message):
+    data = {**models.load("qwen3.5-0.8b").to_dict(), "params": params}
+    with pytest.raises(ValueError, match=message):
+        HybridModel.from_dict(data)
+
+
 def test_kernel_alignment_comes_from_the_attention_specs():
     assert models.load("qwen3.5-0.8b").kernel_alignment == 16
     kimi = models.load("kimi-linear-48b-a3b")  # MLA: FlashMLA's 64-token block

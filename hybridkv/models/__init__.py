@@ -18,9 +18,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .model import CacheLayer, HybridModel
+from .model import CacheLayer, HybridModel, ParamCount
 
-__all__ = ["CacheLayer", "HybridModel", "from_hf_config", "list_models", "load", "resolve_name"]
+__all__ = [
+    "CacheLayer",
+    "HybridModel",
+    "ParamCount",
+    "from_hf_config",
+    "list_models",
+    "load",
+    "resolve_name",
+]
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 

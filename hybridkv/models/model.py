@@ -18,7 +18,35 @@ from ..specs import (
     with_runtime,
 )
 
-__all__ = ["CacheLayer", "HybridModel"]
+__all__ = ["CacheLayer", "HybridModel", "ParamCount"]
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of a model: ``total`` stored, ``active`` used per token (equal for dense
+    models), and where the numbers come from (``"name"`` when the model's name is all we know:
+    ``35B-A3B`` reads as 35e9 total, 3e9 active)."""
+
+    total: float
+    active: float
+    source: str
+
+    def __post_init__(self) -> None:
+        if not 0 < self.active <= self.total:
+            raise ValueError(f"need 0 < active <= total, got {self.active} / {self.total}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Zoo JSON form (whole numbers of parameters)."""
+        return {"total": int(self.total), "active": int(self.active), "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParamCount:
+        try:
+            return cls(float(data["total"]), float(data["active"]), str(data["source"]))
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"params must be an object with total, active and source, got {data!r}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -48,6 +76,8 @@ class HybridModel:
     dtype: str = "bfloat16"
     ssm_dtype_declared: str | None = None
     max_position_embeddings: int | None = None
+    #: parameter counts (the zoo's ``params``; None for a model read from a config alone)
+    params: ParamCount | None = None
     display_name: str = ""
     family: str = ""
     hf_repo: str = ""
@@ -186,6 +216,7 @@ class HybridModel:
             "torch_dtype": self.dtype,
             "ssm_dtype_declared": self.ssm_dtype_declared,
             "max_position_embeddings": self.max_position_embeddings,
+            **({"params": self.params.to_dict()} if self.params is not None else {}),
             "mixers": mixers,
             "sources": list(self.sources),
             "verified": self.verified,
@@ -232,6 +263,7 @@ class HybridModel:
             dtype=dtype,
             ssm_dtype_declared=declared,
             max_position_embeddings=data.get("max_position_embeddings"),
+            params=ParamCount.from_dict(data["params"]) if data.get("params") else None,
             display_name=data.get("display_name", name),
             family=data.get("family", ""),
             hf_repo=data.get("hf_repo", ""),
