@@ -14,8 +14,12 @@ in the cache, so that request ``b``'s token ``t`` sits at position ``start[b] + 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import MemoryPlan
 
 ATTN_NAME = "hybridkv_paged"
 
@@ -24,20 +28,20 @@ ATTN_NAME = "hybridkv_paged"
 class PagedContext:
     """``block_tables``: one int32 ``[B, max_blocks]`` table per KV cache group (a single
     tensor serves every group); ``start``: ``[B]`` tokens already cached per request (None: 0).
-    ``views``: ``layer index -> (k_cache, v_cache, group id)``; filled lazily from the plan."""
+    ``views``: ``layer index -> (k_cache, v_cache, group id)`` of every attention layer of
+    ``plan`` over ``buffers`` (the layer index is transformers' ``layer_idx``)."""
 
-    plan: object
+    plan: MemoryPlan
     buffers: dict[str, torch.Tensor]
     block_tables: list[torch.Tensor] | torch.Tensor
     start: torch.Tensor | None = None
-    views: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+    views: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = field(init=False)
 
-    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        if idx not in self.views:
-            name = f"layers.{idx}.attn"
-            k, v = self.plan.kv_views(self.buffers, name)  # type: ignore[attr-defined]
-            self.views[idx] = (k, v, self.plan.placement(name).group_id)  # type: ignore[attr-defined]
-        return self.views[idx]
+    def __post_init__(self) -> None:
+        self.views = {
+            p.layer_index: (*self.plan.kv_views(self.buffers, p.layer), p.group_id)
+            for p in self.plan.kv_placements
+        }
 
     def table(self, group_id: int) -> torch.Tensor:
         t = self.block_tables
@@ -71,7 +75,7 @@ def paged_attention(
     ctx = _CTX
     if ctx is None:
         raise RuntimeError(f"{ATTN_NAME} attention called outside hybridkv.e2e.attn.set_context")
-    k_cache, v_cache, gid = ctx.layer(module.layer_idx)
+    k_cache, v_cache, gid = ctx.views[module.layer_idx]
     table = ctx.table(gid).to(torch.int32).contiguous()
     b, hq, t, d = query.shape
     bs = k_cache.shape[1]
