@@ -4,9 +4,9 @@
 
 Figures go to ``paper/figures`` (the committed ones). ``--small`` runs a fast subset (three
 models, short traces) for the tests and writes to ``paper/figures-small`` (git-ignored), so it
-never overwrites the committed figures with small-run numbers. Figures that need a
-part of hybridkv that is not there yet (the simulator) are skipped with the reason printed and
-written to ``MANIFEST.md``; they never draw placeholder numbers.
+never overwrites the committed figures with small-run numbers. Figures that cannot be made (a
+GPU results file that is not committed, a model missing from the zoo) are skipped with the
+reason printed and written to ``MANIFEST.md``; they never draw placeholder numbers.
 """
 
 from __future__ import annotations
@@ -937,7 +937,6 @@ def _layout_color(layout: str) -> str:
     "sim_hit_rate",
     "Under a 40 GiB budget the checkpoint policy decides the hit rate as much as the layout (the "
     "summary, computed from the table, names the best and worst per workload).",
-    requires=("hybridkv.sim",),
 )
 def sim_hit_rate(ctx: Context) -> list[Path]:
     _sim_available()
@@ -1046,7 +1045,6 @@ def _hit_summary(rows: list[dict]) -> str:
     "sim_ttft",
     "Simulated TTFT and output throughput per layout and policy; whether TTFT follows the hit "
     "rate is computed in the summary (rank correlation per workload).",
-    requires=("hybridkv.sim",),
 )
 def sim_ttft(ctx: Context) -> list[Path]:
     _sim_available()
@@ -1172,7 +1170,6 @@ SIM_MEMORY_LAYOUTS = ("inflate", "per_group", "two_level")
     "sim_memory",
     "Cached checkpoints take most of a pool they share with KV (inflate, two_level); per_group's "
     "state pool stays at its max_num_seqs slots.",
-    requires=("hybridkv.sim",),
 )
 def sim_memory(ctx: Context) -> list[Path]:
     _sim_available()
@@ -1262,8 +1259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for f in FIGURES.values():
-            req = f"  (needs {', '.join(f.requires)})" if f.requires else ""
-            print(f"{f.name:<22} {f.message}{req}")
+            print(f"{f.name:<22} {f.message}")
         return 0
     out = args.out or (SMALL_OUT if args.small else OUT)
     progress = sys.stderr.isatty() if args.progress is None else args.progress

@@ -314,7 +314,6 @@ def _loss_split(ours, peer: list[int], prompts) -> tuple[float, float, float]:
     "marconi_gap",
     "hybridkv's marconi policy against Marconi's own simulator at equal bytes, with the "
     "byte breakdown that says where each cache's memory went.",
-    requires=("hybridkv.replay",),
 )
 def marconi_gap(ctx: Context) -> list[Path]:
     import matplotlib.pyplot as plt

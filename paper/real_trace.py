@@ -79,7 +79,6 @@ def _plan(layout: str):
     "of the same memory would: later prompts share earlier ones at 512-token hash boundaries "
     "where vLLM's align, last and marconi keep no state. States kept inside prompts "
     "(hash_boundary, periodic) recover part of it, at the memory their pages take.",
-    requires=("hybridkv.sim",),
 )
 def real_trace(ctx: Context) -> list[Path]:
     from hybridkv.sim import SimConfig, simulate

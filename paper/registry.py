@@ -2,7 +2,7 @@
 
 One figure is one function that makes one point (its ``message``); it writes its files through
 :class:`Context` and returns their paths, or raises :class:`Skip` with the reason it cannot run
-(e.g. the simulator it needs is not there yet). :func:`run` calls them in order and writes
+(e.g. the GPU results it draws are not committed). :func:`run` calls them in order and writes
 ``MANIFEST.md``: every figure, its message, its files or why it was skipped.
 
 Reproducibility: matplotlib runs on the Agg backend with fixed rcParams; PNGs are written
@@ -12,7 +12,6 @@ on the same software give byte-identical files. Nothing random is drawn without 
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,12 +76,11 @@ class Context:
 
 @dataclass(frozen=True)
 class Figure:
-    """A registered figure: ``fn(ctx) -> paths``; ``requires`` lists modules it needs."""
+    """A registered figure: ``fn(ctx) -> paths``."""
 
     name: str
     fn: Callable[[Context], Sequence[Path]]
     message: str
-    requires: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,28 +95,16 @@ class Outcome:
 FIGURES: dict[str, Figure] = {}
 
 
-def register(name: str, message: str, *, requires: Sequence[str] = ()) -> Callable:
+def register(name: str, message: str) -> Callable:
     """Decorator: add a figure function to :data:`FIGURES` under ``name``."""
 
     def wrap(fn: Callable[[Context], Sequence[Path]]) -> Callable[[Context], Sequence[Path]]:
         if name in FIGURES:
             raise ValueError(f"figure {name!r} registered twice")
-        FIGURES[name] = Figure(name, fn, message, tuple(requires))
+        FIGURES[name] = Figure(name, fn, message)
         return fn
 
     return wrap
-
-
-def _missing(modules: Sequence[str]) -> list[str]:
-    out = []
-    for mod in modules:
-        try:
-            found = importlib.util.find_spec(mod) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            out.append(mod)
-    return out
 
 
 def run(
@@ -140,10 +126,7 @@ def run(
     for fig in bar:
         bar.set_postfix_str(fig.name, refresh=True)
         start = time.perf_counter()
-        missing = _missing(fig.requires)
         try:
-            if missing:
-                raise Skip(f"needs {', '.join(missing)}, which is not in this checkout yet")
             with plt.rc_context(_RC):
                 files = tuple(Path(p) for p in fig.fn(ctx))
             message = ctx.summaries.get(fig.name, fig.message)

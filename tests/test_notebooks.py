@@ -10,8 +10,6 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-from hybridkv import models  # noqa: E402
-
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 120
 
@@ -34,8 +32,6 @@ def test_committed_without_outputs(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_at_small_size(path, monkeypatch):
-    if not hasattr(models, "list_models"):
-        pytest.skip("the model zoo has not landed yet")
     from jupyter_client.kernelspec import KernelSpecManager
 
     # ipykernel's own spec counts (jupyter_client adds it when ipykernel is importable)
