@@ -41,8 +41,8 @@ CSV). The names do not start with ``kernels-``: those files are measured GPU res
     python -m paper.compile_kernels --quick --json /tmp/cc.json   # only the JSON report
     python -m paper.compile_kernels --list [--quick]      # the cases
 
-``tests/kernels/test_compile.py`` runs ``--quick`` in a subprocess and fails on any compile error,
-spill, or launch for which no config fits the arch's shared memory.
+``tests/kernel_tests/test_compile.py`` runs ``--quick`` in a subprocess and fails on any compile
+error, spill, or launch for which no config fits the arch's shared memory.
 """
 
 from __future__ import annotations

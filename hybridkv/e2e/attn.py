@@ -68,9 +68,7 @@ def paged_attention(
     """transformers attention signature: ``query [B, Hq, T, D]``, ``key``/``value
     [B, Hkv, T, D]`` (new tokens only); returns ``[B, T, Hq, D]``. The mask is ignored: the
     kernels are causal by position and bounded by each request's length."""
-    from hybridkv_kernels.cache_write import write_kv_cache
-    from hybridkv_kernels.paged_decode import paged_decode_attention
-    from hybridkv_kernels.paged_prefill import paged_prefill_attention
+    from ..kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
 
     ctx = _CTX
     if ctx is None:

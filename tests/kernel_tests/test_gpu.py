@@ -1,5 +1,5 @@
 """GPU-only checks: bf16 attention (the interpreter's bf16 ``tl.dot`` is unreliable) and fp8
-rounding on hardware. Run on a GPU with ``HYBRIDKV_TEST_GPU=1 pytest -m gpu tests/kernels``
+rounding on hardware. Run on a GPU with ``HYBRIDKV_TEST_GPU=1 pytest -m gpu tests/kernel_tests``
 (the variable keeps ``tests/conftest.py`` from switching the interpreter on)."""
 
 from __future__ import annotations

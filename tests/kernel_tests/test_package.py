@@ -1,0 +1,26 @@
+"""``hybridkv.kernels`` is the package's way to the kernels: the same objects as
+``hybridkv_kernels``'."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import hybridkv.kernels as hk
+
+MODULES = ("cache_write", "mla_decode", "paged_decode", "paged_prefill", "state_copy")
+
+
+@pytest.mark.parametrize("name", sorted(hk.__all__))
+def test_reexport_is_the_kernel_modules_object(name):
+    (owner,) = [
+        m for m in MODULES if hasattr(importlib.import_module(f"hybridkv_kernels.{m}"), name)
+    ]
+    assert getattr(hk, name) is getattr(importlib.import_module(f"hybridkv_kernels.{owner}"), name)
+
+
+def test_every_wrapper_has_its_reference():
+    wrappers = [n for n in hk.__all__ if not n.endswith("_ref")]
+    assert len(wrappers) == 7
+    assert sorted(hk.__all__) == sorted([*wrappers, *(f"{n}_ref" for n in wrappers)])
