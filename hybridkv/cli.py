@@ -164,7 +164,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(plan: MemoryPlan, model: HybridModel) -> str:
+def _describe(plan: MemoryPlan) -> str:
     cap = plan.capacity
     lines = [
         f"{plan.model_name}  layout={plan.layout}"
@@ -238,7 +238,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(json.dumps(kv_cache_config(plan, model), indent=2))
     else:
-        print(_describe(plan, model))
+        print(_describe(plan))
     return 0
 
 

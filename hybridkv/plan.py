@@ -342,7 +342,8 @@ class Capacity:
     - ``unusable_bytes``: bytes of the budget no id can use (tail of the budget, null blocks,
       blocks left over when groups need whole sets of blocks).
     - ``state_bytes``: bytes holding real recurrent state for ``max_num_seqs`` requests.
-    - ``max_seqs_at_full_length``: requests that fit at ``max_model_len`` tokens each.
+    - ``state_reserved_bytes``: bytes of the ids reserved for those requests' states (padding
+      included); ``kv_reserved_bytes``: bytes of the ids left to KV.
     """
 
     token_capacity: int

@@ -359,7 +359,7 @@ def _attention_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup) -
     return {"kind": kind, **base, "page_size_bytes": page}
 
 
-def _mamba_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup, fam: VllmFamily):
+def _mamba_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup):
     rules = plan.vllm
     assert rules is not None
     placements = [plan.placement(name) for name in group.layers]
@@ -555,8 +555,7 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
             f"the plan is for {plan.model_name} at TP {plan.tp_size}, the model given is "
             f"{model.name} at TP {model.tp_size}"
         )
-    names, order = _names_and_order(model)
-    fam = vllm_family(model)
+    names, order = _names_and_order(model)  # a family vLLM does not serve raises here
     covered = [name for g in plan.groups for name in g.layers]
     if sorted(covered) != sorted(layer.name for layer in model.layers):
         raise ValueError(f"{plan.model_name}: the plan's groups do not cover the model's layers")
@@ -567,7 +566,7 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
     group_dicts = []
     for group in groups:
         if group.is_state:
-            spec = _mamba_spec(plan, model, group, fam)
+            spec = _mamba_spec(plan, model, group)
         else:
             spec = _attention_spec(plan, model, group)
         group_dicts.append(

@@ -457,7 +457,7 @@ def marconi_gap(ctx: Context) -> list[Path]:
     ax.set_title(f"multi_turn_chat, {n} requests, one at a time", fontsize=9)
     png = ctx.save(fig, "marconi_gap")
 
-    summary = ctx.summary("marconi_gap", _summary(rows, capacities, peer is not None))
+    summary = ctx.summary("marconi_gap", _summary(rows, peer is not None))
     prov = (
         f"Peer: {peer['peer']} at commit {peer['peer_commit']}, measured {peer['date']} "
         f"({peer['machine']}, Python {peer['python']}) by `python -m paper.marconi_gap "
@@ -579,7 +579,7 @@ def marconi_gap(ctx: Context) -> list[Path]:
     return [png, md]
 
 
-def _summary(rows: list[dict], capacities, have_peer: bool) -> str:
+def _summary(rows: list[dict], have_peer: bool) -> str:
     """The comparison in words, from the table's numbers."""
     if not have_peer:
         best = max(

@@ -141,14 +141,14 @@ def state_placement(
     )
 
 
-def state_reservation(model: HybridModel, config: PlanConfig) -> int:
+def state_reservation(config: PlanConfig) -> int:
     """Requests' state slots to reserve: ``max_num_seqs * state_slots_per_seq``."""
     return config.max_num_seqs * config.state_slots_per_seq
 
 
 def ideal_capacity(model: HybridModel, config: PlanConfig) -> tuple[int, int]:
     """(ideal token capacity, bytes of real state for the reserved slots)."""
-    state = state_reservation(model, config) * model.state_bytes_per_seq
+    state = state_reservation(config) * model.state_bytes_per_seq
     kv = model.kv_bytes_per_token
     if kv == 0:
         return 0, state

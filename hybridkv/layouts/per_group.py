@@ -36,7 +36,7 @@ def plan_per_group(model: HybridModel, config: PlanConfig) -> MemoryPlan:
     attn_buckets, state_buckets = buckets(model)
     block_size = requested_block_size(model, config)
     align = kernel_alignment(model, config)
-    reserved_slots = state_reservation(model, config)
+    reserved_slots = state_reservation(config)
     num_slots = reserved_slots + config.cache_state_slots + 1  # + null slot 0
 
     tensors: list[TensorPlan] = []

@@ -274,7 +274,7 @@ def plan_shared(
     # capacity once max_num_seqs requests hold their states
     n_state = sum(g.is_state for g in groups)
     n_attn = len(groups) - n_state
-    reserved_state_blocks = state_reservation(model, config) * n_state
+    reserved_state_blocks = state_reservation(config) * n_state
     usable = num_blocks - 1  # block 0 is the null block
     remaining = usable - reserved_state_blocks
     if remaining < max(1, n_attn):

@@ -148,7 +148,7 @@ def plan_two_level(model: HybridModel, config: PlanConfig) -> MemoryPlan:
     # null ids are never read or written.
     state_groups = [g for g in groups if g.is_state]
     attn_groups = [g for g in groups if not g.is_state]
-    reserved = state_reservation(model, config)
+    reserved = state_reservation(config)
     state_pages = sum(cdiv(reserved, counts[g.group_id]) for g in state_groups)
     free_pages = num_large - state_pages
     if free_pages < max(1, len(attn_groups)) or (
