@@ -10,7 +10,13 @@ a memory budget and a scheduler limit. It names
   :class:`StatePlacement`: byte offsets and strides from which the kernels address
   ``(layer, block id, token, head)`` as ``tensor + offset + block_id * block_stride + ...``,
 - capacity figures: tokens of KV that fit once ``max_num_seqs`` states are reserved, the bytes
-  lost to padding, and the ideal capacity of a layout with no padding at all.
+  lost to padding, and the ideal capacity of a layout with no padding at all,
+- the answers to what depends on the layout, so that callers do not work them out: each
+  placement's decoder ``layer_index`` and spec ``kind``, the bytes one id of a group takes
+  (:meth:`MemoryPlan.id_bytes`), the token multiple of state checkpoints
+  (:attr:`MemoryPlan.checkpoint_granularity`), how a pool hands out ids
+  (:attr:`PoolPlan.shares_ids`, :attr:`PoolPlan.is_two_level`) and the rows of an allocation
+  unit (:meth:`MemoryPlan.unit_rows`).
 
 All sizes are bytes on one tensor-parallel rank.
 """
