@@ -37,19 +37,20 @@ tests compare the two).
 
 from __future__ import annotations
 
+import functools
 import heapq
-import math
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm import tqdm  # a text bar: in a notebook tqdm.auto would want ipywidgets
 
-from .alloc import RECOVERY_POLICIES, HybridAllocator, MemoryBreakdown, PoolExhausted
+from .alloc import HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
-from .costmodel import GPU, H100_SXM, StepCoster
+from .costmodel import GPU, H100_SXM, ParamCount, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
+from .sched import Scheduler, SchedulerConfig, Seq, StepOutput
 from .traces import Trace
 
 
@@ -75,6 +76,7 @@ class SimConfig:
     empty, padding, free; one pass over the cache index, hence not every sample; 0: never)."""
 
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0  # most prompt tokens of one request per step (0: any)
     hash_block_size: int = 16
     checkpoint_policy: str = "align"
     enable_prefix_caching: bool = True
@@ -87,6 +89,8 @@ class SimConfig:
     prefix_cache_retention_interval: int | None = 0
     prefill_checkpoint_alignment: int | str | None = "auto"
     checkpoint_interval: int | None = None  # periodic / hash_boundary (default 512)
+    #: the model's parameters for the roofline (default: the zoo's count for the model)
+    params: ParamCount | None = None
 
 
 @dataclass(frozen=True)
@@ -167,56 +171,6 @@ class SimResult:
         }
 
 
-class _Live:
-    """A request the scheduler knows about (waiting or running).
-
-    A parked decoder has ``s0``/``n0``: at the start of step ``s0`` the allocator held ``n0`` of
-    its tokens and ``generated`` was current; at step ``s >= s0`` it decodes with context
-    ``n0 + (s - s0) + 1``, all on the allocator's fast path, until its event step."""
-
-    __slots__ = (
-        "arrival",
-        "counted",
-        "decoding",
-        "first_token_s",
-        "generated",
-        "n0",
-        "order",
-        "output_len",
-        "parked",
-        "prompt_len",
-        "req",
-        "rid",
-        "running",
-        "s0",
-        "ver",
-    )
-
-    def __init__(self, req, arrival: float) -> None:
-        self.req = req
-        self.rid = req.request_id
-        self.prompt_len = len(req.prompt)
-        self.output_len = int(req.output_length)
-        self.arrival = arrival
-        self.order = 0  # admission order: the running list is sorted by it
-        self.generated = 0
-        self.first_token_s: float | None = None
-        self.counted = False
-        self.running = False
-        self.decoding = False  # its prompt (and outputs so far) have slots; it decodes
-        self.parked = False
-        self.s0 = self.n0 = 0
-        self.ver = 0  # bumped to invalidate its entries in the event heap
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus the outputs generated so far (what a re-admission prefills)."""
-        return self.prompt_len + self.generated
-
-    def tokens(self) -> list[int]:
-        return self.req.prompt.tolist() + [_output_id(self.req, i) for i in range(self.generated)]
-
-
 def _output_id(req, i: int) -> int:
     """The ``i``-th generated token (0-based): the trace's when known, else an id no prompt
     contains, unique per request."""
@@ -225,10 +179,37 @@ def _output_id(req, i: int) -> int:
     return 1_000_000_000 + req.request_id * 65_536 + i
 
 
-def _headroom(alloc: HybridAllocator, rid: int) -> int:
-    """Tokens ``allocate_slots`` can add to ``rid`` on its fast path (no block, cache or
-    checkpoint work)."""
-    return alloc.fast_path_tokens(rid)
+class RooflineClock:
+    """The simulator's executor: prices each step by the roofline cost model and answers each
+    sampled token from the trace (:attr:`Seq.script`). State copies cost nothing here."""
+
+    def __init__(self, coster: StepCoster) -> None:
+        self.coster = coster
+        self.t = 0.0
+
+    def execute(self, out: StepOutput) -> list[int]:
+        dt = 0.0
+        for _, start, n in out.prefill:
+            dt += self.coster.prefill_s(n, start)
+        if out.num_decode:
+            dt += self.coster.decode_s(
+                out.num_decode, out.decode_context_total, out.decode_contexts
+            )
+        self.t += dt
+        return [seq.script(len(seq.outputs)) for seq in out.sampling]
+
+    def checkpoint(self, copies: list[tuple[int, int, int]]) -> None:
+        pass
+
+
+def scheduler_config(plan: MemoryPlan, config: SimConfig) -> SchedulerConfig:
+    """The shared scheduler's knobs for a simulation of ``plan`` under ``config``."""
+    return SchedulerConfig(
+        max_num_seqs=plan.config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        park_decoders=config.fast_decode,
+    )
 
 
 def simulate(
@@ -238,10 +219,12 @@ def simulate(
     config: SimConfig | None = None,
     *,
     progress: bool = False,
+    on_step: Callable[[StepOutput], None] | None = None,
 ) -> SimResult:
-    """Replay ``trace`` on ``plan`` (made for ``model``) and measure it."""
+    """Replay ``trace`` on ``plan`` (made for ``model``) and measure it. ``on_step`` sees every
+    step the scheduler ran (after it ran), e.g. to record the schedule."""
     config = config or SimConfig()
-    coster = StepCoster(model, config.gpu)
+    coster = StepCoster(model, config.gpu, params=config.params)
     alloc = HybridAllocator(
         plan,
         enable_prefix_caching=config.enable_prefix_caching,
@@ -254,16 +237,9 @@ def simulate(
         # marconi weighs the FLOPs a state saves by the same cost model as the clock
         marconi_flops=coster.prefill_flops,
     )
-    windows = bool(coster.windows)  # sliding-window layers: decode cost needs every context
-    fast = config.fast_decode
-    align = math.lcm(*(g.block_size for g in plan.state_groups)) if plan.state_groups else 1
-    caching = config.enable_prefix_caching and bool(plan.state_groups)
-    vllm_split = caching and config.checkpoint_policy == "align"
-    stop_last_block = caching and config.checkpoint_policy == "align_every_block"
-    # marconi's branch points; periodic / hash_boundary positions when not exported
-    stop_next = caching and config.checkpoint_policy in ("last", "marconi", *RECOVERY_POLICIES)
-    max_seqs = plan.config.max_num_seqs
-    max_prefill = config.max_num_batched_tokens
+    # sliding-window layers: the decode cost needs every context, not just their sum
+    sched = Scheduler(alloc, scheduler_config(plan, config), contexts=bool(coster.windows))
+    clock = RooflineClock(coster)
     reqs = trace.requests
     finish_time: dict[int, float] = {}
     children: dict[int, list[int]] = {}
@@ -277,18 +253,9 @@ def simulate(
     # (time it may arrive, insertion number, request id): ties leave in insertion order
     ready: list[tuple[float, int, int]] = [(a, i, rid) for i, (a, rid) in enumerate(roots)]
     pushed = len(ready)
-    waiting: deque[_Live] = deque()
-    running: list[_Live] = []  # by admission order
-    prefilling: list[_Live] = []  # running requests not decoding, by admission order
-    parked: dict[int, _Live] = {}  # order -> parked decoder (for sliding-window contexts)
-    events: list[tuple[int, int, int, _Live]] = []  # heap: (event step, order, ver, live)
-    n_parked = 0  # parked decoders, and the sum of their n0 - s0
-    base = 0
-    t = 0.0
-    steps = preemptions = peak = order = output_tokens = 0
+    steps = peak = output_tokens = 0
     prompt_tokens = hit_tokens = shared_tokens = 0
     saved_flops = 0.0
-    blocked = False  # the head of `waiting` failed to be admitted and nothing changed since
     ttft: list[float] = []
     samples: list[tuple[int, float, int, int]] = []  # (step, time, kv bytes, state bytes)
     breakdowns: list[tuple[int, float, MemoryBreakdown]] = []
@@ -297,247 +264,65 @@ def simulate(
     held: tuple[int, int] | None = None  # memory held, while known not to have changed
     bar = tqdm(total=len(reqs), disable=not progress, desc=f"simulate {plan.layout}")
 
-    def park(live: _Live, s: int) -> None:
-        """``live`` decodes from step ``s`` on; schedule the step it needs attention."""
-        nonlocal n_parked, base
-        live.decoding = live.parked = True
-        live.s0, live.n0 = s, alloc.num_tokens(live.rid)
-        room = _headroom(alloc, live.rid) if fast else 0
-        live.ver += 1
-        heapq.heappush(
-            events,
-            (s + min(room, live.output_len - live.generated - 1), live.order, live.ver, live),
-        )
-        n_parked += 1
-        base += live.n0 - s
-        parked[live.order] = live
-
-    def unpark(live: _Live) -> None:
-        nonlocal n_parked, base
-        live.parked = False
-        live.ver += 1
-        n_parked -= 1
-        base -= live.n0 - live.s0
-        del parked[live.order]
-
-    def catch_up(live: _Live, s: int) -> None:
-        """Give the allocator a decoder's fast-path tokens up to the start of step ``s``."""
-        lag = s - live.s0
-        if lag > 0:
-            if not alloc.allocate_slots(live.rid, lag):  # pragma: no cover - allocator changed
-                raise RuntimeError("the allocator refused tokens it promised on its fast path")
-            g = live.generated
-            alloc.append_tokens(live.rid, [_output_id(live.req, i) for i in range(g, g + lag)])
-            live.generated = g + lag
-            live.n0 += lag
-            live.s0 = s
-
-    def decode_cost(s: int, n: int, extra: list[int]) -> float:
-        """One decode step ``s``: the parked decoders plus ``extra`` contexts."""
-        total = base + n_parked * (s + 1) + sum(extra)
-        ctx = None
-        if windows:
-            ctx = [x.n0 + (s - x.s0) + 1 for x in parked.values()] + extra
-        return coster.decode_s(n, total, ctx)
-
-    def preempt_one(s: int) -> bool:
-        nonlocal preemptions
-        if len(running) <= 1:
-            return False
-        victim = running.pop()  # the most recently admitted
-        victim.running = False
-        if victim.parked:
-            unpark(victim)
-        if victim.decoding:
-            catch_up(victim, s)  # it has not had its turn in step s yet
-            victim.decoding = False
-        else:
-            prefilling.remove(victim)
-        alloc.free(victim.rid)
-        waiting.appendleft(victim)
-        preemptions += 1
-        return True
-
-    def finish(live: _Live) -> None:
-        nonlocal pushed
-        running.remove(live)
-        live.running = live.decoding = False
-        alloc.free(live.rid)
-        finish_time[live.rid] = t
-        bar.update(1)
-        for child in children.get(live.rid, ()):
-            c = reqs[child]
-            heapq.heappush(ready, (max(c.arrival_s, t + c.think_time_s), pushed, child))
-            pushed += 1
-
-    def chunk_of(live: _Live, done: int, budget: int) -> int:
-        """Prefill tokens of ``live`` this step, ``done`` already having slots."""
-        remaining = live.num_tokens - done
-        if vllm_split:
-            return alloc.split_prefill(live.rid, min(remaining, budget), max_prefill)
-        if stop_last_block:
-            # a prefill that would cross the last block boundary of the request's tokens stops
-            # there first, so that boundary's state is kept (budget cuts already end on blocks)
-            stop = live.num_tokens // align * align
-        else:
-            stop = (alloc.next_checkpoint(live.rid) or 0) if stop_next else 0
-        return _chunk(remaining, budget, done, align, stop)
-
     def sample() -> None:
         nonlocal held, stride
         if held is None:
             held = _held_bytes(alloc, plan)
-        samples.append((steps, t, *held))
+        samples.append((steps, clock.t, *held))
         if every and steps % (stride * every) == 0:
-            breakdowns.append((steps, t, alloc.memory_breakdown()))
+            breakdowns.append((steps, clock.t, alloc.memory_breakdown()))
         if len(samples) >= config.max_samples:
             stride *= 2
             samples[:] = [x for x in samples if x[0] % stride == 0]
             breakdowns[:] = [x for x in breakdowns if x[0] % (stride * every) == 0]
 
-    while ready or waiting or running:
-        while ready and ready[0][0] <= t:
+    while ready or sched.has_work():
+        while ready and ready[0][0] <= clock.t:
             arrive, _, rid = heapq.heappop(ready)
-            waiting.append(_Live(reqs[rid], arrive))
-        if not running and not waiting:
-            t = max(t, ready[0][0])
+            req = reqs[rid]
+            sched.add(
+                Seq(
+                    rid,
+                    req.prompt,
+                    int(req.output_length),
+                    arrival=arrive,
+                    script=functools.partial(_output_id, req),
+                )
+            )
+        if not sched.has_work():
+            clock.t = max(clock.t, ready[0][0])
             continue
-        while events and events[0][2] != events[0][3].ver:
-            heapq.heappop(events)  # stale: preempted or re-parked
-        # 0. a run of steps in which only parked decoders work: price and count them
-        if (
-            n_parked
-            and not prefilling
-            and (not waiting or blocked or len(running) >= max_seqs)
-            and events[0][0] > steps
-        ):
-            stop = events[0][0]
-            arrival = ready[0][0] if ready else math.inf
-            while steps < stop and t < arrival:
-                t += decode_cost(steps, n_parked, [])
-                steps += 1
-                output_tokens += n_parked
-                if steps % stride == 0:
-                    sample()
+        out = sched.step(clock)
+        if not out.has_work:
+            if sched.running or not ready:
+                raise RuntimeError(sched.stuck_message())
+            clock.t = max(clock.t, ready[0][0])  # nothing fits until more work arrives
             continue
-        s = steps
-        held = None
-        blocked = False
-        budget = config.max_num_batched_tokens
-        # 1. decode: parked decoders take their token on the fast path; those whose event is
-        # this step are touched in admission order (a failed allocation preempts)
-        due: list[_Live] = []
-        while events and events[0][0] <= s:
-            _, _, ver, live = heapq.heappop(events)
-            if ver == live.ver:
-                unpark(live)
-                due.append(live)
-        decoded: list[_Live] = []
-        extra: list[int] = []
-        for live in due:
-            if not live.running:
-                continue  # preempted by an earlier one this step
-            catch_up(live, s)
-            while not alloc.allocate_slots(live.rid, 1):
-                if not preempt_one(s) or not live.running:
-                    break
-            if not live.running:
-                continue
-            if alloc.num_tokens(live.rid) < live.num_tokens:  # no memory: retry as a prefill
-                live.decoding = False
-                _insort(prefilling, live)
-                continue
-            decoded.append(live)
-            extra.append(live.num_tokens)
-            budget -= 1
-        budget -= n_parked
-        # 2. prefill chunks of running requests, then admissions
-        prefill_work: list[tuple[int, int]] = []  # (new tokens, cached tokens)
-        admitted = False
-        for live in list(prefilling):
-            if budget <= 0:
-                break
-            done = alloc.num_tokens(live.rid)
-            if done >= live.num_tokens:
-                continue
-            chunk = chunk_of(live, done, budget)
-            if chunk and alloc.allocate_slots(live.rid, chunk):
-                prefill_work.append((chunk, done))
-                budget -= chunk
-        while waiting and budget > 0 and len(running) < max_seqs:
-            live = waiting[0]
-            try:
-                hit = alloc.add_request(live.rid, live.tokens(), num_prompt_tokens=live.prompt_len)
-            except PoolExhausted:
-                blocked = True
-                break
-            waiting.popleft()
-            admitted = True
-            order += 1
-            live.order = order
-            if not live.counted:
-                live.counted = True
-                got = min(hit.num_cached_tokens, live.prompt_len)
-                prompt_tokens += live.prompt_len
+        if on_step is not None:
+            on_step(out)
+        steps += 1
+        if not out.quiet:
+            held = None
+        peak = max(peak, len(sched.running) + len(out.finished))
+        output_tokens += out.num_parked + len(out.sampling)
+        for seq in out.admitted:
+            if len(seq.hits) == 1:  # first admission: what the trace's prompt got
+                got = min(seq.hits[0].num_cached_tokens, seq.prompt_len)
+                prompt_tokens += seq.prompt_len
                 hit_tokens += got
                 if got:
                     saved_flops += coster.prefill_flops(got)
-                shared_tokens += live.req.shared_prefix_length or 0
-            live.running = True
-            running.append(live)
-            prefilling.append(live)
-            done = hit.num_cached_tokens
-            chunk = chunk_of(live, done, budget)
-            if chunk and alloc.allocate_slots(live.rid, chunk):
-                prefill_work.append((chunk, done))
-                budget -= chunk
-        peak = max(peak, len(running))
-        batch = n_parked + len(decoded)
-        if not batch and not prefill_work:
-            if running and not preempt_one(s):
-                raise RuntimeError(
-                    f"request {running[0].rid} ({running[0].num_tokens:,} tokens) cannot fit in "
-                    "the plan's memory even alone; give the plan more memory (--gpu-memory) "
-                    "or leave such long requests out of the trace"
-                )
-            if not running and waiting and not ready:
-                raise RuntimeError(
-                    "a waiting request can never be admitted: the plan is too small"
-                )
-            if not running:
-                t = ready[0][0] if ready else t
-            continue
-        # 3. advance time by the step's roofline cost
-        dt_s = 0.0
-        for n, c in prefill_work:
-            dt_s += coster.prefill_s(n, c)
-        if batch:
-            dt_s += decode_cost(s, batch, extra)
-        t += dt_s
-        steps += 1
-        output_tokens += n_parked
-        alloc.take_state_copies()
-        alloc.take_events()
-        if decoded or prefill_work or admitted:
-            blocked = False  # the pools may have changed since the failed admission
-        # 4. tokens produced: requests that decoded or finished their prompt, in admission order
-        touched = sorted(decoded + prefilling, key=_by_order) if prefilling else decoded
-        for live in touched:
-            if not live.decoding:
-                if alloc.num_tokens(live.rid) < live.num_tokens:
-                    continue  # still prefilling
-                prefilling.remove(live)
-                if live.first_token_s is None:
-                    live.first_token_s = t
-                    ttft.append(t - live.arrival)
-            live.generated += 1
-            output_tokens += 1
-            if live.generated >= live.output_len:
-                blocked = False
-                finish(live)
-                continue
-            alloc.append_tokens(live.rid, [_output_id(live.req, live.generated - 1)])
-            park(live, s + 1)
+                shared_tokens += reqs[seq.rid].shared_prefix_length or 0
+        for seq in out.sampling:
+            if len(seq.outputs) == 1:
+                ttft.append(clock.t - seq.arrival)
+        for seq in out.finished:
+            finish_time[seq.rid] = clock.t
+            bar.update(1)
+            for child in children.get(seq.rid, ()):
+                c = reqs[child]
+                heapq.heappush(ready, (max(c.arrival_s, clock.t + c.think_time_s), pushed, child))
+                pushed += 1
         if steps % stride == 0:
             sample()
     bar.close()
@@ -548,10 +333,10 @@ def simulate(
         prompt_tokens=prompt_tokens,
         hit_tokens=hit_tokens,
         shared_tokens=shared_tokens,
-        preemptions=preemptions,
+        preemptions=sched.num_preemptions,
         peak_running=peak,
         steps=steps,
-        sim_time_s=t,
+        sim_time_s=clock.t,
         ttft_s=np.asarray(ttft),
         output_tokens=output_tokens,
         kv_bytes=np.asarray([x[2] for x in samples], dtype=np.int64),
@@ -565,26 +350,6 @@ def simulate(
         checkpoints=alloc.num_checkpoints,
         checkpoint_bytes=alloc.num_checkpoint_ids * _state_id_bytes(plan),
     )
-
-
-def _by_order(live: _Live) -> int:
-    return live.order
-
-
-def _insort(lives: list[_Live], live: _Live) -> None:
-    i = len(lives)
-    while i > 0 and lives[i - 1].order > live.order:
-        i -= 1
-    lives.insert(i, live)
-
-
-def _chunk(remaining: int, budget: int, done: int, align: int, stop: int = 0) -> int:
-    """Prefill tokens this step: all that fit; a partial chunk ends on a checkpoint boundary;
-    a chunk that would cross ``stop`` ends there."""
-    n = remaining if remaining <= budget else max(0, (done + budget) // align * align - done)
-    if done < stop < done + n:
-        n = stop - done
-    return n
 
 
 def _state_id_bytes(plan: MemoryPlan) -> int:

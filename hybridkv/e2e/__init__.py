@@ -99,12 +99,15 @@ def hybrid_model_for(config):
 
 
 def make_tiny_plan(
-    config, layout: str, *, memory: int | str = "4MiB", max_num_seqs: int = 4, **kwargs: Any
+    config, layout: str, *, memory: int | str | None = None, max_num_seqs: int = 4, **kwargs: Any
 ):
     """hybridkv memory plan for the tiny model's config (``kwargs`` go to ``make_plan``, e.g.
-    ``state_slots_per_seq=2`` for prefix caching)."""
+    ``state_slots_per_seq=2`` for prefix caching, or ``fit_tokens=N`` for the smallest plan
+    that holds N tokens); 4 MiB unless ``memory`` or ``fit_tokens`` says otherwise."""
     from hybridkv.layouts import make_plan
 
+    if memory is None and kwargs.get("fit_tokens") is None:
+        memory = "4MiB"
     kwargs.setdefault("block_size", 16)
     return make_plan(
         hybrid_model_for(config), layout, memory=memory, max_num_seqs=max_num_seqs, **kwargs

@@ -1,22 +1,27 @@
 """A small serving engine: a transformers hybrid model whose whole cache lives in a hybridkv
 :class:`~hybridkv.plan.MemoryPlan`, with block ids from :class:`~hybridkv.alloc.HybridAllocator`.
 
-One :meth:`Engine.step` follows the allocator's protocol (see :mod:`hybridkv.alloc.manager`):
+The engine schedules with :class:`hybridkv.sched.Scheduler`, the scheduler the simulator
+runs (decode first, chunked prefill under a token budget, admission by ``max_num_seqs`` and
+memory, preemption with recompute, each checkpoint policy's chunk ends), and is that scheduler's
+model-running :class:`~hybridkv.sched.Executor`. One :meth:`Engine.step`:
 
-1. admit waiting requests (``add_request``); a prefix hit's ``state_copies`` (checkpoint slot ->
-   running slot) and ``kv_copies`` run at once, and only the uncached tail is computed; without
-   a hit the running slot is zeroed (it holds whatever its last owner, or the NaN poison, left);
-2. give every running request its next tokens (``allocate_slots``): the rest of its prompt in
-   chunks that end where the checkpoint policy wants a state (``next_checkpoint``), or the one
-   token it sampled last; when memory is full the newest request is preempted (``free``) and
-   later re-added with its prompt plus what it generated so far, i.e. recomputed;
-3. forward: one batched forward for all requests that bring one token (decode), one forward per
-   request that brings more (prefill chunk). Around each, the batch's recurrent states are
-   gathered from their slots (``gather_states``) into the ``DynamicCache`` that transformers'
-   Mamba-2 / Gated DeltaNet layers read and update, and scattered back (``scatter_states``)
-   after; attention goes through :mod:`.attn` (pages and block tables);
-4. ``take_state_copies()`` and run them (running slot -> checkpoint slot), then greedy-sample
-   and ``append_tokens`` / ``free`` finished requests.
+1. the scheduler admits waiting requests (``add_request``) and gives every running request its
+   next tokens (``allocate_slots``): the one token it sampled last, or the rest of its prompt in
+   chunks that end where the checkpoint policy wants a state; when memory is full the newest
+   request is preempted (``free``) and later re-added with its prompt plus what it generated so
+   far, i.e. recomputed;
+2. :meth:`Engine.execute`: an admitted request's prefix hit ``state_copies`` (checkpoint slot ->
+   running slot) and ``kv_copies`` run first, and only the uncached tail is computed; without a
+   hit the running slot is zeroed (it holds whatever its last owner, or the NaN poison, left).
+   Then one batched forward for all requests that bring one token (decode), one forward per
+   prefill chunk. Around each, the batch's recurrent states are gathered from their slots
+   (``gather_states``) into the ``DynamicCache`` that transformers' Mamba-2 / Gated DeltaNet
+   layers read and update, and scattered back (``scatter_states``) after; attention goes
+   through :mod:`.attn` (pages and block tables); greedy sampling;
+3. the commit: ``take_state_copies()`` run by :meth:`Engine.checkpoint` (running slot ->
+   checkpoint slot), then the scheduler hands the sampled tokens to the allocator
+   (``append_tokens``) and frees finished requests.
 
 State layouts differ between the plan (vLLM's) and transformers, and the engine converts:
 
@@ -40,16 +45,17 @@ SSM state); one code path serves fresh requests, hits and chunk continuations al
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..alloc import HitInfo, HybridAllocator, PoolExhausted
+from ..alloc import HybridAllocator
 from ..plan import MemoryPlan
-from . import attn, hybrid_model_for
+from ..sched import Scheduler, SchedulerConfig, Seq, StepOutput
+from . import attn
 
 __all__ = ["Engine", "Request", "hf_greedy"]
 
@@ -57,27 +63,19 @@ __all__ = ["Engine", "Request", "hf_greedy"]
 _STATE_KINDS = ("mamba2", "gated_deltanet")
 
 
-@dataclass
-class Request:
-    """A request as the engine tracks it. ``logits[i]`` is the fp32 logits row that chose
-    ``output[i]``."""
+class Request(Seq):
+    """A request as the engine tracks it: the scheduler's :class:`~hybridkv.sched.Seq` plus
+    ``logits[i]``, the fp32 logits row that chose ``output[i]``."""
 
-    rid: str
-    prompt: list[int]
-    max_new_tokens: int
-    output: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-    computed: int = 0  # tokens whose K/V and state are in the cache
-    hits: list[HitInfo] = field(default_factory=list)  # one per admission
-    preempted_at: list[int] = field(default_factory=list)  # outputs so far, per preemption
+    __slots__ = ("logits",)
+
+    def __init__(self, rid: Any, prompt: Sequence[int], max_new_tokens: int) -> None:
+        super().__init__(rid, list(prompt), max_new_tokens)
+        self.logits: list[torch.Tensor] = []
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+    def output(self) -> list[int]:
+        return self.outputs
 
 
 @dataclass
@@ -96,8 +94,10 @@ class Engine:
 
     ``poison``: fill the cache memory with NaN first, so any read of memory nothing wrote
     shows up in the logits. ``prefill_chunk``: the most prompt tokens one request computes per
-    step. Remaining keyword arguments go to :class:`HybridAllocator` (``checkpoint_policy``,
-    ``hash_block_size``, ...).
+    step (the scheduler's ``long_prefill_token_threshold``); ``max_num_batched_tokens``: the
+    step's token budget. ``on_step``: called with every step's
+    :class:`~hybridkv.sched.StepOutput` after it ran. Remaining keyword arguments go to
+    :class:`HybridAllocator` (``checkpoint_policy``, ``hash_block_size``, ...).
     """
 
     def __init__(
@@ -107,7 +107,9 @@ class Engine:
         *,
         max_num_seqs: int | None = None,
         prefill_chunk: int = 64,
+        max_num_batched_tokens: int = 8192,
         poison: bool = True,
+        on_step: Callable[[StepOutput], None] | None = None,
         **alloc_kwargs: Any,
     ) -> None:
         attn.register()
@@ -125,57 +127,68 @@ class Engine:
                 "prefill_checkpoint_alignment unset (chunks then end where states are kept)"
             )
         self.alloc = HybridAllocator(plan, **alloc_kwargs)
-        self.max_num_seqs = max_num_seqs or plan.config.max_num_seqs
-        self.prefill_chunk = prefill_chunk
+        self.scheduler = Scheduler(
+            self.alloc,
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs or plan.config.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                long_prefill_token_threshold=prefill_chunk,
+            ),
+        )
+        self.on_step = on_step
         # int8 -1 is 0xFF in every byte: NaN in fp32, fp16 and bf16
         self.buffers = plan.allocate("cpu", fill=-1 if poison else 0)
         self.ctx = attn.PagedContext(plan, self.buffers, [])
-        spec = hybrid_model_for(self.config)
         self.state_layers: list[_StateLayer] = []
         for p in plan.state_placements:
-            views = plan.state_views(self.buffers, p.layer)
-            layer = spec.layer(p.layer)
-            if layer.spec.kind not in _STATE_KINDS:
+            if p.kind not in _STATE_KINDS:
                 raise NotImplementedError(
-                    f"{p.layer}: {layer.spec.kind} layers are not wired to transformers' cache "
+                    f"{p.layer}: {p.kind} layers are not wired to transformers' cache "
                     f"(supported: {', '.join(_STATE_KINDS)})"
                 )
+            views = plan.state_views(self.buffers, p.layer)
             self.state_layers.append(
                 _StateLayer(
-                    idx=layer.index,
+                    idx=p.layer_index,
                     gid=p.group_id,
                     conv=views["conv"],
                     ssm=views["ssm"],
-                    ssm_transposed=layer.spec.kind == "gated_deltanet",
+                    ssm_transposed=p.kind == "gated_deltanet",
                 )
             )
-        self.attn_layers = {
-            int(p.layer.split(".")[1]): (*plan.kv_views(self.buffers, p.layer), p.group_id)
-            for p in plan.kv_placements
-        }
-        self.ctx.views = self.attn_layers
+        self.attn_layers = self.ctx.views  # layer index -> (k_cache, v_cache, group id)
         types = set(getattr(self.config, "layer_types", None) or [])
         types |= set(getattr(self.config, "layers_block_type", None) or [])
         # a dict mask bypasses HF's mask construction: the paged kernels bound and mask
         # attention by position, and the recurrent layers see no padding
         self.masks = dict.fromkeys(types | {"full_attention", "linear_attention"})
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.finished: dict[str, Request] = {}
-        self.num_steps = self.num_forwards = self.num_preemptions = 0
+        self.finished: dict[Any, Request] = {}
+        self.num_steps = self.num_forwards = 0
         self.num_state_copies = self.num_checkpoints = self.num_kv_copies = 0
         self.max_decode_batch = 0
 
     # ---- public ----------------------------------------------------------------------------
-    def add_request(self, rid: str, prompt: Sequence[int], max_new_tokens: int) -> Request:
-        req = Request(rid, list(prompt), max_new_tokens)
-        self.waiting.append(req)
+    @property
+    def waiting(self) -> deque[Seq]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Seq]:
+        return self.scheduler.running
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def add_request(self, rid: Any, prompt: Sequence[int], max_new_tokens: int) -> Request:
+        req = Request(rid, prompt, max_new_tokens)
+        self.scheduler.add(req)
         return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work()
 
-    def run(self, max_steps: int = 10_000) -> dict[str, Request]:
+    def run(self, max_steps: int = 10_000) -> dict[Any, Request]:
         """Step until every request has finished."""
         for _ in range(max_steps):
             if not self.has_work():
@@ -184,113 +197,59 @@ class Engine:
         raise RuntimeError(f"requests still running after {max_steps} steps")
 
     def generate(
-        self, prompts: dict[str, Sequence[int]], max_new_tokens: int
-    ) -> dict[str, list[int]]:
+        self, prompts: dict[Any, Sequence[int]], max_new_tokens: int
+    ) -> dict[Any, list[int]]:
         """Serve ``prompts`` (with those already queued) to the end; their outputs."""
         for rid, p in prompts.items():
             self.add_request(rid, p, max_new_tokens)
         self.run()
         return {rid: self.finished[rid].output for rid in prompts}
 
-    # ---- one scheduler step ----------------------------------------------------------------
     def step(self) -> None:
+        """One scheduler step, run on the model."""
+        out = self.scheduler.step(self)
+        if not out.has_work:
+            raise RuntimeError(self.scheduler.stuck_message())
         self.num_steps += 1
-        preempted = self.num_preemptions
-        plan = self._schedule_running()
-        if self.num_preemptions == preempted:  # as vLLM: no admission in a step that preempts
-            plan += self._admit()
-        if not plan:
-            raise RuntimeError("no request could be scheduled: the plan's memory is too small")
-        sampled: list[Request] = []
-        decode = [(r, n) for r, n in plan if n == 1]
-        self.max_decode_batch = max(self.max_decode_batch, len(decode))
-        if decode:
-            sampled += self._forward(decode)
-        for r, n in plan:
-            if n > 1:
-                sampled += self._forward([(r, n)])
-        self._run_state_copies(self.alloc.take_state_copies(), checkpoint=True)
-        for r in sampled:
-            self.alloc.append_tokens(r.rid, r.output[-1:])
-            if r.done:
-                self.alloc.free(r.rid)
-                self.running.remove(r)
-                self.finished[r.rid] = r
+        for r in out.finished:
+            self.finished[r.rid] = r
+        if self.on_step is not None:
+            self.on_step(out)
 
-    def _num_new(self, r: Request) -> int:
-        """Tokens ``r`` computes this step: one to decode, else the next prefill chunk, cut
-        where the checkpoint policy wants a state (``align``: block multiples)."""
-        n = len(r.tokens) - r.computed
-        if n > 1:
-            n = min(n, self.prefill_chunk)
-            ck = self.alloc.next_checkpoint(r.rid)
-            if ck is not None and r.computed < ck < r.computed + n:
-                n = ck - r.computed
-        return n
-
-    def _schedule_running(self) -> list[tuple[Request, int]]:
-        """Slots for every running request, oldest first; when the pools are full the newest
-        running request is preempted (possibly the one asking)."""
-        plan: list[tuple[Request, int]] = []
-        i = 0
-        while i < len(self.running):
-            r = self.running[i]
-            n = self._num_new(r)
-            while not self.alloc.allocate_slots(r.rid, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is r:
-                    break
-            else:
-                plan.append((r, n))
-                i += 1
-        return plan
-
-    def _admit(self) -> list[tuple[Request, int]]:
-        """Admit waiting requests in order while their first chunk fits."""
-        plan: list[tuple[Request, int]] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            r = self.waiting[0]
-            try:
-                hit = self.alloc.add_request(r.rid, r.tokens)
-            except PoolExhausted:
-                break
-            r.computed = hit.num_cached_tokens
-            n = self._num_new(r)
-            if not self.alloc.allocate_slots(r.rid, n):
-                self.alloc.free(r.rid)  # stays waiting; its hit was never used
-                break
-            self.waiting.popleft()
-            r.hits.append(hit)
+    # ---- the executor ----------------------------------------------------------------------
+    def execute(self, out: StepOutput) -> list[int]:
+        """Run one scheduled step: restore admitted hits, forward, greedy-sample."""
+        for r in out.admitted:
+            hit = r.hits[-1]
             if hit.num_cached_tokens:
                 self._run_state_copies(hit.state_copies, checkpoint=False)
                 self._run_kv_copies(hit.kv_copies)
             else:
                 self._zero_states(r)
-            self.running.append(r)
-            plan.append((r, n))
-        return plan
+        self.max_decode_batch = max(self.max_decode_batch, len(out.decode))
+        sampled: dict[int, int] = {}
+        if out.decode:
+            sampled.update(self._forward([(r, r.num_tokens - 1, 1) for r in out.decode]))
+        for chunk in out.prefill:
+            sampled.update(self._forward([chunk]))
+        return [sampled[id(r)] for r in out.sampling]
 
-    def _preempt(self, r: Request) -> None:
-        """Free ``r`` and queue it first; it is recomputed from its prompt and outputs."""
-        self.alloc.free(r.rid)
-        self.running.remove(r)
-        r.computed = 0
-        r.preempted_at.append(len(r.output))
-        self.num_preemptions += 1
-        self.waiting.appendleft(r)
+    def checkpoint(self, copies: list[tuple[int, int, int]]) -> None:
+        """The commit's state checkpoints (running slot -> checkpoint slot)."""
+        self._run_state_copies(copies, checkpoint=True)
 
     # ---- forward ---------------------------------------------------------------------------
-    def _forward(self, batch: list[tuple[Request, int]]) -> list[Request]:
-        """One forward of ``batch`` (equal token counts) through the HF model; returns the
-        requests that sampled a token (those that reached the end of their known tokens)."""
+    def _forward(self, batch: list[tuple[Request, int, int]]) -> dict[int, int]:
+        """One forward of ``batch`` (``(request, start, num_tokens)``, equal token counts)
+        through the HF model; the token sampled by each request that reached the end of its
+        known tokens (keyed by ``id(request)``)."""
         from transformers import DynamicCache
 
         self.num_forwards += 1
-        reqs = [r for r, _ in batch]
-        t = batch[0][1]
-        start = torch.tensor([r.computed for r in reqs], dtype=torch.int64)
-        ids = torch.tensor([r.tokens[r.computed : r.computed + t] for r in reqs])
+        reqs = [r for r, _, _ in batch]
+        t = batch[0][2]
+        start = torch.tensor([s for _, s, _ in batch], dtype=torch.int64)
+        ids = torch.tensor([r.tokens()[s : s + t] for r, s, _ in batch])
         pos = start[:, None] + torch.arange(t)
         tables = self.alloc.block_tables([r.rid for r in reqs])
         cache = DynamicCache(config=self.config)
@@ -307,13 +266,11 @@ class Engine:
             )
         self._store_states(cache, slots)
         logits = out.logits[:, -1].float()
-        sampled = []
-        for b, r in enumerate(reqs):
-            r.computed += t
-            if r.computed == len(r.tokens):
+        sampled = {}
+        for b, (r, s, _) in enumerate(batch):
+            if s + t == r.num_tokens:
                 r.logits.append(logits[b].clone())
-                r.output.append(int(logits[b].argmax()))
-                sampled.append(r)
+                sampled[id(r)] = int(logits[b].argmax())
         return sampled
 
     @contextmanager
@@ -334,7 +291,7 @@ class Engine:
 
     def _load_states(self, cache: Any, reqs: list[Request]) -> dict[int, torch.Tensor]:
         """Gather the batch's states from their slots into ``cache``'s recurrent layers."""
-        from hybridkv_kernels.state_copy import gather_states
+        from ..kernels import gather_states
 
         slots: dict[int, torch.Tensor] = {}
         for s in self.state_layers:
@@ -358,7 +315,7 @@ class Engine:
 
     def _store_states(self, cache: Any, slots: dict[int, torch.Tensor]) -> None:
         """Scatter the updated states of ``cache`` back into their slots."""
-        from hybridkv_kernels.state_copy import scatter_states
+        from ..kernels import scatter_states
 
         for s in self.state_layers:
             layer = cache.layers[s.idx]
@@ -372,7 +329,7 @@ class Engine:
     def _zero_states(self, r: Request) -> None:
         """A request without a hit starts from zero state; its slot still holds its previous
         owner's state (or the NaN poison)."""
-        from hybridkv_kernels.state_copy import scatter_states
+        from ..kernels import scatter_states
 
         for s in self.state_layers:
             ids = torch.tensor([self.alloc.state_slot(r.rid, s.gid)], dtype=torch.int64)
@@ -381,7 +338,7 @@ class Engine:
 
     def _run_state_copies(self, copies: list[tuple[int, int, int]], *, checkpoint: bool) -> None:
         """``(group, src slot, dst slot)`` for every state layer of the group."""
-        from hybridkv_kernels.state_copy import copy_states
+        from ..kernels import copy_states
 
         if not copies:
             return
@@ -403,7 +360,7 @@ class Engine:
     def _run_kv_copies(self, copies: list[tuple[int, int, int, int]]) -> None:
         """``(group, src block, dst block, num_tokens)``: the first tokens of a partly reused
         block, copied for every attention layer of the group."""
-        from hybridkv_kernels.cache_write import write_kv_cache
+        from ..kernels import write_kv_cache
 
         for gid, src, dst, n in copies:
             self.num_kv_copies += 1
