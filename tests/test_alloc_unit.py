@@ -228,6 +228,32 @@ def test_two_level_reactivated_cached_ids_keep_their_lru_place():
     g0.free(a + c)
 
 
+def test_pools_answer_the_allocator_through_one_interface():
+    """Both pool kinds: feasibility counting ids to be freed and hits' cached ids, reservation
+    (only several groups of a two-level pool hold pages back), ids held per group."""
+    bp = BlockPool(5, "b", groups=(0, 1))
+    assert bp.view(1) is bp and bp.group_views() == [(bp, [0, 1])]
+    a = bp.allocate(3)
+    bp.cache(a[0], (0, "x"))
+    bp.free(a[:1])  # one cached free id, one plain
+    assert bp.can_allocate({0: 1, 1: 1}) and not bp.can_allocate({0: 2, 1: 1})
+    assert bp.can_allocate({0: 2, 1: 1}, freed={1: 1})  # any group takes a freed id
+    assert not bp.can_allocate({0: 2}, touch={0: [a[0]]})  # the hit keeps its cached id
+    assert not bp.reserve({0: 1, 1: 1})
+    assert bp.ids_in_use(lambda g: a[1:2] if g == 1 else [], {1}) == {1: 1, 0: 2}
+
+    tl = TwoLevelPool(4, {0: 4, 1: 1}, 0, "p")
+    assert tl.groups == (0, 1) and [g for _, g in tl.group_views()] == [[0], [1]]
+    s = tl.view(1).allocate(2)  # two pages: one page left
+    assert tl.can_allocate({1: 1}) and not tl.can_allocate({1: 2})
+    assert tl.can_allocate({1: 2}, freed={1: 1})  # an id of a one-id page frees the page
+    assert tl.can_allocate({0: 7}) and not tl.can_allocate({0: 8})  # 3 on page 0, a page of 4
+    assert not tl.reserve({0: 4}) and tl.reserved_pages == 0
+    assert tl.reserve({0: 4, 1: 1}) and tl.reserved_pages == 2
+    tl.release()
+    assert tl.ids_in_use(lambda g: s if g == 1 else [0], set()) == {0: 0, 1: 2}
+
+
 # ---- hashes -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("algo", ["sha256", "blake2b", "builtin"])
 def test_hash_chain(algo):

@@ -2,14 +2,17 @@
 
 - :class:`HybridAllocator` (:mod:`.manager`): per-request block lists for every KV cache group,
   all-or-nothing allocation, prefix caching with state checkpoints, block tables, KV events.
-- :class:`BlockPool` / :class:`TwoLevelPool`: the id pools behind a plan's pools.
+- :class:`BlockPool` / :class:`TwoLevelPool`: the id pools behind a plan's pools
+  (:func:`~.pools.build_pools`), both a :class:`Pool` (the one interface the allocator uses:
+  feasibility, reservation, ids held per group, eviction); a group's ids are an
+  :class:`~.block_pool.IdCache`.
 - :mod:`.prefix_cache`, :mod:`.policies`, :mod:`.hashing`: hit rules, checkpoint policies,
   chained hashes. :mod:`.breakdown`: where a pool's bytes are (live, cached and reachable or
   not, owned but empty, padding, free, unusable). :mod:`.events`, :mod:`.index`,
   :mod:`.zmq_events`: KV events, a subscriber's index, ZMQ transport.
 """
 
-from .block_pool import BlockPool
+from .block_pool import BlockPool, Pool
 from .breakdown import CATEGORIES, MemoryBreakdown, memory_breakdown
 from .errors import (
     AllocatorError,
@@ -45,6 +48,7 @@ __all__ = [
     "KVEventBatch",
     "MaxLengthExceeded",
     "MemoryBreakdown",
+    "Pool",
     "PoolExhausted",
     "TwoLevelPool",
     "UnknownRequest",

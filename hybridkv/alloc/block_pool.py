@@ -14,21 +14,34 @@ for sliding-window blocks that fell out of the window. Free ids sit in one of tw
 An optional *evictor* replaces plain LRU: it sees the ``window`` oldest cached ids and returns
 the victim, which may be any id of the LRU (Marconi's eviction, :mod:`.marconi`, picks the
 cached segment of least utility wherever its ids are in the LRU).
+
+Two interfaces, so that the allocator never asks which kind of pool it holds:
+
+- :class:`IdCache`, a group's ids (:class:`BlockPool`, or a two-level pool's group view):
+  allocate, free, touch, cache, look up, evict one entry;
+- :class:`Pool`, a capacity the plan's groups share (:class:`BlockPool`, or
+  :class:`~.two_level.TwoLevelPool`): whether an allocation over several groups fits, the
+  reservation that keeps it all-or-nothing, the ids each group holds, eviction of every free
+  entry, usage and stats.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from itertools import islice
+from operator import itemgetter
+from typing import Protocol
 
 from .errors import DoubleFree, PoolExhausted
 
 CacheKey = Hashable  # (group_id, hash of the last hash unit the entry covers)
 OnEvict = Callable[[CacheKey, int], None]
 Evictor = Callable[[list[int]], int]
+#: the ids running requests hold in a group (block lists, private checkpoints), by group id
+HeldIds = Callable[[int], list[int]]
 
-__all__ = ["BlockPool", "CacheKey", "Evictor", "IdCache", "OnEvict"]
+__all__ = ["BlockPool", "CacheKey", "Evictor", "HeldIds", "IdCache", "OnEvict", "Pool"]
 
 
 class IdCache:
@@ -126,15 +139,81 @@ class IdCache:
         """Every free id an allocation could take without new pages (for checks)."""
         return set(self._plain) | set(self._lru)
 
+    def free_lists(self) -> tuple[list[int], list[int]]:
+        """The free ids listed as plain and as cached (LRU order), copied (for checks)."""
+        return list(self._plain), list(self._lru)
+
+    def allocate_one(self) -> int:  # pragma: no cover - every subclass defines it
+        raise NotImplementedError
+
+    def allocate_some(self, n: int) -> list[int]:  # pragma: no cover - every subclass
+        """Up to ``n`` ids, as many as are free or evictable (best effort: a checkpoint)."""
+        raise NotImplementedError
+
+
+class Pool(Protocol):
+    """A capacity that some of the plan's groups share: :class:`BlockPool` or
+    :class:`~.two_level.TwoLevelPool`. ``needs``, ``touch`` and ``freed`` map group ids of the
+    pool to id counts or lists."""
+
+    name: str
+    groups: Sequence[int]
+
+    def view(self, gid: int) -> IdCache:
+        """Where ``gid``'s ids come from."""
+
+    def group_views(self) -> list[tuple[IdCache, list[int]]]:
+        """Each distinct :meth:`view`, with the groups it serves."""
+
+    def can_allocate(
+        self,
+        needs: dict[int, int],
+        touch: dict[int, list[int]] | None = None,
+        freed: dict[int, int] | None = None,
+    ) -> bool:
+        """Whether every group ``g`` can get ``needs[g]`` new ids once the cached ids
+        ``touch[g]`` (a hit's) left the free lists and ``freed[g]`` ids were freed."""
+
+    def reserve(self, needs: dict[int, int]) -> bool:
+        """Before allocating ``needs`` (after :meth:`can_allocate`): hold back what each group
+        relies on so that the allocation cannot fail half way. True if :meth:`release` must
+        follow the allocation."""
+
+    def release(self) -> None:
+        """Drop what :meth:`reserve` held back."""
+
+    def ids_in_use(self, held: HeldIds, state_groups: Collection[int]) -> dict[int, int]:
+        """Per group: ids that hold data (held by running requests, ``held(g)``, or cached)."""
+
+    def evict_all_free(self) -> int:
+        """Drop every cached entry no request holds; returns how many."""
+
+    def byte_usage(self, id_bytes: Mapping[int, int], large_page_bytes: int) -> dict[str, int]:
+        """Bytes ``free`` (ids or large pages holding nothing), ``owned_empty`` (ids a group
+        owns that hold nothing) and ``usable`` (every id but the null ones), given each group's
+        bytes per id (:mod:`.breakdown`)."""
+
+    def usage(self) -> float: ...
+
+    def stats(self) -> dict[str, int]: ...
+
 
 class BlockPool(IdCache):
-    """Ids ``1..num_ids-1`` of one id space. A shared pool serves several groups at once: cache
-    keys carry the group id, and an id serves one group at a time."""
+    """Ids ``1..num_ids-1`` of one id space. A shared pool serves several groups at once
+    (``groups``): cache keys carry the group id, and an id serves one group at a time. Both a
+    :class:`Pool` and every group's :class:`IdCache`."""
 
-    def __init__(self, num_ids: int, name: str = "pool", on_evict: OnEvict | None = None) -> None:
+    def __init__(
+        self,
+        num_ids: int,
+        name: str = "pool",
+        on_evict: OnEvict | None = None,
+        groups: Sequence[int] = (),
+    ) -> None:
         if num_ids < 2:
             raise ValueError(f"pool {name!r} needs at least 2 ids (null + one), got {num_ids}")
         self.name = name
+        self.groups = tuple(groups)
         self.num_ids = num_ids
         self.on_evict = on_evict
         self.ref = [0] * num_ids
@@ -170,13 +249,68 @@ class BlockPool(IdCache):
     def num_cached_free(self) -> int:
         return len(self._lru)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._plain) + len(self._lru)
-
     def available_after_touch(self, touch: Iterable[int]) -> int:
         """Free ids left once ``touch`` (cached ids a hit will reference) leave the free lists."""
         ref = self.ref
         return self.num_free - sum(1 for b in touch if b and ref[b] == 0)
+
+    # ---- the Pool interface -----------------------------------------------------------------
+    def view(self, gid: int) -> BlockPool:
+        return self
+
+    def group_views(self) -> list[tuple[IdCache, list[int]]]:
+        return [(self, list(self.groups))]
+
+    def can_allocate(
+        self,
+        needs: dict[int, int],
+        touch: dict[int, list[int]] | None = None,
+        freed: dict[int, int] | None = None,
+    ) -> bool:
+        """See :class:`Pool`. Any group can use the ids another frees or is still to take."""
+        n = sum(needs.values())
+        if freed:
+            n -= sum(freed.values())
+        if not touch:
+            return n <= len(self._plain) + len(self._lru)
+        return n <= self.available_after_touch([b for ids in touch.values() for b in ids])
+
+    def reserve(self, needs: dict[int, int]) -> bool:
+        """Nothing to hold back: an id is an id to every group."""
+        return False
+
+    def release(self) -> None:
+        pass
+
+    def ids_in_use(self, held: HeldIds, state_groups: Collection[int]) -> dict[int, int]:
+        """Ids held or cached. Serving several groups, a state group counts its requests' ids
+        and its cached checkpoints, and the first attention group every other id that is not
+        free (shared prefix blocks once, however many requests use them). Cost: O(1) for one
+        group, else O(cached ids + the state groups' held ids)."""
+        total = self.num_ids - 1 - len(self._plain)
+        if len(self.groups) == 1:
+            return {self.groups[0]: total}
+        count: dict[int, int] = {}
+        cached = Counter(map(itemgetter(0), self._key_to_id))
+        for g in self.groups:
+            if g in state_groups:
+                count[g] = n = cached[g] + len(held(g))
+                total -= n
+        attn = [g for g in self.groups if g not in state_groups]
+        for g in attn:
+            count[g] = 0
+        if attn:
+            count[attn[0]] = total
+        return count
+
+    def byte_usage(self, id_bytes: Mapping[int, int], large_page_bytes: int) -> dict[str, int]:
+        """See :class:`Pool`: an id is worth its lowest group's bytes (one size in a pool)."""
+        size = id_bytes[min(self.groups)]
+        return {
+            "free": len(self._plain) * size,
+            "owned_empty": 0,
+            "usable": (self.num_ids - 1) * size,
+        }
 
     def usage(self) -> float:
         """Fraction of ids in use by requests (cached free ids count as free, like vLLM)."""
@@ -211,6 +345,9 @@ class BlockPool(IdCache):
         bid = self._plain.popitem()[0] if self._plain else self._pop_evict()
         self.ref[bid] = 1
         return bid
+
+    def allocate_some(self, n: int) -> list[int]:
+        return self.allocate(min(n, len(self._plain) + len(self._lru)))
 
     def free(self, ids: Iterable[int]) -> None:
         """Drop one reference from each id (0 is skipped). Pass a request's blocks tail first."""

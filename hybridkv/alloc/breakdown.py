@@ -34,8 +34,6 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .two_level import GroupView
-
 if TYPE_CHECKING:  # pragma: no cover
     from .manager import HybridAllocator
 
@@ -101,10 +99,10 @@ def memory_breakdown(alloc: HybridAllocator) -> MemoryBreakdown:
     out: dict[str, int] = defaultdict(int)
 
     # ---- live: every id a running request holds, once per pool -----------------------------
-    # pool object -> id -> group: a block shared by requests counts once
-    live_ids: dict[int, dict[int, int]] = defaultdict(dict)
+    # a group's ids -> id -> group: a block shared by requests counts once
+    live_ids: dict[Any, dict[int, int]] = defaultdict(dict)
     for gid, ids in alloc.held_ids():
-        seen = live_ids[id(alloc.pool[gid])]
+        seen = live_ids[alloc.pool[gid]]
         for bid in ids:
             if bid:
                 seen[bid] = gid
@@ -142,25 +140,12 @@ def memory_breakdown(alloc: HybridAllocator) -> MemoryBreakdown:
 
     # ---- free, owned but empty, unusable ----------------------------------------------------
     usable = 0
-    seen_pools: set[int] = set()
-    for gid in range(len(groups)):
-        pool = alloc.pool[gid]
-        if isinstance(pool, GroupView):
-            owner = pool.owner
-            empty = pool.num_owned_empty()
-            out["owned_empty"] += empty * id_bytes[gid]
-            if id(owner) not in seen_pools:
-                seen_pools.add(id(owner))
-                large = plan.pool(groups[gid].pool).large_page_bytes or 0
-                out["free"] += len(owner.free_pages) * large
-                usable += (owner.num_pages - 1) * large
-                # page 0 keeps every group's null id; its owner's other ids are usable
-                first = owner.views[owner.first_gid]
-                usable += (first.k - 1) * id_bytes[owner.first_gid]
-        elif id(pool) not in seen_pools:
-            seen_pools.add(id(pool))
-            out["free"] += pool.num_plain_free * id_bytes[gid]
-            usable += (pool.num_ids - 1) * id_bytes[gid]
+    for pool in alloc.pools:
+        large = plan.pool(groups[pool.groups[0]].pool).large_page_bytes or 0
+        got = pool.byte_usage(id_bytes, large)
+        out["free"] += got["free"]
+        out["owned_empty"] += got["owned_empty"]
+        usable += got["usable"]
     out["unusable"] = plan.config.memory_bytes - usable
     return MemoryBreakdown(**{f: int(out.get(f, 0)) for f in MemoryBreakdown.field_names()})
 

@@ -80,14 +80,15 @@ def check_consistency(a: HybridAllocator) -> None:
             assert p.key_of(bid) == key, f"{p.name}: maps are not inverse at {bid}"
             assert a.pool[key[0]] is p, f"{p.name}: key of group {key[0]} in the wrong pool"
             keys_in_pools[key] = (p, bid)
-        assert len(set(p._plain) & set(p._lru)) == 0, f"{p.name}: id in both free lists"
-        for b in p._plain:
+        plain, lru = p.free_lists()
+        assert len(set(plain) & set(lru)) == 0, f"{p.name}: id in both free lists"
+        for b in plain:
             assert p.ref[b] == 0 and p.key_of(b) is None, f"{p.name}: plain id {b} held/cached"
-        for b in p._lru:
+        for b in lru:
             assert p.ref[b] == 0 and p.key_of(b) is not None, f"{p.name}: lru id {b} bad"
         if isinstance(p, BlockPool):
             free = {b for b in range(1, p.num_ids) if p.ref[b] == 0}
-            assert free == set(p._plain) | set(p._lru), f"{p.name}: free lists lost ids"
+            assert free == set(plain) | set(lru), f"{p.name}: free lists lost ids"
     assert set(keys_in_pools) == set(entries), "prefix index and pools disagree on entries"
     cover: dict[tuple[int, bytes], list[int]] = defaultdict(list)
     for key, (bid, _, units, _) in entries.items():
@@ -99,7 +100,7 @@ def check_consistency(a: HybridAllocator) -> None:
     for k, bids in cover.items():
         assert sorted(bids) == sorted(a.index.holders[k]), f"unit {k!r} holders are wrong"
 
-    for pool in a._pools.values():
+    for pool in a.pools:
         if isinstance(pool, TwoLevelPool):
             _check_two_level(pool)
 
@@ -138,6 +139,7 @@ def _check_two_level(pool: TwoLevelPool) -> None:
         for sid in range(v.num_ids):
             if v.ref[sid] or v.key_of(sid) is not None:
                 assert pool.page_owner[sid // k] == g, f"id {sid} of g{g} outside its pages"
+        plain, lru = map(set, v.free_lists())
         for page in v.pages:
             ids = range(page * k, page * k + k)
             in_use = sum(1 for s in ids if v.ref[s])
@@ -147,8 +149,8 @@ def _check_two_level(pool: TwoLevelPool) -> None:
             assert idle == (page in pool.idle), f"page {page}: idle lists disagree"
             if idle:
                 assert expect == 0 and any(v.key_of(s) is not None for s in ids)
-                assert not any(s in v._plain or s in v._lru for s in ids), "idle ids listed"
+                assert not any(s in plain or s in lru for s in ids), "idle ids listed"
             else:
                 assert expect > 0, f"page {page} of g{g} unused but neither idle nor free"
                 free_ids = {s for s in ids if not v.ref[s] and s != 0}
-                assert free_ids == {s for s in ids if s in v._plain or s in v._lru}
+                assert free_ids == {s for s in ids if s in plain or s in lru}

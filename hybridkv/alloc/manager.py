@@ -38,16 +38,14 @@ them as ``(group, slot, position)``; the runner puts the state its forward expor
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Any
 
 import torch
 
 from ..plan import MemoryPlan
-from .block_pool import BlockPool
+from .block_pool import IdCache, Pool
 from .breakdown import MemoryBreakdown, memory_breakdown
 from .errors import (
     ConfigError,
@@ -61,9 +59,9 @@ from .events import AllBlocksCleared, KVEventBatch
 from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
 from .marconi import MarconiEvictor, MarconiScorer, PrefillFlops
 from .policies import ALL_POLICIES, CACHE, NONE, ROLLING, CheckpointPolicy
+from .pools import build_pools
 from .prefix_cache import GroupRule, PrefixIndex, longest_hit
 from .tables import BlockTables
-from .two_level import GroupView, TwoLevelPool
 
 __all__ = ["HitInfo", "HybridAllocator"]
 
@@ -271,16 +269,20 @@ class HybridAllocator:
             if first
             and (x.kind, x.block_size, x.window) == (first.kind, first.block_size, first.window)
         ]
-        # state groups by the pool object their ids come from (one pool for all of them in the
-        # shared layouts, so a checkpoint takes its ids in one call)
-        self._state_pools = self._by_pool(self._state)
+        # state groups by the ids they take (one for all of them in the shared layouts, so that
+        # a checkpoint takes its ids in one call), in group order
+        by_pool: dict[IdCache, list[int]] = {}
+        for gid in self._state:
+            by_pool.setdefault(self.pool[gid], []).append(gid)
+        self._state_pools = list(by_pool.items())
         #: Marconi's eviction utility (``marconi`` only): one clock and score for every pool
         self._scorer: MarconiScorer | None = None
         if self.policy.name == "marconi":
             self._scorer = MarconiScorer(self.index, plan, self.pool, marconi_alpha, marconi_flops)
-            for p, gids in self._by_pool(range(len(self.groups))):
-                p.evictor = MarconiEvictor(self._scorer, p, gids)
-                p.evictor_window = max(1, eviction_window)
+            for pool in self._pools:
+                for ids, gids in pool.group_views():
+                    ids.evictor = MarconiEvictor(self._scorer, ids, gids)
+                    ids.evictor_window = max(1, eviction_window)
         self.reqs: dict[Any, _Request] = {}
         # a state group's row is its running slot and spares: a fixed width
         self.tables = BlockTables(
@@ -294,42 +296,22 @@ class HybridAllocator:
         #: state ids they took
         self.num_checkpoints = self.num_checkpoint_ids = 0
 
-    # ---- construction -----------------------------------------------------------------------
-    def _by_pool(self, gids: Iterable[int]) -> list[tuple[Any, list[int]]]:
-        """``gids`` grouped by the pool object their ids come from, in first-seen order."""
-        out: dict[int, tuple[Any, list[int]]] = {}
-        for gid in gids:
-            out.setdefault(id(self.pool[gid]), (self.pool[gid], []))[1].append(gid)
-        return list(out.values())
+    @property
+    def pools(self) -> tuple[Pool, ...]:
+        """The pools, in plan order (a ``per_group`` plan pool: one per group)."""
+        return tuple(self._pools)
 
+    # ---- construction -----------------------------------------------------------------------
     def _build_pools(self) -> None:
         on_evict = self._evicted if self.evict_unreachable else self.index.remove
-        self.pool: dict[int, BlockPool | GroupView] = {}  # group -> where its ids come from
-        self._cap: dict[int, BlockPool | TwoLevelPool] = {}  # group -> capacity it shares
-        self._pools: dict[str, BlockPool | TwoLevelPool] = {}
-        for p in self.plan.pools:
-            if p.kind == "shared":
-                bp = BlockPool(p.num_blocks, p.name, on_evict)
-                self._pools[p.name] = bp
-                for gid in p.groups:
-                    self.pool[gid] = self._cap[gid] = bp
-            elif p.kind == "per_group":
-                for gid in p.groups:
-                    name = f"{p.name}/g{gid}" if len(p.groups) > 1 else p.name
-                    bp = BlockPool(p.num_ids(gid), name, on_evict)
-                    self._pools[name] = bp
-                    self.pool[gid] = self._cap[gid] = bp
-            elif p.kind == "two_level":
-                attn = [g for g in p.groups if not self.groups[g].is_state]
-                first = attn[0] if attn else p.groups[0]
-                ids = {g: p.ids_per_page(g) for g in p.groups}
-                tl = TwoLevelPool(p.num_blocks, ids, first, p.name, on_evict)
-                self._pools[p.name] = tl
-                for gid in p.groups:
-                    self.pool[gid] = tl.view(gid)
-                    self._cap[gid] = tl
-            else:
-                raise ConfigError(f"unknown pool kind {p.kind!r}")
+        #: the pools, in plan order (:func:`.pools.build_pools`)
+        self._pools: list[Pool] = build_pools(self.plan, on_evict)
+        self.pool: dict[int, IdCache] = {}  # group -> where its ids come from
+        self._cap: dict[int, Pool] = {}  # group -> the capacity it shares
+        for pool in self._pools:
+            for gid in pool.groups:
+                self.pool[gid] = pool.view(gid)
+                self._cap[gid] = pool
 
     def _hit_rules(self) -> tuple[list[GroupRule], list[GroupRule]]:
         """Full attention first (its hits bound everything and are downward closed), then
@@ -479,43 +461,25 @@ class HybridAllocator:
         self,
         needs: dict[int, int],
         touch: dict[int, list[int]] | None = None,
-        extra: Counter | None = None,
+        freed: dict[int, int] | None = None,
     ) -> bool:
-        """Whether ``needs`` fits after ``touch``; ``extra`` counts ids per group that would be
+        """Whether ``needs`` fits after ``touch``; ``freed`` counts ids per group that would be
         freed first (private checkpoints, see :meth:`_reclaim_private`)."""
-        pages: Counter = Counter()  # two-level pools: large pages the freed ids give back
-        if extra:
-            needs = dict(needs)
-            for gid, n in extra.items():
-                cap = self._cap[gid]
-                if isinstance(cap, TwoLevelPool):
-                    if cap.views[gid].k == 1:  # an id is a whole page: back to the free pages
-                        pages[id(cap)] += n
-                    elif gid in needs:  # the freed ids are the group's own
-                        needs[gid] = max(0, needs[gid] - n)
-                else:  # any group of the pool can use them: credit the first one asking
-                    for g in needs:
-                        if self._cap[g] is cap:
-                            take = min(n, needs[g])
-                            needs[g] -= take
-                            n -= take
-        by_cap: dict[int, tuple[Any, dict[int, int], dict[int, list[int]]]] = {}
-        for gid in set(needs) | set(touch or ()):
-            cap = self._cap[gid]
-            entry = by_cap.setdefault(id(cap), (cap, {}, {}))
-            if needs.get(gid):
-                entry[1][gid] = needs[gid]
-            if touch and touch.get(gid):
-                entry[2][gid] = touch[gid]
-        for cap, gneeds, gtouch in by_cap.values():
-            if isinstance(cap, TwoLevelPool):
-                if not cap.can_allocate(gneeds, gtouch, pages[id(cap)]):
-                    return False
-            else:
-                touched = [b for ids in gtouch.values() for b in ids]
-                if sum(gneeds.values()) > cap.available_after_touch(touched):
-                    return False
-        return True
+        cap = self._cap
+        # per pool: (needs, touch, freed) of its groups
+        asks: dict[Pool, tuple[dict[int, int], dict[int, list[int]], dict[int, int]]] = {}
+        for gid, n in needs.items():
+            asks.setdefault(cap[gid], ({}, {}, {}))[0][gid] = n
+        if touch:
+            for gid, ids in touch.items():
+                if ids:
+                    asks.setdefault(cap[gid], ({}, {}, {}))[1][gid] = ids
+        if freed:
+            for gid, n in freed.items():
+                ask = asks.get(cap[gid])
+                if ask is not None:
+                    ask[2][gid] = n
+        return all(pool.can_allocate(n, t, f) for pool, (n, t, f) in asks.items())
 
     def _reclaim_private(
         self, needs: dict[int, int], touch: dict[int, list[int]] | None = None
@@ -524,42 +488,40 @@ class HybridAllocator:
         checkpoints (``last``/``marconi`` take them only where a slot is spare), oldest requests
         first, but only if that makes ``needs`` fit: otherwise nothing changes. A dropped
         checkpoint is taken again at the request's next hash-unit boundary if a slot is free."""
-        caps = {id(self._cap[g]) for g in needs}
-        holders = [
-            r for r in self.reqs.values() if any(id(self._cap[g]) in caps for g in r.end_ckpt)
-        ]
+        cap = self._cap
+        pools = {cap[g] for g in needs}
+        holders = [r for r in self.reqs.values() if any(cap[g] in pools for g in r.end_ckpt)]
         if not holders:
             return False
-        extra = Counter(g for r in holders for g in r.end_ckpt if id(self._cap[g]) in caps)
-        if not self._can_allocate(needs, touch, extra):
+        freed: dict[int, int] = {}
+        for r in holders:
+            for g in r.end_ckpt:
+                if cap[g] in pools:
+                    freed[g] = freed.get(g, 0) + 1
+        if not self._can_allocate(needs, touch, freed):
             return False
         for r in holders:
-            for gid in [g for g in r.end_ckpt if id(self._cap[g]) in caps]:
+            for gid in [g for g in r.end_ckpt if cap[g] in pools]:
                 _, sid = r.end_ckpt.pop(gid)
                 self.pool[gid].free((sid,))
             if self._can_allocate(needs, touch):
                 return True
         return self._can_allocate(needs, touch)
 
-    def _reserve(self, needs: dict[int, int]) -> list[TwoLevelPool]:
-        """Reserve pages in two-level pools that serve several groups of one allocation."""
-        by_cap: dict[int, tuple[TwoLevelPool, dict[int, int]]] = {}
+    def _reserve(self, needs: dict[int, int]) -> list[Pool]:
+        """Reserve what an allocation over several groups of a pool relies on; returns the
+        pools to release afterwards."""
+        if len(needs) < 2:
+            return []
+        by_pool: dict[Pool, dict[int, int]] = {}
         for gid, k in needs.items():
-            cap = self._cap[gid]
-            if isinstance(cap, TwoLevelPool):
-                by_cap.setdefault(id(cap), (cap, {}))[1][gid] = k
-        out = []
-        for cap, n in by_cap.values():
-            if len(n) > 1:
-                cap.reserve(n)
-                out.append(cap)
-        return out
+            by_pool.setdefault(self._cap[gid], {})[gid] = k
+        return [pool for pool, n in by_pool.items() if pool.reserve(n)]
 
     def _one_more(self, gid: int) -> int | None:
         """A best-effort extra id for ``gid`` (a checkpoint): free or evictable, else None."""
-        cap = self._cap[gid]
-        ok = cap.can_allocate({gid: 1}) if isinstance(cap, TwoLevelPool) else cap.num_free > 0
-        return self.pool[gid].allocate_one() if ok else None
+        ids = self.pool[gid].allocate_some(1)
+        return ids[0] if ids else None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -718,11 +680,11 @@ class HybridAllocator:
             if k > 0:
                 needs[gid] = k
         if needs:
-            if len(needs) == 1 and isinstance(self._cap[next(iter(needs))], BlockPool):
-                ((gid, k),) = needs.items()
-                if k > self._cap[gid].num_free and not self._reclaim_private(needs):  # type: ignore[union-attr]
-                    return False
-            elif not self._can_allocate(needs) and not self._reclaim_private(needs):
+            if len(needs) == 1:
+                fits = self._cap[next(iter(needs))].can_allocate(needs)
+            else:
+                fits = self._can_allocate(needs)
+            if not fits and not self._reclaim_private(needs):
                 return False
             reserved = self._reserve(needs)
             for gid, k in needs.items():
@@ -810,10 +772,10 @@ class HybridAllocator:
                 self._release_sources(r)
             self._sourced.clear()
         if held:
-            by_pool: dict[int, tuple[Any, list[int]]] = {}
+            by_pool: dict[IdCache, list[int]] = {}
             for pool, sid in held:
-                by_pool.setdefault(id(pool), (pool, []))[1].append(sid)
-            for pool, sids in by_pool.values():
+                by_pool.setdefault(pool, []).append(sid)
+            for pool, sids in by_pool.items():
                 pool.free(sids)
         if self._dead:
             self._settle()
@@ -920,12 +882,7 @@ class HybridAllocator:
                 else:
                     need.append(gid)
             if need:
-                cap = self._cap[need[0]]
-                if isinstance(cap, TwoLevelPool):
-                    ids = [self._one_more(gid) for gid in need]
-                else:
-                    ids = pool.allocate(min(len(need), cap.num_free))  # type: ignore[union-attr]
-                taken.extend((gid, sid) for gid, sid in zip(need, ids) if sid is not None)
+                taken.extend(zip(need, pool.allocate_some(len(need))))
         if not taken:
             return
         self.num_checkpoints += 1
@@ -1144,49 +1101,21 @@ class HybridAllocator:
         however many requests use them). A two-level pool's groups count their own small ids.
         Cost: O(requests x state groups) plus, for two-level pools, the held and cached ids.
         """
-        groups_of: dict[int, list[int]] = {}
-        pools: dict[int, object] = {}
-        for gid, pool in self.pool.items():
-            groups_of.setdefault(id(pool), []).append(gid)
-            pools[id(pool)] = pool
-        state_gids = {g.group_id for g in self.groups if g.is_state}
+        reqs = self.reqs.values()
+
+        def held(g: int) -> list[int]:
+            out: list[int] = []
+            for r in reqs:
+                out += r.blocks[g]
+                ck = r.end_ckpt.get(g)
+                if ck is not None:
+                    out.append(ck[1])
+            return out
+
+        state = set(self._state)
         count: dict[int, int] = {}
-        for key, gids in groups_of.items():
-            pool = pools[key]
-            if isinstance(pool, BlockPool):
-                total = pool.num_ids - 1 - (pool.num_free - pool.num_cached_free)
-                if len(gids) == 1:
-                    count[gids[0]] = total
-                    continue
-                states = [g for g in gids if g in state_gids]
-                cached = Counter(map(itemgetter(0), pool._key_to_id))  # no copy of the map
-                for g in states:
-                    n = cached[g]
-                    for req in self.reqs.values():
-                        n += len(req.blocks[g]) + (g in req.end_ckpt)
-                    count[g] = n
-                    total -= n
-                attn = [g for g in gids if g not in state_gids]
-                for g in attn:
-                    count[g] = 0
-                if attn:
-                    count[attn[0]] = total
-                continue
-            held: dict[int, set[int]] = {g: set() for g in gids}
-            for req in self.reqs.values():
-                for g in gids:
-                    held[g].update(req.blocks[g])
-                    if g in req.end_ckpt:
-                        held[g].add(req.end_ckpt[g][1])
-            items = pool._key_to_id  # type: ignore[union-attr]
-            if len(gids) == 1:
-                held[gids[0]].update(items.values())
-            else:
-                for (g, _), bid in items.items():
-                    held[g].add(bid)
-            for g in gids:
-                held[g].discard(0)
-                count[g] = len(held[g])
+        for pool in self._pools:
+            count.update(pool.ids_in_use(held, state))
         return count
 
     def held_ids(self) -> list[tuple[int, list[int]]]:
@@ -1238,7 +1167,7 @@ class HybridAllocator:
             return False
         self.index.emit = False
         try:
-            for p in self._pools.values():
+            for p in self._pools:
                 p.evict_all_free()
         finally:
             self.index.emit = True
@@ -1248,7 +1177,7 @@ class HybridAllocator:
 
     def usage(self) -> dict[str, float]:
         """Per pool: fraction in use by running requests (cached free memory counts free)."""
-        return {name: p.usage() for name, p in self._pools.items()}
+        return {p.name: p.usage() for p in self._pools}
 
     @property
     def marconi_alpha(self) -> float | None:
@@ -1268,7 +1197,7 @@ class HybridAllocator:
         q = max(1, self.num_query_tokens)
         return {
             "running": len(self.reqs),
-            "pools": {name: p.stats() for name, p in self._pools.items()},
+            "pools": {p.name: p.stats() for p in self._pools},
             "cache_entries": len(self.index),
             "cached_units": len(self.index.parent),
             "prefix_queries": self.num_queries,

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 
-from .block_pool import CacheKey, Evictor, IdCache, OnEvict
+from .block_pool import CacheKey, Evictor, HeldIds, IdCache, OnEvict
 from .errors import DoubleFree, PoolExhausted
 
 __all__ = ["GroupView", "TwoLevelPool"]
@@ -68,8 +68,11 @@ class GroupView(IdCache):
     def num_cached(self) -> int:
         return len(self._key_to_id)
 
-    def can_allocate(self, n: int) -> bool:
-        return self.owner.can_allocate({self.gid: n})
+    @property
+    def num_listed_free(self) -> int:
+        """Free ids of the group's active pages (plain or cached): what it can take without
+        another page."""
+        return len(self._plain) + len(self._lru)
 
     def cache(self, bid: int, key: CacheKey) -> bool:
         if not super().cache(bid, key):
@@ -115,6 +118,13 @@ class GroupView(IdCache):
             n += sum(1 for sid in range(lo, lo + self.k) if sid not in cached)
         return n
 
+    def ids_in_use(self, held: Iterable[int]) -> int:
+        """Distinct ids ``held`` by requests or cached (the null id not counted)."""
+        ids = set(held)
+        ids.update(self._key_to_id.values())
+        ids.discard(0)
+        return len(ids)
+
     def usage(self) -> float:
         return self.owner.usage()
 
@@ -130,7 +140,7 @@ class GroupView(IdCache):
         }
 
     # ---- pages ------------------------------------------------------------------------------
-    def _take_fresh_page(self, page: int) -> None:
+    def take_fresh_page(self, page: int) -> None:
         self.pages.add(page)
         self.owner.page_owner[page] = self.gid
         self.owner.used[page] = 0
@@ -140,7 +150,7 @@ class GroupView(IdCache):
             if sid:  # id 0 is the null id
                 plain[sid] = None
 
-    def _reactivate(self, page: int) -> None:
+    def reactivate(self, page: int) -> None:
         """An idle page of ours is needed again: its free ids rejoin the lists."""
         del self.idle_pages[page]
         del self.owner.idle[page]
@@ -206,7 +216,7 @@ class GroupView(IdCache):
         self.owner.page_owner[page] = None
         self.owner.free_pages[page] = None
 
-    def _surrender(self, page: int) -> None:
+    def surrender(self, page: int) -> None:
         """Another group reclaims our idle ``page``: evict its cached entries."""
         del self.idle_pages[page]
         del self.owner.idle[page]
@@ -218,11 +228,32 @@ class GroupView(IdCache):
         self.pages.discard(page)
         self.owner.page_owner[page] = None
 
+    def evict_all_free(self) -> int:
+        """Drop every cached entry no request holds: idle pages go back to the free pages."""
+        n = 0
+        for page in list(self.idle_pages):
+            n += self.ncached[page]
+            self.surrender(page)
+            self.owner.free_pages[page] = None
+        lru = self._lru
+        while lru:
+            sid = lru.popitem(last=False)[0]
+            self._drop_key(sid)
+            self._plain[sid] = None
+            n += 1
+        return n
+
     # ---- allocation -------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
         if not self.owner.can_allocate({self.gid: n}):
             raise PoolExhausted(self.name, n, self.num_free)
         return [self.allocate_one() for _ in range(n)]
+
+    def allocate_some(self, n: int) -> list[int]:
+        out = []
+        while len(out) < n and self.owner.can_allocate({self.gid: 1}):
+            out.append(self.allocate_one())
+        return out
 
     def allocate_one(self) -> int:
         owner = self.owner
@@ -232,7 +263,7 @@ class GroupView(IdCache):
         elif (holey := self._holey_idle_page()) is not None:
             # an idle page of ours has ids holding nothing: use them before taking another
             # page, or they stay owned and empty while the cache shrinks elsewhere
-            self._reactivate(holey)
+            self.reactivate(holey)
             return self.allocate_one()
         elif owner.free_pages and spare:
             # take a free page rather than evict a cached block: the cache gives way only when
@@ -305,14 +336,15 @@ class GroupView(IdCache):
             if ref[sid] == 0:
                 page = sid // k
                 if page in self.idle_pages:
-                    self._reactivate(page)
+                    self.reactivate(page)
                 del self._lru[sid]
                 used[page] += 1
             ref[sid] += 1
 
 
 class TwoLevelPool:
-    """``num_pages`` large pages shared by ``ids_per_page`` groups; see the module docstring."""
+    """``num_pages`` large pages shared by ``ids_per_page`` groups; see the module docstring.
+    A :class:`~.block_pool.Pool`; each group's ids are its :class:`GroupView`."""
 
     def __init__(
         self,
@@ -338,12 +370,16 @@ class TwoLevelPool:
         self.reservations: dict[int, int] = {}
         self.reserved_pages = 0
         self.views = {g: GroupView(self, g, k) for g, k in ids_per_page.items()}
+        self.groups = tuple(self.views)
         self.first_gid = first_gid
-        self.views[first_gid]._take_fresh_page(0)
+        self.views[first_gid].take_fresh_page(0)
         self.used[0] = 1  # pinned: other groups' null ids live in page 0
 
     def view(self, gid: int) -> GroupView:
         return self.views[gid]
+
+    def group_views(self) -> list[tuple[IdCache, list[int]]]:
+        return [(v, [g]) for g, v in self.views.items()]
 
     @property
     def pages_available(self) -> int:
@@ -353,16 +389,24 @@ class TwoLevelPool:
         self,
         needs: dict[int, int],
         touch: dict[int, list[int]] | None = None,
-        extra_pages: int = 0,
+        freed: dict[int, int] | None = None,
     ) -> bool:
         """Whether every group ``g`` can get ``needs[g]`` new ids after ``touch[g]`` (cached ids a
-        hit will reference) left the free lists and ``extra_pages`` pages were given back;
-        counts pages in allocation order."""
-        pages = self.pages_available + extra_pages
+        hit will reference) left the free lists and ``freed[g]`` ids were freed (a group with
+        one id per page gives the pages back; another keeps the ids for itself); counts pages
+        in allocation order."""
+        pages = self.pages_available
+        if freed:
+            needs = dict(needs)
+            for gid, n in freed.items():
+                if self.views[gid].k == 1:  # an id is a whole page: back to the free pages
+                    pages += n
+                elif gid in needs:  # the freed ids are the group's own
+                    needs[gid] = max(0, needs[gid] - n)
         demand = 0
         for gid in set(needs) | set(touch or ()):
             v = self.views[gid]
-            avail = len(v._plain) + len(v._lru)
+            avail = v.num_listed_free
             revived: set[int] = set()
             for sid in (touch or {}).get(gid, ()):
                 if sid == 0 or v.ref[sid]:
@@ -378,20 +422,24 @@ class TwoLevelPool:
                 demand += -(-rest // v.k)
         return demand <= pages
 
-    def reserve(self, needs: dict[int, int]) -> None:
+    def reserve(self, needs: dict[int, int]) -> bool:
         """Before allocating ``needs`` ids for several groups at once (after ``can_allocate``):
         reserve the pages each group needs beyond its free and cached ids, so that no group
         takes a free page in place of evicting its cached blocks while another group still
-        needs that page. :meth:`release` drops what is left afterwards."""
+        needs that page. :meth:`release` drops what is left afterwards. One group alone
+        reserves nothing (False)."""
+        if len(needs) < 2:
+            return False
         total = 0
         for gid, n in needs.items():
             v = self.views[gid]
-            short = n - len(v._plain) - len(v._lru)
+            short = n - v.num_listed_free
             if short > 0:
                 p = -(-short // v.k)
                 self.reservations[gid] = p
                 total += p
         self.reserved_pages = total
+        return True
 
     def release(self) -> None:
         self.reservations.clear()
@@ -403,15 +451,15 @@ class TwoLevelPool:
         v = self.views[gid]
         if self.free_pages:
             page = self.free_pages.popitem(last=False)[0]
-            v._take_fresh_page(page)
+            v.take_fresh_page(page)
         elif v.idle_pages:
-            v._reactivate(next(iter(v.idle_pages)))
+            v.reactivate(next(iter(v.idle_pages)))
         elif self.idle:
             page = next(iter(self.idle))
             owner = self.page_owner[page]
             assert owner is not None and owner != gid
-            self.views[owner]._surrender(page)
-            v._take_fresh_page(page)
+            self.views[owner].surrender(page)
+            v.take_fresh_page(page)
         else:
             raise PoolExhausted(self.name, v.k, 0)
 
@@ -422,25 +470,30 @@ class TwoLevelPool:
         owner = self.page_owner[page]
         assert owner is not None
         if owner == gid:
-            self.views[gid]._reactivate(page)
+            self.views[gid].reactivate(page)
         else:
-            self.views[owner]._surrender(page)
-            self.views[gid]._take_fresh_page(page)
+            self.views[owner].surrender(page)
+            self.views[gid].take_fresh_page(page)
 
     def evict_all_free(self) -> int:
         """Drop every cached entry no request holds; idle pages go back to the free pages."""
-        n = 0
-        for v in self.views.values():
-            for page in list(v.idle_pages):
-                n += sum(1 for sid in range(page * v.k, page * v.k + v.k) if sid in v._id_to_key)
-                v._surrender(page)
-                self.free_pages[page] = None
-            while v._lru:
-                sid = v._lru.popitem(last=False)[0]
-                v._drop_key(sid)
-                v._plain[sid] = None
-                n += 1
-        return n
+        return sum(v.evict_all_free() for v in self.views.values())
+
+    def ids_in_use(self, held: HeldIds, state_groups: Collection[int]) -> dict[int, int]:
+        """Per group: its own small ids held by requests or cached. Cost: O(held and cached
+        ids)."""
+        return {g: v.ids_in_use(held(g)) for g, v in self.views.items()}
+
+    def byte_usage(self, id_bytes: Mapping[int, int], large_page_bytes: int) -> dict[str, int]:
+        """See :class:`~.block_pool.Pool`: free large pages; each group's ids on its pages that
+        hold nothing; every large page but page 0, whose first group's other ids are usable."""
+        first = self.views[self.first_gid]
+        return {
+            "free": len(self.free_pages) * large_page_bytes,
+            "owned_empty": sum(v.num_owned_empty() * id_bytes[g] for g, v in self.views.items()),
+            "usable": (self.num_pages - 1) * large_page_bytes
+            + (first.k - 1) * id_bytes[self.first_gid],
+        }
 
     def usage(self) -> float:
         """Fraction of large pages (page 0 excluded) with an id in use."""
