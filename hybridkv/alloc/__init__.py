@@ -6,6 +6,7 @@
   (:func:`~.pools.build_pools`), both a :class:`Pool` (the one interface the allocator uses:
   feasibility, reservation, ids held per group, eviction); a group's ids are an
   :class:`~.block_pool.IdCache`.
+- :mod:`.commit`: the step's commit (caching computed blocks) and the state checkpoints.
 - :mod:`.prefix_cache`, :mod:`.policies`, :mod:`.hashing`: hit rules, checkpoint policies,
   chained hashes. :mod:`.breakdown`: where a pool's bytes are (live, cached and reachable or
   not, owned but empty, padding, free, unusable). :mod:`.events`, :mod:`.index`,

@@ -18,7 +18,8 @@ computed KV, so their full blocks become cache entries (and KV events), state ch
 taken (the running state only exists after the forward pass, which is why checkpoint copies
 come back here), and the cached states that hits copied from are released. Nothing computed in
 a step is visible to prefix hits before this call, so a hit never reads memory still being
-written.
+written. What a commit caches and which ids checkpoints take is :mod:`.commit`'s; the pools
+are reached through one interface, :class:`~.block_pool.Pool` (:mod:`.pools` builds them).
 
 A request's block list for a state group is ``[running slot, spare slots...]``: it reserves
 ``state_slots_per_seq`` slots, the running state in the first; spares become checkpoints, so
@@ -47,6 +48,7 @@ import torch
 from ..plan import MemoryPlan
 from .block_pool import IdCache, Pool
 from .breakdown import MemoryBreakdown, memory_breakdown
+from .commit import Committer
 from .errors import (
     ConfigError,
     DoubleFree,
@@ -58,15 +60,16 @@ from .errors import (
 from .events import AllBlocksCleared, KVEventBatch
 from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
 from .marconi import MarconiEvictor, MarconiScorer, PrefillFlops
-from .policies import ALL_POLICIES, CACHE, NONE, ROLLING, CheckpointPolicy
+from .policies import ALL_POLICIES, CheckpointPolicy
 from .pools import build_pools
 from .prefix_cache import GroupRule, PrefixIndex, longest_hit
+from .request import INF as _INF
+from .request import Request
 from .tables import BlockTables
 
 __all__ = ["HitInfo", "HybridAllocator"]
 
 ATTENTION_KINDS = ("full_attention", "mla", "sliding_window")
-_INF = 1 << 62
 _FREED_MEMORY = 65536  # freed request ids remembered to tell a double free from a typo
 
 
@@ -81,61 +84,6 @@ class HitInfo:
     num_cached_tokens: int
     state_copies: list[tuple[int, int, int]] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int, int]] = field(default_factory=list)
-
-
-class _Request:
-    __slots__ = (
-        "blocks",
-        "branch_at",
-        "end_ckpt",
-        "extra",
-        "hashes",
-        "hit_unit",
-        "junction",
-        "last_mark",
-        "lead",
-        "limit",
-        "lora_id",
-        "ncached",
-        "nprompt",
-        "num_alloc",
-        "req_id",
-        "row",
-        "sources",
-        "step_start",
-        "tokens",
-        "work_at",
-    )
-
-    def __init__(
-        self,
-        req_id: Any,
-        tokens: Any,
-        extra: bytes,
-        lora_id: int | None,
-        hashes: list[bytes],
-        num_groups: int,
-    ) -> None:
-        self.req_id = req_id
-        self.tokens = tokens  # array('i'): no Python object per token
-        self.extra = extra
-        self.lora_id = lora_id
-        self.hashes = hashes  # one per full hash unit of the known tokens
-        self.blocks: list[list[int]] = [[] for _ in range(num_groups)]
-        self.num_alloc = 0  # tokens with slots in every group
-        self.ncached = [0] * num_groups  # attention blocks already considered for caching
-        self.lead = [0] * num_groups  # sliding window: leading null blocks
-        self.row = -1
-        self.limit = 0  # allocate_slots may take the fast path while num_alloc < limit
-        self.work_at = _INF  # num_alloc at which the next commit has caching work
-        self.end_ckpt: dict[int, list[int]] = {}  # state gid -> [position, slot], private
-        self.sources: list[tuple[int, int]] = []  # (gid, id) hits copy from, held to commit
-        self.branch_at = -1  # marconi: position of this request's branch point
-        self.nprompt = len(tokens)  # align: the prompt's length (vLLM's num_prompt_tokens)
-        self.junction = 0  # align: vLLM's shared_prefix_boundary, found at admission
-        self.step_start = -1  # align with exports: num_alloc when the uncommitted step began
-        self.last_mark = 0  # periodic / hash_boundary: the last position a state was kept at
-        self.hit_unit: bytes | None = None  # the hash unit of the state its hit copied from
 
 
 class HybridAllocator:
@@ -234,8 +182,6 @@ class HybridAllocator:
         )
         # hits inside a block (vLLM's partial hash hits): attention caches the prompt's tail
         self._promote = self._vllm is not None and self._vllm.partial and partial_block_hits
-        #: states exported from inside the last committed step, ``(group, slot, position)``
-        self.last_exports: list[tuple[int, int, int]] = []
         self.hash_fn = get_hash_fn(hash_algo)
         self.partial = partial_block_hits
         self.index = PrefixIndex(hash_block_size)
@@ -269,12 +215,6 @@ class HybridAllocator:
             if first
             and (x.kind, x.block_size, x.window) == (first.kind, first.block_size, first.window)
         ]
-        # state groups by the ids they take (one for all of them in the shared layouts, so that
-        # a checkpoint takes its ids in one call), in group order
-        by_pool: dict[IdCache, list[int]] = {}
-        for gid in self._state:
-            by_pool.setdefault(self.pool[gid], []).append(gid)
-        self._state_pools = list(by_pool.items())
         #: Marconi's eviction utility (``marconi`` only): one clock and score for every pool
         self._scorer: MarconiScorer | None = None
         if self.policy.name == "marconi":
@@ -283,23 +223,52 @@ class HybridAllocator:
                 for ids, gids in pool.group_views():
                     ids.evictor = MarconiEvictor(self._scorer, ids, gids)
                     ids.evictor_window = max(1, eviction_window)
-        self.reqs: dict[Any, _Request] = {}
+        self.reqs: dict[Any, Request] = {}
         # a state group's row is its running slot and spares: a fixed width
         self.tables = BlockTables(
             len(self.groups), fixed={g: max(1, self.slots_per_seq) for g in self._state}
         )
         self._freed: OrderedDict[Any, None] = OrderedDict()
-        self._dirty: dict[Any, _Request] = {}  # allocated this step: commit has work
-        self._sourced: dict[Any, _Request] = {}  # hold hit sources until the commit
+        self._dirty: dict[Any, Request] = {}  # allocated this step: commit has work
+        self._sourced: dict[Any, Request] = {}  # hold hit sources until the commit
         self.num_queries = self.num_query_tokens = self.num_hit_tokens = 0
-        #: state checkpoints cached (one per position, all state groups together), and the
-        #: state ids they took
-        self.num_checkpoints = self.num_checkpoint_ids = 0
+        self._commit = Committer(
+            index=self.index,
+            pools=self.pool,
+            tables=self.tables,
+            policy=self.policy,
+            vllm=self._vllm,
+            hash_block_size=hash_block_size,
+            hash_fn=self.hash_fn,
+            attn=self._attn,
+            state=self._state,
+            full=self._full,
+            caching=self.caching,
+            partial=self.partial,
+            promote=self._promote,
+            exports=self._exports,
+            scorer=self._scorer,
+        )
 
     @property
     def pools(self) -> tuple[Pool, ...]:
         """The pools, in plan order (a ``per_group`` plan pool: one per group)."""
         return tuple(self._pools)
+
+    @property
+    def last_exports(self) -> list[tuple[int, int, int]]:
+        """States exported from inside the last committed step, ``(group, slot, position)``."""
+        return self._commit.last_exports
+
+    @property
+    def num_checkpoints(self) -> int:
+        """State checkpoints cached (one per position, all state groups together)."""
+        return self._commit.num_checkpoints
+
+    @property
+    def num_checkpoint_ids(self) -> int:
+        """The state ids those checkpoints took."""
+        return self._commit.num_checkpoint_ids
 
     # ---- construction -----------------------------------------------------------------------
     def _build_pools(self) -> None:
@@ -432,7 +401,7 @@ class HybridAllocator:
     def _lookup(self, gid: int, unit: bytes) -> int | None:
         return self.pool[gid].lookup((gid, unit))
 
-    def _get(self, req_id: Any) -> _Request:
+    def _get(self, req_id: Any) -> Request:
         r = self.reqs.get(req_id)
         if r is None:
             self._missing(req_id)
@@ -518,11 +487,6 @@ class HybridAllocator:
             by_pool.setdefault(self._cap[gid], {})[gid] = k
         return [pool for pool, n in by_pool.items() if pool.reserve(n)]
 
-    def _one_more(self, gid: int) -> int | None:
-        """A best-effort extra id for ``gid`` (a checkpoint): free or evictable, else None."""
-        ids = self.pool[gid].allocate_some(1)
-        return ids[0] if ids else None
-
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
         self,
@@ -577,7 +541,7 @@ class HybridAllocator:
                 self._scorer.tick()
                 if L:
                     self._scorer.accessed(hashes[L // h - 1])
-        r = _Request(req_id, tokens, extra, lora_id, hashes, len(self.groups))
+        r = Request(req_id, tokens, extra, lora_id, hashes, len(self.groups))
         touch: dict[int, list[int]] = {}
         needs: dict[int, int] = {}
         partial: dict[int, tuple[int, int]] = {}  # gid -> (src block, tokens to copy)
@@ -667,7 +631,7 @@ class HybridAllocator:
             return True
         return self._allocate_slow(r, num_new_tokens, total)  # type: ignore[arg-type]
 
-    def _allocate_slow(self, r: _Request, num_new: int, total: int) -> bool:
+    def _allocate_slow(self, r: Request, num_new: int, total: int) -> bool:
         if num_new < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new}")
         if total > self.max_model_len:
@@ -706,7 +670,7 @@ class HybridAllocator:
             self._settle()
         return True
 
-    def _free_outside_window(self, r: _Request, gid: int, B: int, first_needed: int) -> None:
+    def _free_outside_window(self, r: Request, gid: int, B: int, first_needed: int) -> None:
         """Blocks ending at or before the first token the next one attends to become null."""
         blocks = r.blocks[gid]
         lead = r.lead[gid]
@@ -719,7 +683,7 @@ class HybridAllocator:
         self.tables.write(gid, r.row, lead, blocks[lead:end])
         r.lead[gid] = end
 
-    def _set_limit(self, r: _Request) -> None:
+    def _set_limit(self, r: Request) -> None:
         """Recompute how far allocate_slots may go on the fast path."""
         limit = self.max_model_len + 1
         work = _INF
@@ -757,162 +721,27 @@ class HybridAllocator:
 
     # ---- the step's commit ------------------------------------------------------------------
     def take_state_copies(self) -> list[tuple[int, int, int]]:
-        """Commit the step (see the module docstring) and return the state copies
-        ``(group, running slot, checkpoint slot)`` to run after this forward pass."""
+        """Commit the step (see the module docstring and :mod:`.commit`) and return the state
+        copies ``(group, running slot, checkpoint slot)`` to run after this forward pass."""
         copies: list[tuple[int, int, int]] = []
-        held: list[tuple[Any, int]] = []
-        if self.last_exports:
-            self.last_exports = []
+        held: list[tuple[IdCache, int]] = []
+        commit = self._commit
+        if commit.last_exports:
+            commit.last_exports = []
         if self._dirty:
             for r in self._dirty.values():
-                self._commit(r, copies, held)
+                commit.commit(r, copies, held)
+                self._set_limit(r)
             self._dirty.clear()
         if self._sourced:
             for r in self._sourced.values():
-                self._release_sources(r)
+                commit.release_sources(r)
             self._sourced.clear()
         if held:
-            by_pool: dict[IdCache, list[int]] = {}
-            for pool, sid in held:
-                by_pool.setdefault(pool, []).append(sid)
-            for pool, sids in by_pool.items():
-                pool.free(sids)
+            commit.free_held(held)
         if self._dead:
             self._settle()
         return copies
-
-    def _commit(self, r: _Request, copies: list, held: list) -> None:
-        h = self.h
-        known = min(r.num_alloc, len(r.tokens))
-        if len(r.hashes) < known // h:
-            extend_unit_hashes(r.hashes, r.tokens, known, h, r.extra, self.hash_fn)
-        hashes = r.hashes
-        index = self.index
-        for gid, B in self._attn:
-            full = known // B
-            i0 = r.ncached[gid]
-            if full <= i0:
-                continue
-            blocks, pool, s = r.blocks[gid], self.pool[gid], B // h
-            for i in range(i0, full):
-                bid = blocks[i]
-                if bid:
-                    key = (gid, hashes[(i + 1) * s - 1])
-                    if pool.cache(bid, key):
-                        index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
-                    elif self._promote and pool.key_of(bid) is not None:
-                        # the block was cached as the prompt's partial tail and is now full:
-                        # its entry grows to the whole block (vLLM's partial -> full promotion
-                        # in BlockPool.cache_full_blocks)
-                        pool.uncache(bid)
-                        if pool.cache(bid, key):
-                            index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
-            r.ncached[gid] = full
-        P = r.num_alloc
-        if self._vllm is not None:
-            start, r.step_start = r.step_start, -1
-            if self._promote:
-                # FullAttentionManager._cache_partial_tail_block: the block holding the
-                # prompt's last hash boundary is cached up to it once computed
-                t = self._vllm.pos(r.nprompt, h)
-                if 0 < t <= known:
-                    self._cache_tail_blocks(r, t)
-            if self._state and known == P and P > 0:
-                keep, cp = self._vllm.step_end(start, P, r.nprompt, len(r.tokens), r.junction)
-                if cp:
-                    self._checkpoint(r, cp, self.last_exports, held, export=True)
-                if keep:
-                    self._checkpoint(r, P, copies, held)
-        elif self._state and known == P:
-            if self._exports:
-                start, r.step_start = r.step_start, -1
-                if start >= 0:
-                    for m in self.policy.marks(start, P - 1, r.nprompt):
-                        self._checkpoint(r, m, self.last_exports, held, export=True)
-                        r.last_mark = m
-                    if self.policy.marks(P - 1, P, r.nprompt):
-                        self._checkpoint(r, P, copies, held)  # the step ends on one
-                        r.last_mark = P
-            action = self.policy.at_step_end(P, r.branch_at, r.nprompt)
-            if action != NONE and P % h == 0:
-                if action == CACHE:
-                    self._checkpoint(r, P, copies, held)
-                    if r.branch_at == P:
-                        r.branch_at = -1
-                    elif self.policy.interval:
-                        # a kept state inside the prompt is also the newest end state (as
-                        # when it is exported from a step that ends on it)
-                        r.last_mark = P
-                        self._roll(r, P, copies)
-                elif action == ROLLING:
-                    self._roll(r, P, copies)
-        self._set_limit(r)
-
-    def _take_spare(self, r: _Request, gid: int) -> int | None:
-        """One of the request's reserved spare state slots (after its running slot), if any."""
-        blocks = r.blocks[gid]
-        if len(blocks) < 2:
-            return None
-        sid = blocks.pop()
-        self.tables.set_row(gid, r.row, blocks)
-        return sid
-
-    def _spare_or_new(self, r: _Request, gid: int) -> int | None:
-        sid = self._take_spare(r, gid)
-        return sid if sid is not None else self._one_more(gid)
-
-    def _checkpoint(
-        self, r: _Request, P: int, copies: list, held: list, *, export: bool = False
-    ) -> None:
-        """Copy the running state into a new slot cached at ``P`` (released after the commit,
-        so that no other checkpoint of this commit evicts it). Best effort per group: a group
-        whose pool has no free or evictable id skips this checkpoint. ``export``: the state
-        was exported from inside the step; ``copies`` gets ``(group, slot, P)`` instead."""
-        unit = P // self.h - 1
-        u = r.hashes[unit]
-        taken: list[tuple[int, int]] = []
-        for pool, gids in self._state_pools:
-            need = []
-            for gid in gids:
-                if pool.lookup((gid, u)) is not None:
-                    continue
-                sid = self._take_spare(r, gid)
-                if sid is not None:
-                    taken.append((gid, sid))
-                else:
-                    need.append(gid)
-            if need:
-                taken.extend(zip(need, pool.allocate_some(len(need))))
-        if not taken:
-            return
-        self.num_checkpoints += 1
-        self.num_checkpoint_ids += len(taken)
-        pool_of = self.pool
-        for gid, dst in taken:
-            pool = pool_of[gid]
-            copies.append((gid, dst, P) if export else (gid, r.blocks[gid][0], dst))
-            pool.cache(dst, (gid, u))
-            held.append((pool, dst))
-        self.index.add_checkpoints(taken, unit, r.hashes, r.tokens, r.lora_id)
-        if self._scorer is not None:
-            self._scorer.accessed(u)
-
-    def _roll(self, r: _Request, P: int, copies: list) -> None:
-        """Refresh the request's private end-of-request checkpoint to position ``P``."""
-        for gid in self._state:
-            ck = r.end_ckpt.get(gid)
-            if ck is None:
-                dst = self._spare_or_new(r, gid)
-                if dst is None:
-                    continue
-                ck = r.end_ckpt[gid] = [P, dst]
-            ck[0] = P
-            copies.append((gid, r.blocks[gid][0], ck[1]))
-
-    def _release_sources(self, r: _Request) -> None:
-        for gid, sid in r.sources:
-            self.pool[gid].free((sid,))
-        r.sources = []
 
     # ---- free -------------------------------------------------------------------------------
     def free(self, req_id: Any) -> None:
@@ -921,31 +750,9 @@ class HybridAllocator:
         entry. Raises :class:`DoubleFree` or :class:`UnknownRequest` for ids not running."""
         r = self._get(req_id)
         self._dirty.pop(req_id, None)  # allocated but never committed: not computed
-        if self.caching and self.partial and (r.end_ckpt or r.last_mark):
-            # the partly filled last block, up to the newest state kept in it: the end state,
-            # or a state periodic / hash_boundary kept inside the prompt
-            ends = [p for p, _ in r.end_ckpt.values()]
-            self._cache_tail_blocks(r, max(min(ends, default=0), r.last_mark))
-        kept = False
-        for gid, (P, sid) in r.end_ckpt.items():
-            pool = self.pool[gid]
-            if self.caching and len(r.hashes) >= P // self.h:
-                key = (gid, r.hashes[P // self.h - 1])
-                if pool.cache(sid, key):
-                    self.index.add(
-                        key, sid, P // self.h - 1, r.hashes, 1, r.tokens, r.lora_id, True
-                    )
-                    self.num_checkpoint_ids += 1
-                    kept = True
-                    if self._scorer is not None:
-                        self._scorer.accessed(key[1])
-            pool.free((sid,))
-        self.num_checkpoints += kept
-        if kept and r.hit_unit is not None:
-            self._demote_superseded(r.hit_unit)
-        r.end_ckpt = {}
+        self._commit.cache_end_state(r)
         if r.sources:
-            self._release_sources(r)
+            self._commit.release_sources(r)
             self._sourced.pop(req_id, None)
         for gid, blocks in enumerate(r.blocks):
             # Tail first: among this request's blocks the tail is evicted first (vLLM).
@@ -958,7 +765,7 @@ class HybridAllocator:
         if len(self._freed) > _FREED_MEMORY:
             self._freed.popitem(last=False)
 
-    def _drop_past_last_state(self, r: _Request) -> None:
+    def _drop_past_last_state(self, r: Request) -> None:
         """Evict the finished request's cached KV past the last state kept on its chain (the
         answer's blocks under ``align``, which keeps states only in the prompt): no hit can
         reach it, and a request that computes past that state again computes it anyway."""
@@ -983,43 +790,6 @@ class HybridAllocator:
                     self.pool[gid].drop_cached(bid)
         if self._dead:
             self._settle()
-
-    def _demote_superseded(self, unit: bytes) -> None:
-        """A request hit the state at ``unit`` and cached its own end state further down the
-        same chain: the KV up to ``unit`` stays reachable through the new state, so the old one
-        only serves a prompt that ends or diverges exactly there. Unless the chain branches at
-        ``unit`` (a shared prefix's branch point), it becomes the next state to evict (Marconi
-        evicts such single-child nodes' states first for the same reason)."""
-        full = self._full
-        if not full or len(self.index.children.get((full[0], unit), ())) > 1:
-            return
-        for gid in self._state:
-            pool = self.pool[gid]
-            sid = pool.lookup((gid, unit))
-            if sid is not None:
-                pool.demote(sid)
-        if self._scorer is not None:
-            self._scorer.demote(unit)
-
-    def _cache_tail_blocks(self, r: _Request, P: int) -> None:
-        """At free, cache the partly filled attention block holding token ``P - 1`` (``P``:
-        where the end state was kept) as a *partial* entry covering its units up to ``P``.
-
-        A full block is cached at commit, but the last block of a request is never full, and
-        with large blocks it holds most of what a follow-up turn could reuse. Its first tokens
-        are final, so a later hit at ``P`` copies them into a new block (``kv_copies``)."""
-        h = self.h
-        for gid, B in self._attn:
-            j = (P - 1) // B
-            if P % B == 0 or j >= len(r.blocks[gid]) or not r.blocks[gid][j]:
-                continue  # a full block was cached at its commit
-            s = B // h
-            key = (gid, r.hashes[P // h - 1])
-            bid = r.blocks[gid][j]
-            if self.pool[gid].cache(bid, key):
-                self.index.add(
-                    key, bid, j * s, r.hashes, P // h - j * s, r.tokens, r.lora_id, False
-                )
 
     # ---- queries ----------------------------------------------------------------------------
     def block_ids(self, req_id: Any) -> list[list[int]]:

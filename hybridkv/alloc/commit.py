@@ -1,0 +1,305 @@
+"""The step's commit and the state checkpoints (:class:`Committer`).
+
+A commit (:meth:`HybridAllocator.take_state_copies <.manager.HybridAllocator.take_state_copies>`)
+makes what a step computed visible to prefix hits: the request's full attention blocks become
+cache entries, and where the checkpoint policy (:mod:`.policies`) says so, the running state
+is copied into a spare or new slot cached at the step's end (or, exported from inside the
+step, at a position in it). ``last`` and its kin instead refresh a private end-of-request
+checkpoint, cached when the request is freed (:meth:`Committer.cache_end_state`).
+
+The allocator decides *when* (which requests, the fast path around them, the cascade after
+evictions); this module decides *what* is cached and which ids the checkpoints take.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .block_pool import IdCache
+from .hashing import HashFn, extend_unit_hashes
+from .policies import CACHE, NONE, ROLLING, CheckpointPolicy, VllmAlign
+from .prefix_cache import PrefixIndex
+from .request import Request
+from .tables import BlockTables
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .marconi import MarconiScorer
+
+__all__ = ["Committer"]
+
+#: (group, id) pairs a commit holds until it ends (a checkpoint's new slot)
+Held = list[tuple[IdCache, int]]
+
+
+class Committer:
+    """Caches what a step computed and takes the state checkpoints, for one allocator.
+
+    ``pools``: group -> where its ids come from; ``attn``: (group, block size) of every
+    attention group; ``state``: the state groups; ``full``: the full-attention groups.
+    ``vllm``: ``align``'s rules (None for the other policies or without state groups);
+    ``promote``: a partial tail entry grows into a full one once its block fills (vLLM's
+    partial hash hits); ``exports``: states come from inside a step."""
+
+    def __init__(
+        self,
+        *,
+        index: PrefixIndex,
+        pools: dict[int, IdCache],
+        tables: BlockTables,
+        policy: CheckpointPolicy,
+        vllm: VllmAlign | None,
+        hash_block_size: int,
+        hash_fn: HashFn,
+        attn: list[tuple[int, int]],
+        state: list[int],
+        full: list[int],
+        caching: bool,
+        partial: bool,
+        promote: bool,
+        exports: bool,
+        scorer: MarconiScorer | None,
+    ) -> None:
+        self.index = index
+        self.pool = pools
+        self.tables = tables
+        self.policy = policy
+        self.vllm = vllm
+        self.h = hash_block_size
+        self.hash_fn = hash_fn
+        self.attn = attn
+        self.state = state
+        self.full = full
+        self.caching = caching
+        self.partial = partial
+        self.promote = promote
+        self.exports = exports
+        self.scorer = scorer
+        # state groups by the ids they take (one for all of them in the shared layouts, so
+        # that a checkpoint takes its ids in one call), in group order
+        by_pool: dict[IdCache, list[int]] = {}
+        for gid in state:
+            by_pool.setdefault(pools[gid], []).append(gid)
+        self.state_pools = list(by_pool.items())
+        #: states exported from inside the last committed step, ``(group, slot, position)``
+        self.last_exports: list[tuple[int, int, int]] = []
+        #: state checkpoints cached (one per position, all state groups together), and the
+        #: state ids they took
+        self.num_checkpoints = 0
+        self.num_checkpoint_ids = 0
+
+    # ---- the step's commit ------------------------------------------------------------------
+    def commit(self, r: Request, copies: list, held: Held) -> None:
+        """Cache the full blocks ``r`` computed and take the checkpoints the policy wants at the
+        step's end; state copies to run go to ``copies``, slots to free after the commit to
+        ``held``."""
+        h = self.h
+        known = min(r.num_alloc, len(r.tokens))
+        if len(r.hashes) < known // h:
+            extend_unit_hashes(r.hashes, r.tokens, known, h, r.extra, self.hash_fn)
+        hashes = r.hashes
+        index = self.index
+        for gid, B in self.attn:
+            full = known // B
+            i0 = r.ncached[gid]
+            if full <= i0:
+                continue
+            blocks, pool, s = r.blocks[gid], self.pool[gid], B // h
+            for i in range(i0, full):
+                bid = blocks[i]
+                if bid:
+                    key = (gid, hashes[(i + 1) * s - 1])
+                    if pool.cache(bid, key):
+                        index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
+                    elif self.promote and pool.key_of(bid) is not None:
+                        # the block was cached as the prompt's partial tail and is now full:
+                        # its entry grows to the whole block (vLLM's partial -> full promotion
+                        # in BlockPool.cache_full_blocks)
+                        pool.uncache(bid)
+                        if pool.cache(bid, key):
+                            index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
+            r.ncached[gid] = full
+        P = r.num_alloc
+        vllm = self.vllm
+        if vllm is not None:
+            start, r.step_start = r.step_start, -1
+            if self.promote:
+                # FullAttentionManager._cache_partial_tail_block: the block holding the
+                # prompt's last hash boundary is cached up to it once computed
+                t = vllm.pos(r.nprompt, h)
+                if 0 < t <= known:
+                    self.cache_tail_blocks(r, t)
+            if self.state and known == P and P > 0:
+                keep, cp = vllm.step_end(start, P, r.nprompt, len(r.tokens), r.junction)
+                if cp:
+                    self.checkpoint(r, cp, self.last_exports, held, export=True)
+                if keep:
+                    self.checkpoint(r, P, copies, held)
+        elif self.state and known == P:
+            policy = self.policy
+            if self.exports:
+                start, r.step_start = r.step_start, -1
+                if start >= 0:
+                    for m in policy.marks(start, P - 1, r.nprompt):
+                        self.checkpoint(r, m, self.last_exports, held, export=True)
+                        r.last_mark = m
+                    if policy.marks(P - 1, P, r.nprompt):
+                        self.checkpoint(r, P, copies, held)  # the step ends on one
+                        r.last_mark = P
+            action = policy.at_step_end(P, r.branch_at, r.nprompt)
+            if action != NONE and P % h == 0:
+                if action == CACHE:
+                    self.checkpoint(r, P, copies, held)
+                    if r.branch_at == P:
+                        r.branch_at = -1
+                    elif policy.interval:
+                        # a kept state inside the prompt is also the newest end state (as
+                        # when it is exported from a step that ends on it)
+                        r.last_mark = P
+                        self.roll(r, P, copies)
+                elif action == ROLLING:
+                    self.roll(r, P, copies)
+
+    def free_held(self, held: Held) -> None:
+        """Free the commit's held slots, one call per pool."""
+        by_pool: dict[IdCache, list[int]] = {}
+        for pool, sid in held:
+            by_pool.setdefault(pool, []).append(sid)
+        for pool, sids in by_pool.items():
+            pool.free(sids)
+
+    def release_sources(self, r: Request) -> None:
+        """Drop the cached entries ``r``'s hit copied from (held until the commit)."""
+        for gid, sid in r.sources:
+            self.pool[gid].free((sid,))
+        r.sources = []
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def take_spare(self, r: Request, gid: int) -> int | None:
+        """One of the request's reserved spare state slots (after its running slot), if any."""
+        blocks = r.blocks[gid]
+        if len(blocks) < 2:
+            return None
+        sid = blocks.pop()
+        self.tables.set_row(gid, r.row, blocks)
+        return sid
+
+    def spare_or_new(self, r: Request, gid: int) -> int | None:
+        """A spare slot, else a free or evictable id (best effort), else None."""
+        sid = self.take_spare(r, gid)
+        if sid is not None:
+            return sid
+        ids = self.pool[gid].allocate_some(1)
+        return ids[0] if ids else None
+
+    def checkpoint(
+        self, r: Request, P: int, copies: list, held: Held, *, export: bool = False
+    ) -> None:
+        """Copy the running state into a new slot cached at ``P`` (released after the commit,
+        so that no other checkpoint of this commit evicts it). Best effort per group: a group
+        whose pool has no free or evictable id skips this checkpoint. ``export``: the state
+        was exported from inside the step; ``copies`` gets ``(group, slot, P)`` instead."""
+        unit = P // self.h - 1
+        u = r.hashes[unit]
+        taken: list[tuple[int, int]] = []
+        for pool, gids in self.state_pools:
+            need = []
+            for gid in gids:
+                if pool.lookup((gid, u)) is not None:
+                    continue
+                sid = self.take_spare(r, gid)
+                if sid is not None:
+                    taken.append((gid, sid))
+                else:
+                    need.append(gid)
+            if need:
+                taken.extend(zip(need, pool.allocate_some(len(need))))
+        if not taken:
+            return
+        self.num_checkpoints += 1
+        self.num_checkpoint_ids += len(taken)
+        pool_of = self.pool
+        for gid, dst in taken:
+            pool = pool_of[gid]
+            copies.append((gid, dst, P) if export else (gid, r.blocks[gid][0], dst))
+            pool.cache(dst, (gid, u))
+            held.append((pool, dst))
+        self.index.add_checkpoints(taken, unit, r.hashes, r.tokens, r.lora_id)
+        if self.scorer is not None:
+            self.scorer.accessed(u)
+
+    def roll(self, r: Request, P: int, copies: list) -> None:
+        """Refresh the request's private end-of-request checkpoint to position ``P``."""
+        for gid in self.state:
+            ck = r.end_ckpt.get(gid)
+            if ck is None:
+                dst = self.spare_or_new(r, gid)
+                if dst is None:
+                    continue
+                ck = r.end_ckpt[gid] = [P, dst]
+            ck[0] = P
+            copies.append((gid, r.blocks[gid][0], ck[1]))
+
+    # ---- at free ----------------------------------------------------------------------------
+    def cache_end_state(self, r: Request) -> None:
+        """``r`` is freed: cache its private end checkpoints (and the partly filled attention
+        block up to them), then free their slots; the state its hit copied from, superseded,
+        becomes the next to evict."""
+        if self.caching and self.partial and (r.end_ckpt or r.last_mark):
+            # the partly filled last block, up to the newest state kept in it: the end state,
+            # or a state periodic / hash_boundary kept inside the prompt
+            ends = [p for p, _ in r.end_ckpt.values()]
+            self.cache_tail_blocks(r, max(min(ends, default=0), r.last_mark))
+        kept = False
+        h = self.h
+        for gid, (P, sid) in r.end_ckpt.items():
+            pool = self.pool[gid]
+            if self.caching and len(r.hashes) >= P // h:
+                key = (gid, r.hashes[P // h - 1])
+                if pool.cache(sid, key):
+                    self.index.add(key, sid, P // h - 1, r.hashes, 1, r.tokens, r.lora_id, True)
+                    self.num_checkpoint_ids += 1
+                    kept = True
+                    if self.scorer is not None:
+                        self.scorer.accessed(key[1])
+            pool.free((sid,))
+        self.num_checkpoints += kept
+        if kept and r.hit_unit is not None:
+            self.demote_superseded(r.hit_unit)
+        r.end_ckpt = {}
+
+    def demote_superseded(self, unit: bytes) -> None:
+        """A request hit the state at ``unit`` and cached its own end state further down the
+        same chain: the KV up to ``unit`` stays reachable through the new state, so the old one
+        only serves a prompt that ends or diverges exactly there. Unless the chain branches at
+        ``unit`` (a shared prefix's branch point), it becomes the next state to evict (Marconi
+        evicts such single-child nodes' states first for the same reason)."""
+        full = self.full
+        if not full or len(self.index.children.get((full[0], unit), ())) > 1:
+            return
+        for gid in self.state:
+            pool = self.pool[gid]
+            sid = pool.lookup((gid, unit))
+            if sid is not None:
+                pool.demote(sid)
+        if self.scorer is not None:
+            self.scorer.demote(unit)
+
+    def cache_tail_blocks(self, r: Request, P: int) -> None:
+        """Cache the partly filled attention block holding token ``P - 1`` (``P``: where a
+        state was kept) as a *partial* entry covering its units up to ``P``.
+
+        A full block is cached at commit, but the last block of a request is never full, and
+        with large blocks it holds most of what a follow-up turn could reuse. Its first tokens
+        are final, so a later hit at ``P`` copies them into a new block (``kv_copies``)."""
+        h = self.h
+        for gid, B in self.attn:
+            j = (P - 1) // B
+            if P % B == 0 or j >= len(r.blocks[gid]) or not r.blocks[gid][j]:
+                continue  # a full block was cached at its commit
+            s = B // h
+            key = (gid, r.hashes[P // h - 1])
+            bid = r.blocks[gid][j]
+            if self.pool[gid].cache(bid, key):
+                self.index.add(
+                    key, bid, j * s, r.hashes, P // h - j * s, r.tokens, r.lora_id, False
+                )
