@@ -177,21 +177,34 @@ class GroupView(IdCache):
             for sid in ids:
                 lru[sid] = None
             return
-        # An idle page's blocks were last used long ago, so they belong near the front: merge
-        # them with only the LRU's ids not newer than the newest of them and put the merged run
-        # back at the front (O(run), where rebuilding the whole LRU made each reactivation
-        # O(cached ids)).
-        newest = stamp[ids[-1]]
-        older = []
-        for sid in lru:
-            if stamp[sid] > newest:
-                break
-            older.append(sid)
-        merged = list(heapq.merge(older, ids, key=stamp.__getitem__))
-        for sid in ids:
-            lru[sid] = None
-        for sid in reversed(merged):
-            lru.move_to_end(sid, last=False)
+        # Merge them with the shorter of two runs, walked in lockstep: the LRU's ids not newer
+        # than the newest of them (then the merged run goes back to the front) or its ids newer
+        # than the oldest of them (then to the back). O(shorter run), where rebuilding the whole
+        # LRU made each reactivation O(cached ids); ties keep the LRU's ids first either way.
+        oldest, newest = stamp[ids[0]], stamp[ids[-1]]
+        fwd, bwd = iter(lru), reversed(lru)
+        front: list[int] = []
+        back: list[int] = []
+        while True:
+            sid = next(fwd, None)
+            if sid is None or stamp[sid] > newest:
+                merged = list(heapq.merge(front, ids, key=stamp.__getitem__))
+                for sid in ids:
+                    lru[sid] = None
+                for sid in reversed(merged):
+                    lru.move_to_end(sid, last=False)
+                return
+            front.append(sid)
+            sid = next(bwd, None)
+            if sid is None or stamp[sid] <= oldest:
+                back.reverse()
+                for sid in heapq.merge(back, ids, key=stamp.__getitem__):
+                    if sid in lru:
+                        lru.move_to_end(sid)
+                    else:
+                        lru[sid] = None
+                return
+            back.append(sid)
 
     def _went_unused(self, page: int) -> None:
         """The last id in use on ``page`` was freed: idle it or give it back."""
