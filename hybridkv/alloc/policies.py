@@ -49,7 +49,6 @@ allocator's ``next_checkpoint``): the same states, more, smaller steps.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -326,10 +325,9 @@ class CheckpointPolicy:
                 f"checkpoint_policy must be one of {', '.join(ALL_POLICIES)}, got {name!r}"
             )
         self.name = name
-        sizes = [g.block_size for g in plan.state_groups]
-        block = math.lcm(*sizes) if sizes else hash_block_size
         # align: every state group checkpoints at its block multiples; they share one size in
-        # every layout, and the lcm keeps all groups in step if they did not.
+        # every layout, and the plan's granularity (their lcm) keeps them in step if they did not.
+        block = plan.checkpoint_granularity if plan.state_groups else hash_block_size
         self.block = block
         self.keeps_end_state = name in ("last", "marconi", *RECOVERY_POLICIES)
         self.branches = name == "marconi"
@@ -357,7 +355,7 @@ class CheckpointPolicy:
         if name == "align_every_block":
             self.step = block
         elif name == "align":
-            scheduler = math.lcm(*(g.block_size for g in plan.groups)) if plan.groups else block
+            scheduler = plan.scheduler_block_size if plan.groups else block
             if retention_interval is not None and (
                 retention_interval < 0 or retention_interval % scheduler
             ):
@@ -375,7 +373,7 @@ class CheckpointPolicy:
             # attention group can look hashes up inside a block (full attention, MLA) or has
             # blocks of one unit
             partial = (
-                bool(sizes)
+                bool(plan.state_groups)
                 and hash_block_size < block
                 and all(
                     g.kind in ("full_attention", "mla") or g.block_size == hash_block_size
