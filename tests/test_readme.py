@@ -51,3 +51,18 @@ def test_readme_command(command, monkeypatch, capsys):
         assert (ROOT / argv[1]).is_file(), command
     else:
         pytest.fail(f"README command of an unknown kind: {command}")
+
+
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_the_readme_has_python_examples():
+    assert any("Engine(" in block and "assert" in block for block in PYTHON_BLOCKS)
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.splitlines()[0][:40])
+def test_readme_python_example(block):
+    """Every python block of the README runs as written (its asserts included)."""
+    if "hybridkv.e2e" in block:
+        pytest.importorskip("transformers")
+    exec(compile(block, "README.md", "exec"), {"__name__": "__readme__"})
