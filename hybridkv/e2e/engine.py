@@ -23,23 +23,17 @@ model-running :class:`~hybridkv.sched.Executor`. One :meth:`Engine.step`:
    checkpoint slot), then the scheduler hands the sampled tokens to the allocator
    (``append_tokens``) and frees finished requests.
 
-State layouts differ between the plan (vLLM's) and transformers, and the engine converts:
+Where transformers keeps each kind of recurrent state, and how the plan's slot layouts (vLLM's)
+convert to it, is :mod:`.states` (one :class:`~.states.StateFormat` per state kind); the engine
+only gathers a batch's slots, hands them over and scatters them back.
 
-- conv state: the plan slot holds ``[kernel - 1, conv_dim]``, HF's layer keeps
-  ``[conv_dim, kernel]``. HF's decode (``causal_conv1d_update``) concatenates its ``kernel``
-  columns with the new one and convolves, producing two outputs of which it keeps the last; the
-  oldest column only feeds the discarded output. Its chunked path likewise keeps only the last
-  ``kernel`` outputs of ``[state, new]`` convolved with ``kernel - 1`` left padding, and the first
-  of those already starts at column 1. So ``kernel - 1`` columns are the whole state (vLLM stores
-  exactly that); the gather puts a zero column in front (it only reaches outputs HF discards;
-  zero keeps them finite) and the scatter drops it.
-- Gated DeltaNet recurrent state: plan ``[v_heads, head_v_dim, head_k_dim]`` (vLLM >= 0.18), HF
-  ``[v_heads, head_k_dim, head_v_dim]``: transposed both ways. Mamba-2's ``[heads, head_dim,
-  d_state]`` is the same in both.
-
-Every state is handed to HF as an already-started one (``has_previous_state``), a fresh request
-with zeros, which is what HF's own prefill implies (zero left padding of the conv, zero initial
-SSM state); one code path serves fresh requests, hits and chunk continuations alike.
+Families (tests/test_e2e.py, tests/test_e2e_families.py): Bamba, Qwen3-Next, Falcon-H1,
+GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba and LFM2 match transformers out of every
+layout. Refused, with a NotImplementedError naming the reason (:data:`.states.REFUSED`):
+MiniMax (transformers' MiniMax model keeps its lightning-attention state in its own
+``MiniMaxCache`` and raises on the ``DynamicCache`` the engine's forward builds) and
+Kimi-Linear (transformers' MLA layers hand the attention interface decompressed K/V, not the
+latent the plan's MLA pages hold).
 """
 
 from __future__ import annotations
@@ -56,11 +50,9 @@ from ..alloc import HybridAllocator
 from ..plan import MemoryPlan
 from ..sched import Scheduler, SchedulerConfig, Seq, StepOutput
 from . import attn
+from .states import FORMATS, StateFormat, check_wired, install_stepwise
 
 __all__ = ["Engine", "Request", "hf_greedy"]
-
-# state layers whose HF module keeps a (conv, recurrent) pair in a LinearAttentionLayer
-_STATE_KINDS = ("mamba2", "gated_deltanet")
 
 
 class Request(Seq):
@@ -80,13 +72,14 @@ class Request(Seq):
 
 @dataclass
 class _StateLayer:
-    """One recurrent layer: its HF layer index, state group and the plan's slot views."""
+    """One recurrent layer: its HF layer index, state group, the plan's slot views (``part ->
+    [num_slots, ...]``), how they map to transformers and the module holding or stepping it."""
 
     idx: int
     gid: int
-    conv: torch.Tensor  # [num_slots, kernel - 1, conv_dim]
-    ssm: torch.Tensor  # [num_slots, *plan shape]
-    ssm_transposed: bool  # plan and HF disagree on the order of the last two dims
+    pools: dict[str, torch.Tensor]
+    fmt: StateFormat
+    module: torch.nn.Module | None
 
 
 class Engine:
@@ -112,11 +105,14 @@ class Engine:
         on_step: Callable[[StepOutput], None] | None = None,
         **alloc_kwargs: Any,
     ) -> None:
+        check_wired(plan)  # NotImplementedError with the reason for a refused family
         attn.register()
         self.model = model
         self.config = model.config
         self.plan = plan
-        alloc_kwargs.setdefault("max_model_len", self.config.max_position_embeddings)
+        # RecurrentGemma has no max_position_embeddings (the allocator's default then)
+        if getattr(self.config, "max_position_embeddings", None) is not None:
+            alloc_kwargs.setdefault("max_model_len", self.config.max_position_embeddings)
         # the engine's prefill writes a state only where a step ends, so it cannot export the
         # mid-prefill checkpoints vLLM's Mamba-2 / FlashInfer GDN kernels do: vLLM's scheduler
         # then splits the prefill at the checkpoint instead (prefill_checkpoint_alignment=None)
@@ -141,21 +137,23 @@ class Engine:
         self.ctx = attn.PagedContext(plan, self.buffers, [])
         self.state_layers: list[_StateLayer] = []
         for p in plan.state_placements:
-            if p.kind not in _STATE_KINDS:
-                raise NotImplementedError(
-                    f"{p.layer}: {p.kind} layers are not wired to transformers' cache "
-                    f"(supported: {', '.join(_STATE_KINDS)})"
-                )
+            fmt = FORMATS[p.kind]
             views = plan.state_views(self.buffers, p.layer)
+            module = None
+            if fmt.holder == "module" or fmt.stepwise:
+                module = fmt.module_of(model, p.layer_index)
+            if fmt.stepwise:
+                install_stepwise(module)
             self.state_layers.append(
                 _StateLayer(
                     idx=p.layer_index,
                     gid=p.group_id,
-                    conv=views["conv"],
-                    ssm=views["ssm"],
-                    ssm_transposed=p.kind == "gated_deltanet",
+                    pools={n: views[n] for n in fmt.parts},
+                    fmt=fmt,
+                    module=module,
                 )
             )
+        attn.track_layer_index(model)
         self.attn_layers = self.ctx.views  # layer index -> (k_cache, v_cache, group id)
         types = set(getattr(self.config, "layer_types", None) or [])
         types |= set(getattr(self.config, "layers_block_type", None) or [])
@@ -290,7 +288,8 @@ class Engine:
             attn.set_context(None)
 
     def _load_states(self, cache: Any, reqs: list[Request]) -> dict[int, torch.Tensor]:
-        """Gather the batch's states from their slots into ``cache``'s recurrent layers."""
+        """Gather the batch's states from their slots and hand them to transformers (``cache``'s
+        recurrent layers or the modules holding them, :mod:`.states`)."""
         from ..kernels import gather_states
 
         slots: dict[int, torch.Tensor] = {}
@@ -298,32 +297,17 @@ class Engine:
             if s.gid not in slots:
                 ids = [self.alloc.state_slot(r.rid, s.gid) for r in reqs]
                 slots[s.gid] = torch.tensor(ids, dtype=torch.int64)
-            ids = slots[s.gid]
-            conv = gather_states(s.conv, ids)  # [B, K-1, C]
-            ssm = gather_states(s.ssm, ids)
-            hf_conv = torch.zeros(len(reqs), conv.shape[2], conv.shape[1] + 1, dtype=conv.dtype)
-            hf_conv[:, :, 1:] = conv.transpose(1, 2)
-            hf_ssm = ssm.transpose(-1, -2) if s.ssm_transposed else ssm
-            layer = cache.layers[s.idx]
-            layer.lazy_initialization(
-                conv_states=hf_conv, recurrent_states=hf_ssm, conv_kernel_size=hf_conv.shape[2]
-            )
-            layer.conv_states[0].copy_(hf_conv)
-            layer.recurrent_states[0].copy_(hf_ssm)
-            layer.has_previous_state[0] = True
+            states = {n: gather_states(pool, slots[s.gid]) for n, pool in s.pools.items()}
+            s.fmt.load(cache, s.module, s.idx, states)
         return slots
 
     def _store_states(self, cache: Any, slots: dict[int, torch.Tensor]) -> None:
-        """Scatter the updated states of ``cache`` back into their slots."""
+        """Scatter the updated states back into their slots."""
         from ..kernels import scatter_states
 
         for s in self.state_layers:
-            layer = cache.layers[s.idx]
-            conv = layer.conv_states[0][:, :, 1:].transpose(1, 2).contiguous()
-            ssm = layer.recurrent_states[0]
-            ssm = ssm.transpose(-1, -2).contiguous() if s.ssm_transposed else ssm.contiguous()
-            scatter_states(s.conv, slots[s.gid], conv)
-            scatter_states(s.ssm, slots[s.gid], ssm)
+            for n, t in s.fmt.store(cache, s.module, s.idx).items():
+                scatter_states(s.pools[n], slots[s.gid], t)
 
     # ---- copies ----------------------------------------------------------------------------
     def _zero_states(self, r: Request) -> None:
@@ -333,7 +317,7 @@ class Engine:
 
         for s in self.state_layers:
             ids = torch.tensor([self.alloc.state_slot(r.rid, s.gid)], dtype=torch.int64)
-            for pool in (s.conv, s.ssm):
+            for pool in s.pools.values():
                 scatter_states(pool, ids, torch.zeros((1, *pool.shape[1:]), dtype=pool.dtype))
 
     def _run_state_copies(self, copies: list[tuple[int, int, int]], *, checkpoint: bool) -> None:
@@ -354,8 +338,8 @@ class Engine:
         for s in self.state_layers:
             if s.gid in by_group:
                 src, dst = (torch.tensor(x, dtype=torch.int64) for x in by_group[s.gid])
-                copy_states(s.conv, src, dst)
-                copy_states(s.ssm, src, dst)
+                for pool in s.pools.values():
+                    copy_states(pool, src, dst)
 
     def _run_kv_copies(self, copies: list[tuple[int, int, int, int]]) -> None:
         """``(group, src block, dst block, num_tokens)``: the first tokens of a partly reused

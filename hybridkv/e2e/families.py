@@ -1,0 +1,265 @@
+"""Tiny randomly initialised configs of every hybrid family transformers ships with a recurrent
+or windowed cache: one layer of each kind (2-3 layers), hidden 64, vocab 128, fp32, so that
+one end-to-end run takes seconds on a CPU under the Triton interpreter.
+
+:data:`TINY_CONFIGS` maps a family name to its config factory; :data:`SERVED` lists the families
+:class:`~hybridkv.e2e.engine.Engine` serves, :data:`REFUSED` the others (the engine raises
+NotImplementedError for them, with the reason of :data:`hybridkv.e2e.states.REFUSED`).
+Every Mamba config keeps its chunk size at 32: transformers' torch scan pads a prefill to a
+multiple of it, and the default 256 would make every short prefill a 256-token one. Zamba2,
+LFM2 and RecurrentGemma untie their output embedding: tied and randomly initialised, their
+greedy token is the last input token again and again, which would make token equality a weak
+check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import tiny_bamba_config, tiny_qwen3_next_config
+
+__all__ = ["REFUSED", "SERVED", "TINY_CONFIGS"]
+
+# initializer_range 0.1, not 0.02: at 0.02 zeroing the recurrent states 48 tokens in moves
+# the logits by as little as 6e-6 (LFM2), 2e-5 (Falcon-H1, Jamba's SSM), under the tests'
+# tolerance, so a lost state would go unseen; at 0.1 by 0.02 or more (tests/test_e2e_families)
+_COMMON: dict[str, Any] = dict(
+    vocab_size=128, hidden_size=64, max_position_embeddings=512, initializer_range=0.1
+)
+
+
+def tiny_falcon_h1_config():
+    """Falcon-H1: attention and Mamba-2 side by side in both layers."""
+    from transformers import FalconH1Config
+
+    return FalconH1Config(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=32,
+    )
+
+
+def tiny_granitemoehybrid_config():
+    """GraniteMoeHybrid: Mamba-2, then attention; a 4-expert MoE with a shared MLP."""
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+    )
+
+
+def tiny_nemotron_h_config():
+    """NemotronH: ``M*-`` (Mamba-2, attention, MLP)."""
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        hybrid_override_pattern="M*-",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=32,
+    )
+
+
+def tiny_zamba2_config():
+    """Zamba2: Mamba-2 in both layers, and both also run the one shared attention block (one
+    module, two KV caches)."""
+    from transformers import Zamba2Config
+
+    return Zamba2Config(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        layers_block_type=["hybrid", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_head_dim=32,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_ngroups=1,
+        mamba_headdim=32,
+        n_mamba_heads=4,
+        chunk_size=32,
+        num_mem_blocks=1,
+        use_shared_attention_adapter=False,
+        use_mem_rope=True,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_qwen3_5_config():
+    """Qwen3.5 (text): Gated DeltaNet, then gated attention."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=2,
+    )
+
+
+def tiny_jamba_config():
+    """Jamba: Mamba-1, then attention with a 4-expert MoE."""
+    from transformers import JambaConfig
+
+    return JambaConfig(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+    )
+
+
+def tiny_lfm2_config():
+    """LFM2: a gated short conv (3 taps), then GQA attention."""
+    from transformers import Lfm2Config
+
+    return Lfm2Config(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+        conv_L_cache=3,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_recurrent_gemma_config():
+    """RecurrentGemma: RG-LRU, then local attention over a 16-token window."""
+    from transformers import RecurrentGemmaConfig
+
+    return RecurrentGemmaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        lru_width=64,
+        attention_window_size=16,
+        conv1d_width=4,
+        block_types=["recurrent", "attention"],
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_minimax_config():
+    """MiniMax: lightning (linear) attention, then softmax attention; a 4-expert MoE."""
+    from transformers import MiniMaxConfig
+
+    return MiniMaxConfig(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+        block_size=16,
+    )
+
+
+def tiny_kimi_linear_config():
+    """Kimi-Linear: KDA, then MLA; dense MLPs."""
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig(
+        **_COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_experts=4,
+        num_experts_per_token=2,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "dense"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+TINY_CONFIGS: dict[str, Callable[[], Any]] = {
+    "bamba": tiny_bamba_config,
+    "qwen3_next": tiny_qwen3_next_config,
+    "falcon_h1": tiny_falcon_h1_config,
+    "granitemoehybrid": tiny_granitemoehybrid_config,
+    "nemotron_h": tiny_nemotron_h_config,
+    "zamba2": tiny_zamba2_config,
+    "qwen3_5": tiny_qwen3_5_config,
+    "jamba": tiny_jamba_config,
+    "lfm2": tiny_lfm2_config,
+    "recurrent_gemma": tiny_recurrent_gemma_config,
+    "minimax": tiny_minimax_config,
+    "kimi_linear": tiny_kimi_linear_config,
+}
+REFUSED = ("minimax", "kimi_linear")
+SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

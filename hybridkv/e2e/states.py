@@ -1,0 +1,218 @@
+"""Recurrent states between a plan's state slots and transformers: one :class:`StateFormat` per
+state kind, and the kinds the engine refuses, with the reason (:data:`REFUSED`).
+
+Every state the engine hands to transformers is an already-started one, a fresh request's
+being zeros (which is what transformers' own prefill implies: zero left padding of the conv, zero
+initial recurrent state), so one code path serves fresh requests, prefix hits and chunk
+continuations alike. Where transformers keeps a state and in which layout:
+
+- ``mamba2`` (Bamba, Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2), ``gated_deltanet``
+  (Qwen3-Next, Qwen3.5), ``mamba1`` (Jamba), ``short_conv`` (LFM2): the ``DynamicCache``'s
+  ``LinearAttentionLayer`` of the layer, written with ``Cache.update_conv_state`` /
+  ``update_recurrent_state`` and read back with ``get_conv_state`` / ``get_recurrent_state``.
+- ``rglru`` (RecurrentGemma): attributes of the model's own modules, ``temporal_block
+  .conv1d_state`` ``[B, lru_width, width - 1]`` and ``temporal_block.rg_lru.recurrent_states``
+  ``[B, lru_width]`` (fp32); transformers' cache layer for it stays empty.
+
+Layout conversions (plan = vLLM's layout):
+
+- conv state: the plan slot holds ``[kernel - 1, conv_dim]``, the ``LinearAttentionLayer``
+  ``[conv_dim, kernel]``. Transformers' decode (``causal_conv1d_update``) concatenates its
+  ``kernel`` columns with the new one and convolves, producing two outputs of which it keeps
+  the last; the oldest column only feeds the discarded output. Its chunked path likewise keeps
+  only the last ``kernel`` outputs of ``[state, new]`` convolved with ``kernel - 1`` left
+  padding, and the first of those already starts at column 1. So ``kernel - 1`` columns are the
+  whole state (vLLM stores exactly that); loading puts a zero column in front (it only reaches
+  outputs transformers discards; zero keeps them finite) and storing drops it. RecurrentGemma
+  keeps exactly ``width - 1`` columns: a transpose.
+- Gated DeltaNet recurrent state: plan ``[v_heads, head_v_dim, head_k_dim]`` (vLLM >= 0.18),
+  transformers ``[v_heads, head_k_dim, head_v_dim]``: transposed both ways. Mamba-2's ``[heads,
+  head_dim, d_state]``, Mamba-1's ``[intermediate, d_state]`` and RG-LRU's ``[lru_width]`` are
+  the same in both.
+
+Stepping. Two modules of transformers cannot continue a multi-token forward from a state:
+Jamba's Mamba-1 mixer (its full-sequence scan, ``mamba_selective_scan``, always starts from a
+zero state) and RecurrentGemma's recurrent block (its prefill convolves the new tokens with zero
+left padding, ignoring the conv state). For those kinds (``StateFormat.stepwise``) the engine
+runs a multi-token forward of the module one token at a time through the module's own decode
+path, which does continue the state; only in the engine's forwards (see
+:func:`install_stepwise`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import attn
+
+__all__ = ["FORMATS", "REFUSED", "StateFormat", "check_wired", "install_stepwise", "refusal"]
+
+#: layer kinds (of the plan's state and KV placements) the engine cannot serve, and why
+REFUSED: dict[str, str] = {
+    "linear_attention": (
+        "MiniMax lightning attention: transformers' MiniMax model keeps its linear-attention "
+        "state in its own MiniMaxCache (a list of per-layer tensors) and raises on any other "
+        "cache, while the engine's forward hands every model a DynamicCache built from the "
+        "config; wiring it needs a MiniMaxCache-building forward"
+    ),
+    "mla": (
+        "transformers' MLA layer (Kimi-Linear) passes the compressed latent only to "
+        "Cache.update and hands the attention interface per-head K/V expanded from it by "
+        "kv_b_proj, so the engine's paged attention would page expanded K/V, not the latent "
+        "the plan's MLA pages hold and mla_decode_attention (absorbed MLA) reads; wiring it "
+        "needs an absorbed-MLA forward in place of the layer's"
+    ),
+    "kda": (
+        "no StateFormat for Kimi Delta Attention: the one transformers family with it "
+        "(Kimi-Linear) pairs it with MLA layers, refused, so a format could not be tested"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """How one state kind's plan slots map to what transformers keeps.
+
+    ``conv`` / ``recurrent``: whether the kind has that state (plan views ``"conv"`` and
+    ``"ssm"``); ``transposed``: the recurrent state's last two dims are swapped between the
+    plan and transformers; ``conv_pad``: columns transformers keeps in front of the plan's
+    ``kernel - 1``; ``holder``: ``"cache"`` (the ``DynamicCache`` layer) or ``"module"``
+    (attributes of the model's modules, see :meth:`module_of`); ``stepwise``: the module's
+    multi-token forward ignores a previous state, so the engine steps it token by token."""
+
+    kind: str
+    conv: bool = True
+    recurrent: bool = True
+    transposed: bool = False
+    conv_pad: int = 1
+    holder: str = "cache"
+    stepwise: bool = False
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(n for n, has in (("conv", self.conv), ("ssm", self.recurrent)) if has)
+
+    # ---- plan slot tensors <-> transformers' ------------------------------------------------
+    def to_hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A batch of plan states ``[B, *slot shape]`` of part ``name`` in transformers' layout."""
+        if name == "conv":  # [B, K-1, C] -> [B, C, K-1+pad]
+            hf = t.new_zeros(t.shape[0], t.shape[2], t.shape[1] + self.conv_pad)
+            hf[:, :, self.conv_pad :] = t.transpose(1, 2)
+            return hf
+        return t.transpose(-1, -2).contiguous() if self.transposed else t.clone()
+
+    def from_hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`to_hf`."""
+        if name == "conv":
+            return t[:, :, self.conv_pad :].transpose(1, 2).contiguous()
+        return t.transpose(-1, -2).contiguous() if self.transposed else t.contiguous()
+
+    # ---- where transformers keeps them -------------------------------------------------------
+    def module_of(self, model: torch.nn.Module, idx: int) -> torch.nn.Module:
+        """The module of decoder layer ``idx`` that holds (``holder="module"``) or steps
+        (``stepwise``) this kind's state."""
+        layer = model.get_decoder().layers[idx]
+        for name in ("mamba", "mixer", "temporal_block"):
+            if hasattr(layer, name):
+                return getattr(layer, name)
+        raise ValueError(f"decoder layer {idx} ({type(layer).__name__}) has no {self.kind} module")
+
+    def load(self, cache: Any, module: torch.nn.Module | None, idx: int, states: dict) -> None:
+        """Hand ``states`` (``part -> [B, ...]`` in the plan's layout) to transformers as the
+        already-started state of layer ``idx``."""
+        hf = {n: self.to_hf(n, t) for n, t in states.items()}
+        if self.holder == "module":
+            module.conv1d_state = hf["conv"]
+            module.rg_lru.recurrent_states = hf["ssm"]
+            return
+        if self.conv:
+            # a first update takes the whole tensor as the state and marks it started
+            cache.update_conv_state(hf["conv"], idx, conv_kernel_size=hf["conv"].shape[2])
+        if self.recurrent:
+            cache.update_recurrent_state(hf["ssm"], idx)
+        # a recurrent-only layer has no conv update to mark it started (public attribute)
+        cache.layers[idx].has_previous_state[0] = True
+
+    def store(self, cache: Any, module: torch.nn.Module | None, idx: int) -> dict:
+        """Layer ``idx``'s updated states (``part -> [B, ...]``) in the plan's layout."""
+        if self.holder == "module":
+            hf = {"conv": module.conv1d_state, "ssm": module.rg_lru.recurrent_states}
+            # back to 'no state': the module then starts afresh when run outside the engine
+            module.conv1d_state = module.rg_lru.recurrent_states = None
+        else:
+            hf = {}
+            if self.conv:
+                hf["conv"] = cache.get_conv_state(idx)
+            if self.recurrent:
+                hf["ssm"] = cache.get_recurrent_state(idx)
+        return {n: self.from_hf(n, t) for n, t in hf.items()}
+
+
+FORMATS: dict[str, StateFormat] = {
+    "mamba2": StateFormat("mamba2"),
+    "gated_deltanet": StateFormat("gated_deltanet", transposed=True),
+    "mamba1": StateFormat("mamba1", stepwise=True),
+    "short_conv": StateFormat("short_conv", recurrent=False),
+    "rglru": StateFormat("rglru", conv_pad=0, holder="module", stepwise=True),
+}
+
+
+def refusal(kind: str) -> str | None:
+    """Why the engine cannot serve layer kind ``kind`` (None: it can, or it is attention)."""
+    if kind in REFUSED:
+        return REFUSED[kind]
+    if kind in FORMATS or kind in ("full_attention", "sliding_window"):
+        return None
+    return f"no StateFormat for {kind!r} layers (wired: {', '.join(FORMATS)})"
+
+
+def check_wired(plan: Any) -> None:
+    """NotImplementedError naming every refused layer kind of ``plan`` and why."""
+    kinds = [p.kind for p in (*plan.kv_placements, *plan.state_placements)]
+    refused = dict.fromkeys(k for k in kinds if k in REFUSED)
+    refused |= dict.fromkeys(k for k in kinds[len(plan.kv_placements) :] if k not in FORMATS)
+    if refused:
+        reasons = "; ".join(f"{k} layers: {refusal(k)}" for k in refused)
+        raise NotImplementedError(f"{plan.model_name} cannot be served by the engine: {reasons}")
+
+
+def _stepping() -> bool:
+    """Inside an engine's forward (its paged-attention context is set)."""
+    return attn.current_context() is not None
+
+
+def install_stepwise(module: torch.nn.Module) -> None:
+    """Make a multi-token forward of ``module`` run as one forward per token (the module's
+    decode path, which continues the state it was given) inside an engine's forward; outside,
+    as transformers alone runs it, the module is unchanged. Installing twice is a no-op."""
+    if getattr(module.forward, "hybridkv_stepwise", False):
+        return
+    orig = module.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        t = hidden_states.shape[1]
+        if t == 1 or not _stepping():
+            return orig(hidden_states, *args, **kwargs)
+        outs = [_step(orig, hidden_states, i, args, kwargs) for i in range(t)]
+        if isinstance(outs[0], tuple):  # (hidden, extra), as RecurrentGemma's block returns
+            return (torch.cat([o[0] for o in outs], 1), *outs[-1][1:])
+        return torch.cat(outs, 1)
+
+    forward.hybridkv_stepwise = True  # type: ignore[attr-defined]
+    module.forward = forward
+
+
+def _step(forward: Callable, hidden: torch.Tensor, i: int, args: tuple, kwargs: dict) -> Any:
+    """``forward`` on token ``i``: every ``[B, T, ...]`` argument sliced to ``[B, 1, ...]``."""
+    t = hidden.shape[1]
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == t:
+            return x[:, i : i + 1]
+        return x
+
+    return forward(cut(hidden), *(cut(a) for a in args), **{k: cut(v) for k, v in kwargs.items()})
