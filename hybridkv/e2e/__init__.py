@@ -103,12 +103,12 @@ def make_tiny_plan(
 ):
     """hybridkv memory plan for the tiny model's config (``kwargs`` go to ``make_plan``, e.g.
     ``state_slots_per_seq=2`` for prefix caching, or ``fit_tokens=N`` for the smallest plan
-    that holds N tokens); 4 MiB unless ``memory`` or ``fit_tokens`` says otherwise."""
+    that holds N tokens); 4 MiB unless ``memory`` or ``fit_tokens`` says otherwise. Block size
+    16 unless the model's kernels need more (64 for MLA)."""
     from hybridkv.layouts import make_plan
 
     if memory is None and kwargs.get("fit_tokens") is None:
         memory = "4MiB"
-    kwargs.setdefault("block_size", 16)
-    return make_plan(
-        hybrid_model_for(config), layout, memory=memory, max_num_seqs=max_num_seqs, **kwargs
-    )
+    model = hybrid_model_for(config)
+    kwargs.setdefault("block_size", max(16, model.kernel_alignment))  # MLA: 64
+    return make_plan(model, layout, memory=memory, max_num_seqs=max_num_seqs, **kwargs)

@@ -16,6 +16,10 @@ decoder layer's index as a ``layer_idx`` argument) is resolved by :func:`track_l
 which records that argument at each call. A sliding-window group's layers pass the group's
 window to the kernels (the allocator frees the blocks that fall out of it, so reading them
 would read the null block).
+
+MLA layers (Kimi-Linear) bypass the attention interface, which transformers hands K/V already
+expanded from the latent: :func:`install_mla` has the module run :func:`mla_forward` (latent
+pages, absorbed ``mla_decode_attention``) inside an engine's forward.
 """
 
 from __future__ import annotations
@@ -144,6 +148,83 @@ def paged_attention(
             q, k_cache, v_cache, table, cu, seq_lens, scale, sliding_window=window
         )
     return out.reshape(b, t, hq, out.shape[-1]), None
+
+
+def install_mla_layers(model: torch.nn.Module, plan: MemoryPlan) -> None:
+    """:func:`install_mla` on the attention module of every MLA layer of ``plan``."""
+    for p in plan.kv_placements:
+        if p.kind == "mla":
+            install_mla(model.get_decoder().layers[p.layer_index].self_attn)
+
+
+def install_mla(module: torch.nn.Module) -> None:
+    """Have an MLA attention module (transformers' ``KimiLinearMLA``: ``q_proj`` or the
+    ``q_a/q_b`` pair, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``)
+    run :func:`mla_forward` inside an engine's forward (a context is set); outside, it runs
+    unchanged. Installing twice is a no-op.
+
+    Why not the attention interface: transformers' MLA passes the compressed latent only to
+    ``Cache.update`` and hands the interface per-head K/V already expanded by ``kv_b_proj``,
+    while the plan's MLA pages hold the latent that :func:`mla_decode_attention` reads."""
+    if getattr(module.forward, "hybridkv_mla", False):
+        return
+    orig = module.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        if _CTX is None:
+            return orig(hidden_states, *args, **kwargs)
+        if kwargs.get("position_embeddings") is not None:
+            raise NotImplementedError("mla_forward has no rotary embedding (Kimi-Linear is NoPE)")
+        return mla_forward(module, hidden_states), None
+
+    forward.hybridkv_mla = True  # type: ignore[attr-defined]
+    module.forward = forward
+
+
+def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Absorbed MLA over the plan's latent pages, ``hidden_states [B, T, hidden]`` ->
+    ``[B, T, hidden]``: the new tokens' latents ``[c_kv, k_pe]`` are written into the pages,
+    ``W_UK`` (``kv_b_proj``'s key rows) is folded into the query and ``W_UV`` applied to the
+    attention-weighted latent, and every query token is one :func:`mla_decode_attention` row
+    over its prefix (causal by construction; T rows per request in a prefill). No rotary
+    embedding: Kimi-Linear's MLA is NoPE (transformers applies none)."""
+    from ..kernels import mla_decode_attention
+
+    ctx = _CTX
+    m = module
+    b, t, _ = hidden_states.shape
+    h, d_nope, d_rope, d_v = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    if m.q_lora_rank is None:
+        q = m.q_proj(hidden_states)
+    else:
+        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)))
+    q_nope, q_pe = q.view(b * t, h, d_nope + d_rope).split([d_nope, d_rope], dim=-1)
+    c_kv, k_pe = m.kv_a_proj_with_mqa(hidden_states).split([m.kv_lora_rank, d_rope], dim=-1)
+    latent = torch.cat([m.kv_a_layernorm(c_kv), k_pe], dim=-1).reshape(b * t, -1)
+
+    layer = ctx.layer_of(m)
+    cache, _, gid = ctx.views[layer]
+    table = ctx.table(gid).to(torch.int32).contiguous()
+    bs = cache.shape[1]
+    start = ctx.start if ctx.start is not None else torch.zeros(b, dtype=torch.int64)
+    pos = start.to(torch.int64)[:, None] + torch.arange(t)  # [B, T]
+    blocks = table.to(torch.int64).gather(1, pos // bs).reshape(-1)
+    cache.view(cache.shape[0], bs, -1)[blocks, (pos % bs).reshape(-1)] = latent.to(cache.dtype)
+
+    w = m.kv_b_proj.weight.view(h, d_nope + d_v, m.kv_lora_rank)
+    q_abs = torch.einsum("xhn,hnc->xhc", q_nope, w[:, :d_nope]).contiguous()
+    seq_lens = (pos + 1).reshape(-1).to(torch.int32)
+    out = mla_decode_attention(
+        q_abs,
+        q_pe.contiguous(),
+        cache,
+        table.repeat_interleave(t, dim=0),
+        seq_lens,
+        m.scaling,
+        max_seq_len=int(seq_lens.max()),
+    )
+    out = torch.einsum("xhc,hvc->xhv", out, w[:, d_nope:])
+    return m.o_proj(out.reshape(b, t, h * d_v))
 
 
 def register() -> None:

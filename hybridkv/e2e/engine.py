@@ -27,13 +27,23 @@ Where transformers keeps each kind of recurrent state, and how the plan's slot l
 convert to it, is :mod:`.states` (one :class:`~.states.StateFormat` per state kind); the engine
 only gathers a batch's slots, hands them over and scatters them back.
 
-Families (tests/test_e2e.py, tests/test_e2e_families.py): Bamba, Qwen3-Next, Falcon-H1,
-GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba and LFM2 match transformers out of every
-layout. Refused, with a NotImplementedError naming the reason (:data:`.states.REFUSED`):
-MiniMax (transformers' MiniMax model keeps its lightning-attention state in its own
-``MiniMaxCache`` and raises on the ``DynamicCache`` the engine's forward builds) and
-Kimi-Linear (transformers' MLA layers hand the attention interface decompressed K/V, not the
-latent the plan's MLA pages hold).
+Families (tests/test_e2e.py, tests/test_e2e_families.py), each matching transformers out of
+every layout: Bamba, Qwen3-Next, Falcon-H1 (attention and Mamba-2 in one layer), GraniteMoeHybrid,
+NemotronH, Zamba2 (its shared attention module is called with the decoder layer's index, which
+:func:`.attn.track_layer_index` records), Qwen3.5, Jamba (Mamba-1), LFM2 (short conv),
+RecurrentGemma (RG-LRU state in the model's modules; local attention through the kernels'
+sliding-window path) and Kimi-Linear (KDA; MLA through :func:`.attn.mla_forward` and
+``mla_decode_attention``). Jamba's and RecurrentGemma's recurrent modules cannot continue a
+multi-token forward from a state in transformers, so the engine steps them token by token
+(:mod:`.states`). Refused, with a NotImplementedError naming the reason
+(:data:`.states.REFUSED`): MiniMax, whose transformers model keeps its lightning-attention
+state in its own ``MiniMaxCache`` and raises on the ``DynamicCache`` the engine's forward
+builds.
+
+Private transformers fields: only ``config._attn_implementation``, saved, set and restored by
+:meth:`Engine._paged_attention` so that the same model still runs stock attention outside the
+engine (``PreTrainedModel.set_attn_implementation`` is the public setter, but it validates
+and dispatches over sub-configs and offers no public read of the current value to restore).
 """
 
 from __future__ import annotations
@@ -154,6 +164,7 @@ class Engine:
                 )
             )
         attn.track_layer_index(model)
+        attn.install_mla_layers(model, plan)
         self.attn_layers = self.ctx.views  # layer index -> (k_cache, v_cache, group id)
         types = set(getattr(self.config, "layer_types", None) or [])
         types |= set(getattr(self.config, "layers_block_type", None) or [])

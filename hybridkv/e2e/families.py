@@ -261,5 +261,5 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "minimax": tiny_minimax_config,
     "kimi_linear": tiny_kimi_linear_config,
 }
-REFUSED = ("minimax", "kimi_linear")
+REFUSED = ("minimax",)
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

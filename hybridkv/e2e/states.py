@@ -7,9 +7,11 @@ initial recurrent state), so one code path serves fresh requests, prefix hits an
 continuations alike. Where transformers keeps a state and in which layout:
 
 - ``mamba2`` (Bamba, Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2), ``gated_deltanet``
-  (Qwen3-Next, Qwen3.5), ``mamba1`` (Jamba), ``short_conv`` (LFM2): the ``DynamicCache``'s
-  ``LinearAttentionLayer`` of the layer, written with ``Cache.update_conv_state`` /
-  ``update_recurrent_state`` and read back with ``get_conv_state`` / ``get_recurrent_state``.
+  (Qwen3-Next, Qwen3.5), ``mamba1`` (Jamba), ``short_conv`` (LFM2), ``kda`` (Kimi-Linear): the
+  ``DynamicCache``'s ``LinearAttentionLayer`` of the layer, written with
+  ``Cache.update_conv_state`` / ``update_recurrent_state`` and read back with
+  ``get_conv_state`` / ``get_recurrent_state`` (public methods; only a recurrent-only layer
+  would need the public ``has_previous_state`` flag set by hand).
 - ``rglru`` (RecurrentGemma): attributes of the model's own modules, ``temporal_block
   .conv1d_state`` ``[B, lru_width, width - 1]`` and ``temporal_block.rg_lru.recurrent_states``
   ``[B, lru_width]`` (fp32); transformers' cache layer for it stays empty.
@@ -28,7 +30,10 @@ Layout conversions (plan = vLLM's layout):
 - Gated DeltaNet recurrent state: plan ``[v_heads, head_v_dim, head_k_dim]`` (vLLM >= 0.18),
   transformers ``[v_heads, head_k_dim, head_v_dim]``: transposed both ways. Mamba-2's ``[heads,
   head_dim, d_state]``, Mamba-1's ``[intermediate, d_state]`` and RG-LRU's ``[lru_width]`` are
-  the same in both.
+  the same in both. KDA's ``[heads, head_dim, head_dim]`` is square, kept in transformers'
+  ``[K, V]`` order (a transposed order would serve equally; which one vLLM's KDA kernels
+  keep is not checked here). Fused q/k/v convs (GDN, KDA) keep one conv state over the
+  concatenated channels in both.
 
 Stepping. Two modules of transformers cannot continue a multi-token forward from a state:
 Jamba's Mamba-1 mixer (its full-sequence scan, ``mamba_selective_scan``, always starts from a
@@ -58,17 +63,6 @@ REFUSED: dict[str, str] = {
         "state in its own MiniMaxCache (a list of per-layer tensors) and raises on any other "
         "cache, while the engine's forward hands every model a DynamicCache built from the "
         "config; wiring it needs a MiniMaxCache-building forward"
-    ),
-    "mla": (
-        "transformers' MLA layer (Kimi-Linear) passes the compressed latent only to "
-        "Cache.update and hands the attention interface per-head K/V expanded from it by "
-        "kv_b_proj, so the engine's paged attention would page expanded K/V, not the latent "
-        "the plan's MLA pages hold and mla_decode_attention (absorbed MLA) reads; wiring it "
-        "needs an absorbed-MLA forward in place of the layer's"
-    ),
-    "kda": (
-        "no StateFormat for Kimi Delta Attention: the one transformers family with it "
-        "(Kimi-Linear) pairs it with MLA layers, refused, so a format could not be tested"
     ),
 }
 
@@ -158,6 +152,7 @@ FORMATS: dict[str, StateFormat] = {
     "mamba1": StateFormat("mamba1", stepwise=True),
     "short_conv": StateFormat("short_conv", recurrent=False),
     "rglru": StateFormat("rglru", conv_pad=0, holder="module", stepwise=True),
+    "kda": StateFormat("kda"),
 }
 
 
