@@ -81,25 +81,32 @@ def tiny_qwen3_next_config(num_layers: int = 4):
     )
 
 
-def build_tiny_model(config, seed: int = 0):
-    """Randomly initialised fp32 CPU causal LM for `config` (no downloads)."""
+def build_tiny_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Randomly initialised CPU causal LM for `config` (no downloads), fp32 unless ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).float().eval()
+    return AutoModelForCausalLM.from_config(config).float().to(dtype).eval()
 
 
-def hybrid_model_for(config):
-    """The :class:`~hybridkv.models.HybridModel` of an HF config, with fp32 caches."""
+def hybrid_model_for(config, dtype: str = "float32"):
+    """The :class:`~hybridkv.models.HybridModel` of an HF config, with ``dtype`` caches (the
+    states' dtype as the config declares it: e.g. Qwen3.5's ``mamba_ssm_dtype``)."""
     from hybridkv.models import from_hf_config
 
     d = config.to_dict()
-    d["torch_dtype"] = d["dtype"] = "float32"  # else the plan assumes bf16 pages
+    d["torch_dtype"] = d["dtype"] = dtype  # else the plan assumes the config's (bf16) pages
     return from_hf_config(d)
 
 
 def make_tiny_plan(
-    config, layout: str, *, memory: int | str | None = None, max_num_seqs: int = 4, **kwargs: Any
+    config,
+    layout: str,
+    *,
+    memory: int | str | None = None,
+    max_num_seqs: int = 4,
+    dtype: str = "float32",
+    **kwargs: Any,
 ):
     """hybridkv memory plan for the tiny model's config (``kwargs`` go to ``make_plan``, e.g.
     ``state_slots_per_seq=2`` for prefix caching, or ``fit_tokens=N`` for the smallest plan
@@ -109,6 +116,6 @@ def make_tiny_plan(
 
     if memory is None and kwargs.get("fit_tokens") is None:
         memory = "4MiB"
-    model = hybrid_model_for(config)
+    model = hybrid_model_for(config, dtype)
     kwargs.setdefault("block_size", max(16, model.kernel_alignment))  # MLA: 64
     return make_plan(model, layout, memory=memory, max_num_seqs=max_num_seqs, **kwargs)

@@ -141,6 +141,9 @@ def tiny_qwen3_5_config():
         linear_value_head_dim=32,
         linear_conv_kernel_dim=4,
         full_attention_interval=2,
+        # as the released Qwen3.5 configs declare (vLLM keeps the state in it): transformers'
+        # torch GDN computes the state in fp32 and keeps it so, whatever the model's dtype
+        mamba_ssm_dtype="float32",
     )
 
 
