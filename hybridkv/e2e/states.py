@@ -117,7 +117,9 @@ class StateFormat:
 
     def load(self, cache: Any, module: torch.nn.Module | None, idx: int, states: dict) -> None:
         """Hand ``states`` (``part -> [B, ...]`` in the plan's layout) to transformers as the
-        already-started state of layer ``idx``."""
+        already-started state of layer ``idx``. ``cache`` must be fresh (the engine builds one
+        per forward): a first ``update_conv_state`` takes the tensor as the whole state, a
+        later one would append to it."""
         hf = {n: self.to_hf(n, t) for n, t in states.items()}
         if self.holder == "module":
             module.conv1d_state = hf["conv"]
