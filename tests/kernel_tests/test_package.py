@@ -17,7 +17,10 @@ def test_reexport_is_the_kernel_modules_object(name):
     (owner,) = [
         m for m in MODULES if hasattr(importlib.import_module(f"hybridkv_kernels.{m}"), name)
     ]
-    assert getattr(hk, name) is getattr(importlib.import_module(f"hybridkv_kernels.{owner}"), name)
+    # by module and name, not identity: a test that reloads a kernel module (to pin another
+    # autotune config) replaces its functions after hybridkv.kernels imported them
+    got = getattr(hk, name)
+    assert (got.__module__, got.__qualname__) == (f"hybridkv_kernels.{owner}", name)
 
 
 def test_every_wrapper_has_its_reference():
