@@ -78,9 +78,7 @@ ENGINE_KW = dict(prefill_chunk=64, max_num_batched_tokens=160)
     "name,layout,policy,memory",
     [
         ("bamba", "pack", "align", "4MiB"),
-        ("bamba", "two_level", "last", "4MiB"),
         ("qwen3_next", "per_group", "marconi", "4MiB"),
-        ("qwen3_next", "inflate", "align", "tight"),
         ("bamba", "aggregate", "last", "tight"),
     ],
 )
