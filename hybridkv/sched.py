@@ -155,6 +155,12 @@ class Seq:
         prompt = self.prompt.tolist() if hasattr(self.prompt, "tolist") else list(self.prompt)
         return prompt + self.outputs
 
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """``tokens()[start:stop]`` without building the whole list (a decode step reads one)."""
+        n = self.prompt_len
+        head = [int(t) for t in self.prompt[start:stop]] if start < n else []
+        return head + self.outputs[max(0, start - n) : max(0, stop - n)]
+
     def __repr__(self) -> str:
         return f"Seq({self.rid!r}, {self.num_tokens} tokens, {len(self.outputs)} generated)"
 

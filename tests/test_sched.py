@@ -269,3 +269,14 @@ def test_preemption_recomputes_and_admits_nobody_in_that_step():
         (s, out) for out in ex.steps for s in out.admitted if s.preempted_at and len(s.hits) > 1
     ]
     assert readmit
+
+
+@pytest.mark.parametrize("kind", ["list", "int32-array"])
+def test_token_range_is_a_slice_of_tokens(kind):
+    prompt = [5, 6, 7, 8] if kind == "list" else np.array([5, 6, 7, 8], dtype=np.int32)
+    seq = Seq("r", prompt, 5)
+    seq.outputs += [9, 10, 11]
+    full = seq.tokens()
+    for a in range(len(full) + 1):
+        for b in range(a, len(full) + 2):
+            assert seq.token_range(a, b) == full[a:b], (a, b)

@@ -258,7 +258,7 @@ class Engine:
         reqs = [r for r, _, _ in batch]
         t = batch[0][2]
         start = torch.tensor([s for _, s, _ in batch], dtype=torch.int64)
-        ids = torch.tensor([r.tokens()[s : s + t] for r, s, _ in batch])
+        ids = torch.tensor([r.token_range(s, s + t) for r, s, _ in batch])
         pos = start[:, None] + torch.arange(t)
         tables = self.alloc.block_tables([r.rid for r in reqs])
         cache = DynamicCache(config=self.config)
