@@ -1,7 +1,7 @@
 """End to end for every hybrid family beyond Bamba and Qwen3-Next (tests/test_e2e.py): tiny
 random Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, RecurrentGemma and
 Kimi-Linear served by :class:`hybridkv.e2e.engine.Engine` out of every layout's plan, against
-the same model run by transformers alone; MiniMax refused with its reason.
+the same model run by transformers alone, MiniMax included (its own MiniMaxCache).
 
 Every engine run poisons its cache memory with NaN (the null block included), so a read of
 anything nothing wrote (a stale slot, a page past a request's length, a block a sliding window
@@ -19,10 +19,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hybridkv.e2e import build_tiny_model, make_tiny_plan, states
+from hybridkv.e2e import build_tiny_model, hybrid_model_for, make_tiny_plan, states
 from hybridkv.e2e.engine import Engine, hf_greedy
 from hybridkv.e2e.families import REFUSED, TINY_CONFIGS
-from hybridkv.e2e.states import REFUSED as REASONS
 from hybridkv.layouts import LAYOUTS
 
 TOL = 1e-4
@@ -67,15 +66,17 @@ def test_tiny_references_are_not_degenerate():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_states_matter(name):
     """The comparisons can see a lost state: transformers continuing 48 tokens in from zeroed
-    recurrent states (the cache's, or RecurrentGemma's module attributes) ends far outside
-    the tolerance."""
-    from transformers import DynamicCache
-
+    recurrent states (the cache's, MiniMax's linear cache, or RecurrentGemma's module
+    attributes) ends far outside the tolerance."""
     model, p = _model(name), torch.tensor([_prompt(54, seed=1)])
-    cache = DynamicCache(config=model.config)
+    kinds = hybrid_model_for(model.config).layer_kinds
+    cache = states.cache_factory(model.config, kinds)()  # MiniMax's forward takes only its own
     with torch.no_grad():
         full = model(p).logits[0, -1]
         model(p[:, :48], cache=cache, use_cache=True)
+        for t in getattr(cache, "linear_cache", []):
+            if isinstance(t, torch.Tensor):
+                t.zero_()
         for layer in cache.layers:
             for held in (
                 getattr(layer, "conv_states", {}),
@@ -218,15 +219,17 @@ def test_qwen3_5_keeps_its_ssm_state_in_fp32():
         assert torch.equal(back, held), part
 
 
-@pytest.mark.parametrize("name", REFUSED)
-def test_refused_families_raise_with_the_reason(name):
-    cfg = TINY_CONFIGS[name]()
-    plan = make_tiny_plan(cfg, "per_group")
-    kinds = {p.kind for p in (*plan.kv_placements, *plan.state_placements)} & set(REASONS)
-    assert kinds
+def test_no_family_is_refused():
+    assert not REFUSED and not states.REFUSED
+
+
+def test_an_unwired_state_kind_is_refused_with_its_name(monkeypatch):
+    """A plan with a state kind no StateFormat wires (Mamba-2's, taken away here) is refused
+    before anything runs, with an error that names the kind and what is wired."""
+    monkeypatch.delitem(states.FORMATS, "mamba2")
+    cfg = TINY_CONFIGS["falcon_h1"]()
     model = torch.nn.Module()
     model.config = cfg
     with pytest.raises(NotImplementedError, match="cannot be served") as err:
-        Engine(model, plan)
-    for kind in kinds:
-        assert REASONS[kind] in str(err.value)
+        Engine(model, make_tiny_plan(cfg, "per_group"))
+    assert "no StateFormat for 'mamba2' layers (wired: " in str(err.value)

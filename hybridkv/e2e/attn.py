@@ -8,7 +8,11 @@ the model was given keeps nothing that this function reads.
 
 Per-forward inputs come from a :class:`PagedContext` set with :func:`set_context`: the block
 table of every KV cache group (one row per request) and each request's number of tokens already
-in the cache, so that request ``b``'s token ``t`` sits at position ``start[b] + t``.
+in the cache. A forward is either a batch (``[B, T]``: request ``b``'s token ``t`` sits at
+position ``start[b] + t``) or packed (``[1, T]`` holding every request's tokens back to back,
+request ``b``'s from ``cu_seqlens[b]`` to ``cu_seqlens[b + 1]``: varlen, no padding), which is
+how the engine batches prefill chunks of different lengths; :meth:`PagedContext.token_positions`
+maps either to each token's request and position.
 
 A layer's pages are found by the module's ``layer_idx``. A module shared by several decoder
 layers (Zamba2's shared attention blocks carry ``layer_idx = -1`` and are called with the
@@ -39,7 +43,8 @@ ATTN_NAME = "hybridkv_paged"
 @dataclass
 class PagedContext:
     """``block_tables``: one int32 ``[B, max_blocks]`` table per KV cache group (a single
-    tensor serves every group); ``start``: ``[B]`` tokens already cached per request (None: 0).
+    tensor serves every group); ``start``: ``[B]`` tokens already cached per request (None: 0);
+    ``cu_seqlens``: ``[B + 1]`` int64 offsets of a packed forward's requests (None: a batch).
     ``views``: ``layer index -> (k_cache, v_cache, group id)`` of every attention layer of
     ``plan`` over ``buffers`` (the layer index is transformers' ``layer_idx``); ``windows``:
     layer index -> its group's sliding window (None: full attention); ``called``: ``id(module)
@@ -49,6 +54,7 @@ class PagedContext:
     buffers: dict[str, torch.Tensor]
     block_tables: list[torch.Tensor] | torch.Tensor
     start: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
     views: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = field(init=False)
     windows: dict[int, int | None] = field(init=False)
     called: dict[int, int] = field(init=False, default_factory=dict)
@@ -67,6 +73,26 @@ class PagedContext:
     def table(self, group_id: int) -> torch.Tensor:
         t = self.block_tables
         return t if isinstance(t, torch.Tensor) else t[group_id]
+
+    def token_positions(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a forward whose tokens come as ``[b, t]``: each token's request ``[b * t]``, its
+        position in that request ``[b * t]`` and the requests' query offsets ``[R + 1]`` (int64).
+        A batch has ``R = b`` requests of ``t`` tokens; a packed forward (``cu_seqlens`` set)
+        must come as ``[1, cu_seqlens[-1]]``."""
+        if self.cu_seqlens is None:
+            cu = torch.arange(b + 1, dtype=torch.int64) * t
+        else:
+            cu = self.cu_seqlens.to(torch.int64)
+            if b != 1 or t != int(cu[-1]):
+                raise ValueError(
+                    f"a packed forward's tokens come as [1, {int(cu[-1])}] (cu_seqlens' total); "
+                    f"got [{b}, {t}]"
+                )
+        lens = cu.diff()
+        seg = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        start = self.start if self.start is not None else torch.zeros(len(lens), dtype=torch.int64)
+        pos = start.to(torch.int64)[seg] + torch.arange(b * t) - cu[seg]
+        return seg, pos, cu
 
 
 _CTX: PagedContext | None = None
@@ -122,16 +148,16 @@ def paged_attention(
     table = ctx.table(gid).to(torch.int32).contiguous()
     b, hq, t, d = query.shape
     bs = k_cache.shape[1]
-    start = ctx.start if ctx.start is not None else torch.zeros(b, dtype=torch.int64)
-    pos = start.to(torch.int64)[:, None] + torch.arange(t)  # [B, T]
-    slots = table.to(torch.int64).gather(1, pos // bs) * bs + pos % bs
+    seg, pos, cu = ctx.token_positions(b, t)  # [N], [N], [R + 1]
+    slots = table.to(torch.int64)[seg, pos // bs] * bs + pos % bs
     k = key.transpose(1, 2).reshape(b * t, key.shape[1], d).contiguous()
     v = value.transpose(1, 2).reshape(b * t, value.shape[1], value.shape[3]).contiguous()
-    write_kv_cache(k, v, k_cache, v_cache, slots.reshape(-1))
-    seq_lens = (start + t).to(torch.int32)
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    lens = cu.diff()
+    seq_lens = (pos[cu[1:] - 1] + 1).to(torch.int32)  # [R]: each request's last position + 1
     scale = scaling if scaling is not None else d**-0.5
     q = query.transpose(1, 2).reshape(b * t, hq, d).contiguous()
-    if t == 1:
+    if bool((lens == 1).all()):
         out = paged_decode_attention(
             q,
             k_cache,
@@ -143,9 +169,8 @@ def paged_attention(
             max_seq_len=int(seq_lens.max()),
         )
     else:
-        cu = torch.arange(b + 1, dtype=torch.int32) * t
         out = paged_prefill_attention(
-            q, k_cache, v_cache, table, cu, seq_lens, scale, sliding_window=window
+            q, k_cache, v_cache, table, cu.to(torch.int32), seq_lens, scale, sliding_window=window
         )
     return out.reshape(b, t, hq, out.shape[-1]), None
 
@@ -166,7 +191,7 @@ def install_mla(module: torch.nn.Module) -> None:
     Why not the attention interface: transformers' MLA passes the compressed latent only to
     ``Cache.update`` and hands the interface per-head K/V already expanded by ``kv_b_proj``,
     while the plan's MLA pages hold the latent that :func:`mla_decode_attention` reads."""
-    if getattr(module.forward, "hybridkv_mla", False):
+    if getattr(module, "hybridkv_mla", False):
         return
     orig = module.forward
 
@@ -177,8 +202,8 @@ def install_mla(module: torch.nn.Module) -> None:
             raise NotImplementedError("mla_forward has no rotary embedding (Kimi-Linear is NoPE)")
         return mla_forward(module, hidden_states), None
 
-    forward.hybridkv_mla = True  # type: ignore[attr-defined]
     module.forward = forward
+    module.hybridkv_mla = True  # on the module: a later wrapper would replace ``forward``
 
 
 def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -206,19 +231,18 @@ def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.T
     cache, _, gid = ctx.views[layer]
     table = ctx.table(gid).to(torch.int32).contiguous()
     bs = cache.shape[1]
-    start = ctx.start if ctx.start is not None else torch.zeros(b, dtype=torch.int64)
-    pos = start.to(torch.int64)[:, None] + torch.arange(t)  # [B, T]
-    blocks = table.to(torch.int64).gather(1, pos // bs).reshape(-1)
-    cache.view(cache.shape[0], bs, -1)[blocks, (pos % bs).reshape(-1)] = latent.to(cache.dtype)
+    seg, pos, _ = ctx.token_positions(b, t)  # [B * T] each
+    blocks = table.to(torch.int64)[seg, pos // bs]
+    cache.view(cache.shape[0], bs, -1)[blocks, pos % bs] = latent.to(cache.dtype)
 
     w = m.kv_b_proj.weight.view(h, d_nope + d_v, m.kv_lora_rank)
     q_abs = torch.einsum("xhn,hnc->xhc", q_nope, w[:, :d_nope]).contiguous()
-    seq_lens = (pos + 1).reshape(-1).to(torch.int32)
+    seq_lens = (pos + 1).to(torch.int32)
     out = mla_decode_attention(
         q_abs,
         q_pe.contiguous(),
         cache,
-        table.repeat_interleave(t, dim=0),
+        table[seg],
         seq_lens,
         m.scaling,
         max_seq_len=int(seq_lens.max()),

@@ -14,11 +14,14 @@ model-running :class:`~hybridkv.sched.Executor`. One :meth:`Engine.step`:
 2. :meth:`Engine.execute`: an admitted request's prefix hit ``state_copies`` (checkpoint slot ->
    running slot) and ``kv_copies`` run first, and only the uncached tail is computed; without a
    hit the running slot is zeroed (it holds whatever its last owner, or the NaN poison, left).
-   Then one batched forward for all requests that bring one token (decode), one forward per
-   prefill chunk. Around each, the batch's recurrent states are gathered from their slots
-   (``gather_states``) into the ``DynamicCache`` that transformers' Mamba-2 / Gated DeltaNet
-   layers read and update, and scattered back (``scatter_states``) after; attention goes
-   through :mod:`.attn` (pages and block tables); greedy sampling;
+   Then one batched ``[B, 1]`` forward for all requests that bring one token (decode) and one
+   packed varlen ``[1, T]`` forward for every prefill chunk of the step, whatever their lengths
+   (``batch_prefill=False``: one forward per chunk). Around each, the requests' recurrent states
+   are gathered from their slots (``gather_states``) and handed to transformers' mixers (in a
+   ``DynamicCache`` for the batch; per request, segment by segment, in the packed forward:
+   :func:`.states.install_varlen`), and scattered back (``scatter_states``) after; attention
+   goes through :mod:`.attn` (pages, block tables and, packed, ``cu_seqlens``); greedy
+   sampling;
 3. the commit: ``take_state_copies()`` run by :meth:`Engine.checkpoint` (running slot ->
    checkpoint slot), then the scheduler hands the sampled tokens to the allocator
    (``append_tokens``) and frees finished requests.
@@ -35,10 +38,10 @@ RecurrentGemma (RG-LRU state in the model's modules; local attention through the
 sliding-window path) and Kimi-Linear (KDA; MLA through :func:`.attn.mla_forward` and
 ``mla_decode_attention``). Jamba's and RecurrentGemma's recurrent modules cannot continue a
 multi-token forward from a state in transformers, so the engine steps them token by token
-(:mod:`.states`). Refused, with a NotImplementedError naming the reason
-(:data:`.states.REFUSED`): MiniMax, whose transformers model keeps its lightning-attention
-state in its own ``MiniMaxCache`` and raises on the ``DynamicCache`` the engine's forward
-builds.
+(:mod:`.states`). MiniMax (lightning attention) keeps its state in its own ``MiniMaxCache``,
+which its forward insists on: the engine builds each forward's cache with
+:func:`.states.cache_factory`. A plan with a layer kind no :class:`~.states.StateFormat` wires
+is refused with a NotImplementedError naming it (:func:`.states.check_wired`).
 
 Private transformers fields: only ``config._attn_implementation``, saved, set and restored by
 :meth:`Engine._paged_attention` so that the same model still runs stock attention outside the
@@ -50,8 +53,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -60,7 +64,16 @@ from ..alloc import HybridAllocator
 from ..plan import MemoryPlan
 from ..sched import Scheduler, SchedulerConfig, Seq, StepOutput
 from . import attn
-from .states import FORMATS, StateFormat, check_wired, install_stepwise
+from .states import (
+    FORMATS,
+    Packed,
+    StateFormat,
+    cache_factory,
+    check_wired,
+    install_stepwise,
+    install_varlen,
+)
+from .states import packed as packed_states
 
 __all__ = ["Engine", "Request", "hf_greedy"]
 
@@ -83,13 +96,13 @@ class Request(Seq):
 @dataclass
 class _StateLayer:
     """One recurrent layer: its HF layer index, state group, the plan's slot views (``part ->
-    [num_slots, ...]``), how they map to transformers and the module holding or stepping it."""
+    [num_slots, ...]``), how they map to transformers and its mixer module."""
 
     idx: int
     gid: int
     pools: dict[str, torch.Tensor]
     fmt: StateFormat
-    module: torch.nn.Module | None
+    module: torch.nn.Module
 
 
 class Engine:
@@ -98,7 +111,9 @@ class Engine:
     ``poison``: fill the cache memory with NaN first, so any read of memory nothing wrote
     shows up in the logits. ``prefill_chunk``: the most prompt tokens one request computes per
     step (the scheduler's ``long_prefill_token_threshold``); ``max_num_batched_tokens``: the
-    step's token budget. ``on_step``: called with every step's
+    step's token budget. ``batch_prefill``: the step's prefill chunks run as one packed varlen
+    forward (default), or one forward each (the reference the packed one is tested against).
+    ``on_step``: called with every step's
     :class:`~hybridkv.sched.StepOutput` after it ran. Remaining keyword arguments go to
     :class:`HybridAllocator` (``checkpoint_policy``, ``hash_block_size``, ...).
     """
@@ -111,6 +126,7 @@ class Engine:
         max_num_seqs: int | None = None,
         prefill_chunk: int = 64,
         max_num_batched_tokens: int = 8192,
+        batch_prefill: bool = True,
         poison: bool = True,
         on_step: Callable[[StepOutput], None] | None = None,
         **alloc_kwargs: Any,
@@ -142,6 +158,7 @@ class Engine:
             ),
         )
         self.on_step = on_step
+        self.batch_prefill = batch_prefill
         # int8 -1 is 0xFF in every byte: NaN in fp32, fp16 and bf16
         self.buffers = plan.allocate("cpu", fill=-1 if poison else 0)
         self.ctx = attn.PagedContext(plan, self.buffers, [])
@@ -149,11 +166,10 @@ class Engine:
         for p in plan.state_placements:
             fmt = FORMATS[p.kind]
             views = plan.state_views(self.buffers, p.layer)
-            module = None
-            if fmt.holder == "module" or fmt.stepwise:
-                module = fmt.module_of(model, p.layer_index)
+            module = fmt.module_of(model, p.layer_index)
             if fmt.stepwise:
                 install_stepwise(module)
+            install_varlen(module, fmt, p.layer_index)  # after install_stepwise: it wraps it
             self.state_layers.append(
                 _StateLayer(
                     idx=p.layer_index,
@@ -163,6 +179,7 @@ class Engine:
                     module=module,
                 )
             )
+        self.new_cache = cache_factory(self.config, [p.kind for p in plan.state_placements])
         attn.track_layer_index(model)
         attn.install_mla_layers(model, plan)
         self.attn_layers = self.ctx.views  # layer index -> (k_cache, v_cache, group id)
@@ -239,8 +256,11 @@ class Engine:
         sampled: dict[int, int] = {}
         if out.decode:
             sampled.update(self._forward([(r, r.num_tokens - 1, 1) for r in out.decode]))
-        for chunk in out.prefill:
-            sampled.update(self._forward([chunk]))
+        if out.prefill and self.batch_prefill:
+            sampled.update(self._forward(out.prefill, packed=True))
+        elif out.prefill:
+            for chunk in out.prefill:
+                sampled.update(self._forward([chunk]))
         return [sampled[id(r)] for r in out.sampling]
 
     def checkpoint(self, copies: list[tuple[int, int, int]]) -> None:
@@ -248,36 +268,55 @@ class Engine:
         self._run_state_copies(copies, checkpoint=True)
 
     # ---- forward ---------------------------------------------------------------------------
-    def _forward(self, batch: list[tuple[Request, int, int]]) -> dict[int, int]:
-        """One forward of ``batch`` (``(request, start, num_tokens)``, equal token counts)
-        through the HF model; the token sampled by each request that reached the end of its
+    def _forward(
+        self, batch: list[tuple[Request, int, int]], *, packed: bool = False
+    ) -> dict[int, int]:
+        """One forward of ``batch`` (``(request, start, num_tokens)``) through the HF model: a
+        ``[B, T]`` batch (equal token counts) or, ``packed``, one ``[1, sum of counts]``
+        sequence (any counts); the token sampled by each request that reached the end of its
         known tokens (keyed by ``id(request)``)."""
-        from transformers import DynamicCache
-
         self.num_forwards += 1
         reqs = [r for r, _, _ in batch]
-        t = batch[0][2]
         start = torch.tensor([s for _, s, _ in batch], dtype=torch.int64)
-        ids = torch.tensor([r.token_range(s, s + t) for r, s, _ in batch])
-        pos = start[:, None] + torch.arange(t)
+        if packed:
+            cu = torch.tensor([0, *accumulate(n for _, _, n in batch)], dtype=torch.int64)
+            ids = torch.tensor([[x for r, s, n in batch for x in r.token_range(s, s + n)]])
+            pos = torch.cat([torch.arange(s, s + n) for _, s, n in batch])[None]
+            keep: int | torch.Tensor = cu[1:] - 1  # each request's last token
+        else:
+            t = batch[0][2]
+            if any(n != t for _, _, n in batch):
+                raise ValueError(f"a batched forward needs equal token counts, got {batch}")
+            cu = None
+            ids = torch.tensor([r.token_range(s, s + t) for r, s, _ in batch])
+            pos = start[:, None] + torch.arange(t)
+            keep = 1
         tables = self.alloc.block_tables([r.rid for r in reqs])
-        cache = DynamicCache(config=self.config)
-        slots = self._load_states(cache, reqs)
-        self.ctx.block_tables, self.ctx.start = tables, start
-        with self._paged_attention(), torch.no_grad():
+        self.ctx.block_tables, self.ctx.start, self.ctx.cu_seqlens = tables, start, cu
+        cache = self.new_cache()
+        slots, states = self._gather_states(reqs)
+        if packed:
+            recurrent = packed_states(Packed(cu.tolist(), cache, states, self.new_cache))
+        else:
+            for s in self.state_layers:
+                s.fmt.load(cache, s.module, s.idx, states[s.idx])
+            recurrent = nullcontext()
+        with self._paged_attention(), recurrent, torch.no_grad():
             out = self.model(
                 input_ids=ids,
                 position_ids=pos,
                 past_key_values=cache,
                 attention_mask=self.masks,
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=keep,
             )
-        self._store_states(cache, slots)
-        logits = out.logits[:, -1].float()
+        if not packed:
+            states = {s.idx: s.fmt.store(cache, s.module, s.idx) for s in self.state_layers}
+        self._scatter_states(slots, states)
+        logits = (out.logits[0] if packed else out.logits[:, -1]).float()  # [B, vocab]
         sampled = {}
-        for b, (r, s, _) in enumerate(batch):
-            if s + t == r.num_tokens:
+        for b, (r, s, n) in enumerate(batch):
+            if s + n == r.num_tokens:
                 r.logits.append(logits[b].clone())
                 sampled[id(r)] = int(logits[b].argmax())
         return sampled
@@ -298,26 +337,30 @@ class Engine:
                 c._attn_implementation = saved[k]
             attn.set_context(None)
 
-    def _load_states(self, cache: Any, reqs: list[Request]) -> dict[int, torch.Tensor]:
-        """Gather the batch's states from their slots and hand them to transformers (``cache``'s
-        recurrent layers or the modules holding them, :mod:`.states`)."""
+    def _gather_states(
+        self, reqs: list[Request]
+    ) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+        """The requests' slots per state group ``[B]`` and every state layer's states (layer
+        index -> part -> ``[B, ...]``, the plan's layout), gathered from the slots."""
         from ..kernels import gather_states
 
         slots: dict[int, torch.Tensor] = {}
+        states: dict[int, dict[str, torch.Tensor]] = {}
         for s in self.state_layers:
             if s.gid not in slots:
                 ids = [self.alloc.state_slot(r.rid, s.gid) for r in reqs]
                 slots[s.gid] = torch.tensor(ids, dtype=torch.int64)
-            states = {n: gather_states(pool, slots[s.gid]) for n, pool in s.pools.items()}
-            s.fmt.load(cache, s.module, s.idx, states)
-        return slots
+            states[s.idx] = {n: gather_states(pool, slots[s.gid]) for n, pool in s.pools.items()}
+        return slots, states
 
-    def _store_states(self, cache: Any, slots: dict[int, torch.Tensor]) -> None:
+    def _scatter_states(
+        self, slots: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
+    ) -> None:
         """Scatter the updated states back into their slots."""
         from ..kernels import scatter_states
 
         for s in self.state_layers:
-            for n, t in s.fmt.store(cache, s.module, s.idx).items():
+            for n, t in states[s.idx].items():
                 scatter_states(s.pools[n], slots[s.gid], t)
 
     # ---- copies ----------------------------------------------------------------------------
@@ -370,11 +413,12 @@ class Engine:
 def hf_greedy(
     model: torch.nn.Module, prompt: Sequence[int], max_new_tokens: int
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """The reference: greedy decoding by transformers alone (its own ``DynamicCache``, its own
-    attention), one request at a time. Returns the tokens and the logits row of each."""
-    from transformers import DynamicCache
+    """The reference: greedy decoding by transformers alone (the cache its forward takes: a
+    ``DynamicCache``, MiniMax's ``MiniMaxCache``; its own attention), one request at a time.
+    Returns the tokens and the logits row of each."""
+    from . import hybrid_model_for
 
-    cache = DynamicCache(config=model.config)
+    cache = cache_factory(model.config, hybrid_model_for(model.config).layer_kinds)()
     ids = torch.tensor([list(prompt)])
     pos = torch.arange(len(prompt))[None]
     tokens: list[int] = []

@@ -264,5 +264,5 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "minimax": tiny_minimax_config,
     "kimi_linear": tiny_kimi_linear_config,
 }
-REFUSED = ("minimax",)
+REFUSED: tuple[str, ...] = ()  # every family is served (MiniMax since its MiniMaxCache)
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

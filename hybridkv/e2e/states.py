@@ -12,6 +12,11 @@ continuations alike. Where transformers keeps a state and in which layout:
   ``Cache.update_conv_state`` / ``update_recurrent_state`` and read back with
   ``get_conv_state`` / ``get_recurrent_state`` (public methods; only a recurrent-only layer
   would need the public ``has_previous_state`` flag set by hand).
+- ``linear_attention`` (MiniMax's lightning attention): ``MiniMaxCache.linear_cache[layer]``
+  ``[B, heads, head_dim, head_dim]`` (``K^T V``), through its public ``set_linear_cache`` /
+  ``get_linear_cache``; MiniMax's forward takes no other cache class (``StateFormat.cache``).
+  Given a state, its multi-token forward runs the token-by-token recurrence (from none, the
+  block-parallel form; the two agree to rounding).
 - ``rglru`` (RecurrentGemma): attributes of the model's own modules, ``temporal_block
   .conv1d_state`` ``[B, lru_width, width - 1]`` and ``temporal_block.rg_lru.recurrent_states``
   ``[B, lru_width]`` (fp32); transformers' cache layer for it stays empty.
@@ -32,8 +37,8 @@ Layout conversions (plan = vLLM's layout):
   head_dim, d_state]``, Mamba-1's ``[intermediate, d_state]`` and RG-LRU's ``[lru_width]`` are
   the same in both. KDA's ``[heads, head_dim, head_dim]`` is square, kept in transformers'
   ``[K, V]`` order (a transposed order would serve equally; which one vLLM's KDA kernels
-  keep is not checked here). Fused q/k/v convs (GDN, KDA) keep one conv state over the
-  concatenated channels in both.
+  keep is not checked here); MiniMax's ``[heads, head_dim, head_dim]`` likewise. Fused q/k/v
+  convs (GDN, KDA) keep one conv state over the concatenated channels in both.
 
 Stepping. Two modules of transformers cannot continue a multi-token forward from a state:
 Jamba's Mamba-1 mixer (its full-sequence scan, ``mamba_selective_scan``, always starts from a
@@ -42,29 +47,62 @@ left padding, ignoring the conv state). For those kinds (``StateFormat.stepwise`
 runs a multi-token forward of the module one token at a time through the module's own decode
 path, which does continue the state; only in the engine's forwards (see
 :func:`install_stepwise`).
+
+Packed (varlen) forwards. The engine prefills several requests' chunks of different lengths in
+one forward by packing their tokens into one ``[1, T]`` sequence (no padding; attention reads
+each request's pages by ``cu_seqlens``, :mod:`.attn`). Everything token-wise (embeddings, MLPs,
+MoE, norms, projections) then runs once over all of them; a recurrent mixer cannot, as its
+scan would carry one request's state into the next. transformers' torch mixers take no
+``cu_seqlens`` (the CUDA kernels they fall back from do: Mamba-2's ``seq_idx``, fla's
+``cu_seqlens``), so :func:`install_varlen` has each mixer run its segments one after the other
+inside the packed forward, each from its own request's state (:class:`Packed`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import functools
+import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
 
 from . import attn
 
-__all__ = ["FORMATS", "REFUSED", "StateFormat", "check_wired", "install_stepwise", "refusal"]
+__all__ = [
+    "FORMATS",
+    "MIXER_PATHS",
+    "REFUSED",
+    "Packed",
+    "StateFormat",
+    "cache_factory",
+    "check_wired",
+    "install_stepwise",
+    "install_varlen",
+    "packed",
+    "refusal",
+]
 
-#: layer kinds (of the plan's state and KV placements) the engine cannot serve, and why
-REFUSED: dict[str, str] = {
-    "linear_attention": (
-        "MiniMax lightning attention: transformers' MiniMax model keeps its linear-attention "
-        "state in its own MiniMaxCache (a list of per-layer tensors) and raises on any other "
-        "cache, while the engine's forward hands every model a DynamicCache built from the "
-        "config; wiring it needs a MiniMaxCache-building forward"
-    ),
-}
+#: where a decoder layer keeps its recurrent mixer, first match wins (Falcon-H1's layers have
+#: ``mamba`` beside ``self_attn``; Zamba2's hybrid layers nest it in ``mamba_decoder``;
+#: Kimi-Linear's KDA is its linear layers' ``self_attn``)
+MIXER_PATHS = (
+    "mamba",
+    "mamba_decoder.mamba",
+    "mixer",
+    "linear_attn",
+    "conv",
+    "temporal_block",
+    "self_attn",
+)
+
+#: layer kinds (of the plan's state and KV placements) the engine cannot serve, and why (none
+#: today: every kind the zoo's transformers families have is wired; :func:`refusal` also names
+#: kinds with no :class:`StateFormat`)
+REFUSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -85,6 +123,7 @@ class StateFormat:
     conv_pad: int = 1
     holder: str = "cache"
     stepwise: bool = False
+    cache: str | None = None
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -107,13 +146,18 @@ class StateFormat:
 
     # ---- where transformers keeps them -------------------------------------------------------
     def module_of(self, model: torch.nn.Module, idx: int) -> torch.nn.Module:
-        """The module of decoder layer ``idx`` that holds (``holder="module"``) or steps
-        (``stepwise``) this kind's state."""
+        """Decoder layer ``idx``'s mixer of this kind: the module that runs the state, and
+        holds it where ``holder="module"`` (the first of :data:`MIXER_PATHS` it has)."""
         layer = model.get_decoder().layers[idx]
-        for name in ("mamba", "mixer", "temporal_block"):
-            if hasattr(layer, name):
-                return getattr(layer, name)
-        raise ValueError(f"decoder layer {idx} ({type(layer).__name__}) has no {self.kind} module")
+        for path in MIXER_PATHS:
+            try:
+                return layer.get_submodule(path)
+            except AttributeError:
+                continue
+        raise ValueError(
+            f"decoder layer {idx} ({type(layer).__name__}) has no {self.kind} mixer at any of "
+            f"{', '.join(MIXER_PATHS)}"
+        )
 
     def load(self, cache: Any, module: torch.nn.Module | None, idx: int, states: dict) -> None:
         """Hand ``states`` (``part -> [B, ...]`` in the plan's layout) to transformers as the
@@ -124,6 +168,9 @@ class StateFormat:
         if self.holder == "module":
             module.conv1d_state = hf["conv"]
             module.rg_lru.recurrent_states = hf["ssm"]
+            return
+        if self.holder == "linear_cache":
+            cache.set_linear_cache(idx, hf["ssm"])
             return
         if self.conv:
             # a first update takes the whole tensor as the state and marks it started
@@ -139,6 +186,8 @@ class StateFormat:
             hf = {"conv": module.conv1d_state, "ssm": module.rg_lru.recurrent_states}
             # back to 'no state': the module then starts afresh when run outside the engine
             module.conv1d_state = module.rg_lru.recurrent_states = None
+        elif self.holder == "linear_cache":
+            hf = {"ssm": cache.get_linear_cache(idx)}
         else:
             hf = {}
             if self.conv:
@@ -155,7 +204,28 @@ FORMATS: dict[str, StateFormat] = {
     "short_conv": StateFormat("short_conv", recurrent=False),
     "rglru": StateFormat("rglru", conv_pad=0, holder="module", stepwise=True),
     "kda": StateFormat("kda"),
+    "linear_attention": StateFormat(
+        "linear_attention",
+        conv=False,
+        holder="linear_cache",
+        cache="transformers.models.minimax.modeling_minimax:MiniMaxCache",
+    ),
 }
+
+
+def cache_factory(config: Any, kinds: Any) -> Callable[[], Any]:
+    """What makes an empty cache for a forward of a model whose state layers have ``kinds``:
+    ``DynamicCache(config=config)``, unless their formats name the model's own cache class
+    (MiniMax's forward raises on any cache but its ``MiniMaxCache``)."""
+    own = {FORMATS[k].cache for k in kinds if k in FORMATS and FORMATS[k].cache}
+    if len(own) > 1:
+        raise ValueError(f"state kinds {sorted(set(kinds))} need different caches: {sorted(own)}")
+    if own:
+        module, name = own.pop().split(":")
+        return getattr(importlib.import_module(module), name)
+    from transformers import DynamicCache
+
+    return functools.partial(DynamicCache, config=config)
 
 
 def refusal(kind: str) -> str | None:
@@ -186,30 +256,125 @@ def install_stepwise(module: torch.nn.Module) -> None:
     """Make a multi-token forward of ``module`` run as one forward per token (the module's
     decode path, which continues the state it was given) inside an engine's forward; outside,
     as transformers alone runs it, the module is unchanged. Installing twice is a no-op."""
-    if getattr(module.forward, "hybridkv_stepwise", False):
+    if getattr(module, "hybridkv_stepwise", False):
         return
+    if getattr(module, "hybridkv_varlen", False):
+        raise RuntimeError("install_stepwise must come before install_varlen (which wraps it)")
     orig = module.forward
 
     def forward(hidden_states, *args, **kwargs):
         t = hidden_states.shape[1]
         if t == 1 or not _stepping():
             return orig(hidden_states, *args, **kwargs)
-        outs = [_step(orig, hidden_states, i, args, kwargs) for i in range(t)]
-        if isinstance(outs[0], tuple):  # (hidden, extra), as RecurrentGemma's block returns
-            return (torch.cat([o[0] for o in outs], 1), *outs[-1][1:])
-        return torch.cat(outs, 1)
+        outs = []
+        for i in range(t):
+            a, kw = _cut(hidden_states, args, kwargs, i, i + 1)
+            outs.append(orig(*a, **kw))
+        return _cat(outs)
 
-    forward.hybridkv_stepwise = True  # type: ignore[attr-defined]
     module.forward = forward
+    # on the module, not on ``forward``: a later wrapper replaces ``module.forward``
+    module.hybridkv_stepwise = True
 
 
-def _step(forward: Callable, hidden: torch.Tensor, i: int, args: tuple, kwargs: dict) -> Any:
-    """``forward`` on token ``i``: every ``[B, T, ...]`` argument sliced to ``[B, 1, ...]``."""
+@dataclass
+class Packed:
+    """The recurrent side of one packed forward. ``cu_seqlens``: the requests' token offsets in
+    the packed sequence ``[R + 1]``; ``cache``: the cache object the model was given (each
+    segment's mixer call gets its request's own instead); ``states``: layer index -> part ->
+    ``[R, ...]`` in the plan's layout, read before and updated in place after each segment;
+    ``new_cache``: makes an empty cache for one request (one per segment, shared by its
+    layers, each layer loaded once, as :meth:`StateFormat.load` requires)."""
+
+    cu_seqlens: list[int]
+    cache: Any
+    states: dict[int, dict[str, torch.Tensor]]
+    new_cache: Callable[[], Any]
+    caches: dict[int, Any] = field(default_factory=dict)
+
+    def segment_cache(self, i: int) -> Any:
+        if i not in self.caches:
+            self.caches[i] = self.new_cache()
+        return self.caches[i]
+
+
+_PACKED: Packed | None = None
+
+
+@contextmanager
+def packed(p: Packed) -> Iterator[None]:
+    """Run the modules :func:`install_varlen` wrapped segment by segment over ``p``."""
+    global _PACKED
+    _PACKED = p
+    try:
+        yield
+    finally:
+        _PACKED = None
+
+
+def install_varlen(module: torch.nn.Module, fmt: StateFormat, idx: int) -> None:
+    """Inside :func:`packed`, run ``module`` (layer ``idx``'s mixer of kind ``fmt``) on each
+    request's segment of the packed ``[1, T, ...]`` input in turn, from that request's state,
+    and write the state it ends with back; outside, unchanged. Install after
+    :func:`install_stepwise` (a stepped module then steps within each segment). Installing
+    twice is a no-op."""
+    if getattr(module, "hybridkv_varlen", False):
+        return
+    orig = module.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        p = _PACKED
+        if p is None:
+            return orig(hidden_states, *args, **kwargs)
+        cu = p.cu_seqlens
+        if hidden_states.shape[:2] != (1, cu[-1]):
+            raise RuntimeError(
+                f"layer {idx}'s mixer got input {tuple(hidden_states.shape)} in a packed forward "
+                f"of {cu[-1]} tokens (expected [1, {cu[-1]}, ...])"
+            )
+        states = p.states[idx]
+        outs = []
+        for i, (a, b) in enumerate(pairwise(cu)):
+            own = p.segment_cache(i)
+            fmt.load(own, module, idx, {n: s[i : i + 1] for n, s in states.items()})
+            c_args, c_kwargs = _cut(hidden_states, args, kwargs, a, b, swap=(p.cache, own))
+            outs.append(orig(*c_args, **c_kwargs))
+            for n, s in fmt.store(own, module, idx).items():
+                states[n][i] = s[0]
+        return _cat(outs)
+
+    module.forward = forward
+    module.hybridkv_varlen = True
+
+
+def _cut(
+    hidden: torch.Tensor,
+    args: tuple,
+    kwargs: dict,
+    a: int,
+    b: int,
+    swap: tuple[Any, Any] | None = None,
+) -> tuple[tuple, dict]:
+    """A module call's ``(args, kwargs)`` restricted to tokens ``a:b``: every ``[B, T, ...]``
+    tensor (also inside tuples, e.g. ``(cos, sin)``) sliced along T, and ``swap = (old, new)``
+    replacing the object ``old`` (a cache) by ``new``."""
     t = hidden.shape[1]
 
     def cut(x: Any) -> Any:
+        if swap is not None and x is swap[0]:
+            return swap[1]
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == t:
-            return x[:, i : i + 1]
+            return x[:, a:b]
+        if isinstance(x, tuple):
+            return tuple(cut(y) for y in x)
         return x
 
-    return forward(cut(hidden), *(cut(a) for a in args), **{k: cut(v) for k, v in kwargs.items()})
+    return (cut(hidden), *(cut(x) for x in args)), {k: cut(v) for k, v in kwargs.items()}
+
+
+def _cat(outs: list[Any]) -> Any:
+    """Concatenate per-segment (or per-token) outputs along T; a tuple output (RecurrentGemma's
+    block returns ``(hidden, extra)``) keeps the last call's extras."""
+    if isinstance(outs[0], tuple):
+        return (torch.cat([o[0] for o in outs], 1), *outs[-1][1:])
+    return torch.cat(outs, 1)
