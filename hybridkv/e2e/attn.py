@@ -58,6 +58,9 @@ class PagedContext:
     views: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = field(init=False)
     windows: dict[int, int | None] = field(init=False)
     called: dict[int, int] = field(init=False, default_factory=dict)
+    #: the last :meth:`token_positions` answer with what it was computed from: every attention
+    #: layer of a forward asks the same question
+    _positions: tuple = field(init=False, default=(), repr=False)
 
     def __post_init__(self) -> None:
         self.views = {
@@ -79,6 +82,9 @@ class PagedContext:
         position in that request ``[b * t]`` and the requests' query offsets ``[R + 1]`` (int64).
         A batch has ``R = b`` requests of ``t`` tokens; a packed forward (``cu_seqlens`` set)
         must come as ``[1, cu_seqlens[-1]]``."""
+        memo = self._positions
+        if memo and memo[0] == (b, t) and memo[1] is self.start and memo[2] is self.cu_seqlens:
+            return memo[3]
         if self.cu_seqlens is None:
             cu = torch.arange(b + 1, dtype=torch.int64) * t
         else:
@@ -92,6 +98,7 @@ class PagedContext:
         seg = torch.repeat_interleave(torch.arange(len(lens)), lens)
         start = self.start if self.start is not None else torch.zeros(len(lens), dtype=torch.int64)
         pos = start.to(torch.int64)[seg] + torch.arange(b * t) - cu[seg]
+        self._positions = ((b, t), self.start, self.cu_seqlens, (seg, pos, cu))
         return seg, pos, cu
 
 
