@@ -1255,16 +1255,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="one progress bar over the figures (default: when stderr is a terminal)",
     )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="make only these figures")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes a figure may spread its independent simulator runs over "
+        "(default 1; the results do not depend on it)",
+    )
     parser.add_argument("--list", action="store_true", help="list the figures and exit")
     args = parser.parse_args(argv)
     if args.list:
         for f in FIGURES.values():
             print(f"{f.name:<22} {f.message}")
         return 0
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     out = args.out or (SMALL_OUT if args.small else OUT)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     try:
-        run(Context(out, small=args.small), args.only, progress=progress)
+        run(Context(out, small=args.small, jobs=args.jobs), args.only, progress=progress)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,8 +12,10 @@ on the same software give byte-identical files. Nothing random is drawn without 
 
 from __future__ import annotations
 
+import multiprocessing
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,8 @@ class Skip(Exception):
 
 @dataclass(frozen=True)
 class Context:
-    """Where figures go and how big the runs are (``small``: a fast subset for tests).
+    """Where figures go and how big the runs are (``small``: a fast subset for tests), and how
+    many processes a figure may spread its independent runs over (``jobs``, :meth:`map`).
 
     A figure whose point depends on its numbers states it with :meth:`summary`, computed from
     the data it drew; the manifest then shows that instead of the registered message, so no
@@ -53,12 +56,25 @@ class Context:
 
     out: Path
     small: bool = False
+    jobs: int = 1
     summaries: dict[str, str] = field(default_factory=dict, compare=False)
 
     def summary(self, name: str, text: str) -> str:
         """Record the summary of figure ``name``, computed from its data; returns it."""
         self.summaries[name] = text
         return text
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """``[fn(x) for x in items]``, over up to ``jobs`` worker processes when ``jobs > 1``
+        (``fn`` must be a module-level function and ``items`` picklable). The runs are
+        deterministic, so the results do not depend on ``jobs``; workers are spawned, not
+        forked, so nothing the parent holds (threads, open files) leaks into them."""
+        items = list(items)
+        if self.jobs <= 1 or len(items) <= 1:
+            return [fn(x) for x in items]
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=spawn) as pool:
+            return list(pool.map(fn, items))
 
     def save(self, fig: Any, name: str) -> Path:
         """Save a matplotlib figure as ``name.png`` deterministically and close it."""
