@@ -178,13 +178,22 @@ def _all_regions(plan: MemoryPlan):
     return np.concatenate(rows)
 
 
-def _coverage(starts: np.ndarray, ends: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Sum of ``weights`` of the regions covering each elementary interval between endpoints."""
-    points = np.unique(np.concatenate([starts, ends]))
-    diff = np.zeros(len(points) + 1, dtype=np.int64)
-    np.add.at(diff, np.searchsorted(points, starts), weights)
-    np.add.at(diff, np.searchsorted(points, ends), -weights)
-    return np.cumsum(diff)
+def _coverage(starts: np.ndarray, ends: np.ndarray, *weights: np.ndarray) -> list[np.ndarray]:
+    """For each of ``weights``: the sum of the weights of the regions covering each elementary
+    interval between endpoints (the endpoints sorted and located once for all of them)."""
+    # sorted, then deduplicated by hand: np.unique's hash path (numpy >= 2.3) degrades to
+    # seconds per call on these offsets (multiples of large strides), 50 s a model
+    points = np.sort(np.concatenate([starts, ends]))
+    points = points[np.concatenate([[True], points[1:] != points[:-1]])]
+    at_start = np.searchsorted(points, starts)
+    at_end = np.searchsorted(points, ends)
+    out = []
+    for w in weights:
+        diff = np.zeros(len(points) + 1, dtype=np.int64)
+        np.add.at(diff, at_start, w)
+        np.add.at(diff, at_end, -w)
+        out.append(np.cumsum(diff))
+    return out
 
 
 def _check_regions(plan: MemoryPlan) -> None:
@@ -200,15 +209,12 @@ def _check_regions(plan: MemoryPlan) -> None:
         # within one group no two regions share a byte
         for g in np.unique(r[:, 4]):
             rg = r[r[:, 4] == g]
-            assert _coverage(rg[:, 1], rg[:, 2], np.ones(len(rg), np.int64)).max() <= 1, (
-                f"group {g} overlaps itself in {plan.tensors[t].name}"
-            )
+            (cover,) = _coverage(rg[:, 1], rg[:, 2], np.ones(len(rg), np.int64))
+            assert cover.max() <= 1, f"group {g} overlaps itself in {plan.tensors[t].name}"
         # across groups, bytes are shared only inside one allocation unit, which the
         # allocator hands to one group at a time: all regions covering a byte have one unit
         unit = r[:, 3] - r[:, 3].min()
-        count = _coverage(r[:, 1], r[:, 2], np.ones(len(r), np.int64))
-        s1 = _coverage(r[:, 1], r[:, 2], unit)
-        s2 = _coverage(r[:, 1], r[:, 2], unit * unit)
+        count, s1, s2 = _coverage(r[:, 1], r[:, 2], np.ones(len(r), np.int64), unit, unit * unit)
         assert (count * s2 == s1 * s1).all(), f"two allocation units share bytes of tensor {t}"
 
 
