@@ -18,6 +18,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -879,6 +880,7 @@ def _sim_requests(ctx: Context) -> int:
     return 200 if ctx.small else 2000
 
 
+@cache
 def _sim_plan(layout: str):
     d = SIM_DEPLOYMENT
     if layout == PER_GROUP_CACHED:
@@ -895,19 +897,43 @@ def _sim_plan(layout: str):
 
 
 def _sim(ctx: Context, trace_label: str, layout: str, policy: str):
-    """One simulator run, memoised: the three simulator figures share their runs."""
-    from hybridkv.sim import SimConfig, simulate
-
+    """One simulator run ``(plan, result)``, memoised: the three simulator figures share their
+    runs (:func:`_sim_prefetch` makes them all at once, over ``ctx.jobs`` processes)."""
     key = (ctx.small, trace_label, layout, policy)
     if key not in _SIM_RUNS:
-        gen, params = next((g, p) for lab, g, p in SIM_TRACES if lab == trace_label)
-        trace = _sim_trace(_sim_requests(ctx), gen, tuple(sorted(params.items())))
         p = _sim_plan(layout)
         if p is None:
             raise Skip(f"{SIM_DEPLOYMENT.label} has no {layout} plan in {SIM_DEPLOYMENT.memory} B")
-        model = data.load(SIM_DEPLOYMENT.model, SIM_DEPLOYMENT.tp, SIM_DEPLOYMENT.kv_dtype)
-        _SIM_RUNS[key] = (p, simulate(p, model, trace, SimConfig(checkpoint_policy=policy)))
+        _SIM_RUNS[key] = (p, _sim_run((_sim_requests(ctx), trace_label, layout, policy)))
     return _SIM_RUNS[key]
+
+
+def _sim_run(task: tuple[int, str, str, str]):
+    """``(requests, workload, layout, policy)`` -> the simulator's result (module level, so
+    :meth:`Context.map` can run it in a worker process)."""
+    from hybridkv.sim import SimConfig, simulate
+
+    n, trace_label, layout, policy = task
+    gen, params = next((g, p) for lab, g, p in SIM_TRACES if lab == trace_label)
+    trace = _sim_trace(n, gen, tuple(sorted(params.items())))
+    model = data.load(SIM_DEPLOYMENT.model, SIM_DEPLOYMENT.tp, SIM_DEPLOYMENT.kv_dtype)
+    # no figure draws the byte breakdown, which took ~40% of a long run
+    config = SimConfig(checkpoint_policy=policy, breakdown_every=0)
+    return simulate(_sim_plan(layout), model, trace, config)
+
+
+def _sim_prefetch(ctx: Context) -> None:
+    """Make every simulator run the figures draw that is not made yet, side by side."""
+    todo = [
+        (ctx.small, label, layout, policy)
+        for label, _, _ in SIM_TRACES
+        for layout in _sim_layouts()
+        for policy in SIM_POLICIES
+        if (ctx.small, label, layout, policy) not in _SIM_RUNS and _sim_plan(layout) is not None
+    ]
+    results = ctx.map(_sim_run, [(_sim_requests(ctx), *key[1:]) for key in todo])
+    for key, result in zip(todo, results):
+        _SIM_RUNS[key] = (_sim_plan(key[2]), result)
 
 
 _TRACES: dict[tuple, traces.Trace] = {}
@@ -940,6 +966,7 @@ def _layout_color(layout: str) -> str:
 )
 def sim_hit_rate(ctx: Context) -> list[Path]:
     _sim_available()
+    _sim_prefetch(ctx)
     layouts = _sim_layouts()
     fig, axes = plt.subplots(1, len(SIM_TRACES), figsize=(6.2 * len(SIM_TRACES), 4), sharey=True)
     width = 0.8 / len(SIM_POLICIES)
@@ -1048,6 +1075,7 @@ def _hit_summary(rows: list[dict]) -> str:
 )
 def sim_ttft(ctx: Context) -> list[Path]:
     _sim_available()
+    _sim_prefetch(ctx)
     layouts = _sim_layouts()
     policy = "align"
     fig, axes = plt.subplots(2, len(SIM_TRACES), figsize=(6.2 * len(SIM_TRACES), 6.4))
