@@ -297,6 +297,16 @@ def _figure_runs(small: bool) -> tuple[int, tuple[int, ...]]:
     return (200, (CAPACITIES[0],)) if small else (NUM_REQUESTS, CAPACITIES)
 
 
+def _gap_run(task: tuple[str, int, str, bool, int]):
+    """``(layout, capacity, policy, evict_unreachable, requests)`` -> the replay, or why the
+    layout cannot run it (module level, so :meth:`Context.map` can run it in a worker)."""
+    layout, cap, policy, cascade, n = task
+    try:
+        return run_hybridkv(layout, cap, policy, n=n, evict_unreachable=cascade)
+    except ValueError as e:  # a layout whose memory cannot hold the longest request
+        return f"{layout} at {cap / 1e9:g} GB: {e}"
+
+
 def _loss_split(ours, peer: list[int], prompts) -> tuple[float, float, float]:
     """Points of hit rate lost to the peer on requests within one hash unit of it (where
     states can sit), lost on the rest, and won, over all prompt tokens."""
@@ -326,20 +336,16 @@ def marconi_gap(ctx: Context) -> list[Path]:
     runs: dict[tuple[str, str, int, bool], Any] = {}
     misfits: list[str] = []
 
-    def attempt(layout: str, cap: int, policy: str, cascade: bool) -> None:
-        try:
-            runs[(layout, policy, cap, cascade)] = run_hybridkv(
-                layout, cap, policy, n=n, evict_unreachable=cascade
-            )
-        except ValueError as e:  # a layout whose memory cannot hold the longest request
-            misfits.append(f"{layout} at {cap / 1e9:g} GB: {e}")
-
+    tasks = []
     for cap in capacities:
-        for layout in LAYOUTS:
-            attempt(layout, cap, "marconi", True)
+        tasks += [(layout, cap, "marconi", True, n) for layout in LAYOUTS]
         for layout in ("inflate", "two_level"):
-            attempt(layout, cap, "align", True)
-            attempt(layout, cap, "marconi", False)
+            tasks += [(layout, cap, "align", True, n), (layout, cap, "marconi", False, n)]
+    for (layout, cap, policy, cascade, _), got in zip(tasks, ctx.map(_gap_run, tasks)):
+        if isinstance(got, str):
+            misfits.append(got)
+        else:
+            runs[(layout, policy, cap, cascade)] = got
 
     def rate(key: tuple[str, str, int, bool]) -> float | None:
         r = runs.get(key)
