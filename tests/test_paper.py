@@ -99,3 +99,21 @@ def test_real_trace_uses_the_simulator_figures_deployment(registry):
 
     assert real_trace.DEPLOYMENT == figures.SIM_DEPLOYMENT
     assert real_trace.PER_GROUP_CACHED == figures.PER_GROUP_CACHED
+
+
+def test_context_map_gives_the_same_results_in_worker_processes(tmp_path, registry):
+    from paper.registry import Context
+
+    items = [(3, 4), (10, -2), (7, 7, 1)]
+    one = Context(tmp_path).map(sum, items)
+    assert one == [7, 8, 15]
+    # spawned workers, results back in the items' order
+    assert Context(tmp_path, jobs=2).map(sum, items) == one
+
+
+def test_jobs_below_one_is_an_error(registry, capsys):
+    from paper import figures
+
+    with pytest.raises(SystemExit):
+        figures.main(["--jobs", "0", "--only", "block_sizes"])
+    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
