@@ -756,6 +756,24 @@ def _bench(name: str) -> dict:
     return json.loads(path.read_text())
 
 
+def _before(name: str, keys: tuple[str, ...]) -> tuple[dict[tuple, dict], dict] | None:
+    """The benchmark's rows at an earlier commit (``<name>-before.json``, measured right before
+    ``<name>.json`` on the same machine), by ``keys``, and its meta; None when not committed."""
+    path = RESULTS / name.replace(".json", "-before.json")
+    if not path.exists():
+        return None
+    got = json.loads(path.read_text())
+    return {tuple(r.get(k) for k in keys): r for r in got["rows"]}, got["meta"]
+
+
+def _before_note(meta: dict, now: dict) -> str:
+    return (
+        f"*before*: the same benchmark at commit `{str(meta.get('commit', '?'))[:10]}` "
+        f"({meta.get('date', '?')}), run on the same machine just before this one "
+        f"(`{str(now.get('commit', '?'))[:10]}`), so the two columns compare code, not machines."
+    )
+
+
 def _bench_meta(meta: dict) -> str:
     return (
         f"Measured on {meta.get('cpus', '?')} CPU cores ({meta.get('machine', '?')}), "
@@ -780,19 +798,25 @@ def alloc_overhead(ctx: Context) -> list[Path]:
         }
         for r in data_["rows"]
     ]
-    table = markdown_table(
-        rows,
-        [
-            ("layout", "layout"),
-            ("block_size", "block (tokens)"),
-            ("policy", "policy"),
-            ("phases", "block crossings"),
-            ("median", "step median (ms)"),
-            ("p90", "step p90 (ms)"),
-            ("p99", "step p99 (ms)"),
-            ("ops", "add+allocate+free ops/s"),
-        ],
-    )
+    cols = [
+        ("layout", "layout"),
+        ("block_size", "block (tokens)"),
+        ("policy", "policy"),
+        ("phases", "block crossings"),
+        ("median", "step median (ms)"),
+        ("p90", "step p90 (ms)"),
+        ("p99", "step p99 (ms)"),
+        ("ops", "add+allocate+free ops/s"),
+    ]
+    before = _before("alloc-cpu.json", ("layout", "policy", "phases"))
+    if before is not None:
+        for r in rows:
+            b = before[0].get((r["layout"], r["policy"], r["phases"]))
+            r["median_before"] = f"{b['decode_step_ms_median']:.3f}" if b else "-"
+            r["ops_before"] = f"{b['request_ops_per_s']:,.0f}" if b else "-"
+        cols.insert(5, ("median_before", "step median before (ms)"))
+        cols.append(("ops_before", "ops/s before"))
+    table = markdown_table(rows, cols)
     hashing = markdown_table(
         [
             {**h, "units": f"{h['units_per_s']:,.0f}", "tokens": f"{h['tokens_per_s']:,.0f}"}
@@ -808,6 +832,8 @@ def alloc_overhead(ctx: Context) -> list[Path]:
         "step (the worst case).\n\n"
         f"{table}\n\n{hashing}\n\n{_bench_meta(data_['meta'])}"
     )
+    if before is not None:
+        text += f" {_before_note(before[1], data_['meta'])}"
     return [ctx.table("alloc_overhead", text)]
 
 
@@ -827,17 +853,22 @@ def sim_speed(ctx: Context) -> list[Path]:
         }
         for r in data_["rows"]
     ]
-    table = markdown_table(
-        rows,
-        [
-            ("layout", "layout"),
-            ("block", "block (tokens)"),
-            ("policy", "policy"),
-            ("requests", "requests"),
-            ("steps_", "scheduler steps"),
-            ("wall", "wall time (s)"),
-        ],
-    )
+    cols = [
+        ("layout", "layout"),
+        ("block", "block (tokens)"),
+        ("policy", "policy"),
+        ("requests", "requests"),
+        ("steps_", "scheduler steps"),
+        ("wall", "wall time (s)"),
+    ]
+    before = _before("sim-cpu.json", ("layout", "policy"))
+    if before is not None:
+        for r in rows:
+            b = before[0].get((r["layout"], r["policy"]))
+            r["wall_before"] = f"{b['wall_s']:.1f}" if b else "-"
+            r["steps_before"] = f"{b['steps']:,}" if b else "-"
+        cols += [("steps_before", "steps before"), ("wall_before", "wall time before (s)")]
+    table = markdown_table(rows, cols)
     walls = [r["wall_s"] for r in data_["rows"]]
     blocks = sorted({r["block_size"] for r in data_["rows"] if "block_size" in r}, reverse=True)
     summary = ctx.summary(
@@ -852,7 +883,8 @@ def sim_speed(ctx: Context) -> list[Path]:
         ctx.table(
             "sim_speed",
             f"{data_['meta'].get('what', '')}\n\n{summary}\n\n{table}\n\n"
-            f"{_bench_meta(data_['meta'])}",
+            f"{_bench_meta(data_['meta'])}"
+            + (f" {_before_note(before[1], data_['meta'])}" if before is not None else ""),
         )
     ]
 
