@@ -384,11 +384,19 @@ class HybridAllocator:
         """The units of ``gid`` that no state serves once the state at ``u`` is gone: nothing
         if a state lies below ``u``; else ``u``'s subtree and the chain above it up to the
         previous state or branch (exclusive)."""
-        below = self._subtree(gid, [u])
-        if any(self._has_state(x) for x in below):
-            return []
         parent, children = self.index.parent, self.index.children
-        seg = below
+        # u's subtree, in _subtree's order, given up at the first state: with states every few
+        # hundred tokens (periodic) collecting whole subtrees first made this quadratic
+        seg: list[bytes] = []
+        stack = [u]
+        while stack and len(seg) < 1 << 20:
+            x = stack.pop()
+            if self._has_state(x):
+                return []
+            seg.append(x)
+            kids = children.get((gid, x))
+            if kids:
+                stack.extend(kids)
         x = parent.get((gid, u))
         while x is not None and (gid, x) in parent:
             if self._has_state(x) or len(children.get((gid, x), ())) > 1:
