@@ -99,6 +99,9 @@ def check_consistency(a: HybridAllocator) -> None:
     assert set(cover) == set(a.index.holders) == set(a.index.parent), "unit index is stale"
     for k, bids in cover.items():
         assert sorted(bids) == sorted(a.index.holders[k]), f"unit {k!r} holders are wrong"
+    states = Counter(units[0] for (_, _, units, is_state) in entries.values() if is_state)
+    assert states == Counter(a.index.state_units), "the index's states per unit are stale"
+    assert all(a.index.state_units.values()), "a unit is counted with no state"
 
     for pool in a.pools:
         if isinstance(pool, TwoLevelPool):

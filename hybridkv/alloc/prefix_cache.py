@@ -50,6 +50,9 @@ class PrefixIndex:
         self.children: dict[UnitKey, dict[bytes, None]] = {}
         # entry key -> (id, first unit index, units covered, is a state checkpoint)
         self.entries: dict[CacheKey, tuple[int, int, list[bytes], bool]] = {}
+        # unit -> how many groups hold a state checkpoint at it (is there a state at this
+        # position: asked for every unit of a chain when a state is evicted)
+        self.state_units: dict[bytes, int] = {}
         self.events: list[Any] = []
         self.emit = True
 
@@ -71,6 +74,8 @@ class PrefixIndex:
         first_unit+num_units-1`` of a request's ``hashes``; emit BlockStored for new units."""
         gid = key[0]  # type: ignore[index]
         units = hashes[first_unit : first_unit + num_units]
+        if is_state and key not in self.entries:
+            self.state_units[units[0]] = self.state_units.get(units[0], 0) + 1
         self.entries[key] = (bid, first_unit, units, is_state)
         holders, parent = self.holders, self.parent
         if num_units == 1:  # every state checkpoint: the hot path of align mode
@@ -122,8 +127,11 @@ class PrefixIndex:
         holders, parent, entries = self.holders, self.parent, self.entries
         units = [u]
         token_ids = None
+        state_units = self.state_units
         for gid, bid in gids_ids:
             k = (gid, u)
+            if k not in entries:
+                state_units[u] = state_units.get(u, 0) + 1
             entries[k] = (bid, unit, units, True)
             lst = holders.get(k)
             if lst is not None:
@@ -166,7 +174,13 @@ class PrefixIndex:
 
     def remove(self, key: CacheKey, bid: int) -> None:
         """Entry ``key`` was evicted; emit BlockRemoved for units nothing covers any more."""
-        _, _, units, _ = self.entries.pop(key)
+        _, _, units, is_state = self.entries.pop(key)
+        if is_state:
+            left = self.state_units[units[0]] - 1
+            if left:
+                self.state_units[units[0]] = left
+            else:
+                del self.state_units[units[0]]
         gid = key[0]  # type: ignore[index]
         holders, parent = self.holders, self.parent
         gone = []
