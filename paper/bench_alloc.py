@@ -3,7 +3,9 @@
 For every layout, 256 running requests of Qwen3-Next-80B-A3B (40 GiB per rank) decode: one step
 appends a token to every request, allocates blocks where a request crosses a block boundary,
 caches full blocks / takes checkpoints, and rebuilds the per-group block tables the kernels read.
-Reports the CPU time of one such step, and allocate + free + hash operations per second.
+Reports the CPU time of one such step, and allocate + free + hash operations per second. To
+compare two commits, run this in a checkout of each, back to back, and commit the earlier one's
+file as ``alloc-cpu-before.json``: the table then shows both.
 """
 
 from __future__ import annotations
