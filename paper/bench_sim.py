@@ -5,8 +5,8 @@ with 40 GiB of cache (256 requests at most; two state slots per request with ``a
 reserves, one with ``last``/``marconi``) for every layout and checkpoint policy, and records
 the wall-clock time of :func:`hybridkv.sim.simulate` with what it measured, in
 ``sim-cpu.json`` (date, machine, versions, commit). The target is 10,000 requests in under a
-minute on a 2-core CPU; since the allocator evicts what each eviction leaves unreachable, the
-16-token ``two_level`` and 36-group ``aggregate`` runs miss it (``paper/figures/sim_speed.md``).
+minute on a 2-core CPU; since the allocator evicts what each eviction leaves unreachable, about
+half the runs miss it, ``two_level``'s by the most (``paper/figures/sim_speed.md``).
 To compare two commits, run this in a checkout of each, back to back, and commit the earlier
 one's file as ``sim-cpu-before.json``: the table then shows both.
 """
