@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,12 +371,21 @@ class HybridAllocator:
         each of 36 state groups' pools made evictions under periodic checkpoints crawl)."""
         return unit in self.index.state_units
 
-    def _subtree(self, gid: int, roots: list[bytes], limit: int = 1 << 20) -> list[bytes]:
-        """``roots`` and every unit cached after them in ``gid``."""
+    def _subtree(
+        self,
+        gid: int,
+        roots: list[bytes],
+        limit: int = 1 << 20,
+        stop: Callable[[bytes], bool] | None = None,
+    ) -> list[bytes] | None:
+        """``roots`` and every unit cached after them in ``gid``; None as soon as a unit
+        satisfies ``stop`` (the walk gives up there instead of collecting the rest)."""
         out, stack = [], list(roots)
         children = self.index.children
         while stack and len(out) < limit:
             x = stack.pop()
+            if stop is not None and stop(x):
+                return None
             out.append(x)
             kids = children.get((gid, x))
             if kids:
@@ -386,19 +396,12 @@ class HybridAllocator:
         """The units of ``gid`` that no state serves once the state at ``u`` is gone: nothing
         if a state lies below ``u``; else ``u``'s subtree and the chain above it up to the
         previous state or branch (exclusive)."""
+        # given up at the first state: with states every few hundred tokens (periodic),
+        # collecting whole subtrees first made this quadratic
+        seg = self._subtree(gid, [u], stop=self._has_state)
+        if seg is None:
+            return []
         parent, children = self.index.parent, self.index.children
-        # u's subtree, in _subtree's order, given up at the first state: with states every few
-        # hundred tokens (periodic) collecting whole subtrees first made this quadratic
-        seg: list[bytes] = []
-        stack = [u]
-        while stack and len(seg) < 1 << 20:
-            x = stack.pop()
-            if self._has_state(x):
-                return []
-            seg.append(x)
-            kids = children.get((gid, x))
-            if kids:
-                stack.extend(kids)
         x = parent.get((gid, u))
         while x is not None and (gid, x) in parent:
             if self._has_state(x) or len(children.get((gid, x), ())) > 1:
