@@ -228,6 +228,67 @@ def test_two_level_reactivated_cached_ids_keep_their_lru_place():
     g0.free(a + c)
 
 
+def test_two_level_pool_evictor_chooses_what_goes():
+    """With a pool-wide evictor (Marconi's), a group that has no room asks it to evict until a
+    hole or a free page appears, whichever group the victim is in; the page order (another
+    group's oldest idle page first) serves only once it has nothing to offer."""
+    evicted = []
+    tl = TwoLevelPool(4, {0: 2, 1: 1}, 0, "p", lambda key, sid: evicted.append(key))
+    g0, g1 = tl.view(0), tl.view(1)
+    (old,) = g1.allocate(1)  # page 1
+    g1.cache(old, "old-state")
+    g1.free([old])  # idle first: the page order's victim
+    (new,) = g1.allocate(1)  # a free page is taken before the idle one is touched: page 2
+    g1.cache(new, "new-state")
+    g1.free([new])
+    a = g0.allocate(3)  # id 1 on page 0, then page 3
+    g0.cache(a[2], "kv")
+    g0.free(a[1:])  # page 3 idle, its other id a hole
+    assert not tl.free_pages and new == 2 and a[2] // 2 == 3
+    choices = ["new-state", "kv"]  # the evictor's order, by its own value
+
+    def evict() -> bool:
+        if not choices:
+            return False
+        key = choices.pop(0)
+        view = g1 if key.endswith("state") else g0
+        return view.drop_cached(view.lookup(key))
+
+    tl.segment_evictor = evict
+    got = g0.allocate(1)  # the hole on page 3 first: nothing evicted
+    assert evicted == [] and got == [a[1]]
+    got += g0.allocate(1)  # no room: the evictor drops the newer state, freeing page 2
+    assert evicted == ["new-state"] and got[1] // 2 == new and g1.lookup("old-state") == old
+    got += g0.allocate(2)  # one id left on page 2, then the cached "kv" (the evictor's pick)
+    assert evicted == ["new-state", "kv"] and got[3] == a[2]
+    assert tl.can_allocate({0: 2}) and not tl.can_allocate({0: 3})  # page 1, idle, is left
+    got += g0.allocate(1)  # the evictor has nothing left: the page order takes page 1
+    assert evicted == ["new-state", "kv", "old-state"] and got[4] // 2 == old
+    g0.free(got + a[:1])
+
+
+def test_two_level_view_evictor_may_choose_an_id_on_an_idle_page():
+    """Cached ids on a group's idle pages are evictable (a Marconi segment may lie there): the
+    page is reactivated and the chosen id taken, its other cached ids kept in the LRU."""
+    tl = TwoLevelPool(3, {0: 4, 1: 1}, 0, "p")
+    g0, g1 = tl.view(0), tl.view(1)
+    a = g0.allocate(7)  # ids 1..3 on page 0, then page 1 (ids 4..7)
+    for i, sid in enumerate(a):
+        g0.cache(sid, f"kv-{i}")
+    g0.free(a)  # page 0 stays active (it is pinned): ids 1..3 in the LRU; page 1 idle
+    (s,) = g1.allocate(1)  # the last free page
+    assert list(g0._lru) == a[:3] and 1 in g0.idle_pages
+    assert g0.evictable(a[0]) and g0.evictable(a[5])
+    g0.evictor = lambda candidates: a[5]  # Marconi's pick: outside the LRU's window
+    g0.evictor_window = 2
+    got = g0.allocate(1)
+    assert got == [a[5]] and g0.lookup("kv-5") is None and 1 not in g0.idle_pages
+    # page 1's other cached ids are kept, in the LRU after page 0's (freed later)
+    assert list(g0._lru) == a[:5] + a[6:] and g0.lookup("kv-6") == a[6]
+    g0.free(got)
+    g1.free([s])
+
+
 def test_pools_answer_the_allocator_through_one_interface():
     """Both pool kinds: feasibility counting ids to be freed and hits' cached ids, reservation
     (only several groups of a two-level pool hold pages back), ids held per group."""

@@ -69,9 +69,14 @@ class IdCache:
             bid = lru.popitem(last=False)[0]
         else:
             bid = self.evictor(list(islice(lru, self.evictor_window)))
+            self._list(bid)
             del lru[bid]
         self._drop_key(bid)
         return bid
+
+    def _list(self, bid: int) -> None:
+        """The evictor chose ``bid``, free and cached (:meth:`evictable`): make sure it is in the
+        LRU (a two-level view's id may be on an idle page, which is reactivated)."""
 
     def _drop_key(self, bid: int) -> None:
         key = self._id_to_key.pop(bid)
@@ -158,6 +163,11 @@ class Pool(Protocol):
 
     name: str
     groups: Sequence[int]
+    #: pool-wide eviction for a pool whose groups have ids of their own (several
+    #: :meth:`group_views`): called while the group that needs an id has none free, it evicts
+    #: the least valuable cached entry of any group (False: nothing to evict); None: each
+    #: view's own evictor and the pool's page reclaim decide (:mod:`.marconi`)
+    segment_evictor: Callable[[], bool] | None
 
     def view(self, gid: int) -> IdCache:
         """Where ``gid``'s ids come from."""
@@ -225,6 +235,8 @@ class BlockPool(IdCache):
         self.evictor: Evictor | None = None
         self.evictor_window = 1
         self.num_evictions = 0
+        # one id space for every group: its own evictor already chooses across them
+        self.segment_evictor: Callable[[], bool] | None = None
 
     # ---- capacity ---------------------------------------------------------------------------
     @property

@@ -60,7 +60,7 @@ from .errors import (
 )
 from .events import AllBlocksCleared, KVEventBatch
 from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
-from .marconi import MarconiEvictor, MarconiScorer, PrefillFlops
+from .marconi import MarconiEvictor, MarconiPoolEvictor, MarconiScorer, PrefillFlops
 from .policies import ALL_POLICIES, CheckpointPolicy
 from .pools import build_pools
 from .prefix_cache import GroupRule, PrefixIndex, longest_hit
@@ -221,9 +221,13 @@ class HybridAllocator:
         if self.policy.name == "marconi":
             self._scorer = MarconiScorer(self.index, plan, self.pool, marconi_alpha, marconi_flops)
             for pool in self._pools:
+                evictors = []
                 for ids, gids in pool.group_views():
                     ids.evictor = MarconiEvictor(self._scorer, ids, gids)
                     ids.evictor_window = max(1, eviction_window)
+                    evictors.append(ids.evictor)
+                if len(evictors) > 1:  # groups with ids of their own: which group gives way
+                    pool.segment_evictor = MarconiPoolEvictor(self._scorer, evictors)
         self.reqs: dict[Any, Request] = {}
         # a state group's row is its running slot and spares: a fixed width
         self.tables = BlockTables(

@@ -16,9 +16,11 @@ state or branch point of its chain is its segment. A leaf state's segment goes w
 allocator's ``evict_unreachable`` cascade evicts KV that no state can reach any more); a state
 whose chain continues (superseded by a later turn) loses only itself; a branch-point state is
 never a candidate. A pool that holds state ids evicts the chosen state; a pool of attention
-ids only (``per_group``, ``two_level``'s KV view) evicts the chosen leaf's last KV block, and
-the cascade takes the rest of the segment. A pool with no such candidate falls back to its LRU
-(first an entry nothing depends on).
+ids only (``per_group``'s KV pool) evicts the chosen leaf's last KV block, and the cascade takes
+the rest of the segment. A pool with no such candidate falls back to its LRU (first an entry
+nothing depends on). A pool whose groups have ids of their own in shared memory (``two_level``)
+chooses across its groups with :class:`MarconiPoolEvictor`: the segment of least utility goes
+from every group at once, whichever group needed the memory.
 
 ``alpha = 0`` is recency alone. Marconi tunes ``alpha`` online (:func:`hybridkv.replay.replay`
 does the same with ``marconi_alpha="auto"``).
@@ -33,7 +35,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..plan import MemoryPlan
     from .prefix_cache import PrefixIndex
 
-__all__ = ["MarconiEvictor", "MarconiScorer", "PrefillFlops", "tokens_as_flops"]
+__all__ = [
+    "MarconiEvictor",
+    "MarconiPoolEvictor",
+    "MarconiScorer",
+    "PrefillFlops",
+    "tokens_as_flops",
+]
 
 #: FLOPs of prefilling ``new`` tokens after ``cached`` ones (``StepCoster.prefill_flops``)
 PrefillFlops = Callable[[int, int], float]
@@ -268,16 +276,21 @@ class MarconiEvictor:
         return None
 
     def _queue_segment(self, first: int, unit: bytes, end: int) -> None:
-        """Queue this pool's other evictable ids of the segment ending at ``unit``: the states
-        of its other groups there and, for a leaf, the KV blocks lying wholly inside it (last
-        first, so the queue pops the tail of the chain first)."""
+        """Queue this pool's other evictable ids of the segment ending at ``unit`` (the tail of
+        the chain is popped first)."""
+        self._queue = [(bid, key) for bid, key in self.segment_ids(unit, end) if bid != first]
+
+    def segment_ids(self, unit: bytes, end: int) -> list[tuple[int, Any]]:
+        """This pool's evictable ids of the segment ending at ``unit`` (``end`` tokens), with
+        their keys: the states of its groups there and, for a leaf, the KV blocks lying wholly
+        inside the segment (states first, then the KV from the segment's start to its tail)."""
         s, pool = self.scorer, self.pool
         index = s.index
-        queue: list[tuple[int, Any]] = []
+        out: list[tuple[int, Any]] = []
         for g in self.state_groups:
             bid = pool.lookup((g, unit))
-            if bid is not None and bid != first and pool.evictable(bid):
-                queue.append((bid, (g, unit)))
+            if bid is not None and pool.evictable(bid):
+                out.append((bid, (g, unit)))
         chain = s.chain_group
         leaf = chain is not None and not index.children.get((chain, unit))
         if leaf and self.kv_groups:
@@ -289,8 +302,8 @@ class MarconiEvictor:
                 units.append(x)
                 x = index.parent.get((chain, x))
             inside = set(units)
-            seen = {first}
-            for x in reversed(units):  # the queue pops from the end: the tail goes first
+            seen = {bid for bid, _ in out}
+            for x in reversed(units):
                 for g in self.kv_groups:
                     for bid in index.holders.get((g, x), ()):
                         if bid in seen or not pool.evictable(bid):
@@ -298,8 +311,8 @@ class MarconiEvictor:
                         seen.add(bid)
                         key = pool.key_of(bid)
                         if all(y in inside for y in index.entries[key][2]):
-                            queue.append((bid, key))
-        self._queue = queue
+                            out.append((bid, key))
+        return out
 
     def _depended_on(self, bid: int) -> bool:
         """A branch-point state, or a KV block with cached units after it."""
@@ -310,3 +323,37 @@ class MarconiEvictor:
         if key is None:
             return False
         return s.index.continuations(key, s.chain_group) > int(s.index.entry_info(key)[1])
+
+
+class MarconiPoolEvictor:
+    """Marconi's victim choice across the groups of one pool whose groups have ids of their own
+    (a two-level pool's views, one :class:`MarconiEvictor` each): evicts, in every group, the
+    ids of the cached segment of least utility that keeps a state in the pool.
+
+    Each view's own evictor chooses only among its group's ids, so which *group* gives memory
+    up was left to the pool: two-level pages went to the group that needed them by the age of
+    an idle page, and Marconi's utility decided only inside a group. The pool calls this
+    instead, until the group that needs an id has one (a hole on its pages, or a free page):
+    memory then moves between KV and states in Marconi's order, as in its radix tree, where a
+    node's KV and state are freed together."""
+
+    def __init__(self, scorer: MarconiScorer, evictors: list[MarconiEvictor]) -> None:
+        self.scorer = scorer
+        self.evictors = evictors
+        self.states = [g for ev in evictors for g in ev.state_groups]
+
+    def __call__(self) -> bool:
+        """Evict the least valuable segment (ties: the first cached); False, evicting nothing,
+        when no free cached state of this pool is a candidate."""
+        utilities = self.scorer.utilities()
+        for u, (_, P, _) in sorted(utilities.items(), key=lambda kv: kv[1][0]):
+            victims = [(ev.pool, ids) for ev in self.evictors if (ids := ev.segment_ids(u, P))]
+            if not any(key == (g, u) for _, ids in victims for _, key in ids for g in self.states):
+                continue  # its state is not here (or not free): evicting its KV frees nothing
+            # every id is listed before any goes: an eviction updates the index the lists
+            # are read from
+            for pool, ids in victims:
+                for bid, _ in ids:
+                    pool.drop_cached(bid)
+            return True
+        return False

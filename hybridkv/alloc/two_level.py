@@ -17,17 +17,24 @@ Free ids of active pages sit in the owner's ``plain`` (uncached, reused first) a
 (cached, evicted oldest first) lists; ids of idle pages sit in no list. An allocation takes
 plain ids, then a free page if one is spare, then cached ids of active pages (evicting them), then
 whole pages (free, then the owner's idle pages, then other groups' idle pages, oldest first).
-Cached blocks are thus evicted only when no page is free. :meth:`TwoLevelPool.can_allocate`
-counts ids without the spare-page preference; for an allocation over several groups,
-:meth:`TwoLevelPool.reserve` holds back the pages that count relies on, which is what keeps
-multi-group allocations all-or-nothing.
+Cached blocks are thus evicted only when no page is free.
+
+With a pool-wide evictor (:attr:`TwoLevelPool.segment_evictor`: Marconi's, which scores cached
+segments across groups), a group that has no plain id, no hole on its idle pages and no free
+page first asks it to evict until one of those appears; what goes is then chosen by value
+across every group, and the page order above serves only when it has nothing left to offer.
+A group's cached ids on its idle pages are evictable too: the hole left is filled first.
+
+:meth:`TwoLevelPool.can_allocate` counts ids without the spare-page preference; for an
+allocation over several groups, :meth:`TwoLevelPool.reserve` holds back the pages that count
+relies on, which is what keeps multi-group allocations all-or-nothing.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from .block_pool import CacheKey, Evictor, HeldIds, IdCache, OnEvict
 from .errors import DoubleFree, PoolExhausted
@@ -83,6 +90,18 @@ class GroupView(IdCache):
     def _drop_key(self, bid: int) -> None:
         super()._drop_key(bid)
         self.ncached[bid // self.k] -= 1
+
+    def evictable(self, bid: int) -> bool:
+        """Free and cached, in the LRU of an active page or on an idle page (evicting it there
+        leaves a hole, which this group fills before it takes another page)."""
+        return bid in self._lru or (
+            bid // self.k in self.idle_pages and bid in self._id_to_key and not self.ref[bid]
+        )
+
+    def _list(self, bid: int) -> None:
+        page = bid // self.k
+        if page in self.idle_pages:
+            self.reactivate(page)
 
     def demote(self, bid: int) -> None:
         if self.ref[bid] or bid not in self._id_to_key:
@@ -270,6 +289,10 @@ class GroupView(IdCache):
 
     def allocate_one(self) -> int:
         owner = self.owner
+        if owner.segment_evictor is not None:
+            # the pool's evictor chooses what goes, in any group, until we have room
+            while not self._has_room() and owner.segment_evictor():
+                pass
         spare = owner.pages_available > owner.reserved_pages  # a page nobody has reserved
         if self._plain:
             sid = self._plain.popitem()[0]
@@ -303,6 +326,22 @@ class GroupView(IdCache):
         self.ref[sid] = 1
         owner.used[sid // self.k] += 1
         return sid
+
+    def _has_room(self) -> bool:
+        """An id we can take without evicting: a plain id, a hole on an idle page of ours, or a
+        free page nobody else has reserved."""
+        owner = self.owner
+        return bool(
+            self._plain
+            or self._holey_idle_page() is not None
+            or (
+                owner.free_pages
+                and (
+                    owner.pages_available > owner.reserved_pages
+                    or owner.reservations.get(self.gid, 0)
+                )
+            )
+        )
 
     def _holey_idle_page(self) -> int | None:
         """Our idle page with the most ids holding nothing (None: no idle page has any)."""
@@ -382,6 +421,9 @@ class TwoLevelPool:
         self.idle_stamp: dict[int, int] = {}  # idle page -> clock when it went idle
         self.reservations: dict[int, int] = {}
         self.reserved_pages = 0
+        #: pool-wide eviction (Marconi's, :class:`~.marconi.MarconiPoolEvictor`), or None: the
+        #: page reclaim below and each view's own evictor decide
+        self.segment_evictor: Callable[[], bool] | None = None
         self.views = {g: GroupView(self, g, k) for g, k in ids_per_page.items()}
         self.groups = tuple(self.views)
         self.first_gid = first_gid
