@@ -297,12 +297,21 @@ def _figure_runs(small: bool) -> tuple[int, tuple[int, ...]]:
     return (200, (CAPACITIES[0],)) if small else (NUM_REQUESTS, CAPACITIES)
 
 
-def _gap_run(task: tuple[str, int, str, bool, int]):
-    """``(layout, capacity, policy, evict_unreachable, requests)`` -> the replay, or why the
-    layout cannot run it (module level, so :meth:`Context.map` can run it in a worker)."""
-    layout, cap, policy, cascade, n = task
+#: the ablations the table runs beside each policy: allocator options switched off
+VARIANTS: dict[str, dict[str, bool]] = {
+    "": {},
+    "no cascade": {"evict_unreachable": False},
+    "by group": {"marconi_across_groups": False},
+}
+
+
+def _gap_run(task: tuple[str, int, str, str, int]):
+    """``(layout, capacity, policy, variant, requests)`` -> the replay (``variant``: a key of
+    :data:`VARIANTS`), or why the layout cannot run it (module level, so :meth:`Context.map`
+    can run it in a worker)."""
+    layout, cap, policy, variant, n = task
     try:
-        return run_hybridkv(layout, cap, policy, n=n, evict_unreachable=cascade)
+        return run_hybridkv(layout, cap, policy, n=n, **VARIANTS[variant])
     except ValueError as e:  # a layout whose memory cannot hold the longest request
         return f"{layout} at {cap / 1e9:g} GB: {e}"
 
@@ -333,21 +342,22 @@ def marconi_gap(ctx: Context) -> list[Path]:
 
     n, capacities = _figure_runs(ctx.small)
     peer = peer_results() if n == NUM_REQUESTS else None
-    runs: dict[tuple[str, str, int, bool], Any] = {}
+    runs: dict[tuple[str, str, int, str], Any] = {}
     misfits: list[str] = []
 
     tasks = []
     for cap in capacities:
-        tasks += [(layout, cap, "marconi", True, n) for layout in LAYOUTS]
+        tasks += [(layout, cap, "marconi", "", n) for layout in LAYOUTS]
         for layout in ("inflate", "two_level"):
-            tasks += [(layout, cap, "align", True, n), (layout, cap, "marconi", False, n)]
-    for (layout, cap, policy, cascade, _), got in zip(tasks, ctx.map(_gap_run, tasks)):
+            tasks += [(layout, cap, "align", "", n), (layout, cap, "marconi", "no cascade", n)]
+        tasks.append(("two_level", cap, "marconi", "by group", n))
+    for (layout, cap, policy, variant, _), got in zip(tasks, ctx.map(_gap_run, tasks)):
         if isinstance(got, str):
             misfits.append(got)
         else:
-            runs[(layout, policy, cap, cascade)] = got
+            runs[(layout, policy, cap, variant)] = got
 
-    def rate(key: tuple[str, str, int, bool]) -> float | None:
+    def rate(key: tuple[str, str, int, str]) -> float | None:
         r = runs.get(key)
         return None if r is None else r.token_hit_rate
 
@@ -360,10 +370,12 @@ def marconi_gap(ctx: Context) -> list[Path]:
         for p in PEER_POLICIES:
             row[p] = pct(peer_rate(cap, p)) if peer else "-"
         for layout in LAYOUTS:
-            row[f"{layout}+marconi"] = pct(rate((layout, "marconi", cap, True)))
+            row[f"{layout}+marconi"] = pct(rate((layout, "marconi", cap, "")))
         for layout in ("inflate", "two_level"):
-            row[f"{layout}+align"] = pct(rate((layout, "align", cap, True)))
-            row[f"{layout}+marconi, no cascade"] = pct(rate((layout, "marconi", cap, False)))
+            row[f"{layout}+align"] = pct(rate((layout, "align", cap, "")))
+            no_cascade = (layout, "marconi", cap, "no cascade")
+            row[f"{layout}+marconi, no cascade"] = pct(rate(no_cascade))
+        row["two_level+marconi, by group"] = pct(rate(("two_level", "marconi", cap, "by group")))
         rows.append(row)
     cols = [("cap", "capacity")]
     cols += [(p, f"{p} (peer)") for p in PEER_POLICIES]
@@ -373,12 +385,13 @@ def marconi_gap(ctx: Context) -> list[Path]:
         (f"{x}+marconi, no cascade", f"{x} marconi, evict_unreachable off")
         for x in ("inflate", "two_level")
     ]
+    cols.append(("two_level+marconi, by group", "two_level marconi, marconi_across_groups off"))
 
     mid = capacities[len(capacities) // 2]
     bd_rows = []
     for layout in LAYOUTS:
         for policy in ("marconi", "align"):
-            r = runs.get((layout, policy, mid, True))
+            r = runs.get((layout, policy, mid, ""))
             if r is None:
                 continue
             m = r.breakdown_mean()
@@ -426,10 +439,10 @@ def marconi_gap(ctx: Context) -> list[Path]:
                 if x["capacity"] == cap and x["policy"] == "marconi"
             )
             for layout in ("inflate", "two_level"):
-                if (layout, "marconi", cap, True) not in runs:
+                if (layout, "marconi", cap, "") not in runs:
                     continue
                 small_loss, big_loss, won = _loss_split(
-                    runs[(layout, "marconi", cap, True)].hits, ref, prompts
+                    runs[(layout, "marconi", cap, "")].hits, ref, prompts
                 )
                 split_rows.append(
                     {
@@ -511,7 +524,7 @@ def marconi_gap(ctx: Context) -> list[Path]:
             **{
                 x: (
                     "-"
-                    if (r := runs.get((x, "marconi", cap, True))) is None
+                    if (r := runs.get((x, "marconi", cap, ""))) is None
                     else f"{r.marconi_alpha:g} (after {r.alpha_tuned_at + 1})"
                     if r.alpha_tuned_at is not None
                     else f"{r.marconi_alpha:g} (never tuned)"
@@ -542,8 +555,8 @@ def marconi_gap(ctx: Context) -> list[Path]:
     ]
     small_cap = capacities[0]
     tl, inf = (
-        runs.get(("two_level", "marconi", small_cap, True)),
-        runs.get(("inflate", "marconi", small_cap, True)),
+        runs.get(("two_level", "marconi", small_cap, "")),
+        runs.get(("inflate", "marconi", small_cap, "")),
     )
     if tl is not None and inf is not None:
         # what two_level's pages cost in bytes, and what those bytes are worth on inflate

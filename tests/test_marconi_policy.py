@@ -125,8 +125,8 @@ EXPECTED_ORDER = {
 }
 
 
-def _after_filler(layout: str, length: int, alpha: float = 0.0) -> dict[str, int]:
-    alloc = _alloc(layout)
+def _after_filler(layout: str, length: int, alpha: float = 0.0, **kw) -> dict[str, int]:
+    alloc = _alloc(layout, **kw)
     alloc.marconi_alpha = alpha
     for r in SEQUENCE:
         serve(alloc, r)
@@ -135,14 +135,14 @@ def _after_filler(layout: str, length: int, alpha: float = 0.0) -> dict[str, int
 
 
 def _fall_order(
-    layout: str, steps: int, alpha: float = 0.0
+    layout: str, steps: int, alpha: float = 0.0, **kw
 ) -> tuple[list[dict[str, int]], dict[str, int]]:
     """The probes that fall, in order, as the filler grows (the first ``steps`` changes), and
     the probes' hits after the last of them."""
     seen: list[dict[str, int]] = []
     state = dict(INTACT)
     for length in range(16, 8000, 16):
-        now = _after_filler(layout, length, alpha)
+        now = _after_filler(layout, length, alpha, **kw)
         changed = {k: v for k, v in now.items() if v != state[k]}
         if changed:
             seen.append(changed)
@@ -173,6 +173,19 @@ EXPECTED_ORDER_VALUE = [{"R3": 112}, {"R0": 64, "R3": 64}, {"R1": 64}, {"R2": 64
 def test_hand_worked_eviction_order_by_value(layout):
     seen, _ = _fall_order(layout, len(EXPECTED_ORDER_VALUE), alpha=10.0)
     assert seen == EXPECTED_ORDER_VALUE
+
+
+def test_two_level_without_the_pool_evictor_evicts_by_group():
+    """``marconi_across_groups=False`` (the ablation of section 4.10): each group's evictor
+    chooses among its own ids and idle pages go to the group that needs one by their age. The
+    KV group gives up R1 first, then the page holding R0's superseded state goes, then the
+    branch state at the end of ``S``, which every other prompt's hit needs, while R2's segment
+    stays; and value plays no part in which group gives way (R1 first with alpha 10 as well,
+    where Marconi evicts R3's end state)."""
+    seen, _ = _fall_order("two_level", 3, marconi_across_groups=False)
+    assert seen == [{"R1": 64}, {"R0": 64}, {"R0": 0, "R1": 0, "S": 0}]
+    seen, _ = _fall_order("two_level", 1, alpha=10.0, marconi_across_groups=False)
+    assert seen == [{"R1": 64}]
 
 
 def test_replay_tunes_alpha_as_marconi_does():

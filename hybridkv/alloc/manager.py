@@ -119,6 +119,11 @@ class HybridAllocator:
       too (:meth:`_settle`): the KV of a chain whose last state went, or everything after a
       KV block that went. Marconi evicts a radix-tree leaf's KV with its state for the same
       reason. ``False`` keeps them until they age out (vLLM's behaviour).
+    - ``marconi_across_groups`` (``marconi`` only): in a pool whose groups have ids of their own
+      (``two_level``), one evictor chooses what goes across the groups: the cached segment of
+      least utility, its state and KV together (:class:`~.marconi.MarconiPoolEvictor`).
+      ``False`` (an ablation) leaves it to each group's evictor, among that group's ids, and to
+      the pool's reclaim of idle pages by their age.
     """
 
     def __init__(
@@ -138,6 +143,7 @@ class HybridAllocator:
         prefill_checkpoint_alignment: int | str | None = "auto",
         checkpoint_interval: int | None = None,
         evict_unreachable: bool = True,
+        marconi_across_groups: bool = True,
     ) -> None:
         if hash_block_size < 1:
             raise ConfigError(f"hash_block_size must be >= 1, got {hash_block_size}")
@@ -226,7 +232,8 @@ class HybridAllocator:
                     ids.evictor = MarconiEvictor(self._scorer, ids, gids)
                     ids.evictor_window = max(1, eviction_window)
                     evictors.append(ids.evictor)
-                if len(evictors) > 1:  # groups with ids of their own: which group gives way
+                if marconi_across_groups and len(evictors) > 1:
+                    # groups with ids of their own: which group gives way is Marconi's choice too
                     pool.segment_evictor = MarconiPoolEvictor(self._scorer, evictors)
         self.reqs: dict[Any, Request] = {}
         # a state group's row is its running slot and spares: a fixed width
