@@ -28,6 +28,7 @@ does the same with ``marconi_alpha="auto"``).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -340,15 +341,18 @@ class MarconiPoolEvictor:
     def __init__(self, scorer: MarconiScorer, evictors: list[MarconiEvictor]) -> None:
         self.scorer = scorer
         self.evictors = evictors
-        self.states = [g for ev in evictors for g in ev.state_groups]
+        self.states = {g for ev in evictors for g in ev.state_groups}
 
     def __call__(self) -> bool:
         """Evict the least valuable segment (ties: the first cached); False, evicting nothing,
         when no free cached state of this pool is a candidate."""
-        utilities = self.scorer.utilities()
-        for u, (_, P, _) in sorted(utilities.items(), key=lambda kv: kv[1][0]):
+        # a heap, not a sort: the least valuable candidate nearly always has its state here
+        heap = [(x, i, u, P) for i, (u, (x, P, _)) in enumerate(self.scorer.utilities().items())]
+        heapq.heapify(heap)
+        while heap:
+            _, _, u, P = heapq.heappop(heap)
             victims = [(ev.pool, ids) for ev in self.evictors if (ids := ev.segment_ids(u, P))]
-            if not any(key == (g, u) for _, ids in victims for _, key in ids for g in self.states):
+            if not any(key[0] in self.states for _, ids in victims for _, key in ids):
                 continue  # its state is not here (or not free): evicting its KV frees nothing
             # every id is listed before any goes: an eviction updates the index the lists
             # are read from

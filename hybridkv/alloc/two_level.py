@@ -94,9 +94,7 @@ class GroupView(IdCache):
     def evictable(self, bid: int) -> bool:
         """Free and cached, in the LRU of an active page or on an idle page (evicting it there
         leaves a hole, which this group fills before it takes another page)."""
-        return bid in self._lru or (
-            bid // self.k in self.idle_pages and bid in self._id_to_key and not self.ref[bid]
-        )
+        return bid in self._lru or (bid // self.k in self.idle_pages and bid in self._id_to_key)
 
     def _list(self, bid: int) -> None:
         page = bid // self.k
@@ -395,10 +393,8 @@ class GroupView(IdCache):
         for sid in ids:
             if sid == 0:
                 continue
-            if ref[sid] == 0:
+            if ref[sid] == 0:  # its page, if it was idle, was reactivated above
                 page = sid // k
-                if page in self.idle_pages:
-                    self.reactivate(page)
                 del self._lru[sid]
                 used[page] += 1
             ref[sid] += 1
