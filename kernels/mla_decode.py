@@ -15,19 +15,26 @@ layer); the latent of token ``p`` is at ``cache + table[p // block_size] * strid
 576-wide latent of DeepSeek costs no padding to 1024, and ``c_kv`` is read once for the scores and
 the output.
 
+Plan once per step, run once per layer (FlashInfer's split): :func:`plan_mla_decode` takes the
+step's block tables, lengths and shapes and makes every host decision (heads per program,
+config, split count, grid, partial buffers, the fp8 path); :meth:`MlaDecodePlan.run` then
+launches with one layer's queries and latent cache and does no allocation (given ``out``), no
+environment read and no device sync, so it can be captured in a CUDA graph.
+:func:`mla_decode_attention` is plan + run in one call.
+
 - Heads: the heads of a request share a program (``BLOCK_H`` = their count rounded up to a
   power of two, at least 16 for ``tl.dot``), so each latent byte is read once per request, up
   to a limit set by registers: the float32 accumulator ``[BLOCK_H, 512]`` is 128 registers a
-  thread at 64 heads and 8 warps (16 warps cap a thread at 128 registers and spill; 128 heads
-  would need the whole register file). Measured with ptxas (``heads_per_program``,
-  ``_config_fits``): 64 heads fit only on sm_90 with 16-bit caches, where wgmma reads q and the
-  latent tile from shared memory; mma.sync (sm_80, and sm_90 below 64 rows) needs each warp to
-  hold its rows of q as a 512-deep operand and spills at 64 heads; fp8 tiles are converted in
-  registers and spill at 64 heads on sm_90 too. So 32 heads a program on sm_80 and for fp8, 64
-  on sm_90: Kimi-Linear (32 heads at TP1) reads its cache once per request everywhere;
-  DeepSeek's 128 heads take 2 (H100) or 4 programs per tile, adjacent in the launch order (the
-  head group varies fastest), so they run together and all but the first read the tile from L2,
-  not HBM (FlashMLA splits the same way: 64 heads per CTA).
+  thread at 32 heads and 4 warps, or 64 heads and 8 warps (16 warps cap a thread at 128
+  registers and spill; 128 heads would need the whole register file). Measured with ptxas
+  (``heads_per_program``, :func:`config_fits`): 64 heads fit only on sm_90 with 16-bit caches,
+  where wgmma reads q and the latent tile from shared memory; mma.sync (sm_80, and sm_90 below
+  64 rows) needs each warp to hold its rows of q as a 512-deep operand and spills at 64 heads;
+  fp8 tiles are converted in registers and spill at 64 heads on sm_90 too. So 32 heads a
+  program on sm_80 and for fp8, 64 on sm_90: Kimi-Linear (32 heads at TP1) reads its cache once
+  per request everywhere; DeepSeek's 128 heads take 2 (H100) or 4 programs per tile, adjacent in
+  the launch order (the head group varies fastest), so they run together and all but the first
+  read the tile from L2, not HBM (FlashMLA splits the same way: 64 heads per CTA).
 - Page walk: a tile of ``BLOCK_N`` tokens is ``BLOCK_N // SEG`` segments of ``SEG`` tokens, where
   ``SEG`` is a power of two dividing ``block_size`` (so a segment never straddles a page). The
   block table is read once per segment as one small vector, not once per token, and there is no
@@ -44,7 +51,38 @@ the output.
   split writes the output directly.
 - fp8 caches: the latent is multiplied in fp16/bf16 as stored (the per-tensor scale is folded
   into the scores and applied to the accumulator once at the end). GPUs without hardware e4m3
-  (sm_80, A100) get the cache's bytes and decode them in the kernel.
+  (sm_80, A100) get the cache's bytes and decode them in the kernel (exactly).
+
+Configs come from a table (``_TABLE``: the H200 sweep of 2026-11-26 where it measured the
+shape, each row with its source), keyed by the launch's shape class (:class:`MlaShape`: arch,
+heads per program, latent dims, cache dtype, page segment, batch x head-group and context
+buckets), so a first call compiles one config and never stalls on tuning.
+``plan_mla_decode(autotune=True)`` tunes over ``CONFIGS`` instead, keyed by the same buckets (a
+GPU only).
+
+Why the configs are what they are (H200, Kimi-Linear, 32 heads, bf16, ctx 32k): the old
+autotuner's configs (8 warps, 16- and 32-token tiles) ran at 34-39% of copy bandwidth, the best
+forced config ``BLOCK_N=64, num_warps=4, num_stages=2`` at 60-75%. The compile check explains
+the gap. With 8 warps a 16-token score tile ``[32, 16]`` has four ``m16n8`` MMA tiles for eight
+warps, so warps repeat each other's MMAs (44 HMMA a token; 17 at 64-token tiles, the minimum
+for 32 x 576 + 32 x 512 multiply-adds a token), and every warp reads all of ``q`` (36 KB) from
+shared memory for every tile: for 64 tokens (74 KB of latent) 1.2 MB of ``q`` reads at
+16-token tiles and 8 warps, 0.15 MB at 64-token tiles and 4 warps, so the small tiles are
+bound by shared memory and the tensor cores, not by HBM. And at 32 heads every config takes
+156-255 registers a thread, so 8 warps leave room for one CTA a multiprocessor and 4 warps for
+two (115 KB of shared memory each fit twice on sm_90): the second CTA's copies overlap the
+first's math.
+64/4/2 has both, but it is at the register ceiling: 128 registers hold the accumulator, the
+dots' tile operands are read from shared memory as whole tensors (a 64-token tile at 4 warps
+reaches 255 registers even beside the 64-register accumulator of 16 heads), and the 36 row
+offsets of its copies are loop invariants, so ptxas spills them (sm_90: 292 B, reloaded every
+tile from L1; sm_80: 52 B outside the loop), which cost less than the second CTA gained. Neither a
+compile-time token stride, nor unmasked whole tiles with the last tile peeled off, nor column
+chunks of the tile, nor TMA copies (which pipeline, but then read the swizzled tile transposed
+through registers) made it fit (triton 3.9). The table therefore takes the same 64-token tile
+at 8 warps on sm_90 (no spills, one CTA a multiprocessor) with a third stage, so that two tiles
+stay in flight a multiprocessor as with two CTAs of 64/4/2; see ``_TABLE`` for every row and
+what a GPU run must confirm.
 
 Contract (checked only with ``validate=True`` or ``HYBRIDKV_VALIDATE=1``, because checking device
 data costs a host sync): ``1 <= seq_lens[b] <= max_seq_len`` (when given); every block id a
@@ -57,10 +95,11 @@ memory (the next layer's page for a block id equal to ``num_blocks``, bytes befo
 Hopper: at 64 heads the scores ``[64, BLOCK_N]`` and the output update ``[64, 512]`` are what
 wgmma takes (64 rows a warpgroup), and Triton emits wgmma on sm_90 with q and the latent tile
 read from shared memory; the 8 warps split the 512-wide accumulator over two warpgroups that
-share the tile, as FlashMLA does. Not done: TMA for the latent tiles (each segment is a 2-D box
-``[SEG, latent]`` at a page-computed address: one descriptor over the cache view would take the
-address math and the per-thread copies off the SMs, but device-side descriptors need a global
-scratch allocator, and cp.async already keeps tiles in flight for a bandwidth-bound decode);
+share the tile, as FlashMLA does. Below 64 heads (Kimi-Linear's 32) Triton emits mma.sync.
+Not done: TMA for the latent tiles (each segment is a 2-D box ``[SEG, latent]`` at a
+page-computed address: a host-side descriptor over the cache view takes the address math and
+the per-thread copies off the SMs and Triton pipelines it, but the score dot then reads the
+swizzled tile transposed through registers and spilled more, see above);
 fp8 wgmma on the stored bytes (would let fp8 caches keep 64 heads a program and skip the
 conversion, but needs q in fp8 too, which costs accuracy); a warp-specialised producer (TMA)
 and consumers (wgmma) with 64-token tiles, which Triton's ``warp_specialize`` may reach.
@@ -70,148 +109,334 @@ Standalone: imports only torch and triton, so the file can be copied into anothe
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
-
-def _autotune(configs: list[triton.Config], key: list[str], prune=None, **kwargs):
-    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first kept by
-    ``prune``, or the one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each),
-    because the autotuner needs a GPU driver to benchmark."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-
-        def pick(args: dict | None) -> triton.Config:
-            # read per launch, so a test can switch configs without reloading the module
-            index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0"))
-            kept = prune(configs, args) if prune and args is not None else configs
-            return kept[index % len(kept)]
-
-        names = configs[0].kwargs
-        return triton.heuristics({k: (lambda args, k=k: pick(args).kwargs[k]) for k in names})
-    if prune is not None:
-        kwargs["prune_configs_by"] = {"early_config_prune": prune}
-    return triton.autotune(configs, key=key, **kwargs)
+# ---- configs and the default table ------------------------------------------------------------
 
 
-# Reads only the cache and writes fresh partial buffers (or the output), so tuning in place is
-# safe. 16-bit tiles: num_stages - 1 in flight (num_stages with wgmma); fp8 tiles: one, by hand.
-# _config_fits drops what does not fit a launch; the first config fits every launch.
-_CONFIGS = [
-    triton.Config({"BLOCK_N": 16}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_N": 16}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_N": 32}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=3),
-]
-#: the split length is a multiple of this, so every config's tiles fit whole in a split
-_MAX_BLOCK_N = 64
-#: programs a GPU needs to be busy (a few waves over ~132 SMs); decides split-K
-_TARGET_PROGRAMS = 256
-#: fewest tokens a split is worth
-_MIN_SPLIT_TOKENS = 256
-#: shared memory per block: sm_80 (A100) 163 KiB, sm_90 (H100) 227 KiB
+@dataclass(frozen=True)
+class MlaConfig:
+    """One compile-time choice of the partial kernel."""
+
+    block_n: int  # tokens per tile, a power of two >= 16
+    num_warps: int
+    num_stages: int  # software pipelining: num_stages - 1 tiles in flight (num_stages, wgmma)
+
+    def __str__(self) -> str:
+        return f"BLOCK_N={self.block_n},num_warps={self.num_warps},num_stages={self.num_stages}"
+
+
+#: what autotuning tries (``plan_mla_decode(autotune=True)``) and the compile check compiles
+#: (those that fit the launch); every config of ``_TABLE`` is one of them. The kernel reads
+#: only the cache and writes the partial buffers or the output, so tuning in place is safe.
+#: 64/4/2, the H200's best at 32 heads, spills there (see ``config_fits``) and is never picked
+#: for 32 heads; it stays so that a sweep can force it (``config=``) against the table.
+CONFIGS: tuple[MlaConfig, ...] = (
+    MlaConfig(64, 8, 3),
+    MlaConfig(64, 8, 2),
+    MlaConfig(32, 8, 2),
+    MlaConfig(16, 8, 3),
+    MlaConfig(32, 4, 2),
+    MlaConfig(32, 4, 3),
+    MlaConfig(16, 4, 3),
+    MlaConfig(64, 4, 2),
+)
+#: split lengths are multiples of this, so the tiles of every config fit whole in a split
+_MAX_BLOCK_N = max(c.block_n for c in CONFIGS)
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """The shape class a launch's config is chosen by (and autotuning is keyed by)."""
+
+    arch: int  # compute capability as 80, 90, ...; the interpreter counts as 80
+    block_h: int  # heads a program (heads_per_program): 16, 32 or 64
+    block_dc: int  # kv_lora_rank padded to a power of two
+    block_dr: int  # qk_rope_head_dim padded to a power of two
+    cache: str  # "16bit" | "fp32" | "fp8" (converted in hardware) | "fp8-bytes" (in software)
+    q_bytes: int  # bytes of a query element: the dots' operand size (2, or 4 for fp32)
+    page_align: int  # largest power of two dividing block_size, capped at _MAX_BLOCK_N
+    work: int  # batch * head groups, rounded up to a power of two
+    context: int  # max_seq_len, rounded up to a power of two
+
+    @property
+    def fp8(self) -> bool:
+        return self.cache.startswith("fp8")
+
+    @property
+    def wgmma(self) -> bool:
+        """Whether Triton emits wgmma: sm_90 and a full warpgroup of rows (64 heads)."""
+        return self.arch >= 90 and self.block_h >= 64
+
+
+@dataclass(frozen=True)
+class MlaRule:
+    """One row of the default table: the first row whose ranges (inclusive) all hold for a
+    launch's :class:`MlaShape` gives its config; ``source`` says where the row comes from."""
+
+    config: MlaConfig
+    source: str
+    arch: tuple[int, int] = (0, 1000)
+    block_h: tuple[int, int] = (1, 1024)
+    caches: tuple[str, ...] = ("16bit", "fp32", "fp8", "fp8-bytes")
+    page_align: tuple[int, int] = (1, 1 << 20)
+    work: tuple[int, int] = (1, 1 << 40)
+
+    def matches(self, shape: MlaShape) -> bool:
+        return (
+            self.arch[0] <= shape.arch <= self.arch[1]
+            and self.block_h[0] <= shape.block_h <= self.block_h[1]
+            and shape.cache in self.caches
+            and self.page_align[0] <= shape.page_align <= self.page_align[1]
+            and self.work[0] <= shape.work <= self.work[1]
+        )
+
+
+_H200 = (
+    "H200 sweep 2026-11-26 (paper/results/kernels-before-h200-2026-11-26.md), % of copy bandwidth"
+)
+_CC = "compile check: python -m paper.compile_kernels (triton 3.9), latent 512+64"
+#: the default configs, first match wins. Measured rows name the shape they were measured on;
+#: the others are marked unmeasured and say what they are inferred from (the GPU suite sweeps
+#: them: ``python -m paper.gpu_suite``).
+_TABLE: tuple[MlaRule, ...] = (
+    MlaRule(
+        MlaConfig(64, 8, 3),
+        f"unmeasured: inferred from the {_H200}: Kimi-Linear (32 heads, latent 512+64, bf16, "
+        "64-token pages) ctx 32k measured best at BLOCK_N=64, num_warps=4, num_stages=2 (75.1% "
+        "at B=64, 59.8% at B=8; the old 8-warp 16/32-token configs 34-39%), but 64/4/2 spills "
+        f"({_CC}: sm_90 292 B, its per-row copy offsets reloaded every tile; sm_80 52 B), and "
+        "so do 32-token tiles at 4 warps on sm_90 (16 B). The nearest that does not: the same "
+        "64-token tile (fewest MMAs and q reads a token) at 8 warps (255 registers, one CTA a "
+        "multiprocessor), with a third stage so that two tiles (147 KB) stay in flight a "
+        "multiprocessor as with two CTAs of 64/4/2 (188 KB of shared memory: sm_90 only)",
+        arch=(90, 1000),
+        block_h=(32, 32),
+        caches=("16bit",),
+        page_align=(64, 1 << 20),
+    ),
+    MlaRule(
+        MlaConfig(32, 4, 3),
+        "unmeasured: 16 heads a program (Kimi-Linear at TP2 and more) on sm_90; the 64-token "
+        f"tile spills at 4 warps even beside a 64-register accumulator ({_CC}: 128 B), 32/4/3 "
+        "does not and keeps two 32-token tiles in flight in each of two CTAs a multiprocessor",
+        arch=(90, 1000),
+        block_h=(16, 16),
+        caches=("16bit",),
+        page_align=(32, 1 << 20),
+    ),
+    MlaRule(
+        MlaConfig(32, 4, 2),
+        "unmeasured: sm_80 at 32 heads, one segment a tile; 64/4/2 spills and its 115 KB of "
+        "shared memory leave an A100 (164 KB a multiprocessor) one CTA; 32/4/2 (76 KB, "
+        f"no spills: {_CC}) leaves two, as 64/4/2 had on the H200",
+        arch=(0, 89),
+        block_h=(32, 32),
+        caches=("16bit",),
+        page_align=(32, 1 << 20),
+    ),
+    MlaRule(
+        MlaConfig(32, 4, 2),
+        "unmeasured: 16 heads a program elsewhere (sm_80, or 16-token pages): 32-token tiles at "
+        f"4 warps take 165-177 registers and do not spill ({_CC}), where 8 warps with 64-token "
+        "tiles of 16-token pages do",
+        block_h=(16, 16),
+        caches=("16bit",),
+        page_align=(16, 1 << 20),
+    ),
+    MlaRule(
+        MlaConfig(64, 8, 2),
+        "unmeasured: 32 heads on pages of 16 tokens or other multiples of 16 that are not of "
+        "32 (several segments a tile, whose addresses take registers: 32-token tiles at 4 "
+        f"warps spill on both archs with 16-token pages, {_CC}); the 64-token tile at 8 warps "
+        "does not",
+        block_h=(32, 32),
+        caches=("16bit",),
+        page_align=(16, 1 << 20),
+    ),
+    MlaRule(
+        MlaConfig(16, 8, 3),
+        "unmeasured: 64 heads a program (wgmma, sm_90), where the [64, 512] accumulator leaves "
+        f"room only for 16-token tiles at 8 warps ({_CC}); the old autotuner's only candidate",
+        block_h=(64, 64),
+        caches=("16bit",),
+    ),
+    MlaRule(
+        MlaConfig(32, 8, 2),
+        "unmeasured: fp8 caches, prefetched and converted in registers, spill at 4 warps and "
+        f"with 64-token tiles ({_CC}); 32/8/2 does not, and does half the q reads a token of "
+        "16-token tiles",
+        block_h=(16, 32),
+        caches=("fp8", "fp8-bytes"),
+    ),
+)
+
+#: shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_80 163 KiB, sm_90 227
 _SHARED_BYTES = {8: 166912, 9: 232448}
+#: shared memory per multiprocessor and what each resident CTA reserves of it (1 KiB)
+_SM_SHARED_BYTES = {8: 167936, 9: 233472}
+_CTA_RESERVED_SHARED = 1024
+#: registers per multiprocessor (every arch the configs are checked for)
+_SM_REGISTERS = 65536
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    """The GPU's compute capability; the interpreter counts as the smallest supported one
-    (sm_80), so the CPU tests run the configs an A100 would. The compile check monkeypatches
-    this."""
-    if device.type != "cuda":
-        return (8, 0)
-    return torch.cuda.get_device_capability(device)
-
-
-def _fp8e4_in_hardware(device: torch.device) -> bool:
-    """sm_89+ (Ada, Hopper) convert e4m3 in hardware; older GPUs get the raw bytes and a
-    software conversion in the kernel. Tests and the compile check monkeypatch this."""
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def heads_per_program(
-    num_heads: int, capability: tuple[int, int], fp8: bool = False, page_align: int = 64
-) -> int:
-    """``BLOCK_H``: the heads of a request rounded up to a power of two (at least 16, the
-    smallest ``tl.dot``), capped at what compiles without spills (see ``_config_fits``): 64
-    on sm_90 for 16-bit caches whose block size is a multiple of 16, else 32 (blocks of other
-    sizes walk segments shorter than a tile, whose addresses spill next to 64 heads)."""
-    limit = 64 if capability >= (9, 0) and not fp8 and page_align >= 16 else 32
-    return min(max(16, triton.next_power_of_2(num_heads)), limit)
-
-
-def _config_fits(
-    config: triton.Config,
-    *,
-    block_h: int,
-    block_dc: int,
-    block_dr: int,
-    q_bytes: int,
-    cache_bytes: int,
-    fp8: bool,
-    capability: tuple[int, int],
-) -> bool:
-    """Whether ``config`` compiles within the GPU's shared memory and without spills (the
-    model below matches ptxas for the latent 512 + 64; the compile check tests it).
-
-    Registers: up to 32 heads, every config fits (mma.sync, <= 255 registers). 64 heads hold a
-    [64, 512] float32 accumulator, 128 registers a thread at 8 warps: it fits only with wgmma
-    (sm_90, which reads q and the latent tile from shared memory, where mma.sync on sm_80 needs
-    every warp to hold all 64 rows of q as an operand) and 16-token tiles; 16 warps cap a thread
-    at 128 registers and spill. fp8 tiles are prefetched in registers and converted there:
-    64 heads spill on sm_90 too (16-32 bytes). With mma.sync, 64-token tiles at 32 heads spill
-    (sm_90: 24 bytes of stack; fp8 on sm_80 too), so heads x tile <= 32 x 32. Shared
-    memory: q, the latent tiles in flight (wgmma keeps ``num_stages`` of them, mma.sync
+def shared_bytes(config: MlaConfig, shape: MlaShape) -> int:
+    """Shared memory of one CTA (the compile check's ``metadata.shared`` for 16-bit caches):
+    q, the latent tiles in flight (wgmma keeps ``num_stages`` of them, mma.sync
     ``num_stages - 1``) or for fp8 the converted tile, and the probabilities staged for the
     second dot."""
-    block_n, stages, warps = config.kwargs["BLOCK_N"], config.num_stages, config.num_warps
-    wgmma = capability >= (9, 0) and block_h >= 64
-    if block_h > 32 and not (wgmma and not fp8 and warps == 8 and block_n == 16):
+    width = shape.block_dc + shape.block_dr
+    q = shape.block_h * width * shape.q_bytes
+    if shape.fp8:  # prefetched in registers, converted, staged once for the dots
+        return q + config.block_n * width * shape.q_bytes
+    item = 4 if shape.cache == "fp32" else 2
+    buffers = config.num_stages if shape.wgmma else config.num_stages - 1
+    return q + buffers * config.block_n * width * item + shape.block_h * config.block_n * item
+
+
+def config_fits(config: MlaConfig, shape: MlaShape) -> bool:
+    """Whether ``config`` compiles for ``shape`` within the block's shared memory and without
+    spills: the rule below reproduces ``python -m paper.compile_kernels`` (triton 3.9, ptxas of
+    sm_80 / sm_90) at the latent 512 + 64 for 16, 32 and 64 heads a program, 16-bit and fp8
+    caches, 16- and 64-token pages; the test suite checks the table against it. In registers
+    a thread: ``acc`` for the float32 accumulator ``[BLOCK_H, Dc]``, ``vecs`` for the 16-byte
+    pieces of a tile each thread copies (its row offsets stay in registers, and Triton loads a
+    dot's whole operand before the MMAs):
+
+    - ``acc`` 128 (32 heads at 4 warps): 16-token tiles; 32-token tiles on sm_80 with a
+      tile in one page (sm_90 spills 16 B, with 16-token pages both spill); 64-token tiles
+      spill (64/4/2: 52 B on sm_80, 292 B on sm_90, reloaded every tile).
+    - ``acc`` <= 64: up to 32-token tiles at 4 warps, 64-token tiles at 8 warps (64/4/2
+      spills even at 16 heads).
+    - 64 heads need 8 warps and wgmma (sm_90, 16-bit caches), which reads q and the tile from
+      shared memory, and only 16-token tiles fit beside the accumulator.
+    - fp8 tiles are prefetched and converted in registers: ``acc`` <= 64 and ``vecs`` <= 9
+      (32 heads: 8 warps and up to 32-token tiles).
+    - Tiles of more than 4 page segments (pages not a multiple of 16): ``vecs`` <= 9, as in
+      the decode kernel. At 16 heads, 8 warps and 64-token tiles of several segments (16-token
+      pages) spill: ptxas keeps them at 128 registers (16-24 B).
+    """
+    if shared_bytes(config, shape) > _SHARED_BYTES.get(shape.arch // 10, _SHARED_BYTES[8]):
         return False
-    if not wgmma and block_h * block_n > 32 * 32:  # scores, operands and tile spill
+    threads = 32 * config.num_warps
+    acc = shape.block_h * shape.block_dc // threads
+    vecs = config.block_n * (shape.block_dc + shape.block_dr) // (8 * threads)
+    segments = config.block_n // min(config.block_n, shape.page_align)
+    if acc > 128:
         return False
-    width = block_dc + block_dr
-    if fp8:  # prefetched in registers, converted, staged once for the dots
-        shared = block_h * width * q_bytes + block_n * width * q_bytes
-    else:
-        buffers = stages if wgmma else stages - 1
-        shared = block_h * width * q_bytes + buffers * block_n * width * cache_bytes
-        shared += block_h * block_n * q_bytes
-    return shared <= _SHARED_BYTES.get(capability[0], _SHARED_BYTES[8])
+    if shape.block_h > 32:
+        return shape.wgmma and not shape.fp8 and config.num_warps == 8 and config.block_n == 16
+    if shape.fp8:
+        return acc <= 64 and vecs <= 9
+    if segments > 4 and vecs > 9:
+        return False
+    if config.num_warps >= 8 and acc <= 32 and segments > 1 and vecs > 9:
+        return False  # ptxas keeps these at 128 registers (two CTAs) and spills (16 heads)
+    if acc > 64:
+        return vecs <= 9 or (vecs <= 18 and shape.arch < 90 and segments == 1)
+    return vecs <= 18
 
 
-def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """Drop configs that do not fit this GPU (shared memory) or would spill."""
-    args = {**nargs, **kwargs}
-    capability = _capability(args["q_nope_ptr"].device)
-    fits = dict(
-        block_h=args["BLOCK_H"],
-        block_dc=args["BLOCK_DC"],
-        block_dr=args["BLOCK_DR"],
-        q_bytes=args["q_nope_ptr"].element_size(),
-        cache_bytes=args["cache_ptr"].element_size(),
-        fp8=args["FP8"] > 0,
-        capability=capability,
-    )
-    kept = [c for c in configs if _config_fits(c, **fits)]
-    if not kept:
-        raise ValueError(f"no MLA decode config fits sm_{capability[0]}{capability[1]}: {fits}")
-    return kept
+def one_split_fits(config: MlaConfig, shape: MlaShape) -> bool:
+    """Whether the one-split epilogue (normalise and write the output, no partials and no
+    reduce) compiles without spills for a config that fits (the compile check at latent
+    512 + 64 with ``num_splits=1``): not beside 64 heads' accumulator (wgmma), not at 32 heads
+    with 32-token tiles at 4 warps (sm_80: 16 B), not at 16 heads with 8 warps on sm_90, where
+    ptxas stops at 128 registers (32/8/2: 16 B). Elsewhere such plans keep the reduce kernel:
+    its partials are one row a request and head, little next to a one-split request's tokens."""
+    threads = 32 * config.num_warps
+    acc = shape.block_h * shape.block_dc // threads
+    vecs = config.block_n * (shape.block_dc + shape.block_dr) // (8 * threads)
+    if shape.block_h > 32 or (acc > 64 and vecs > 9):
+        return False
+    return not (shape.arch >= 90 and config.num_warps == 8 and acc < 64 and vecs == 9)
 
 
-@_autotune(_CONFIGS, key=["DIM_C", "DIM_R", "BLOCK_H", "PAGE_ALIGN", "FP8"], prune=_prune)
-@triton.jit
+def choose_config(shape: MlaShape) -> tuple[MlaConfig, str]:
+    """The default config of a shape class and where it comes from (a ``_TABLE`` row, or the
+    first config of ``CONFIGS`` that fits when no row's config fits this shape)."""
+    for rule in _TABLE:
+        if rule.matches(shape) and config_fits(rule.config, shape):
+            return rule.config, rule.source
+    for config in CONFIGS:
+        if config_fits(config, shape):
+            return config, "no table row: the first config that fits"
+    raise ValueError(f"no MLA decode config fits {shape}")
+
+
+def ctas_per_sm(config: MlaConfig, shape: MlaShape) -> int:
+    """CTAs of ``config`` one multiprocessor holds at once, by registers and shared memory.
+    Every config that fits takes 156-255 registers a thread at 32 heads in the compile check
+    (16 heads: 128-168), so 255 is assumed: 8 warps leave room for one CTA, 4 warps for two."""
+    by_registers = _SM_REGISTERS // (config.num_warps * 32 * 256)
+    per_cta = shared_bytes(config, shape) + _CTA_RESERVED_SHARED
+    by_shared = _SM_SHARED_BYTES.get(shape.arch // 10, _SM_SHARED_BYTES[8]) // per_cta
+    return max(1, min(by_registers, by_shared))
+
+
+#: fewest tokens a split is worth
+_MIN_SPLIT_TOKENS = 256
+#: most splits (the reduce reads them all)
+_MAX_SPLITS = 64
+#: a split's partial (BLOCK_H x Dc float32, written once and read back once by the reduce)
+#: may cost at most this share of the latent bytes the split reads
+_MAX_PARTIAL_SHARE = 0.25
+
+
+def choose_num_splits(
+    batch: int,
+    num_head_blocks: int,
+    max_seq_len: int,
+    num_sms: int = 132,
+    ctas_per_sm: int = 1,
+    partial_tokens: int = _MIN_SPLIT_TOKENS,
+) -> int:
+    """Split the context when ``batch * num_head_blocks`` programs cannot fill the GPU: as many
+    splits as one wave of resident CTAs holds (``num_sms * ctas_per_sm`` programs), at least
+    ``partial_tokens`` tokens a split (the partial-traffic bound, at least
+    ``_MIN_SPLIT_TOKENS``), at most ``_MAX_SPLITS``.
+
+    Measured (H200, 32 heads, B=8, ctx 32k): the old 8-warp configs (one CTA a
+    multiprocessor) ran best at 16 splits (36%; 32 splits: 34%): 132 // 8 = 16 here, and the
+    table's sm_90 config (64/8/3) holds one CTA too. A two-CTA config (64/4/2) gets
+    264 // 8 = 33, i.e. 32 splits of 1024 tokens, the split count its 59.8% was measured at
+    (and 4 at B=64, its 75.1%).
+    """
+    slots = num_sms * ctas_per_sm
+    by_parallelism = slots // max(1, batch * num_head_blocks)
+    by_length = max_seq_len // max(_MIN_SPLIT_TOKENS, partial_tokens)
+    return max(1, min(by_parallelism, by_length, _MAX_SPLITS))
+
+
+def partial_tokens(shape: MlaShape, dim_c: int, dim_r: int, cache_bytes: int) -> int:
+    """Fewest tokens a split must read so that its partial (``BLOCK_H x Dc`` float32, written
+    and read back) costs at most ``_MAX_PARTIAL_SHARE`` of their latent bytes (32 heads, bf16,
+    latent 512+64: 456 tokens)."""
+    partial = 2 * shape.block_h * dim_c * 4
+    per_token = (dim_c + dim_r) * cache_bytes
+    return -(-int(partial / _MAX_PARTIAL_SHARE) // per_token)
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+
+# num_splits is not specialised: a plan of one split with the reduce (see one_split_fits) runs
+# the binary of many splits (specialised to 1, 32/4/2 spilled 16 B on sm_80)
+@triton.jit(do_not_specialize=["num_splits", "tune_work", "tune_context"])
 def _mla_partial_kernel(
     q_nope_ptr,  # [B, H, Dc]
     q_pe_ptr,  # [B, H, Dr]
     cache_ptr,  # [num_blocks, block_size, Dc + Dr], strided (uint8 bytes when FP8 == 2)
     table_ptr,  # [B, max_blocks] int32
-    seq_lens_ptr,  # [B] int32
+    seq_lens_ptr,  # [B] int32/int64
     scale_ptr,  # [1] float32 (read only when FP8)
-    part_m_ptr,  # [B, H, S] float32 (unused when ONE_SPLIT)
+    part_m_ptr,  # [B, H, S] float32, log2 units (unused when ONE_SPLIT)
     part_l_ptr,  # [B, H, S] float32 (unused when ONE_SPLIT)
     part_acc_ptr,  # [B, H, S, Dc] float32 (unused when ONE_SPLIT)
     out_ptr,  # [B, H, Dc] (written only when ONE_SPLIT)
@@ -230,6 +455,8 @@ def _mla_partial_kernel(
     stride_c_token,
     stride_out_b,
     stride_out_h,
+    tune_work,  # batch x head-group bucket: read only by autotuning's key
+    tune_context,  # context bucket: likewise
     DIM_C: tl.constexpr,
     DIM_R: tl.constexpr,
     BLOCK_DC: tl.constexpr,
@@ -299,7 +526,7 @@ def _mla_partial_kernel(
         # transpose 8-bit data), so the pipeliner leaves them in registers: prefetch by hand,
         # one tile ahead (BLOCK_N x latent bytes, a few registers a thread)
         c_next, pe_next = _load_tile(
-            cache_ptr, seg_block, start, end, block_size, stride_c_block, stride_c_token,
+            cache_ptr, p_table, seg_block, start, end, block_size, stride_c_block, stride_c_token,
             offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
             DIM_C, DIM_R, BLOCK_DC, BLOCK_DR, BLOCK_N, PAGES, SEG,
         )  # fmt: skip
@@ -308,15 +535,15 @@ def _mla_partial_kernel(
         if FP8 > 0:
             c, k_pe = c_next, pe_next
             c_next, pe_next = _load_tile(
-                cache_ptr, seg_block, tile + BLOCK_N, end, block_size, stride_c_block,
+                cache_ptr, p_table, seg_block, tile + BLOCK_N, end, block_size, stride_c_block,
                 stride_c_token, offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
                 DIM_C, DIM_R, BLOCK_DC, BLOCK_DR, BLOCK_N, PAGES, SEG,
             )  # fmt: skip
             next_ids = tile + 2 * BLOCK_N
         else:
             c, k_pe = _load_tile(
-                cache_ptr, seg_block, tile, end, block_size, stride_c_block, stride_c_token,
-                offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
+                cache_ptr, p_table, seg_block, tile, end, block_size, stride_c_block,
+                stride_c_token, offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
                 DIM_C, DIM_R, BLOCK_DC, BLOCK_DR, BLOCK_N, PAGES, SEG,
             )  # fmt: skip
             next_ids = tile + BLOCK_N
@@ -345,6 +572,7 @@ def _mla_partial_kernel(
             mask=m_h[:, None] & m_dc[None, :],
         )
     else:
+        # an empty split (start >= seq_len) stores m = -inf, l = 0, acc = 0: weight 0
         base = (i_b64 * num_heads + offs_h) * num_splits + i_s
         tl.store(part_m_ptr + base, b_m, mask=m_h)
         tl.store(part_l_ptr + base, b_l, mask=m_h)
@@ -357,20 +585,20 @@ def _mla_partial_kernel(
 
 @triton.jit
 def _tile_ids(p_table, tile, end, block_size, offs_pages, PAGES: tl.constexpr):
-    """Block ids of the tile starting at token ``tile`` (0 past ``end``): a scalar when the
-    tile lies in one page (keeps the base's divisibility visible, so the loads vectorise),
-    else one per segment."""
+    """The block id of the one-page tile starting at token ``tile`` (0 past ``end``), loaded
+    an iteration ahead (a scalar keeps the base's divisibility visible, so the loads
+    vectorise); a tile of several pages loads its ids per row in ``_load_tile`` instead."""
     if PAGES == 1:
         return tl.load(p_table + tile // block_size, mask=tile < end, other=0)
     else:
-        seg_pos = tile + offs_pages
-        return tl.load(p_table + seg_pos // block_size, mask=seg_pos < end, other=0)
+        return 0
 
 
 @triton.jit
 def _load_tile(
     cache_ptr,
-    seg_block,  # block ids from _tile_ids
+    p_table,  # the request's block table row
+    seg_block,  # a one-page tile's block id from _tile_ids
     tile,  # first token of the tile, a multiple of BLOCK_N
     end,
     block_size,
@@ -399,11 +627,16 @@ def _load_tile(
         p_c = cache_ptr + base + offs_c_row
         p_pe = cache_ptr + base + offs_pe_row
     else:
-        seg_base = (
-            seg_block.to(tl.int64) * stride_c_block
-            + ((tile + offs_pages) % block_size).to(tl.int64) * stride_c_token
+        # one id per row, loaded here: Triton's pipeliner (3.6 as well as 3.9) schedules the
+        # table load stages ahead of the latent loads it feeds, where it leaves ids spread
+        # from a per-page vector unpipelined in 3.6
+        pos = tile + tl.arange(0, BLOCK_N)
+        row_block = tl.load(p_table + pos // block_size, mask=pos < end, other=0)
+        # each row's segment start: offs_*_row add the row's offset inside its segment
+        rows = (
+            row_block.to(tl.int64) * stride_c_block
+            + (pos // SEG * SEG % block_size).to(tl.int64) * stride_c_token
         )
-        rows = tl.reshape(tl.broadcast_to(seg_base[:, None], (PAGES, SEG)), (BLOCK_N,))
         p_rows = cache_ptr + rows[:, None]
         p_c = p_rows + offs_c_row
         p_pe = p_rows + offs_pe_row
@@ -449,43 +682,135 @@ def _mla_reduce_kernel(
     num_heads,
     num_splits,
     DIM_C: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_DC: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
+    CHUNK_S: tl.constexpr,  # splits merged per step
+    BLOCK_DC: tl.constexpr,  # output columns per program
 ):
+    # one program per (request, head, column block), merging CHUNK_S splits a step: at 32
+    # splits a [32, 512] float32 tile in one go would be 128 values a thread and 256
+    # programs at batch 8; column blocks give more programs and loads in flight
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
+    i_d = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_dc = tl.arange(0, BLOCK_DC)
-    m_s = offs_s < num_splits
+    offs_dc = i_d * BLOCK_DC + tl.arange(0, BLOCK_DC)
     m_dc = offs_dc < DIM_C
     row = (i_b.to(tl.int64) * num_heads + i_h) * num_splits
-    m = tl.load(part_m_ptr + row + offs_s, mask=m_s, other=float("-inf"))
-    l = tl.load(part_l_ptr + row + offs_s, mask=m_s, other=0.0)
-    acc = tl.load(
-        part_acc_ptr + (row + offs_s)[:, None] * DIM_C + offs_dc[None, :],
-        mask=m_s[:, None] & m_dc[None, :],
-        other=0.0,
-    )
+    m = tl.load(part_m_ptr + row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    l = tl.load(part_l_ptr + row + offs_s, mask=offs_s < num_splits, other=0.0)
     m_max = tl.max(m, axis=0)
     # empty splits (m = -inf, l = 0) get weight 0; at least one split is non-empty
-    w = tl.where(l > 0, tl.exp2(m - m_max), 0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    den = tl.sum(tl.where(l > 0, tl.exp2(m - m_max), 0.0) * l, axis=0)
+    num = tl.zeros([BLOCK_DC], tl.float32)
+    offs_c = tl.arange(0, CHUNK_S)
+    for s0 in range(0, BLOCK_S, CHUNK_S):
+        m_c = (s0 + offs_c) < num_splits
+        m_s = tl.load(part_m_ptr + row + s0 + offs_c, mask=m_c, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + row + s0 + offs_c, mask=m_c, other=0.0)
+        w = tl.where(l_s > 0, tl.exp2(m_s - m_max), 0.0)
+        acc = tl.load(
+            part_acc_ptr + (row + s0 + offs_c)[:, None] * DIM_C + offs_dc[None, :],
+            mask=m_c[:, None] & m_dc[None, :],
+            other=0.0,
+        )
+        num += tl.sum(acc * w[:, None], axis=0)
     tl.store(
         out_ptr + i_b.to(tl.int64) * stride_out_b + i_h * stride_out_h + offs_dc,
-        out.to(out_ptr.dtype.element_ty),
+        (num / den).to(out_ptr.dtype.element_ty),
         mask=m_dc,
     )
 
 
+# ---- host side --------------------------------------------------------------------------------
+
 _FP8 = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 )
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability; the interpreter counts as the smallest supported one
+    (sm_80), so the CPU tests run the configs an A100 would. The compile check monkeypatches
+    this per target."""
+    if device.type != "cuda":
+        return (8, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def _fp8e4_in_hardware(device: torch.device) -> bool:
+    """sm_89+ (Ada, Hopper) convert e4m3 in hardware; older GPUs get the raw bytes and a
+    software conversion in the kernel. Tests and the compile check monkeypatch this."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of the GPU, read once; on the CPU an H100's/H200's 132, so the CPU tests
+    see the grids those GPUs would run."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def heads_per_program(
+    num_heads: int, capability: tuple[int, int], fp8: bool = False, page_align: int = 64
+) -> int:
+    """``BLOCK_H``: the heads of a request rounded up to a power of two (at least 16, the
+    smallest ``tl.dot``), capped at what compiles without spills (see :func:`config_fits`): 64
+    on sm_90 for 16-bit caches whose block size is a multiple of 16, else 32 (blocks of other
+    sizes walk segments shorter than a tile, whose addresses spill next to 64 heads)."""
+    limit = 64 if capability >= (9, 0) and not fp8 and page_align >= 16 else 32
+    return min(max(16, triton.next_power_of_2(num_heads)), limit)
 
 
 def _validate_enabled(validate: bool | None) -> bool:
     if validate is None:
         return os.environ.get("HYBRIDKV_VALIDATE", "") not in ("", "0")
     return validate
+
+
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def _cache_kind(cache_dtype: torch.dtype, device: torch.device) -> str:
+    if cache_dtype in _FP8:
+        if cache_dtype == torch.float8_e4m3fn and not _fp8e4_in_hardware(device):
+            return "fp8-bytes"
+        return "fp8"
+    return "fp32" if cache_dtype == torch.float32 else "16bit"
+
+
+def mla_shape(
+    *,
+    device: torch.device,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    batch: int,
+    max_seq_len: int,
+) -> MlaShape:
+    """The :class:`MlaShape` of a launch."""
+    major, minor = _capability(device)
+    page_align = min(block_size & -block_size, _MAX_BLOCK_N)
+    block_h = heads_per_program(num_heads, (major, minor), cache_dtype in _FP8, page_align)
+    return MlaShape(
+        arch=10 * major + minor,
+        block_h=block_h,
+        block_dc=max(16, triton.next_power_of_2(kv_lora_rank)),
+        block_dr=max(16, triton.next_power_of_2(qk_rope_head_dim)),
+        cache=_cache_kind(cache_dtype, device),
+        q_bytes=q_dtype.itemsize,
+        page_align=page_align,
+        work=_bucket(batch * triton.cdiv(num_heads, block_h)),
+        context=_bucket(max_seq_len),
+    )
 
 
 def _latent_3d(cache: torch.Tensor) -> torch.Tensor:
@@ -527,11 +852,455 @@ def check_block_tables(
         )
 
 
-def choose_num_splits(batch: int, num_head_blocks: int, max_seq_len: int) -> int:
-    """Split the context when batch * head groups alone cannot fill the GPU."""
-    by_parallelism = triton.cdiv(_TARGET_PROGRAMS, max(1, batch * num_head_blocks))
-    by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
-    return max(1, min(by_parallelism, by_length, 64))
+def _check_lengths(seq_lens: torch.Tensor, max_seq_len: int | None) -> torch.Tensor:
+    """``seq_lens`` on the host (one sync), checked against the contract."""
+    lens = seq_lens.detach().cpu()
+    if int(lens.min()) < 1:
+        b = int(lens.argmin())
+        raise ValueError(
+            f"seq_lens[{b}] = {int(lens[b])}: every request needs seq_len >= 1 (the query token "
+            f"itself)"
+        )
+    if max_seq_len is not None and int(lens.max()) > max_seq_len:
+        b = int(lens.argmax())
+        raise ValueError(
+            f"seq_lens[{b}] = {int(lens[b])} exceeds max_seq_len = {max_seq_len}: the tokens "
+            f"past it would be dropped; pass max_seq_len >= max(seq_lens)"
+        )
+    return lens
+
+
+@functools.cache
+def _autotuned_kernel():
+    """The partial kernel under ``triton.autotune`` over ``CONFIGS``, keyed by the shape class
+    (the constexprs plus the work and context buckets). Built on first use: the interpreter
+    cannot autotune."""
+    configs = [
+        triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+        for c in CONFIGS
+    ]
+    return triton.autotune(
+        configs,
+        key=["DIM_C", "DIM_R", "BLOCK_H", "PAGE_ALIGN", "FP8", "tune_work", "tune_context"],
+        prune_configs_by={"early_config_prune": _prune_for_autotune},
+    )(_mla_partial_kernel)
+
+
+def _config_of(c: triton.Config) -> MlaConfig:
+    return MlaConfig(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+
+
+def _prune_for_autotune(
+    configs: list[triton.Config], nargs: dict, **kwargs
+) -> list[triton.Config]:
+    """Autotuning's candidates: the configs that fit the launch's shape class."""
+    args = {**nargs, **kwargs}
+    major, minor = _capability(args["q_nope_ptr"].device)
+    item = args["cache_ptr"].element_size()
+    cache = {1: "fp8", 4: "fp32"}.get(item, "16bit")
+    if args["FP8"] == 2:
+        cache = "fp8-bytes"
+    shape = MlaShape(
+        arch=10 * major + minor,
+        block_h=args["BLOCK_H"],
+        block_dc=args["BLOCK_DC"],
+        block_dr=args["BLOCK_DR"],
+        cache=cache,
+        q_bytes=args["q_nope_ptr"].element_size(),
+        page_align=args["PAGE_ALIGN"],
+        work=args["tune_work"],
+        context=args["tune_context"],
+    )
+    kept = [c for c in configs if config_fits(_config_of(c), shape)]
+    return kept or configs[:1]
+
+
+def _check_scale(scale: torch.Tensor | None) -> None:
+    if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(
+            f"an fp8 latent cache needs k_scale: a float32 tensor holding one value, got "
+            f"{None if scale is None else (scale.dtype, tuple(scale.shape))}"
+        )
+
+
+#: Triton versions whose compiled-kernel launch API ``_Launcher`` calls directly (checked)
+_DIRECT_LAUNCH = not _INTERPRETED and (3, 6) <= tuple(
+    int(x) for x in triton.__version__.split(".")[:2]
+) <= (3, 9)
+
+
+class _Launcher:
+    """Launch a ``@triton.jit`` kernel without Triton's per-call argument binding once its
+    specialisation has been compiled. ``JITFunction.run`` binds and specialises every argument
+    on every call (tens of microseconds for ~30 arguments), while an engine launches the same
+    specialisation for every layer of every step. The caller names the specialisation by a
+    ``key`` holding whatever in its arguments may change between calls and matters to Triton
+    (pointer alignment, integer values or classes); the first call of a key goes through
+    Triton and keeps the compiled kernel, later ones call its launcher directly. Triton's path
+    is always taken under the interpreter, while launch hooks are set (profilers), or with a
+    Triton whose compiled-kernel API was not checked (``_DIRECT_LAUNCH``)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled: dict[tuple, tuple] = {}
+
+    def __call__(self, grid: tuple[int, ...], key: tuple, args: tuple, meta: dict) -> None:
+        grid = (*grid, 1, 1)[:3]
+        hit = self.compiled.get(key)
+        if hit is None or _hooks_set():
+            kernel = self.fn[grid](*args, **meta)
+            if _DIRECT_LAUNCH and hit is None and hasattr(kernel, "packed_metadata"):
+                # the launcher takes every parameter in order, constexprs included
+                tail = tuple(meta[name] for name in self.fn.arg_names[len(args) :])
+                self.compiled[key] = (kernel, tail)
+            return
+        kernel, tail = hit
+        device = triton.runtime.driver.active.get_current_device()
+        stream = triton.runtime.driver.active.get_current_stream(device)
+        kernel.run(
+            grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+            None, None, None, *args, *tail,
+        )  # fmt: skip
+
+
+def _hooks_set() -> bool:
+    """Whether a profiler (or anyone) hooks Triton's launches: then every launch takes
+    Triton's path, which calls the hooks with the launch's metadata."""
+    runtime = triton.knobs.runtime
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _int_class(v: int) -> tuple[bool, bool, bool]:
+    """What Triton specialises an integer argument on: equal to 1, divisible by 16, 32-bit."""
+    return (v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
+
+
+_partial_launcher = _Launcher(_mla_partial_kernel)
+_reduce_launcher = _Launcher(_mla_reduce_kernel)
+
+
+@dataclass(frozen=True, eq=False)
+class MlaDecodePlan:
+    """Everything :meth:`run` needs that does not change between the layers of one step.
+
+    Made by :func:`plan_mla_decode`; holds the step's block tables and lengths (by reference: a
+    CUDA graph that captured :meth:`run` replays on whatever they hold then), the partial
+    buffers, the config and the grid."""
+
+    batch: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    block_size: int
+    cache_dtype: torch.dtype
+    q_dtype: torch.dtype
+    scale: float
+    max_seq_len: int
+    shape: MlaShape
+    config: MlaConfig
+    config_source: str  # the table row, "autotune" or "given"
+    num_head_blocks: int
+    num_splits: int
+    split_len: int
+    autotune: bool
+    block_tables: torch.Tensor = field(repr=False)
+    seq_lens: torch.Tensor = field(repr=False)
+    part_m: torch.Tensor | None = field(repr=False)
+    part_l: torch.Tensor | None = field(repr=False)
+    part_acc: torch.Tensor | None = field(repr=False)
+    _constexprs: dict = field(repr=False)
+    _reduce_grid: tuple[int, int, int] = field(repr=False)
+    _reduce_constexprs: dict = field(repr=False)
+    # derived once, for run's checks and launches
+    _qn_shape: tuple[int, int, int] = field(init=False, repr=False)
+    _qp_shape: tuple[int, int, int] = field(init=False, repr=False)
+    _grid: tuple[int] = field(init=False, repr=False)
+    _meta: dict = field(init=False, repr=False)
+    _launch_key: tuple = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)  # a frozen dataclass's derived fields
+
+        batch, heads = self.batch, self.num_heads
+        put("_qn_shape", (batch, heads, self.kv_lora_rank))
+        put("_qp_shape", (batch, heads, self.qk_rope_head_dim))
+        # the head group varies fastest in the launch order (see the kernel)
+        put("_grid", (batch * self.num_splits * self.num_head_blocks,))
+        c = self.config
+        meta = dict(self._constexprs, BLOCK_N=c.block_n)
+        put("_meta", dict(meta, num_warps=c.num_warps, num_stages=c.num_stages))
+        # the plan's part of every launch's specialisation: its tensors' alignment, its
+        # integers' classes, the constexprs and options
+        tensors = (self.block_tables, self.seq_lens, self.part_m, self.part_l, self.part_acc)
+        put(
+            "_launch_key",
+            (
+                self.block_tables.device,
+                tuple(None if t is None else t.data_ptr() % 16 for t in tensors),
+                tuple(
+                    _int_class(v)
+                    for v in (self.block_size, self.split_len, heads, self.num_head_blocks,
+                              self.num_splits, self.block_tables.stride(0))
+                ),
+                tuple(sorted(self._meta.items())),
+            ),
+        )  # fmt: skip
+
+    def run(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Absorbed MLA decode of one layer: ``q_nope [B, H, Dc]``, ``q_pe [B, H, Dr]`` over
+        ``latent_cache [num_blocks, block_size, (1,) Dc + Dr]`` (any block and token strides)
+        of the planned shape and dtype; an fp8 cache needs ``k_scale`` (float32, one value).
+        Returns ``[B, H, Dc]`` in ``q_nope``'s dtype (in ``out`` if given: then nothing is
+        allocated)."""
+        batch, heads, dc = self.batch, self.num_heads, self.kv_lora_rank
+        latent = dc + self.qk_rope_head_dim
+        for name, q, want in (("q_nope", q_nope, self._qn_shape), ("q_pe", q_pe, self._qp_shape)):
+            if q.shape != want or q.dtype != self.q_dtype or q.stride(2) != 1:
+                raise ValueError(
+                    f"{name} must be {list(want)} {self.q_dtype} with a contiguous last dim "
+                    f"(the plan's), got {tuple(q.shape)} {q.dtype}"
+                )
+        # the [nb, bs, D] or [nb, bs, 1, D] view is read through its block and token strides:
+        # no view is made on the hot path
+        shape, cs = latent_cache.shape, latent_cache.stride()
+        if (
+            len(shape) not in (3, 4)
+            or (len(shape) == 4 and shape[2] != 1)
+            or shape[1] != self.block_size
+            or shape[-1] != latent
+            or latent_cache.dtype != self.cache_dtype
+            or cs[-1] != 1
+        ):
+            raise ValueError(
+                f"latent_cache must be [num_blocks, {self.block_size}, (1,) {latent}] "
+                f"{self.cache_dtype} with a contiguous last dim (the plan's), got "
+                f"{tuple(shape)} {latent_cache.dtype}"
+            )
+        stride_block, stride_token = cs[0], cs[1]
+        if stride_token * self.shape.page_align + latent >= 2**31:
+            raise ValueError(
+                f"the cache's token stride {stride_token} is too large: offsets inside a "
+                f"{self.shape.page_align}-token segment must stay below 2**31 elements"
+            )
+        fp8 = self._constexprs["FP8"]
+        if fp8:
+            _check_scale(k_scale)
+            if fp8 == 2:  # the kernel decodes the bytes itself
+                latent_cache = latent_cache.view(torch.uint8)
+        else:
+            k_scale = self.seq_lens  # never read
+        if out is None:
+            out = torch.empty(self._qn_shape, dtype=self.q_dtype, device=q_nope.device)
+        elif out.shape != self._qn_shape or out.stride(2) != 1 or out.dtype != self.q_dtype:
+            raise ValueError(
+                f"out must be {list(self._qn_shape)} {self.q_dtype}, contiguous in Dc, got "
+                f"{tuple(out.shape)} {out.dtype}"
+            )
+        if batch == 0:
+            return out
+        one_split = self._constexprs["ONE_SPLIT"]
+        qns, qps, os_ = q_nope.stride(), q_pe.stride(), out.stride()
+        parts = (out, out, out) if one_split else (self.part_m, self.part_l, self.part_acc)
+        args = (
+            q_nope, q_pe, latent_cache, self.block_tables, self.seq_lens, k_scale, *parts, out,
+            self.scale, self.block_size, self.split_len, heads, self.num_head_blocks,
+            self.num_splits, qns[0], qns[1], qps[0], qps[1], self.block_tables.stride(0),
+            stride_block, stride_token, os_[0], os_[1], self.shape.work, self.shape.context,
+        )  # fmt: skip
+        if self.autotune:
+            _autotuned_kernel()[self._grid](*args, **self._constexprs)
+        else:
+            # what may differ between the layers of a step and matters to Triton's
+            # specialisation: the pointers' alignment and the strides
+            key = (
+                self._launch_key, q_nope.data_ptr() % 16, q_pe.data_ptr() % 16,
+                latent_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
+                qns, qps, stride_block, stride_token, os_,
+            )  # fmt: skip
+            _partial_launcher(self._grid, key, args, self._meta)
+        if not one_split:
+            _reduce_launcher(
+                self._reduce_grid,
+                (self._launch_key, out.data_ptr() % 16, os_),
+                (self.part_m, self.part_l, self.part_acc, out, os_[0], os_[1], heads,
+                 self.num_splits),
+                self._reduce_constexprs,
+            )  # fmt: skip
+        return out
+
+
+def plan_mla_decode(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_heads: int,
+    kv_lora_rank: int,
+    qk_rope_head_dim: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    scale: float,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: MlaConfig | None = None,
+    autotune: bool = False,
+    num_blocks: int | None = None,
+    validate: bool | None = None,
+) -> MlaDecodePlan:
+    """Plan one step's MLA decode: ``block_tables [B, max_blocks] int32`` (row-contiguous),
+    ``seq_lens [B] int32/int64`` (>= 1; the query is the last token) on the device the layers'
+    tensors live on, and the shapes every MLA layer of the step shares (``kv_lora_rank`` = Dc,
+    ``qk_rope_head_dim`` = Dr). Returns an :class:`MlaDecodePlan` whose
+    :meth:`~MlaDecodePlan.run` serves every layer.
+
+    ``max_seq_len`` (>= every seq_len) keeps planning free of device syncs; without it
+    ``seq_lens`` is read back once. ``num_splits`` overrides :func:`choose_num_splits`;
+    ``config`` (one of ``CONFIGS``) overrides the table (:func:`choose_config`);
+    ``autotune=True`` tunes over ``CONFIGS`` on the GPU instead, keyed by the shape class.
+    ``validate`` (default: the ``HYBRIDKV_VALIDATE`` switch) checks the lengths and, given
+    ``num_blocks``, every block id the kernel will read (one sync; see the module's contract).
+    """
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    batch = block_tables.shape[0]
+    if seq_lens.shape != (batch,):
+        raise ValueError("block_tables and seq_lens must have one row per request")
+    if seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32/int64, got {seq_lens.dtype}")
+    if seq_lens.device != block_tables.device:
+        raise ValueError(
+            f"seq_lens is on {seq_lens.device}, block_tables on {block_tables.device}"
+        )
+    if q_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q_nope must be fp16/bf16/fp32, got {q_dtype}")
+    if num_heads < 1 or kv_lora_rank < 1 or qk_rope_head_dim < 1 or block_size < 1:
+        raise ValueError(
+            f"num_heads, kv_lora_rank, qk_rope_head_dim and block_size must be >= 1, got "
+            f"{num_heads}, {kv_lora_rank}, {qk_rope_head_dim}, {block_size}"
+        )
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if autotune and _INTERPRETED:
+        raise ValueError(
+            "autotune=True needs a GPU: the Triton interpreter cannot time configs; leave it "
+            "off (the table's config) or pass config="
+        )
+    if autotune and config is not None:
+        raise ValueError("pass config= or autotune=True, not both")
+    device = block_tables.device
+    check = _validate_enabled(validate)
+    if batch and (max_seq_len is None or check):
+        lens = _check_lengths(seq_lens, max_seq_len)
+        if max_seq_len is None:
+            max_seq_len = int(lens.max())
+        if check:  # the host copy of seq_lens, not a second sync
+            if num_blocks is None:
+                raise ValueError("validate=True checks block ids: pass num_blocks (the cache's)")
+            check_block_tables(block_tables, lens, num_blocks, block_size)
+    max_seq_len = max_seq_len or 1
+    needed = triton.cdiv(max_seq_len, block_size)
+    if needed > block_tables.shape[1]:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[1]} columns but seq_len {max_seq_len} needs "
+            f"{needed} blocks"
+        )
+    shape = mla_shape(
+        device=device,
+        num_heads=num_heads,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        q_dtype=q_dtype,
+        batch=batch,
+        max_seq_len=max_seq_len,
+    )
+    if autotune:
+        source = "autotune"
+        config = choose_config(shape)[0]  # sizes the split count; the autotuner picks per launch
+    elif config is None:
+        config, source = choose_config(shape)
+    else:
+        if config not in CONFIGS:
+            raise ValueError(f"{config} is not one of CONFIGS: {', '.join(map(str, CONFIGS))}")
+        source = "given"
+    num_head_blocks = triton.cdiv(num_heads, shape.block_h)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            batch,
+            num_head_blocks,
+            max_seq_len,
+            _num_sms(device),
+            ctas_per_sm(config, shape),
+            partial_tokens(shape, kv_lora_rank, qk_rope_head_dim, cache_dtype.itemsize),
+        )
+    # each split covers whole tiles of any config
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
+    num_splits = triton.cdiv(max_seq_len, split_len)
+    # one split normalises and writes the output itself, saving the partials' round trip,
+    # where that epilogue compiles without spills for every candidate config (see
+    # one_split_fits): the same for the table's config and autotuning, so the compile check's
+    # candidates include the table's binary
+    candidates = [c for c in CONFIGS if config_fits(c, shape)] + [config]
+    one_split = num_splits == 1 and all(one_split_fits(c, shape) for c in candidates)
+    part_m = part_l = part_acc = None
+    if not one_split:
+        f32 = dict(dtype=torch.float32, device=device)
+        part_m = torch.empty((batch, num_heads, num_splits), **f32)
+        part_l = torch.empty((batch, num_heads, num_splits), **f32)
+        part_acc = torch.empty((batch, num_heads, num_splits, kv_lora_rank), **f32)
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    reduce_dc = min(shape.block_dc, 128)
+    return MlaDecodePlan(
+        batch=batch,
+        num_heads=num_heads,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        q_dtype=q_dtype,
+        scale=float(scale),
+        max_seq_len=max_seq_len,
+        shape=shape,
+        config=config,
+        config_source=source,
+        num_head_blocks=num_head_blocks,
+        num_splits=num_splits,
+        split_len=split_len,
+        autotune=autotune,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        part_m=part_m,
+        part_l=part_l,
+        part_acc=part_acc,
+        _constexprs=dict(
+            DIM_C=kv_lora_rank,
+            DIM_R=qk_rope_head_dim,
+            BLOCK_DC=shape.block_dc,
+            BLOCK_DR=shape.block_dr,
+            BLOCK_H=shape.block_h,
+            PAGE_ALIGN=shape.page_align,
+            FP8={"fp8": 1, "fp8-bytes": 2}.get(shape.cache, 0),
+            ONE_SPLIT=one_split,
+        ),
+        _reduce_grid=(batch, num_heads, triton.cdiv(kv_lora_rank, reduce_dc)),
+        _reduce_constexprs=dict(
+            DIM_C=kv_lora_rank, BLOCK_S=block_s, CHUNK_S=min(block_s, 16), BLOCK_DC=reduce_dc
+        ),
+    )
 
 
 def mla_decode_attention(
@@ -546,8 +1315,11 @@ def mla_decode_attention(
     max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
     validate: bool | None = None,
+    config: MlaConfig | None = None,
+    autotune: bool = False,
 ) -> torch.Tensor:
-    """Absorbed MLA decode, one query token per request.
+    """Absorbed MLA decode, one query token per request: :func:`plan_mla_decode` and
+    :meth:`MlaDecodePlan.run` in one call (plan once and run per layer to save the host work).
 
     Shapes: ``q_nope [B, H, Dc]`` (already multiplied by ``W_UK``), ``q_pe [B, H, Dr]``,
     ``latent_cache [num_blocks, block_size, (1,) Dc + Dr]`` (any block and token strides),
@@ -556,7 +1328,7 @@ def mla_decode_attention(
     before ``W_UV``. With ``max_seq_len`` (>= every seq_len) the call never syncs with the
     device; without it, it reads ``seq_lens`` back once. ``validate`` (default: the
     ``HYBRIDKV_VALIDATE`` environment switch) checks every block id and length the kernel will
-    use (see the module's contract).
+    use (see the module's contract). An fp8 cache needs ``k_scale`` (a float32 scalar).
     """
     cache = _latent_3d(latent_cache)
     if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
@@ -572,135 +1344,36 @@ def mla_decode_attention(
         )
     if q_nope.stride(2) != 1 or q_pe.stride(2) != 1:
         raise ValueError("the last dim of q_nope and q_pe must be contiguous")
-    if q_nope.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q_nope must be fp16/bf16/fp32, got {q_nope.dtype}")
     if q_pe.dtype != q_nope.dtype:
         raise ValueError(f"q_pe is {q_pe.dtype} but q_nope is {q_nope.dtype}")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
-    if block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError("block_tables and seq_lens must have one row per request")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
-    if seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"seq_lens must be int32/int64, got {seq_lens.dtype}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
-    if max_seq_len is not None and max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must be an int32 [B, max_blocks] tensor with one row per request "
+            f"(B = {batch}), got {tuple(block_tables.shape)}"
+        )
     quant = cache.dtype in _FP8
     if quant and k_scale is None:
         raise ValueError("an fp8 latent cache needs k_scale (a float32 scalar)")
-    num_blocks, block_size = cache.shape[:2]
-    page_align = min(block_size & -block_size, _MAX_BLOCK_N)
-    if cache.stride(1) * page_align + dc + dr >= 2**31:
-        raise ValueError(f"the cache's token stride {cache.stride(1)} is too large (>= 2**25)")
-    if out is None:
-        out = torch.empty((batch, num_heads, dc), dtype=q_nope.dtype, device=q_nope.device)
-    elif out.shape != (batch, num_heads, dc) or out.stride(2) != 1:
-        raise ValueError(f"out must be [B, H, Dc] = {(batch, num_heads, dc)}, contiguous in Dc")
-    if batch == 0:
-        return out
-    check = _validate_enabled(validate)
-    if max_seq_len is None or check:
-        lens = seq_lens.detach().cpu()
-        if int(lens.min()) < 1:
-            b = int(lens.argmin())
-            raise ValueError(
-                f"seq_lens[{b}] = {int(lens[b])}: every request needs seq_len >= 1 (the query "
-                f"token itself)"
-            )
-        if max_seq_len is not None and int(lens.max()) > max_seq_len:
-            b = int(lens.argmax())
-            raise ValueError(
-                f"seq_lens[{b}] = {int(lens[b])} exceeds max_seq_len = {max_seq_len}: the "
-                f"tokens past it would be dropped; pass max_seq_len >= max(seq_lens)"
-            )
-        if max_seq_len is None:
-            max_seq_len = int(lens.max())
-        if check:  # the host copy of seq_lens, not a second sync
-            check_block_tables(block_tables, lens, num_blocks, block_size)
-    needed = triton.cdiv(max_seq_len, block_size)
-    if needed > block_tables.shape[1]:
-        raise ValueError(
-            f"block_tables has {block_tables.shape[1]} columns but seq_len {max_seq_len} needs "
-            f"{needed} blocks"
-        )
-    fp8 = 0
-    if quant:
-        fp8 = 1
-        if cache.dtype == torch.float8_e4m3fn and not _fp8e4_in_hardware(q_nope.device):
-            fp8 = 2  # the kernel decodes the bytes itself
-            cache = cache.view(torch.uint8)
-    block_h = heads_per_program(num_heads, _capability(q_nope.device), quant, page_align)
-    num_head_blocks = triton.cdiv(num_heads, block_h)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_head_blocks, max_seq_len)
-    # each split covers whole tiles of any config
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
-    num_splits = triton.cdiv(max_seq_len, split_len)
-    dev = q_nope.device
-    # one split normalises and writes the output itself, saving the partials' round trip, but
-    # that epilogue spills next to 64 heads' accumulator (wgmma): those keep the reduce kernel
-    one_split = num_splits == 1 and block_h <= 32
-    if one_split:
-        part_m = part_l = part_acc = out  # not touched
-    else:
-        part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=dev)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((batch, num_heads, num_splits, dc), dtype=torch.float32, device=dev)
-    scale_t = k_scale.reshape(1).float() if quant else seq_lens
-    block_dc = max(16, triton.next_power_of_2(dc))
-    _mla_partial_kernel[(batch * num_splits * num_head_blocks,)](
-        q_nope,
-        q_pe,
-        cache,
+    plan = plan_mla_decode(
         block_tables,
         seq_lens,
-        scale_t,
-        part_m,
-        part_l,
-        part_acc,
-        out,
-        scale,
-        block_size,
-        split_len,
-        num_heads,
-        num_head_blocks,
-        num_splits,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        block_tables.stride(0),
-        cache.stride(0),
-        cache.stride(1),
-        out.stride(0),
-        out.stride(1),
-        DIM_C=dc,
-        DIM_R=dr,
-        BLOCK_DC=block_dc,
-        BLOCK_DR=max(16, triton.next_power_of_2(dr)),
-        BLOCK_H=block_h,
-        PAGE_ALIGN=page_align,
-        FP8=fp8,
-        ONE_SPLIT=one_split,
+        num_heads=num_heads,
+        kv_lora_rank=dc,
+        qk_rope_head_dim=dr,
+        block_size=cache.shape[1],
+        cache_dtype=cache.dtype,
+        q_dtype=q_nope.dtype,
+        scale=scale,
+        max_seq_len=max_seq_len,
+        num_splits=num_splits,
+        config=config,
+        autotune=autotune,
+        num_blocks=cache.shape[0],
+        validate=validate,
     )
-    if not one_split:
-        _mla_reduce_kernel[(batch, num_heads)](
-            part_m,
-            part_l,
-            part_acc,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            num_splits,
-            DIM_C=dc,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_DC=block_dc,
-        )
-    return out
+    if quant:
+        k_scale = k_scale.reshape(1).to(torch.float32)
+    return plan.run(q_nope, q_pe, cache, k_scale, out=out)
 
 
 def mla_decode_attention_ref(

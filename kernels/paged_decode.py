@@ -6,24 +6,45 @@ memory plan: K of token ``p`` of a request lives at
 stride_head``. Nothing else is assumed, so the same kernel reads vLLM's K-then-V pages, pages
 packing N layers, head-major pages and layer-outer tensors.
 
+Plan once per step, run once per layer (FlashInfer's split): :func:`plan_decode` takes the
+step's block tables, lengths and shapes and makes every host decision (config, split count,
+grid, partial buffers, the fp8 path); :meth:`DecodePlan.run` then launches with one layer's
+``q`` and cache views and does no allocation (given ``out``), no environment read and no device
+sync, so it can be captured in a CUDA graph; after a specialisation's first launch it calls
+Triton's compiled launcher directly instead of re-binding ~30 arguments (``_Launcher``).
+:func:`paged_decode_attention` is plan + run in one call.
+
 - GQA: one program serves all query heads of a KV head, so each K/V byte is read once per KV
   head, not once per query head.
 - Page walk: a tile of ``BLOCK_N`` tokens is ``BLOCK_N // SEG`` segments of ``SEG`` tokens, where
-  ``SEG`` is a power of two dividing ``block_size`` (so a segment never straddles a page). The
-  block table is read once per segment as one small vector, not once per token, and there is no
-  runtime division by ``block_size`` per token: only one per segment. The head's int64 base is
-  hoisted out of the loop.
-- Load/compute overlap: the block ids of the next tile are loaded one iteration ahead (a
-  loop-carried value), so the K/V loads of a tile depend on no load of the same iteration and
-  Triton's software pipeliner multi-buffers them in shared memory (``num_stages - 1`` tiles in
-  flight, cp.async on sm_80, cp.async/TMA-free async copies on sm_90).
+  ``SEG`` is a power of two dividing ``block_size`` (so a segment never straddles a page). A tile
+  that is one segment (``BLOCK_N <= SEG``) is a 2-D box at one page address whose block id is
+  loaded one iteration ahead (a loop-carried scalar), so its K/V loads depend on no load of the
+  same iteration: the fast case, which the default configs choose wherever the page allows it.
+  A tile of several pages loads one block id per row in its own iteration; Triton's software
+  pipeliner schedules that table load stages ahead of the K/V loads it feeds (Triton 3.6, what
+  the GPU machines run, leaves ids spread from a per-page vector unpipelined: checked with
+  ``python -m paper.compile_kernels``). The head's int64 base is hoisted out of the loop.
+- Load/compute overlap: K/V tiles are multi-buffered in shared memory by the pipeliner
+  (``num_stages - 1`` tiles in flight, cp.async).
 - Split-K (flash-decoding): the context is cut into ``num_splits`` chunks processed in parallel,
-  each writing a partial (max, sum, acc); a second kernel merges them.
+  each writing a partial (max, sum, acc); a second kernel merges them. One split writes the
+  output directly (no second launch).
 - Sliding window: the query at position ``p`` attends to keys in ``(p - window, p]``; keys below
   the window are never loaded (an allocator frees those blocks to a null block whose bytes may
   be anything, NaN included).
-- fp8 caches are dequantised with per-tensor float32 scales. GPUs without hardware e4m3
-  (sm_80, A100) get the cache's bytes and convert them in the kernel.
+- fp8 caches: the tile is converted as stored and the per-tensor float32 scales are folded into
+  the scores (``k_scale``) and into the output once (``v_scale``), so a cached element costs one
+  conversion, no float32 multiply. With a bf16 query the dots run in fp16 (fp8 to fp16 is one
+  instruction a pair, to bf16 four): the query is scaled by a power of two into fp16's range.
+  GPUs without hardware e4m3 (sm_80, A100) get the cache's bytes and decode them in the kernel
+  (exactly).
+
+Configs come from a table of measurements (``_TABLE``: the H200 sweep of 2026-11-26, each row
+with its source), keyed by the launch's shape class (:class:`DecodeShape`: page segment, head
+dims, GQA group, cache dtype, batch x KV-head and context buckets), so a first call compiles one
+config and never stalls on tuning. ``plan_decode(autotune=True)`` tunes over ``CONFIGS`` instead,
+keyed by the same buckets (a GPU only).
 
 Contract (checked only with ``validate=True`` or ``HYBRIDKV_VALIDATE=1``, because checking device
 data costs a host sync): ``1 <= seq_lens[b] <= max_seq_len`` (when given), every block id a
@@ -32,84 +53,209 @@ that are never read and may hold anything. Shapes, dtypes, strides and ``num_spl
 always checked on the host. Outside the contract the kernel reads other memory (the next
 layer's page for a block id equal to ``num_blocks``) or drops tokens (``max_seq_len`` too small).
 
-Hopper: K/V segments are 2-D boxes ``[SEG, head_dim]`` at a page-computed address, so TMA (one
-descriptor over the cache view, boxes at (page, offset, head)) would take the address math and
-the per-thread async copies off the SMs; not done because Triton's device-side descriptors need
-a global scratch allocator and decode is bound by HBM bandwidth, which cp.async already reaches
-with enough tiles in flight. wgmma needs 64 rows per warpgroup while a decode tile has only the
-GQA group (<= 16) rows, so ``mma.sync`` is the right instruction here.
+Hopper: wgmma needs 64 rows per warpgroup while a decode tile has only the GQA group (<= 16)
+rows, so ``mma.sync`` is the right instruction here; decode is bound by HBM bandwidth, which
+cp.async reaches with enough tiles in flight.
 
 Standalone: imports only torch and triton, so the file can be copied into another project.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
-
-def _autotune(
-    configs: list[triton.Config],
-    key: list[str],
-    prune_configs_by: dict | None = None,
-    **kwargs,
-):
-    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first, or the
-    one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each), because the autotuner
-    needs a GPU driver to benchmark. The pin goes through the same ``early_config_prune`` as on
-    a GPU: when it drops the pinned config for a launch, a kept one runs instead, so the CPU
-    tests never exercise a config a GPU would not run."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0")) % len(configs)
-        prune = (prune_configs_by or {}).get("early_config_prune")
-
-        def pick(args: dict | None) -> triton.Config:
-            # ``args`` is None when a test reads the pinned values without launching
-            if args is None or prune is None:
-                return configs[index]
-            kept = prune(configs, args)
-            return configs[index] if configs[index] in kept else kept[index % len(kept)]
-
-        names = configs[index].kwargs
-        return triton.heuristics({k: (lambda args, k=k: pick(args).kwargs[k]) for k in names})
-    return triton.autotune(configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
+# ---- configs and the measured default table ---------------------------------------------------
 
 
-# Reads only the caches and writes fresh partial buffers, so tuning in place is safe. Each
-# config keeps num_stages - 1 K and V tiles in flight.
-_CONFIGS = [
-    triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=4),
-    triton.Config({"BLOCK_N": 128}, num_warps=8, num_stages=3),
-]
-#: the split length is a multiple of this, so every config's tiles fit whole in a split
-_MAX_BLOCK_N = 128
+@dataclass(frozen=True)
+class DecodeConfig:
+    """One compile-time choice of the partial kernel."""
+
+    block_n: int  # keys per tile, a power of two >= 16
+    num_warps: int
+    num_stages: int  # software-pipelining depth: num_stages - 1 tiles in flight
+
+    def __str__(self) -> str:
+        return f"BLOCK_N={self.block_n},num_warps={self.num_warps},num_stages={self.num_stages}"
 
 
-def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """Drop configs whose K/V tiles in flight would not fit in shared memory (or would spill)
-    at wide heads: 128-token tiles at head dim 256 hold 2 x 3 x 64 KiB."""
-    args = {**nargs, **kwargs}
-    width = args["BLOCK_DK"] + args["BLOCK_DV"]
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] * width <= 64 * 256]
-    if args["FP8"] == 2:  # the byte decode's temporaries spill 64-token tiles at 4 warps (sm_80)
-        kept = [c for c in kept if c.kwargs["BLOCK_N"] < 64 or c.num_warps >= 8]
-    if args["FP8"] == 1 and _capability(args["q_ptr"].device) >= (9, 0):
-        # measured (paper/compile_kernels.py): 32-token fp8 tiles at 4 warps spill 16 B on sm_90
-        kept = [c for c in kept if (c.kwargs["BLOCK_N"], c.num_warps) != (32, 4)]
-    return kept or configs[:1]
-
-
-@_autotune(
-    _CONFIGS,
-    key=["HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "PAGE_ALIGN", "FP8"],
-    prune_configs_by={"early_config_prune": _prune},
+#: what autotuning tries (``plan_decode(autotune=True)``) and the compile check compiles; every
+#: config of ``_TABLE`` is one of them
+CONFIGS: tuple[DecodeConfig, ...] = (
+    DecodeConfig(16, 2, 4),
+    DecodeConfig(16, 4, 4),
+    DecodeConfig(16, 2, 3),
+    DecodeConfig(32, 2, 4),
+    DecodeConfig(32, 4, 3),
+    DecodeConfig(64, 4, 3),
+    DecodeConfig(64, 8, 4),
+    DecodeConfig(128, 4, 2),
+    DecodeConfig(128, 8, 3),
 )
-@triton.jit
+#: split lengths are multiples of this, so the tiles of every config fit whole in a split
+_MAX_BLOCK_N = max(c.block_n for c in CONFIGS)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """The shape class a launch's config is chosen by (and autotuning is keyed by)."""
+
+    arch: int  # compute capability as 80, 90, ...; the interpreter counts as 80
+    page_align: int  # largest power of two dividing block_size, capped at 128: the segment
+    group: int  # query heads per KV head
+    head_dim: int  # max(head_dim_k, head_dim_v) padded to a power of two (>= 16)
+    cache: str  # "16bit" | "fp32" | "fp8" (converted in hardware) | "fp8-bytes" (in software)
+    work: int  # batch * KV heads, rounded up to a power of two
+    context: int  # max_seq_len, rounded up to a power of two
+
+    @property
+    def fp8(self) -> bool:
+        return self.cache.startswith("fp8")
+
+
+@dataclass(frozen=True)
+class DecodeRule:
+    """One row of the default table: the first row whose ranges (inclusive) all hold for a
+    launch's :class:`DecodeShape` gives its config; ``source`` says where the row comes from."""
+
+    config: DecodeConfig
+    source: str
+    page_align: tuple[int, int] = (1, 128)
+    head_dim: tuple[int, int] = (16, 1024)
+    work: tuple[int, int] = (1, 1 << 40)
+    fp8: bool | None = None
+
+    def matches(self, shape: DecodeShape) -> bool:
+        return (
+            self.page_align[0] <= shape.page_align <= self.page_align[1]
+            and self.head_dim[0] <= shape.head_dim <= self.head_dim[1]
+            and self.work[0] <= shape.work <= self.work[1]
+            and (self.fp8 is None or self.fp8 == shape.fp8)
+        )
+
+
+_H200 = (
+    "H200 sweep 2026-11-26 (paper/results/kernels-before-h200-2026-11-26.md), % of copy bandwidth"
+)
+#: the default configs, first match wins. Measured rows name the shape they were measured on;
+#: the others are marked unmeasured and say what they are inferred from (the GPU suite sweeps
+#: them: ``python -m paper.gpu_suite``).
+_TABLE: tuple[DecodeRule, ...] = (
+    DecodeRule(
+        DecodeConfig(16, 4, 4),
+        f"{_H200}: Qwen3-Next B=1 (2 KV heads) ctx 32k on 16-token pages, 41.2% with 64 splits "
+        "(16/2/4: lower); the split count is choose_num_splits'",
+        page_align=(16, 16),
+        work=(1, 8),
+    ),
+    DecodeRule(
+        DecodeConfig(16, 2, 4),
+        f"{_H200}: 16-token pages at B=64 ctx 8k, Qwen3-Next (d 256, GQA 8) 95.3%, Nemotron-H "
+        "(d 128, GQA 4) 97.1%; the best config of the sweep for e4m3 caches too (32.7%, before "
+        "the scales were folded out of the tile)",
+        page_align=(16, 16),
+    ),
+    DecodeRule(
+        DecodeConfig(32, 4, 3),
+        "unmeasured: no plan of the zoo makes 32-token segments; a one-segment tile like the "
+        "measured rows",
+        page_align=(32, 32),
+    ),
+    DecodeRule(
+        DecodeConfig(32, 4, 3),
+        f"{_H200}: Qwen3-Next (d 256) on 64-, 192- and 576-token pages, 85-106% at B >= 8 (the "
+        "autotuner's only candidate there)",
+        page_align=(64, 128),
+        head_dim=(256, 1024),
+    ),
+    DecodeRule(
+        DecodeConfig(128, 4, 2),
+        f"{_H200}: Nemotron-H (d 128) on 256-token pages at B=64 ctx 8k, 100.8%",
+        page_align=(128, 128),
+        head_dim=(16, 128),
+    ),
+    DecodeRule(
+        DecodeConfig(64, 4, 3),
+        "unmeasured: 64-token segments at head dim <= 128; a one-segment tile between the "
+        "measured 16- and 128-token rows",
+        page_align=(64, 64),
+        head_dim=(16, 128),
+    ),
+)
+
+#: shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_80 163 KiB, sm_90 227 KiB
+_SHARED_BYTES = {8: 166912, 9: 232448}
+
+
+def config_fits(config: DecodeConfig, shape: DecodeShape) -> bool:
+    """Whether ``config`` compiles for ``shape`` without spills and within shared memory: a
+    rule fitted to ``python -m paper.compile_kernels`` over ``CONFIGS`` (sm_80 and sm_90, head
+    dims 64-256, 16-bit and fp8 caches, 1-8 page segments a tile); the test suite checks the
+    table against it. Shared memory holds ``num_stages - 1`` K and V tiles in flight plus q and
+    the scores (8 KiB of slack). Registers: the tile's values a thread converts, at most 128 at
+    2 warps (32/2/4 spills at head dim 256) and 64 there for a tile of several pages (its row
+    ids and addresses take registers too: 32/2/4 spills 8 B at head dim 128 with e4m3), 256 at
+    4 warps (128/4/2 spills at head dim 256, not at 128), 128 at 8 warps and 64 when the tile
+    spans more than two page segments (128/8/3 spills on 16-token pages)."""
+    width = 2 * shape.head_dim
+    item = 1 if shape.fp8 else (4 if shape.cache == "fp32" else 2)
+    shared = (config.num_stages - 1) * config.block_n * width * item + 8192
+    if shared > _SHARED_BYTES.get(shape.arch // 10, _SHARED_BYTES[8]):
+        return False
+    per_thread = config.block_n * width // (32 * config.num_warps)
+    segments = config.block_n // min(config.block_n, shape.page_align)
+    if config.num_warps == 2:  # a tile of several pages: its row ids and addresses too
+        limit = 128 if segments == 1 else 64
+    else:
+        limit = 256 if config.num_warps == 4 else (128 if segments <= 2 else 64)
+    if shape.fp8 and config.num_warps >= 4 and per_thread <= 16:
+        # ptxas 13.4 for sm_90 caps such a small fp8 tile (head dim 64) at 64 registers and
+        # spills 8 B; Triton 3.6's ptxas does not
+        return False
+    return per_thread <= limit
+
+
+def choose_config(shape: DecodeShape) -> tuple[DecodeConfig, str]:
+    """The default config of a shape class and where it comes from (a ``_TABLE`` row, or the
+    first config of ``CONFIGS`` that fits when a row's config does not fit this shape)."""
+    for rule in _TABLE:
+        if rule.matches(shape) and config_fits(rule.config, shape):
+            return rule.config, rule.source
+    for config in CONFIGS:
+        if config_fits(config, shape):
+            return config, "no table row: the first config that fits"
+    raise ValueError(f"no decode config fits {shape}")
+
+
+#: fewest tokens a split is worth
+_MIN_SPLIT_TOKENS = 256
+#: most splits (the reduce reads them all, 16 at a time)
+_MAX_SPLITS = 128
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Split the context when batch * KV heads alone cannot fill the GPU: about two programs a
+    multiprocessor, at least ``_MIN_SPLIT_TOKENS`` tokens a split, at most ``_MAX_SPLITS``.
+
+    Measured (H200): 2 splits at B=64 x 2 KV heads (256 programs) reach 95%; at B=1 x 2 KV heads
+    and 32k context 64 splits (128 programs, fewer than the 132 SMs) gave the best of the
+    sweep, 41%. One small program a multiprocessor has one tile in compute while its next ones
+    load, so the rule asks for two: 128 splits there (unmeasured; the GPU suite sweeps 32-256)."""
+    by_parallelism = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
+    return max(1, min(by_parallelism, by_length, _MAX_SPLITS))
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["tune_work", "tune_context"])
 def _decode_partial_kernel(
     q_ptr,  # [B, Hq, Dk]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, Dk], strided (uint8 bytes when FP8 == 2)
@@ -118,15 +264,18 @@ def _decode_partial_kernel(
     seq_lens_ptr,  # [B] int32
     k_scale_ptr,  # [1] float32 (read only when FP8)
     v_scale_ptr,  # [1] float32
-    part_m_ptr,  # [B, Hq, S] float32
-    part_l_ptr,  # [B, Hq, S] float32
-    part_acc_ptr,  # [B, Hq, S, Dv] float32
+    part_m_ptr,  # [B, Hq, S] float32, log2 units (unused when ONE_SPLIT)
+    part_l_ptr,  # [B, Hq, S] float32 (unused when ONE_SPLIT)
+    part_acc_ptr,  # [B, Hq, S, Dv] float32 (unused when ONE_SPLIT)
+    out_ptr,  # [B, Hq, Dv] (written only when ONE_SPLIT)
     sm_scale,
     block_size,
     split_len,  # tokens per split, a multiple of every BLOCK_N
     window,  # sliding window in tokens; <= 0 means full attention
     stride_q_b,
     stride_q_h,
+    stride_out_b,
+    stride_out_h,
     stride_table_b,
     stride_kc_block,
     stride_kc_token,
@@ -135,6 +284,8 @@ def _decode_partial_kernel(
     stride_vc_token,
     stride_vc_head,
     num_splits,
+    tune_work,  # batch x KV-head bucket: read only by autotuning's key
+    tune_context,  # context bucket: likewise
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP padded for tl.dot
     HEAD_DIM_K: tl.constexpr,
@@ -143,6 +294,8 @@ def _decode_partial_kernel(
     BLOCK_DV: tl.constexpr,
     PAGE_ALIGN: tl.constexpr,  # largest power of two dividing block_size (capped)
     FP8: tl.constexpr,  # 0: no fp8; 1: fp8 cache converted in hardware; 2: e4m3 bytes
+    ONE_SPLIT: tl.constexpr,  # num_splits == 1: normalise and write out directly
+    Q_TO_F16: tl.constexpr,  # fp8 cache, bf16 q: run the dots in fp16 (q rescaled)
     BLOCK_N: tl.constexpr,
 ):
     # a tile = PAGES segments of SEG tokens; a segment lies inside one page
@@ -166,34 +319,53 @@ def _decode_partial_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     m_dk = offs_dk < HEAD_DIM_K
     m_dv = offs_dv < HEAD_DIM_V
+    i_b64 = i_b.to(tl.int64)
     q = tl.load(
-        q_ptr + i_b.to(tl.int64) * stride_q_b + offs_h[:, None] * stride_q_h + offs_dk[None, :],
+        q_ptr + i_b64 * stride_q_b + offs_h[:, None] * stride_q_h + offs_dk[None, :],
         mask=m_g[:, None] & m_dk[None, :],
         other=0.0,
     )
 
+    # scores in log2 units (exp2 is one instruction); an fp8 cache's scales multiply the scores
+    # and, once at the end, the accumulator, instead of every cached element
+    qk_scale = sm_scale * 1.4426950408889634
+    out_scale = 1.0
+    if FP8 > 0:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        out_scale = tl.load(v_scale_ptr)
+        if FP8 == 2:  # _e4m3_to_f16_div256 leaves out 2**(15 - 7)
+            qk_scale = qk_scale * 256.0
+            out_scale = out_scale * 256.0
+        if Q_TO_F16:
+            # fp8 converts to fp16 in one instruction a pair, to bf16 in four: a bf16 query is
+            # scaled by a power of two into fp16's range (its largest value to [2**13, 2**14))
+            # and the dots run in fp16; elements 2**-37 below the largest flush to zero, far
+            # below bf16's own rounding
+            q32 = q.to(tl.float32)
+            q_max = tl.max(tl.max(tl.abs(q32), axis=1), axis=0)
+            shift = 13.0 - tl.floor(tl.log2(tl.maximum(q_max, 1e-30)))
+            q_mul = tl.exp2(tl.minimum(shift, 100.0))
+            q = (q32 * q_mul).to(tl.float16)
+            qk_scale = qk_scale / q_mul
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    if FP8 > 0:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
     # loop invariants: the head's base and each row's offset inside its segment
     p_k_head = k_cache_ptr + i_kvh.to(tl.int64) * stride_kc_head
     p_v_head = v_cache_ptr + i_kvh.to(tl.int64) * stride_vc_head
     offs_seg = tl.arange(0, BLOCK_N) % SEG
     offs_k_row = offs_seg[:, None] * stride_kc_token + offs_dk[None, :]
     offs_v_row = offs_seg[:, None] * stride_vc_token + offs_dv[None, :]
-    p_table = table_ptr + i_b.to(tl.int64) * stride_table_b
-    offs_pages = tl.arange(0, PAGES) * SEG
+    p_table = table_ptr + i_b64 * stride_table_b
+    offs_n0 = tl.arange(0, BLOCK_N)
 
-    # block ids of the first tile; each iteration loads the next tile's ids ahead, so the K/V
-    # loads of a tile depend on no load of the same iteration and can be multi-buffered
-    if PAGES == 1:  # the tile lies in one page: a scalar id
+    # a one-page tile: its block id is loaded one iteration ahead (a loop-carried scalar), so
+    # the K/V loads of a tile depend on no load of the same iteration and are multi-buffered.
+    # A tile of several pages loads one id per row in its own iteration instead: Triton's
+    # pipeliner (3.6 as well as 3.9) schedules that table load stages ahead of the K/V loads
+    # it feeds, where it leaves ids spread from a per-page vector (reshape) unpipelined in 3.6
+    if PAGES == 1:
         seg_block = tl.load(p_table + tile_lo // block_size, mask=tile_lo < end, other=0)
-    else:
-        seg_pos = tile_lo + offs_pages
-        seg_block = tl.load(p_table + seg_pos // block_size, mask=seg_pos < end, other=0)
     for tile in range(tile_lo, end, BLOCK_N):
         if PAGES == 1:
             in_page = tile % block_size
@@ -204,63 +376,65 @@ def _decode_partial_kernel(
             next_tile = tile + BLOCK_N
             seg_block = tl.load(p_table + next_tile // block_size, mask=next_tile < end, other=0)
         else:
-            seg_pos = tile + offs_pages
-            in_page = seg_pos % block_size
-            k_base = seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token
-            v_base = seg_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token
-            k_rows = tl.reshape(tl.broadcast_to(k_base[:, None], (PAGES, SEG)), (BLOCK_N,))
-            v_rows = tl.reshape(tl.broadcast_to(v_base[:, None], (PAGES, SEG)), (BLOCK_N,))
-            p_k = p_k_head + k_rows[:, None] + offs_k_row
-            p_v = p_v_head + v_rows[:, None] + offs_v_row
-            next_pos = seg_pos + BLOCK_N
-            seg_block = tl.load(p_table + next_pos // block_size, mask=next_pos < end, other=0)
+            pos = tile + offs_n0
+            row_block = tl.load(p_table + pos // block_size, mask=pos < end, other=0)
+            in_page = pos % block_size
+            k_rows = row_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token
+            v_rows = row_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token
+            p_k = p_k_head + k_rows[:, None] + offs_dk[None, :]
+            p_v = p_v_head + v_rows[:, None] + offs_dv[None, :]
         offs_n = tile + tl.arange(0, BLOCK_N)
         m_n = (offs_n >= lo) & (offs_n < end)
         k = tl.load(p_k, mask=m_n[:, None] & m_dk[None, :], other=0.0)
         v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)
         if FP8 == 2:
-            k = (_e4m3_to_f32(k) * k_scale).to(q.dtype)
-            v = (_e4m3_to_f32(v) * v_scale).to(q.dtype)
-        elif FP8 == 1:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        else:
+            k = _e4m3_to_f16_div256(k).to(q.dtype)
+            v = _e4m3_to_f16_div256(v).to(q.dtype)
+        else:  # 16-bit caches: a no-op; fp8: one conversion (the scales are folded out)
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(m_n[None, :], s, float("-inf"))
         # every tile holds a key in [lo, end), so m_new is finite from the first tile on
         m_new = tl.maximum(b_m, tl.max(s, axis=1))
-        alpha = tl.exp(b_m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(b_m - m_new)
+        p = tl.exp2(s - m_new[:, None])
         b_l = b_l * alpha + tl.sum(p, axis=1)
         b_acc = b_acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         b_m = m_new
 
-    base = (i_b.to(tl.int64) * (GROUP * tl.num_programs(1)) + offs_h) * num_splits + i_s
-    tl.store(part_m_ptr + base, b_m, mask=m_g)
-    tl.store(part_l_ptr + base, b_l, mask=m_g)
-    tl.store(
-        part_acc_ptr + base[:, None] * HEAD_DIM_V + offs_dv[None, :],
-        b_acc,
-        mask=m_g[:, None] & m_dv[None, :],
-    )
+    if ONE_SPLIT:
+        out = b_acc * (out_scale / b_l)[:, None]
+        tl.store(
+            out_ptr + i_b64 * stride_out_b + offs_h[:, None] * stride_out_h + offs_dv[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=m_g[:, None] & m_dv[None, :],
+        )
+    else:
+        base = (i_b64 * (GROUP * tl.num_programs(1)) + offs_h) * num_splits + i_s
+        tl.store(part_m_ptr + base, b_m, mask=m_g)
+        tl.store(part_l_ptr + base, b_l, mask=m_g)
+        tl.store(
+            part_acc_ptr + base[:, None] * HEAD_DIM_V + offs_dv[None, :],
+            b_acc * out_scale,
+            mask=m_g[:, None] & m_dv[None, :],
+        )
 
 
 @triton.jit
-def _e4m3_to_f32(x):
-    """e4m3fn bytes (uint8) to float32, exactly: the fields are placed in an fp16 (same
-    mantissa, exponent field widened) and rebiased by 2**(15 - 7); subnormals map to fp16
-    subnormals, so they are exact too. 0x7F / 0xFF are NaN."""
+def _e4m3_to_f16_div256(x):
+    """e4m3fn bytes (uint8) to float16 / 256, exactly: the fields are placed in an fp16 (same
+    mantissa, exponent field widened); the rebias 2**(15 - 7) is left to the caller's scale.
+    Subnormals map to fp16 subnormals, so they are exact too. 0x7F / 0xFF are NaN."""
     x16 = x.to(tl.uint16)
     bits = ((x16 & 0x7F) << 7) | ((x16 & 0x80) << 8)
-    y = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    y = bits.to(tl.float16, bitcast=True)
     return tl.where((x16 & 0x7F) == 0x7F, float("nan"), y)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_m_ptr,  # [B, Hq, S] float32
+    part_m_ptr,  # [B, Hq, S] float32, log2 units
     part_l_ptr,  # [B, Hq, S] float32
     part_acc_ptr,  # [B, Hq, S, Dv] float32
     out_ptr,  # [B, Hq, Dv]
@@ -269,49 +443,55 @@ def _decode_reduce_kernel(
     num_heads,
     num_splits,
     HEAD_DIM_V: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
+    CHUNK_S: tl.constexpr,  # splits merged per step
+    BLOCK_DV: tl.constexpr,  # output columns per program
 ):
+    # one program per (request, head, column block): at batch 1 with many splits the merge
+    # still spreads over several programs
     i_b = tl.program_id(0)
     i_h = tl.program_id(1)
+    i_d = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_s = offs_s < num_splits
+    offs_dv = i_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
     m_dv = offs_dv < HEAD_DIM_V
     row = (i_b.to(tl.int64) * num_heads + i_h) * num_splits
-    m = tl.load(part_m_ptr + row + offs_s, mask=m_s, other=float("-inf"))
-    l = tl.load(part_l_ptr + row + offs_s, mask=m_s, other=0.0)
-    acc = tl.load(
-        part_acc_ptr + (row + offs_s)[:, None] * HEAD_DIM_V + offs_dv[None, :],
-        mask=m_s[:, None] & m_dv[None, :],
-        other=0.0,
-    )
+    m = tl.load(part_m_ptr + row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    l = tl.load(part_l_ptr + row + offs_s, mask=offs_s < num_splits, other=0.0)
     m_max = tl.max(m, axis=0)
     # empty splits (m = -inf, l = 0) get weight 0; at least one split is non-empty
-    w = tl.where(l > 0, tl.exp(m - m_max), 0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
-    den = tl.sum(l * w, axis=0)
-    out = num / den
+    den = tl.sum(tl.where(l > 0, tl.exp2(m - m_max), 0.0) * l, axis=0)
+    num = tl.zeros([BLOCK_DV], tl.float32)
+    offs_c = tl.arange(0, CHUNK_S)
+    for s0 in range(0, BLOCK_S, CHUNK_S):
+        m_c = (s0 + offs_c) < num_splits
+        m_s = tl.load(part_m_ptr + row + s0 + offs_c, mask=m_c, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + row + s0 + offs_c, mask=m_c, other=0.0)
+        w = tl.where(l_s > 0, tl.exp2(m_s - m_max), 0.0)
+        acc = tl.load(
+            part_acc_ptr + (row + s0 + offs_c)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+            mask=m_c[:, None] & m_dv[None, :],
+            other=0.0,
+        )
+        num += tl.sum(acc * w[:, None], axis=0)
     tl.store(
         out_ptr + i_b.to(tl.int64) * stride_out_b + i_h * stride_out_h + offs_dv,
-        out.to(out_ptr.dtype.element_ty),
+        (num / den).to(out_ptr.dtype.element_ty),
         mask=m_dv,
     )
 
 
+# ---- host side --------------------------------------------------------------------------------
+
 _FP8 = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 )
-
-#: programs a GPU needs to be busy (a few waves over ~132 SMs); decides split-K
-_TARGET_PROGRAMS = 256
-#: fewest tokens a split is worth
-_MIN_SPLIT_TOKENS = 256
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
     """The GPU's compute capability; the CPU (the interpreter) counts as sm_80, the oldest GPU
-    the configs are pruned for. The compile check monkeypatches this per target."""
+    the configs are checked for. The compile check monkeypatches this per target."""
     if device.type != "cuda":
         return (8, 0)
     return torch.cuda.get_device_capability(device)
@@ -319,10 +499,77 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def _fp8e4_in_hardware(device: torch.device) -> bool:
     """sm_89+ (Ada, Hopper) convert e4m3 in hardware; older GPUs get the raw bytes and a
-    software conversion in the kernel. Tests and the compile check monkeypatch this."""
+    software conversion in the kernel. The interpreter's widening casts are exact, so it takes
+    the hardware path (its narrowing casts are not: see ``cache_write.py``). Tests and the
+    compile check monkeypatch this."""
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessors of the GPU; on the CPU an H100's 132, so the CPU tests see the grids an
+    H100 would run."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+#: Triton versions whose compiled-kernel launch API ``_Launcher`` calls directly (checked)
+_DIRECT_LAUNCH = not _INTERPRETED and (3, 6) <= tuple(
+    int(x) for x in triton.__version__.split(".")[:2]
+) <= (3, 9)
+
+
+class _Launcher:
+    """Launch a ``@triton.jit`` kernel without Triton's per-call argument binding once its
+    specialisation has been compiled. ``JITFunction.run`` binds and specialises every argument
+    on every call (tens of microseconds for ~30 arguments), while an engine launches the same
+    specialisation for every layer of every step. The caller names the specialisation by a
+    ``key`` holding whatever in its arguments may change between calls and matters to Triton
+    (pointer alignment, integer values or classes); the first call of a key goes through
+    Triton and keeps the compiled kernel, later ones call its launcher directly. Triton's path
+    is always taken under the interpreter, while launch hooks are set (profilers), or with a
+    Triton whose compiled-kernel API was not checked (``_DIRECT_LAUNCH``)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled: dict[tuple, tuple] = {}
+
+    def __call__(self, grid: tuple[int, int, int], key: tuple, args: tuple, meta: dict) -> None:
+        hit = self.compiled.get(key)
+        if hit is None or _hooks_set():
+            kernel = self.fn[grid](*args, **meta)
+            if _DIRECT_LAUNCH and hit is None and hasattr(kernel, "packed_metadata"):
+                # the launcher takes every parameter in order, constexprs included
+                tail = tuple(meta[name] for name in self.fn.arg_names[len(args) :])
+                self.compiled[key] = (kernel, tail)
+            return
+        kernel, tail = hit
+        device = triton.runtime.driver.active.get_current_device()
+        stream = triton.runtime.driver.active.get_current_stream(device)
+        kernel.run(
+            grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+            None, None, None, *args, *tail,
+        )  # fmt: skip
+
+
+def _hooks_set() -> bool:
+    """Whether a profiler (or anyone) hooks Triton's launches: then every launch takes
+    Triton's path, which calls the hooks with the launch's metadata."""
+    runtime = triton.knobs.runtime
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _int_class(v: int) -> tuple[bool, bool, bool]:
+    """What Triton specialises an integer argument on: equal to 1, divisible by 16, 32-bit."""
+    return (v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
+
+
+_partial_launcher = _Launcher(_decode_partial_kernel)
+_reduce_launcher = _Launcher(_decode_reduce_kernel)
 
 
 def _validate_enabled(validate: bool | None) -> bool:
@@ -331,37 +578,41 @@ def _validate_enabled(validate: bool | None) -> bool:
     return validate
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Split the context when batch * KV heads alone cannot fill the GPU."""
-    by_parallelism = triton.cdiv(_TARGET_PROGRAMS, max(1, batch * num_kv_heads))
-    by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
-    return max(1, min(by_parallelism, by_length, 64))
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
 
 
-def _check_shapes(q, k_cache, v_cache, block_tables, seq_lens) -> tuple[int, int, int, int, int]:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
-    batch, num_heads, dk = q.shape
-    if k_cache.dim() != 4 or v_cache.dim() != 4:
-        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, Hkv, D] views")
-    _, _block_size, num_kv_heads, dk_cache = k_cache.shape
-    if dk_cache != dk:
-        raise ValueError(f"q head_dim {dk} != k_cache head_dim {dk_cache}")
-    if v_cache.shape[:3] != k_cache.shape[:3]:
-        raise ValueError("k_cache and v_cache disagree on blocks, block size or heads")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
-        raise ValueError("the head_dim of q and of the caches must be contiguous")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
-        raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
-    if block_tables.shape[0] != batch or seq_lens.shape != (batch,):
-        raise ValueError("block_tables and seq_lens must have one row per request")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
-    if seq_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"seq_lens must be int32/int64, got {seq_lens.dtype}")
-    return batch, num_heads, num_kv_heads, dk, v_cache.shape[3]
+def _cache_kind(cache_dtype: torch.dtype, device: torch.device) -> str:
+    if cache_dtype in _FP8:
+        if cache_dtype == torch.float8_e4m3fn and not _fp8e4_in_hardware(device):
+            return "fp8-bytes"
+        return "fp8"
+    return "fp32" if cache_dtype == torch.float32 else "16bit"
+
+
+def decode_shape(
+    *,
+    device: torch.device,
+    block_size: int,
+    group: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    cache_dtype: torch.dtype,
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+) -> DecodeShape:
+    """The :class:`DecodeShape` of a launch."""
+    major, minor = _capability(device)
+    return DecodeShape(
+        arch=10 * major + minor,
+        page_align=min(block_size & -block_size, _MAX_BLOCK_N),
+        group=group,
+        head_dim=max(16, triton.next_power_of_2(max(head_dim_k, head_dim_v))),
+        cache=_cache_kind(cache_dtype, device),
+        work=_bucket(batch * num_kv_heads),
+        context=_bucket(max_seq_len),
+    )
 
 
 def check_block_tables(
@@ -385,6 +636,415 @@ def check_block_tables(
         )
 
 
+def _check_lengths(seq_lens: torch.Tensor, max_seq_len: int | None) -> torch.Tensor:
+    """``seq_lens`` on the host (one sync), checked against the contract."""
+    lens = seq_lens.detach().cpu()
+    if int(lens.min()) < 1:
+        b = int(lens.argmin())
+        raise ValueError(
+            f"seq_lens[{b}] = {int(lens[b])}: every request needs seq_len >= 1 (the query token "
+            f"itself)"
+        )
+    if max_seq_len is not None and int(lens.max()) > max_seq_len:
+        b = int(lens.argmax())
+        raise ValueError(
+            f"seq_lens[{b}] = {int(lens[b])} exceeds max_seq_len = {max_seq_len}: the tokens "
+            f"past it would be dropped; pass max_seq_len >= max(seq_lens)"
+        )
+    return lens
+
+
+@functools.cache
+def _autotuned_kernel():
+    """The partial kernel under ``triton.autotune`` over ``CONFIGS``, keyed by the shape class
+    (the constexprs plus the work and context buckets). Built on first use: the interpreter
+    cannot autotune."""
+    configs = [
+        triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+        for c in CONFIGS
+    ]
+    return triton.autotune(
+        configs,
+        key=[
+            "HEAD_DIM_K",
+            "HEAD_DIM_V",
+            "GROUP",
+            "PAGE_ALIGN",
+            "FP8",
+            "tune_work",
+            "tune_context",
+        ],
+        prune_configs_by={"early_config_prune": _prune_for_autotune},
+    )(_decode_partial_kernel)
+
+
+def _config_of(c: triton.Config) -> DecodeConfig:
+    return DecodeConfig(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+
+
+def _prune_for_autotune(
+    configs: list[triton.Config], nargs: dict, **kwargs
+) -> list[triton.Config]:
+    """Autotuning's candidates: the configs that fit the launch's shape class."""
+    args = {**nargs, **kwargs}
+    device = args["q_ptr"].device
+    major, minor = _capability(device)
+    item = args["k_cache_ptr"].element_size()
+    cache = {1: "fp8", 4: "fp32"}.get(item, "16bit")
+    if args["FP8"] == 2:
+        cache = "fp8-bytes"
+    shape = DecodeShape(
+        arch=10 * major + minor,
+        page_align=args["PAGE_ALIGN"],
+        group=args["GROUP"],
+        head_dim=max(args["BLOCK_DK"], args["BLOCK_DV"]),
+        cache=cache,
+        work=args["tune_work"],
+        context=args["tune_context"],
+    )
+    kept = [c for c in configs if config_fits(_config_of(c), shape)]
+    return kept or configs[:1]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """Everything :meth:`run` needs that does not change between the layers of one step.
+
+    Made by :func:`plan_decode`; holds the step's block tables and lengths (by reference: a
+    CUDA graph that captured :meth:`run` replays on whatever they hold then), the partial
+    buffers, the config and the grid."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    block_size: int
+    cache_dtype: torch.dtype
+    q_dtype: torch.dtype
+    scale: float
+    sliding_window: int  # 0: full attention
+    max_seq_len: int
+    shape: DecodeShape
+    config: DecodeConfig
+    config_source: str  # the table row, "autotune" or "given"
+    num_splits: int
+    split_len: int
+    autotune: bool
+    block_tables: torch.Tensor = field(repr=False)
+    seq_lens: torch.Tensor = field(repr=False)
+    part_m: torch.Tensor | None = field(repr=False)
+    part_l: torch.Tensor | None = field(repr=False)
+    part_acc: torch.Tensor | None = field(repr=False)
+    _constexprs: dict = field(repr=False)
+    _reduce_grid: tuple[int, int, int] = field(repr=False)
+    _reduce_constexprs: dict = field(repr=False)
+    # derived once, for run's checks and launches
+    _q_shape: tuple[int, int, int] = field(init=False, repr=False)
+    _out_shape: tuple[int, int, int] = field(init=False, repr=False)
+    _k_tail: tuple[int, int, int] = field(init=False, repr=False)
+    _v_tail: tuple[int, int, int] = field(init=False, repr=False)
+    _meta: dict = field(init=False, repr=False)
+    _launch_key: tuple = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)  # a frozen dataclass's derived fields
+
+        batch, heads, bs, hkv = self.batch, self.num_heads, self.block_size, self.num_kv_heads
+        put("_q_shape", (batch, heads, self.head_dim_k))
+        put("_out_shape", (batch, heads, self.head_dim_v))
+        put("_k_tail", (bs, hkv, self.head_dim_k))
+        put("_v_tail", (bs, hkv, self.head_dim_v))
+        c = self.config
+        meta = dict(self._constexprs, BLOCK_N=c.block_n)
+        put("_meta", dict(meta, num_warps=c.num_warps, num_stages=c.num_stages))
+        # the plan's part of every launch's specialisation: its tensors' alignment, its
+        # integers' classes, the constexprs and options
+        tensors = (self.block_tables, self.seq_lens, self.part_m, self.part_l, self.part_acc)
+        put(
+            "_launch_key",
+            (
+                self.block_tables.device,
+                (self.q_dtype, self.cache_dtype, self.seq_lens.dtype),
+                tuple(None if t is None else t.data_ptr() % 16 for t in tensors),
+                tuple(
+                    _int_class(v)
+                    for v in (bs, self.split_len, self.sliding_window, self.num_splits,
+                              self.block_tables.stride(0))
+                ),
+                tuple(sorted(self._meta.items())),
+            ),
+        )  # fmt: skip
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode attention of one layer: ``q [B, Hq, Dk]`` over ``k_cache``/``v_cache``
+        ``[num_blocks, block_size, Hkv, D]`` (any strides but the last) of the planned shape
+        and dtype; fp8 caches need ``k_scale``/``v_scale`` (float32, one value each). Returns
+        ``[B, Hq, Dv]`` in ``q``'s dtype (in ``out`` if given: then nothing is allocated)."""
+        batch, heads, dv = self.batch, self.num_heads, self.head_dim_v
+        if q.shape != self._q_shape or q.dtype != self.q_dtype or q.stride(2) != 1:
+            raise ValueError(
+                f"q must be {list(self._q_shape)} {self.q_dtype} with a contiguous last dim "
+                f"(the plan's), got {tuple(q.shape)} {q.dtype}"
+            )
+        ks, vs = k_cache.stride(), v_cache.stride()
+        if (
+            k_cache.shape[1:] != self._k_tail
+            or v_cache.shape[1:] != self._v_tail
+            or k_cache.shape[0] != v_cache.shape[0]
+            or k_cache.dtype != self.cache_dtype
+            or v_cache.dtype != self.cache_dtype
+            or ks[3] != 1
+            or vs[3] != 1
+        ):
+            raise ValueError(
+                f"k_cache/v_cache must be [num_blocks, {self.block_size}, {self.num_kv_heads}, "
+                f"{self.head_dim_k}/{dv}] {self.cache_dtype} views with a contiguous last dim "
+                f"(the plan's), got {tuple(k_cache.shape)} {k_cache.dtype} and "
+                f"{tuple(v_cache.shape)} {v_cache.dtype}"
+            )
+        fp8 = self._constexprs["FP8"]
+        if fp8:
+            _check_scale(k_scale, "k_scale")
+            _check_scale(v_scale, "v_scale")
+            if fp8 == 2:
+                k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        else:
+            k_scale = v_scale = self.seq_lens  # never read
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
+        elif out.shape != self._out_shape or out.stride(2) != 1 or out.dtype != q.dtype:
+            raise ValueError(
+                f"out must be {list(self._out_shape)} {q.dtype}, contiguous in Dv, got "
+                f"{tuple(out.shape)} {out.dtype}"
+            )
+        if batch == 0:
+            return out
+        one_split = self.num_splits == 1
+        qs, os_ = q.stride(), out.stride()
+        parts = (out, out, out) if one_split else (self.part_m, self.part_l, self.part_acc)
+        args = (
+            q, k_cache, v_cache, self.block_tables, self.seq_lens, k_scale, v_scale, *parts,
+            out, self.scale, self.block_size, self.split_len, self.sliding_window, qs[0], qs[1],
+            os_[0], os_[1], self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0], vs[1],
+            vs[2], self.num_splits, self.shape.work, self.shape.context,
+        )  # fmt: skip
+        grid = (batch, self.num_kv_heads, self.num_splits)
+        if self.autotune:
+            _autotuned_kernel()[grid](*args, **self._constexprs)
+        else:
+            # what may differ between the layers of a step and matters to Triton's
+            # specialisation: the pointers' alignment and the strides
+            key = (
+                self._launch_key, q.data_ptr() % 16, k_cache.data_ptr() % 16,
+                v_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
+                v_scale.data_ptr() % 16, qs, os_, ks, vs,
+            )  # fmt: skip
+            _partial_launcher(grid, key, args, self._meta)
+        if not one_split:
+            _reduce_launcher(
+                self._reduce_grid,
+                (self._launch_key, out.data_ptr() % 16, os_),
+                (self.part_m, self.part_l, self.part_acc, out, os_[0], os_[1], heads,
+                 self.num_splits),
+                self._reduce_constexprs,
+            )  # fmt: skip
+        return out
+
+
+def _check_scale(scale: torch.Tensor | None, name: str) -> None:
+    if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(
+            f"an fp8 cache needs {name}: a float32 tensor holding one value, got "
+            f"{None if scale is None else (scale.dtype, tuple(scale.shape))}"
+        )
+
+
+def plan_decode(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    scale: float,
+    head_dim_v: int | None = None,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+    autotune: bool = False,
+    num_blocks: int | None = None,
+    validate: bool | None = None,
+) -> DecodePlan:
+    """Plan one step's decode: ``block_tables [B, max_blocks] int32`` (row-contiguous),
+    ``seq_lens [B] int32/int64`` (>= 1; the query is the last token) on the device the layers'
+    tensors live on, and the shapes every layer of the step shares. Returns a
+    :class:`DecodePlan` whose :meth:`~DecodePlan.run` serves every layer.
+
+    ``max_seq_len`` (>= every seq_len) keeps planning free of device syncs; without it
+    ``seq_lens`` is read back once. ``num_splits`` overrides :func:`choose_num_splits`;
+    ``config`` overrides the table (:func:`choose_config`); ``autotune=True`` tunes over
+    ``CONFIGS`` on the GPU instead, keyed by the shape class. ``validate`` (default: the
+    ``HYBRIDKV_VALIDATE`` switch) checks the lengths and, given ``num_blocks``, every block id
+    the kernel will read (one sync; see the module's contract).
+    """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    batch = block_tables.shape[0]
+    if seq_lens.shape != (batch,):
+        raise ValueError("block_tables and seq_lens must have one row per request")
+    if seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be int32/int64, got {seq_lens.dtype}")
+    if seq_lens.device != block_tables.device:
+        raise ValueError(
+            f"seq_lens is on {seq_lens.device}, block_tables on {block_tables.device}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(f"sliding_window must be None, 0 (off) or positive: {sliding_window}")
+    if cache_dtype in _FP8 and q_dtype in _FP8:
+        raise ValueError("q must be fp16/bf16/fp32")
+    if autotune and _INTERPRETED:
+        raise ValueError(
+            "autotune=True needs a GPU: the Triton interpreter cannot time configs; leave it "
+            "off (the table's config) or pass config="
+        )
+    if autotune and config is not None:
+        raise ValueError("pass config= or autotune=True, not both")
+    device = block_tables.device
+    check = _validate_enabled(validate)
+    if batch and (max_seq_len is None or check):
+        lens = _check_lengths(seq_lens, max_seq_len)
+        if max_seq_len is None:
+            max_seq_len = int(lens.max())
+        if check:
+            if num_blocks is None:
+                raise ValueError("validate=True checks block ids: pass num_blocks (the cache's)")
+            check_block_tables(block_tables, lens, num_blocks, block_size)
+    max_seq_len = max_seq_len or 1
+    needed = triton.cdiv(max_seq_len, block_size)
+    if needed > block_tables.shape[1]:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[1]} columns but seq_len {max_seq_len} needs "
+            f"{needed} blocks"
+        )
+    group = num_heads // num_kv_heads
+    shape = decode_shape(
+        device=device,
+        block_size=block_size,
+        group=group,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim_v,
+        cache_dtype=cache_dtype,
+        batch=batch,
+        num_kv_heads=num_kv_heads,
+        max_seq_len=max_seq_len,
+    )
+    if autotune:
+        source = "autotune"
+        config = choose_config(shape)[0]  # recorded only; the autotuner picks per launch
+    elif config is None:
+        config, source = choose_config(shape)
+    else:
+        if config not in CONFIGS:
+            raise ValueError(f"{config} is not one of CONFIGS: {', '.join(map(str, CONFIGS))}")
+        source = "given"
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device))
+    # each split covers a whole number of tiles of any config
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
+    num_splits = triton.cdiv(max_seq_len, split_len)
+    part_m = part_l = part_acc = None
+    if num_splits > 1:
+        f32 = dict(dtype=torch.float32, device=device)
+        part_m = torch.empty((batch, num_heads, num_splits), **f32)
+        part_l = torch.empty((batch, num_heads, num_splits), **f32)
+        part_acc = torch.empty((batch, num_heads, num_splits, head_dim_v), **f32)
+    cache_kind = shape.cache
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    reduce_dv = min(block_dv, 64)
+    return DecodePlan(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim_v,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        q_dtype=q_dtype,
+        scale=float(scale),
+        sliding_window=sliding_window or 0,
+        max_seq_len=max_seq_len,
+        shape=shape,
+        config=config,
+        config_source=source,
+        num_splits=num_splits,
+        split_len=split_len,
+        autotune=autotune,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        part_m=part_m,
+        part_l=part_l,
+        part_acc=part_acc,
+        _constexprs=dict(
+            GROUP=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM_K=head_dim,
+            HEAD_DIM_V=head_dim_v,
+            BLOCK_DK=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_DV=block_dv,
+            PAGE_ALIGN=shape.page_align,
+            FP8={"fp8": 1, "fp8-bytes": 2}.get(cache_kind, 0),
+            ONE_SPLIT=num_splits == 1,
+            Q_TO_F16=cache_kind.startswith("fp8") and q_dtype == torch.bfloat16,
+        ),
+        _reduce_grid=(batch, num_heads, triton.cdiv(head_dim_v, reduce_dv)),
+        _reduce_constexprs=dict(
+            HEAD_DIM_V=head_dim_v, BLOCK_S=block_s, CHUNK_S=min(block_s, 16), BLOCK_DV=reduce_dv
+        ),
+    )
+
+
+def _check_shapes(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    batch, _, dk = q.shape
+    if k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, Hkv, D] views")
+    if k_cache.shape[3] != dk:
+        raise ValueError(f"q head_dim {dk} != k_cache head_dim {k_cache.shape[3]}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError("k_cache and v_cache disagree on blocks, block size or heads")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("the head_dim of q and of the caches must be contiguous")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise ValueError("block_tables must be [B, max_blocks] with one row per request")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -399,8 +1059,11 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     validate: bool | None = None,
     out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+    autotune: bool = False,
 ) -> torch.Tensor:
-    """Attention of one query token per request over its paged K/V.
+    """Attention of one query token per request over its paged K/V: :func:`plan_decode` and
+    :meth:`DecodePlan.run` in one call (plan once and run per layer to save the host work).
 
     Shapes: ``q [B, Hq, Dk]``, caches ``[num_blocks, block_size, Hkv, D]`` (any strides but the
     last), ``block_tables [B, max_blocks] int32``, ``seq_lens [B] int32`` (>= 1; the query is the
@@ -408,124 +1071,39 @@ def paged_decode_attention(
     seq_len) the call never syncs with the device; without it, it reads ``seq_lens`` back once.
     ``validate`` (default: the ``HYBRIDKV_VALIDATE`` environment switch) checks every block id
     and length the kernel will use (see the module's contract). ``out [B, Hq, Dv]`` (contiguous
-    in Dv), if given, receives the result.
+    in Dv), if given, receives the result. fp8 caches need ``k_scale``/``v_scale`` (float32
+    scalars).
     """
-    batch, num_heads, num_kv_heads, dk, dv = _check_shapes(
-        q, k_cache, v_cache, block_tables, seq_lens
-    )
-    num_blocks, block_size = k_cache.shape[:2]
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
-    if max_seq_len is not None and max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    if sliding_window is not None and sliding_window < 0:
-        raise ValueError(f"sliding_window must be None, 0 (off) or positive: {sliding_window}")
-    if out is None:
-        out = torch.empty((batch, num_heads, dv), dtype=q.dtype, device=q.device)
-    elif out.shape != (batch, num_heads, dv) or out.stride(2) != 1:
-        raise ValueError(f"out must be [B, Hq, Dv] = {(batch, num_heads, dv)}, contiguous in Dv")
-    if batch == 0:
-        return out
-    check = _validate_enabled(validate)
-    if max_seq_len is None or check:
-        lens = seq_lens.detach().cpu()
-        if int(lens.min()) < 1:
-            b = int(lens.argmin())
-            raise ValueError(
-                f"seq_lens[{b}] = {int(lens[b])}: every request needs seq_len >= 1 (the query "
-                f"token itself)"
-            )
-        if max_seq_len is not None and int(lens.max()) > max_seq_len:
-            b = int(lens.argmax())
-            raise ValueError(
-                f"seq_lens[{b}] = {int(lens[b])} exceeds max_seq_len = {max_seq_len}: the "
-                f"tokens past it would be dropped; pass max_seq_len >= max(seq_lens)"
-            )
-        if max_seq_len is None:
-            max_seq_len = int(lens.max())
-        if check:  # the host copy of seq_lens, not a second sync
-            check_block_tables(block_tables, lens, num_blocks, block_size)
-    needed = triton.cdiv(max_seq_len, block_size)
-    if needed > block_tables.shape[1]:
-        raise ValueError(
-            f"block_tables has {block_tables.shape[1]} columns but seq_len {max_seq_len} needs "
-            f"{needed} blocks"
-        )
+    _check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
     quant = k_cache.dtype in _FP8
     if quant and (k_scale is None or v_scale is None):
         raise ValueError("fp8 caches need k_scale and v_scale (float32 scalars)")
-    if quant and q.dtype in _FP8:
-        raise ValueError("q must be fp16/bf16/fp32")
-    if quant != (v_cache.dtype in _FP8):
-        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    fp8 = 0
-    if quant:
-        fp8 = 1
-        if k_cache.dtype == torch.float8_e4m3fn and not _fp8e4_in_hardware(q.device):
-            fp8 = 2  # the kernel decodes the bytes itself
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len)
-    group = num_heads // num_kv_heads
-    # each split covers a whole number of tiles of any config
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
-    num_splits = triton.cdiv(max_seq_len, split_len)
-    part_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(
-        (batch, num_heads, num_splits, dv), dtype=torch.float32, device=q.device
-    )
-    scales = (
-        (k_scale.reshape(1).float(), v_scale.reshape(1).float()) if quant else (seq_lens, seq_lens)
-    )
-    _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
+    plan = plan_decode(
         block_tables,
         seq_lens,
-        scales[0],
-        scales[1],
-        part_m,
-        part_l,
-        part_acc,
-        scale,
-        block_size,
-        split_len,
-        sliding_window or 0,
-        q.stride(0),
-        q.stride(1),
-        block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        num_splits,
-        GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM_K=dk,
-        HEAD_DIM_V=dv,
-        BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        PAGE_ALIGN=min(block_size & -block_size, _MAX_BLOCK_N),
-        FP8=fp8,
+        num_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[2],
+        head_dim=q.shape[2],
+        head_dim_v=v_cache.shape[3],
+        block_size=k_cache.shape[1],
+        cache_dtype=k_cache.dtype,
+        q_dtype=q.dtype,
+        scale=scale,
+        sliding_window=sliding_window,
+        max_seq_len=max_seq_len,
+        num_splits=num_splits,
+        config=config,
+        autotune=autotune,
+        num_blocks=k_cache.shape[0],
+        validate=validate,
     )
-    _decode_reduce_kernel[(batch, num_heads)](
-        part_m,
-        part_l,
-        part_acc,
-        out,
-        out.stride(0),
-        out.stride(1),
-        num_heads,
-        num_splits,
-        HEAD_DIM_V=dv,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-    )
-    return out
+    if quant:
+        k_scale = k_scale.reshape(1).to(torch.float32)
+        v_scale = v_scale.reshape(1).to(torch.float32)
+    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
+
+
+# ---- reference --------------------------------------------------------------------------------
 
 
 def gather_kv_ref(

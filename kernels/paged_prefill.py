@@ -10,125 +10,102 @@ The caches are typed strided views ``[num_blocks, block_size, num_kv_heads, head
 block, token and head strides (K-then-V pages, packed pages, head-major pages, layer-outer
 tensors); only the last dim is contiguous. Addressing is int64.
 
+Plan once per step, run once per layer (FlashInfer's split): :func:`plan_prefill` takes the
+step's block tables, query offsets, lengths and shapes and makes every host decision (config,
+grid, the fp8 path, validation); :meth:`PrefillPlan.run` then launches with one layer's ``q`` and
+cache views and does no allocation (given ``out``), no environment read and no device sync, so it
+can be captured in a CUDA graph. :func:`paged_prefill_attention` is plan + run in one call.
+
 - GQA packing: one program takes ``BLOCK_Q`` query tokens times all ``GROUP`` query heads of one
   KV head as the ``BLOCK_M`` rows of its tile, so each K/V tile is read once per KV head and
   query tile, not once per query head.
-- Page walk and load/compute overlap as in ``paged_decode.py``: tiles of ``BLOCK_N`` keys are
-  segments that never straddle a page, one block-table load per segment, the next tile's block
-  ids loaded one iteration ahead so the pipeliner multi-buffers K/V.
+- Page walk and load/compute overlap as in ``paged_decode.py``: a one-page tile is a 2-D box
+  whose block id is loaded one iteration ahead; a tile of several pages (64-128 keys on
+  16-token pages) loads one id per row in its own iteration, which Triton's pipeliner (3.6 as
+  well as 3.9) schedules stages ahead of the K/V loads, so K/V are multi-buffered either way.
+- Causal masks only on the diagonal: the tiles wholly at or before a program's first query
+  position run a loop with no causal or bounds masks; only the tiles from there to the last
+  visible key (at most ``BLOCK_Q`` keys past it, rounded to tiles) build and apply the mask.
 - Sliding window: keys below the first key visible to a tile are never loaded (their blocks may
   be freed to a null block holding NaN), not just masked after the dot.
 - No host sync: programs find their request by a binary search over ``cu_seqlens_q`` (request
   ``r``'s tiles are numbered from ``cu_seqlens_q[r] // BLOCK_Q + r``), so the grid
   ``total_q // BLOCK_Q + B`` needs only host-known sizes; surplus programs exit at once.
-- fp8 caches are dequantised with per-tensor float32 scales; GPUs without hardware e4m3 (sm_80)
-  get the bytes and convert them in the kernel.
+- fp8 caches: the tile is converted to the query's dtype as stored and the per-tensor float32
+  scales are folded into the scores (``k_scale``) and into the output once (``v_scale``), so a
+  cached element costs one conversion, no float32 multiply. GPUs without hardware e4m3 (sm_80)
+  get the cache's bytes and decode them in the kernel (exactly).
+
+Configs come from a table of measurements (``_TABLE``: the H200 sweep of 2026-11-26, each row
+with its source), keyed by the launch's shape class (:class:`PrefillShape`: architecture, page
+segment, head dim, GQA group, cache dtype, and a sequence-length class: the longest query of the
+step and the context, bucketed), so a first call compiles one config and never stalls on tuning.
+``plan_prefill(autotune=True)`` tunes over ``CONFIGS`` instead, keyed by the same classes (a GPU
+only).
 
 Contract (checked only with ``validate=True`` or ``HYBRIDKV_VALIDATE=1``, which syncs):
-``cu_seqlens_q`` rises from 0 to ``total_q``; ``1 <= seq_lens[r]``, ``q_len <= seq_lens[r]``;
-every block id in the columns below ``cdiv(seq_lens[r], block_size)`` is in
-``[0, num_blocks)``. Shapes, dtypes and strides are always checked on the host.
+``cu_seqlens_q`` rises from 0 to ``total_q``; ``1 <= seq_lens[r]``, ``q_len <= seq_lens[r]``
+(and ``<= max_query_len``, ``seq_lens[r] <= max_seq_len`` where given); every block id in the
+columns below ``cdiv(seq_lens[r], block_size)`` is in ``[0, num_blocks)``. Shapes, dtypes and
+strides are always checked on the host. ``max_query_len`` and ``max_seq_len`` only choose the
+config: a wrong value costs speed, never correctness.
 
 Hopper: the ``[BLOCK_M, head_dim] x [head_dim, BLOCK_N]`` products have 64-128 rows, which is
 what wgmma wants; Triton emits it on sm_90 for these tiles when the operands sit in shared
 memory (the K/V tiles do; the packed Q tile is loaded once). TMA would pay off for the K/V
 segments (2-D boxes at a page address) by taking the per-thread address math and cp.async
 issue out of the loop; it needs device-side tensor descriptors, which are not used here yet.
+The shape class carries the architecture, so a Hopper kernel can be planned beside this one.
 
 Standalone: imports only torch and triton, so the file can be copied into another project.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
-
-def _autotune(
-    configs: list[triton.Config],
-    key: list[str],
-    prune_configs_by: dict | None = None,
-    **kwargs,
-):
-    """``triton.autotune`` on a GPU; under the interpreter, pin one config (the first, or the
-    one ``HYBRIDKV_INTERPRET_CONFIG`` numbers, so tests can check each), because the autotuner
-    needs a GPU driver to benchmark. The pin goes through the same ``early_config_prune`` as on
-    a GPU: when it drops the pinned config for a launch, a kept one runs instead, so the CPU
-    tests never exercise a config a GPU would not run."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        index = int(os.environ.get("HYBRIDKV_INTERPRET_CONFIG", "0")) % len(configs)
-        prune = (prune_configs_by or {}).get("early_config_prune")
-
-        def pick(args: dict | None) -> triton.Config:
-            # ``args`` is None when a test reads the pinned values without launching
-            if args is None or prune is None:
-                return configs[index]
-            kept = prune(configs, args)
-            return configs[index] if configs[index] in kept else kept[index % len(kept)]
-
-        names = configs[index].kwargs
-        return triton.heuristics({k: (lambda args, k=k: pick(args).kwargs[k]) for k in names})
-    return triton.autotune(configs, key=key, prune_configs_by=prune_configs_by, **kwargs)
+# ---- configs and the measured default table ---------------------------------------------------
 
 
-# BLOCK_M rows = BLOCK_Q query tokens x GROUP_PAD query heads. The kernel writes a fresh output,
-# so tuning in place is safe.
-_CONFIGS = [
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 32}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=8, num_stages=3),  # head dim 256
-    # fp8 at head dim 256 on GPUs without hardware fp8 (sm_80): with 64 rows ptxas falls back
-    # to 32 registers and a 1.9 KB stack once the byte tiles are pipelined; 32 rows do not
-    triton.Config({"BLOCK_M": 32, "BLOCK_N": 32}, num_warps=8, num_stages=3),
-]
+@dataclass(frozen=True)
+class PrefillConfig:
+    """One compile-time choice of the kernel."""
+
+    block_m: int  # tile rows: query tokens x the GQA group padded to a power of two
+    block_n: int  # keys per tile, a power of two >= 16
+    num_warps: int
+    num_stages: int  # software-pipelining depth
+
+    def __str__(self) -> str:
+        return (
+            f"BLOCK_M={self.block_m},BLOCK_N={self.block_n},num_warps={self.num_warps},"
+            f"num_stages={self.num_stages}"
+        )
 
 
-#: pre-Hopper GPUs (mma.sync, sm_80/86): the (BLOCK_M, BLOCK_N, num_warps) that compile without
-#: spills, by (fp8 cache, padded head dim), measured over the full matrix of
-#: ``python -m paper.compile_kernels`` (ptxas spills a few of the configs the general rules
-#: below admit, e.g. 64 x 32 tiles at 8 warps and head dim 128, and most with fp8 caches, which
-#: these GPUs convert in registers).
-_PRE_HOPPER = {
-    (False, 64): {(64, 32, 4), (128, 32, 8), (128, 64, 8), (64, 32, 8)},
-    (False, 128): {(64, 32, 4), (128, 32, 8)},
-    (False, 256): {(64, 32, 8)},
-    (True, 64): {(64, 32, 4), (64, 64, 4), (128, 32, 8), (128, 64, 8), (64, 32, 8)},
-    (True, 128): {(64, 32, 8)},
-    (True, 256): {(32, 32, 8)},
-}
-
-
-def _prune(configs: list[triton.Config], nargs: dict, **kwargs) -> list[triton.Config]:
-    """Keep what compiles without spills on sm_80 and sm_90 (paper/compile_kernels.py): at most
-    64 float32 accumulator values per thread (``BLOCK_M x head_dim`` over the threads; 64 rows x
-    256 dims need 8 warps), at most 32 K-tile values per thread, and K/V tiles of at most
-    64 x 128 elements so that ``num_stages - 1`` of each fit an A100's shared memory; on
-    pre-Hopper GPUs only the measured spill-free configs of ``_PRE_HOPPER``. 32-row tiles (which
-    read K/V twice as often) only where no 64-row tile compiles well."""
-    args = {**nargs, **kwargs}
-    width = max(args["BLOCK_DK"], args["BLOCK_DV"])
-    if _capability(args["q_ptr"].device) < (9, 0):
-        key = (args["FP8"] > 0, min((w for w in (64, 128, 256) if w >= width), default=256))
-        allowed = _PRE_HOPPER[key]
-        kept = [
-            c
-            for c in configs
-            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) in allowed
-        ]
-    else:
-        kept = [
-            c
-            for c in configs
-            if c.kwargs["BLOCK_M"] * width <= 64 * 32 * c.num_warps
-            and c.kwargs["BLOCK_N"] * width <= min(64 * 128, 32 * 32 * c.num_warps)
-        ]
-    wide = [c for c in kept if c.kwargs["BLOCK_M"] > 32]
-    return wide or kept or configs[-1:]
+#: what autotuning tries (``plan_prefill(autotune=True)``) and the compile check compiles; every
+#: config of ``_TABLE`` is one of them. The first four are the H200 sweep's winners.
+CONFIGS: tuple[PrefillConfig, ...] = (
+    PrefillConfig(64, 16, 4, 3),
+    PrefillConfig(64, 32, 4, 2),
+    PrefillConfig(128, 16, 8, 3),
+    PrefillConfig(64, 32, 4, 3),
+    PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(128, 32, 8, 3),
+    PrefillConfig(128, 64, 8, 3),
+    PrefillConfig(64, 16, 8, 3),
+    PrefillConfig(64, 32, 8, 3),
+    PrefillConfig(32, 16, 8, 3),
+    PrefillConfig(32, 32, 8, 3),
+)
+#: page segments are capped at the longest tile
+_MAX_BLOCK_N = max(c.block_n for c in CONFIGS)
 
 
 def tokens_per_tile(block_m: int, group: int) -> int:
@@ -136,12 +113,342 @@ def tokens_per_tile(block_m: int, group: int) -> int:
     return max(1, block_m // triton.next_power_of_2(group))
 
 
-@_autotune(
-    _CONFIGS,
-    key=["HEAD_DIM_K", "HEAD_DIM_V", "GROUP", "PAGE_ALIGN", "FP8"],
-    prune_configs_by={"early_config_prune": _prune},
+@dataclass(frozen=True)
+class PrefillShape:
+    """The shape class a launch's config is chosen by (and autotuning is keyed by)."""
+
+    arch: int  # compute capability as 80, 90, ...; the interpreter counts as 80
+    page_align: int  # largest power of two dividing block_size, capped at 64: the segment
+    group: int  # query heads per KV head
+    head_dim: int  # max(head_dim_k, head_dim_v) padded to a power of two (>= 16)
+    cache: str  # "16bit" | "fp32" | "fp8" (converted in hardware) | "fp8-bytes" (in software)
+    query: int  # the step's longest query (new tokens of one request), rounded up to 2**k
+    context: int  # max_seq_len, rounded up to a power of two
+
+    @property
+    def fp8(self) -> bool:
+        return self.cache.startswith("fp8")
+
+
+@dataclass(frozen=True)
+class PrefillRule:
+    """One row of the default table: the first row whose ranges (inclusive) all hold for a
+    launch's :class:`PrefillShape` gives its config; ``source`` says where the row comes from."""
+
+    config: PrefillConfig
+    source: str
+    arch: tuple[int, int] = (80, 1000)
+    page_align: tuple[int, int] = (1, 64)
+    head_dim: tuple[int, int] = (16, 256)
+    group: tuple[int, int] = (1, 32)
+    query: tuple[int, int] = (1, 1 << 40)
+    caches: tuple[str, ...] = ("16bit", "fp32", "fp8", "fp8-bytes")
+
+    def matches(self, shape: PrefillShape) -> bool:
+        return (
+            self.arch[0] <= shape.arch <= self.arch[1]
+            and self.page_align[0] <= shape.page_align <= self.page_align[1]
+            and self.head_dim[0] <= shape.head_dim <= self.head_dim[1]
+            and self.group[0] <= shape.group <= self.group[1]
+            and self.query[0] <= shape.query <= self.query[1]
+            and shape.cache in self.caches
+        )
+
+
+_NOT_FP32 = ("16bit", "fp8", "fp8-bytes")
+_H200 = "H200 sweep 2026-11-26 (paper/results/kernels-before-h200-2026-11-26.md), bf16, causal"
+_P = PrefillConfig
+#: the default configs, first match wins. Measured rows name the shape they were measured on
+#: (one 8k-token bf16 request, so they match 16-bit caches and steps of >= 1k query tokens on
+#: sm_90+); the others are marked unmeasured and say what they are inferred from.
+_TABLE: tuple[PrefillRule, ...] = (
+    PrefillRule(
+        _P(64, 16, 4, 3),
+        f"{_H200}: Qwen3-Next (16 q / 2 KV heads, d 256), one 8k request on 16-token pages, "
+        "209.5 TFLOP/s (autotuned over the old configs: 73.3)",
+        arch=(90, 1000),
+        page_align=(16, 16),
+        head_dim=(256, 256),
+        query=(1024, 1 << 40),
+        caches=("16bit",),
+    ),
+    PrefillRule(
+        _P(128, 16, 8, 3),
+        f"{_H200}: Nemotron-H (32 q / 8 KV heads, d 128), one 8k request on 16-token pages, "
+        "176.6 TFLOP/s (autotuned: 119.3)",
+        arch=(90, 1000),
+        page_align=(16, 16),
+        head_dim=(128, 128),
+        query=(1024, 1 << 40),
+        caches=("16bit",),
+    ),
+    PrefillRule(
+        _P(64, 32, 4, 3),
+        f"{_H200}: Nemotron-H (d 128), one 8k request on 256-token pages, 237.6 TFLOP/s forced "
+        "(the autotuner, over the old configs, reached 239.8)",
+        arch=(90, 1000),
+        page_align=(64, 64),
+        head_dim=(128, 128),
+        query=(1024, 1 << 40),
+        caches=("16bit",),
+    ),
+    PrefillRule(
+        _P(64, 32, 4, 3),
+        "unmeasured: the H200's best on 576-token pages, 64/32/4 warps/2 stages (Qwen3-Next "
+        "d 256, 8k: 317.5 TFLOP/s, autotuned 127.5), spills 8-12 B on sm_90 in the compile "
+        "check; the same tile with 3 stages compiles without (246-252 registers)",
+        arch=(90, 1000),
+        page_align=(32, 64),
+        head_dim=(256, 256),
+        caches=_NOT_FP32,
+    ),
+    PrefillRule(
+        _P(64, 16, 4, 3),
+        "unmeasured: the d 256 16-token-page winner (209.5 TFLOP/s) for other caches, shorter "
+        "steps and pages of fewer than 16 tokens",
+        arch=(90, 1000),
+        page_align=(1, 16),
+        head_dim=(256, 256),
+        caches=_NOT_FP32,
+    ),
+    PrefillRule(
+        _P(64, 16, 8, 3),
+        "unmeasured: pre-Hopper, d 256: the sm_90 winners (64/16/4/3, 64/32/4/*) spill on "
+        "sm_80 (48-650 B); the same 64-row tile on 8 warps does not (201 registers, 234 with "
+        "e4m3 bytes) and fits the 99 KB of sm_86/89",
+        arch=(80, 89),
+        head_dim=(256, 256),
+        caches=_NOT_FP32,
+    ),
+    PrefillRule(
+        _P(128, 16, 8, 3),
+        "unmeasured: the d 128 16-token-page winner (Nemotron-H, 176.6 TFLOP/s on sm_90) for "
+        "other caches, head dims <= 64, smaller pages and sm_80 (179 registers there)",
+        page_align=(1, 16),
+        head_dim=(16, 128),
+        query=(1024, 1 << 40),
+        caches=_NOT_FP32,
+    ),
+    PrefillRule(
+        _P(64, 16, 8, 3),
+        "unmeasured: pre-Hopper fp8 at d <= 128 and small pages, steps of < 1k query tokens: "
+        "the 64 x 16 tile of the row below spills 4 B on 4 warps there (e5m2, since the loop "
+        "was split into unmasked and diagonal tiles); on 8 warps it does not",
+        arch=(80, 89),
+        page_align=(1, 16),
+        head_dim=(16, 128),
+        caches=("fp8", "fp8-bytes"),
+    ),
+    PrefillRule(
+        _P(64, 16, 4, 3),
+        "unmeasured: steps of < 1k query tokens on small pages: half the rows of the 128-row "
+        "winner give twice the programs, where a short step has few",
+        page_align=(1, 16),
+        head_dim=(16, 128),
+        caches=("16bit",),
+    ),
+    PrefillRule(
+        _P(64, 16, 4, 3),
+        "unmeasured: as the row above, for fp8 caches on sm_90",
+        arch=(90, 1000),
+        page_align=(1, 16),
+        head_dim=(16, 128),
+        caches=("fp8", "fp8-bytes"),
+    ),
+    PrefillRule(
+        _P(64, 32, 4, 3),
+        "unmeasured: the d 128 256-token-page winner (Nemotron-H, 237.6 TFLOP/s on sm_90) for "
+        "32- and 64-token segments, other caches, head dims <= 64, short steps and sm_80",
+        page_align=(32, 64),
+        head_dim=(16, 128),
+        caches=_NOT_FP32,
+    ),
+    PrefillRule(
+        _P(64, 16, 8, 3),
+        "unmeasured: fp32 caches (tf32 dots on a GPU; the CPU tests) at d <= 128: fp32 tiles "
+        "take twice the registers, so the 64-row 16-key tile on 8 warps (172 registers on "
+        "sm_80, 160 on sm_90)",
+        head_dim=(16, 128),
+        caches=("fp32",),
+    ),
+    PrefillRule(
+        _P(32, 16, 8, 3),
+        "unmeasured: fp32 caches at d 256: every 64-row tile spills or overflows 99 KB of "
+        "shared memory somewhere (sm_86/89); 32 rows do not",
+        page_align=(16, 64),
+        head_dim=(256, 256),
+        caches=("fp32",),
+    ),
 )
-@triton.jit
+
+#: shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin); unknown GPUs get the least
+_SHARED_BYTES = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448}
+_SHARED_FALLBACK = 101376
+
+#: pre-Hopper GPUs (mma.sync, sm_80/86/89): the configs that compile without spills, by (cache
+#: class, head-dim class), from ``python -m paper.compile_kernels`` over every config on
+#: 16- and 576-token pages (triton 3.9's ptxas; "fp8": e4m3 bytes and e5m2 both spill-free).
+#: The kernel before the plan/run rework (same triton) had smaller sets, e.g. 16-bit d 128:
+#: only 64 x 32 on 4 warps and 128 x 32 on 8; this one folds the fp8 scales out of the tiles
+#: and works in exp2.
+_PRE_HOPPER: dict[tuple[str, int], frozenset[PrefillConfig]] = {
+    ("16bit", 64): frozenset(
+        {
+            _P(64, 16, 4, 3),
+            _P(64, 32, 4, 2),
+            _P(128, 16, 8, 3),
+            _P(64, 32, 4, 3),
+            _P(64, 64, 4, 3),
+            _P(128, 32, 8, 3),
+            _P(128, 64, 8, 3),
+            _P(64, 16, 8, 3),
+            _P(64, 32, 8, 3),
+            _P(32, 16, 8, 3),
+            _P(32, 32, 8, 3),
+        }
+    ),
+    # 64 x 64 tiles at 4 warps spill 20-84 B, 128 x 64 at 8 warps 32 B on 576-token pages
+    ("16bit", 128): frozenset(
+        {
+            _P(64, 16, 4, 3),
+            _P(64, 32, 4, 2),
+            _P(128, 16, 8, 3),
+            _P(64, 32, 4, 3),
+            _P(128, 32, 8, 3),
+            _P(64, 16, 8, 3),
+            _P(64, 32, 8, 3),
+            _P(32, 16, 8, 3),
+            _P(32, 32, 8, 3),
+        }
+    ),
+    # 64 rows on 4 warps and 128 rows on 8 hold 128 accumulator values a thread: spills
+    ("16bit", 256): frozenset(
+        {_P(64, 16, 8, 3), _P(64, 32, 8, 3), _P(32, 16, 8, 3), _P(32, 32, 8, 3)}
+    ),
+    # e4m3 bytes: 64 x 32 at 8 warps spills 16 B
+    ("fp8", 64): frozenset(
+        {
+            _P(64, 16, 4, 3),
+            _P(64, 32, 4, 2),
+            _P(128, 16, 8, 3),
+            _P(64, 32, 4, 3),
+            _P(64, 64, 4, 3),
+            _P(128, 32, 8, 3),
+            _P(128, 64, 8, 3),
+            _P(64, 16, 8, 3),
+            _P(32, 16, 8, 3),
+            _P(32, 32, 8, 3),
+        }
+    ),
+    # 128 x 32 / 128 x 64 at 8 warps, 64 x 64 at 4 and (e5m2) 32 x 32 at 8 spill; since the
+    # loop split in two (unmasked tiles, then the diagonal) 64 x 16 at 4 warps spills 4 B (e5m2)
+    ("fp8", 128): frozenset(
+        {
+            _P(64, 32, 4, 2),
+            _P(128, 16, 8, 3),
+            _P(64, 32, 4, 3),
+            _P(64, 16, 8, 3),
+            _P(64, 32, 8, 3),
+            _P(32, 16, 8, 3),
+        }
+    ),
+    ("fp8", 256): frozenset(
+        {_P(64, 16, 8, 3), _P(64, 32, 8, 3), _P(32, 16, 8, 3), _P(32, 32, 8, 3)}
+    ),
+}
+
+_PRE_HOPPER.update(
+    {
+        # fp32 caches (tf32 dots on a GPU): Q and K/V in fp32 registers, so fewer configs
+        ("fp32", 64): _PRE_HOPPER[("16bit", 64)],
+        ("fp32", 128): frozenset(
+            {
+                _P(128, 16, 8, 3),
+                _P(128, 32, 8, 3),
+                _P(64, 16, 4, 3),
+                _P(64, 16, 8, 3),
+                _P(64, 32, 8, 3),
+                _P(32, 16, 8, 3),
+            }
+        ),
+        ("fp32", 256): frozenset({_P(64, 16, 8, 3), _P(32, 16, 8, 3), _P(32, 32, 8, 3)}),
+    }
+)
+
+#: configs the sm_90 rule admits that ptxas still spills (the compile check): 2 stages of
+#: 64 x 32 tiles at d 256 on 4 warps (8-12 B; with 3 stages: none)
+_HOPPER_SPILLS: dict[tuple[str, int], frozenset[PrefillConfig]] = {
+    ("16bit", 256): frozenset({_P(64, 32, 4, 2)}),
+    ("fp8", 256): frozenset({_P(32, 32, 8, 3)}),  # 8 B (e4m3 with int64 addressing)
+}
+
+
+def _width_class(head_dim: int) -> int:
+    """The head-dim class the spill rules are measured for: 64 (and below), 128, 256."""
+    return max(64, head_dim)
+
+
+def shared_bytes(config: PrefillConfig, shape: PrefillShape) -> int:
+    """An upper bound of the kernel's shared memory (checked against the compile check's
+    ``metadata.shared``): the pipelined K and V tiles as stored (``num_stages`` buffers on
+    sm_90, ``num_stages - 1`` before), their converted copies when the cache is fp8, the packed
+    Q tile, P, and 1 KiB of reduction scratch."""
+    item = {"16bit": 2, "fp32": 4}.get(shape.cache, 1)
+    q_item = 4 if shape.cache == "fp32" else 2
+    buffers = config.num_stages if shape.arch >= 90 else config.num_stages - 1
+    kv = buffers * config.block_n * 2 * shape.head_dim * item
+    if shape.fp8:
+        kv += config.block_n * 2 * shape.head_dim * q_item
+    return kv + config.block_m * (shape.head_dim + config.block_n) * q_item + 1024
+
+
+def config_fits(config: PrefillConfig, shape: PrefillShape) -> bool:
+    """Whether ``config`` compiles for ``shape`` without spills and within shared memory (the
+    rule matches ``python -m paper.compile_kernels`` over ``CONFIGS`` at head dims 64-256 on
+    pages of 1, 8, 16 and 576 tokens, every cache dtype; it may reject a config that would
+    compile well, never admit one that spills; the test suite checks the table against it).
+    Pre-Hopper GPUs: the measured sets of ``_PRE_HOPPER``. sm_90 (wgmma keeps the accumulator
+    of a warpgroup's 64 rows in registers): at most 128 float32 accumulator values and 64
+    K-tile values a thread, less the measured exceptions of ``_HOPPER_SPILLS``."""
+    if triton.next_power_of_2(shape.group) > config.block_m or shape.head_dim > 256:
+        return False  # more rows than the config's, or wider than anything checked
+    if shape.page_align < 16 and (config.block_n > 16 or config.block_m < 64):
+        # segments of 1-8 tokens: their addresses take registers; on pages of 8 and 1 tokens
+        # 32-key tiles and 32-row tiles spill 4-56 B where 16-key tiles of 64+ rows do not
+        return False
+    if shared_bytes(config, shape) > _SHARED_BYTES.get(shape.arch, _SHARED_FALLBACK):
+        return False
+    key = ("fp8" if shape.fp8 else shape.cache, _width_class(shape.head_dim))
+    if shape.arch < 90:
+        return config in _PRE_HOPPER.get(key, ())
+    # fp32 caches: Q and the K/V tiles are fp32 too, so half the accumulator and tile values
+    wide = 2 if shape.cache == "fp32" else 1
+    threads = 32 * config.num_warps
+    if config.block_m * shape.head_dim * wide > 128 * threads:
+        return False
+    if config.block_n * shape.head_dim * wide > 64 * threads:
+        return False
+    return config not in _HOPPER_SPILLS.get(key, ())
+
+
+def choose_config(shape: PrefillShape) -> tuple[PrefillConfig, str]:
+    """The default config of a shape class and where it comes from (a ``_TABLE`` row, or the
+    first config of ``CONFIGS`` that fits when no row matches)."""
+    for rule in _TABLE:
+        if rule.matches(shape) and config_fits(rule.config, shape):
+            return rule.config, rule.source
+    for config in CONFIGS:
+        if config_fits(config, shape):
+            return config, "no table row: the first config that fits"
+    # nothing is verified this wide or with this many heads per KV head: the smallest tile
+    config = min(CONFIGS, key=lambda c: (c.block_m, c.block_n, -c.num_warps, c.num_stages))
+    return config, "no config is checked for this shape class: the smallest tile (may spill)"
+
+
+# ---- kernel -----------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["tune_query", "tune_context"])
 def _prefill_kernel(
     q_ptr,  # [total_q, Hq, Dk]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, Dk], strided (uint8 bytes when FP8 == 2)
@@ -167,6 +474,8 @@ def _prefill_kernel(
     stride_vc_block,
     stride_vc_token,
     stride_vc_head,
+    tune_query,  # longest-query bucket: read only by autotuning's key
+    tune_context,  # context bucket: likewise
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     HEAD_DIM_K: tl.constexpr,
@@ -211,13 +520,20 @@ def _prefill_kernel(
         other=0.0,
     )
 
+    # scores in log2 units (exp2 is one instruction); an fp8 cache's scales multiply the scores
+    # and, once at the end, the accumulator, instead of every cached element
+    qk_scale = sm_scale * 1.4426950408889634
+    out_scale = 1.0
+    if FP8 > 0:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        out_scale = tl.load(v_scale_ptr)
+        if FP8 == 2:  # _e4m3_to_f16_div256 leaves out 2**(15 - 7)
+            qk_scale = qk_scale * 256.0
+            out_scale = out_scale * 256.0
     # finite initial max: fully masked rows (padding, or no key yet) stay finite
     b_m = tl.full([ROWS], -1e30, tl.float32)
     b_l = tl.zeros([ROWS], tl.float32)
     b_acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
-    if FP8 > 0:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
     hi = tl.minimum(seq_len, ctx + q_first + BLOCK_Q)
     lo = 0
     if window > 0:  # the first key the tile's first query sees
@@ -226,68 +542,138 @@ def _prefill_kernel(
 
     p_k_head = k_cache_ptr + i_kvh.to(tl.int64) * stride_kc_head
     p_v_head = v_cache_ptr + i_kvh.to(tl.int64) * stride_vc_head
+    p_table = table_ptr + req.to(tl.int64) * stride_table_b
     offs_seg = tl.arange(0, BLOCK_N) % SEG
     offs_k_row = offs_seg[:, None] * stride_kc_token + offs_dk[None, :]
     offs_v_row = offs_seg[:, None] * stride_vc_token + offs_dv[None, :]
-    p_table = table_ptr + req.to(tl.int64) * stride_table_b
-    offs_pages = tl.arange(0, PAGES) * SEG
-    # block ids of the first tile; each iteration loads the next tile's ids ahead
-    if PAGES == 1:
-        seg_block = tl.load(p_table + tile_lo // block_size, mask=tile_lo < hi, other=0)
-    else:
-        seg_pos = tile_lo + offs_pages
-        seg_block = tl.load(p_table + seg_pos // block_size, mask=seg_pos < hi, other=0)
-    for tile in range(tile_lo, hi, BLOCK_N):
-        if PAGES == 1:
-            in_page = tile % block_size
-            p_k = p_k_head + (seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token)
-            p_v = p_v_head + (seg_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token)
-            p_k = p_k + offs_k_row
-            p_v = p_v + offs_v_row
-            next_tile = tile + BLOCK_N
-            seg_block = tl.load(p_table + next_tile // block_size, mask=next_tile < hi, other=0)
-        else:
-            seg_pos = tile + offs_pages
-            in_page = seg_pos % block_size
-            k_base = seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token
-            v_base = seg_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token
-            k_rows = tl.reshape(tl.broadcast_to(k_base[:, None], (PAGES, SEG)), (BLOCK_N,))
-            v_rows = tl.reshape(tl.broadcast_to(v_base[:, None], (PAGES, SEG)), (BLOCK_N,))
-            p_k = p_k_head + k_rows[:, None] + offs_k_row
-            p_v = p_v_head + v_rows[:, None] + offs_v_row
-            next_pos = seg_pos + BLOCK_N
-            seg_block = tl.load(p_table + next_pos // block_size, mask=next_pos < hi, other=0)
+
+    # Tiles wholly at or before the tile's first query position are visible to every row: no
+    # causal mask, no bounds (a window masks every tile, so then all go the masked way). The
+    # tiles from there to ``hi`` hold the diagonal.
+    full_end = tile_lo
+    if window <= 0:
+        full_end = (ctx + q_first + 1) // BLOCK_N * BLOCK_N
+    seg_block = _first_block_id(p_table, tile_lo, hi, block_size, PAGES)
+    for tile in range(tile_lo, full_end, BLOCK_N):
+        k, v, seg_block = _kv_tile(
+            p_k_head, p_v_head, p_table, seg_block, tile, lo, hi, block_size, stride_kc_block,
+            stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk,
+            offs_dv, m_dk, m_dv, q.dtype, False, FP8, BLOCK_N, PAGES,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N]
+        b_m, b_l, b_acc = _softmax_step(s, v, b_m, b_l, b_acc)
+    # seg_block now holds the id of the tile at full_end (loaded ahead by the last full tile)
+    for tile in range(full_end, hi, BLOCK_N):
+        k, v, seg_block = _kv_tile(
+            p_k_head, p_v_head, p_table, seg_block, tile, lo, hi, block_size, stride_kc_block,
+            stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk,
+            offs_dv, m_dk, m_dv, q.dtype, True, FP8, BLOCK_N, PAGES,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N]
         offs_n = tile + tl.arange(0, BLOCK_N)
-        m_n = (offs_n >= lo) & (offs_n < hi)
-        k = tl.load(p_k, mask=m_n[:, None] & m_dk[None, :], other=0.0)
-        v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)
-        if FP8 == 2:
-            k = (_e4m3_to_f32(k) * k_scale).to(q.dtype)
-            v = (_e4m3_to_f32(v) * v_scale).to(q.dtype)
-        elif FP8 == 1:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * sm_scale  # [ROWS, BLOCK_N]
-        visible = m_n[None, :] & (offs_n[None, :] <= pos_r[:, None])
+        visible = (offs_n[None, :] >= lo) & (offs_n[None, :] <= pos_r[:, None])
+        visible = visible & (offs_n[None, :] < hi)
         if window > 0:
             visible = visible & (offs_n[None, :] > pos_r[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(s, axis=1))
-        alpha = tl.exp(b_m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        b_l = b_l * alpha + tl.sum(p, axis=1)
-        b_acc = b_acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        b_m = m_new
+        b_m, b_l, b_acc = _softmax_step(s, v, b_m, b_l, b_acc)
 
-    out = b_acc / b_l[:, None]
+    out = b_acc * (out_scale / b_l)[:, None]
     tl.store(
         out_ptr + (rows_t * stride_out_t + rows_h * stride_out_h)[:, None] + offs_dv[None, :],
         out.to(out_ptr.dtype.element_ty),
         mask=m_r[:, None] & m_dv[None, :],
     )
+
+
+@triton.jit
+def _first_block_id(p_table, tile, hi, block_size, PAGES: tl.constexpr):
+    """The block id a one-page tile starting at ``tile`` reads (0 past ``hi``); a tile of
+    several pages loads its ids per row in its own iteration, so it needs none."""
+    if PAGES == 1:
+        return tl.load(p_table + tile // block_size, mask=tile < hi, other=0)
+    else:
+        return 0
+
+
+@triton.jit
+def _kv_tile(
+    p_k_head,  # the KV head's base in each cache
+    p_v_head,
+    p_table,  # the request's block table row
+    seg_block,  # a one-page tile's block id, loaded one iteration ahead
+    tile,  # first key of the tile, a multiple of BLOCK_N
+    lo,  # first key any query of the program sees (a window's start)
+    hi,  # one past the last key any query of the program sees
+    block_size,
+    stride_kc_block,
+    stride_kc_token,
+    stride_vc_block,
+    stride_vc_token,
+    offs_k_row,  # [BLOCK_N, BLOCK_DK] offsets inside a page segment
+    offs_v_row,  # [BLOCK_N, BLOCK_DV]
+    offs_dk,
+    offs_dv,
+    m_dk,
+    m_dv,
+    dtype: tl.constexpr,  # the dot's dtype (the query's)
+    MASKED: tl.constexpr,  # keys outside [lo, hi) may be in the tile
+    FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGES: tl.constexpr,
+):
+    """K and V of keys ``tile .. tile + BLOCK_N - 1`` in the dot's dtype, and the next
+    one-page tile's block id. A one-page tile is a 2-D box at one page address whose id was
+    loaded an iteration ahead; a tile of several pages loads one id per row in its own
+    iteration, which Triton's pipeliner (3.6 as well as 3.9) schedules stages ahead of the K/V
+    loads it feeds (ids spread from a per-page vector with a reshape, it leaves unpipelined in
+    3.6). Keys outside ``[lo, hi)`` read as zero (their pages may hold NaN)."""
+    if PAGES == 1:
+        in_page = tile % block_size
+        p_k = p_k_head + (seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token)
+        p_v = p_v_head + (seg_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token)
+        p_k = p_k + offs_k_row
+        p_v = p_v + offs_v_row
+        next_tile = tile + BLOCK_N
+        seg_block = tl.load(p_table + next_tile // block_size, mask=next_tile < hi, other=0)
+    else:
+        pos = tile + tl.arange(0, BLOCK_N)
+        if MASKED:
+            row_block = tl.load(p_table + pos // block_size, mask=pos < hi, other=0)
+        else:
+            row_block = tl.load(p_table + pos // block_size)
+        in_page = pos % block_size
+        k_rows = row_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token
+        v_rows = row_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token
+        p_k = p_k_head + k_rows[:, None] + offs_dk[None, :]
+        p_v = p_v_head + v_rows[:, None] + offs_dv[None, :]
+    if MASKED:
+        offs_n = tile + tl.arange(0, BLOCK_N)
+        m_n = (offs_n >= lo) & (offs_n < hi)
+        k = tl.load(p_k, mask=m_n[:, None] & m_dk[None, :], other=0.0)
+        v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)
+    else:
+        k = tl.load(p_k, mask=m_dk[None, :], other=0.0)
+        v = tl.load(p_v, mask=m_dv[None, :], other=0.0)
+    if FP8 == 2:
+        k = _e4m3_to_f16_div256(k).to(dtype)
+        v = _e4m3_to_f16_div256(v).to(dtype)
+    else:  # 16-bit caches: a no-op; fp8: one conversion, the scale is folded out
+        k = k.to(dtype)
+        v = v.to(dtype)
+    return k, v, seg_block
+
+
+@triton.jit
+def _softmax_step(s, v, b_m, b_l, b_acc):
+    """One tile of the online softmax: scores ``s [ROWS, BLOCK_N]`` (log2 units, -inf where
+    masked), values ``v [BLOCK_N, Dv]``."""
+    m_new = tl.maximum(b_m, tl.max(s, axis=1))
+    alpha = tl.exp2(b_m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    b_l = b_l * alpha + tl.sum(p, axis=1)
+    b_acc = b_acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, b_l, b_acc
 
 
 @triton.jit
@@ -307,26 +693,27 @@ def _tile_request(cu_q_ptr, i_tile, batch, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_to_f32(x):
-    """e4m3fn bytes (uint8) to float32, exactly: the fields are placed in an fp16 (same
-    mantissa, exponent field widened) and rebiased by 2**(15 - 7); subnormals map to fp16
-    subnormals, so they are exact too. 0x7F / 0xFF are NaN."""
+def _e4m3_to_f16_div256(x):
+    """e4m3fn bytes (uint8) to float16 / 256, exactly: the fields are placed in an fp16 (same
+    mantissa, exponent field widened); the rebias 2**(15 - 7) is left to the caller's scale.
+    Subnormals map to fp16 subnormals, so they are exact too. 0x7F / 0xFF are NaN."""
     x16 = x.to(tl.uint16)
     bits = ((x16 & 0x7F) << 7) | ((x16 & 0x80) << 8)
-    y = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    y = bits.to(tl.float16, bitcast=True)
     return tl.where((x16 & 0x7F) == 0x7F, float("nan"), y)
 
+
+# ---- host side --------------------------------------------------------------------------------
 
 _FP8 = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 )
-#: tiles of every config are at most this many keys; page segments are capped at it
-_MAX_BLOCK_N = 64
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
     """The GPU's compute capability; the CPU (the interpreter) counts as sm_80, the oldest GPU
-    the configs are pruned for. The compile check monkeypatches this per target."""
+    the configs are checked for. The compile check monkeypatches this per target."""
     if device.type != "cuda":
         return (8, 0)
     return torch.cuda.get_device_capability(device)
@@ -334,16 +721,108 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def _fp8e4_in_hardware(device: torch.device) -> bool:
     """sm_89+ (Ada, Hopper) convert e4m3 in hardware; older GPUs get the raw bytes and a
-    software conversion in the kernel. Tests and the compile check monkeypatch this."""
+    software conversion in the kernel. The interpreter's widening casts are exact, so it takes
+    the hardware path. Tests and the compile check monkeypatch this."""
     if device.type != "cuda":
         return True
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+#: Triton versions whose compiled-kernel launch API ``_Launcher`` calls directly (checked)
+_DIRECT_LAUNCH = not _INTERPRETED and (3, 6) <= tuple(
+    int(x) for x in triton.__version__.split(".")[:2]
+) <= (3, 9)
+
+
+class _Launcher:
+    """Launch a ``@triton.jit`` kernel without Triton's per-call argument binding once its
+    specialisation has been compiled. ``JITFunction.run`` binds and specialises every argument
+    on every call (tens of microseconds for ~30 arguments), while an engine launches the same
+    specialisation for every layer of every step. The caller names the specialisation by a
+    ``key`` holding whatever in its arguments may change between calls and matters to Triton
+    (pointer alignment, integer values or classes); the first call of a key goes through
+    Triton and keeps the compiled kernel, later ones call its launcher directly. Triton's path
+    is always taken under the interpreter, while launch hooks are set (profilers), or with a
+    Triton whose compiled-kernel API was not checked (``_DIRECT_LAUNCH``)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled: dict[tuple, tuple] = {}
+
+    def __call__(self, grid: tuple[int, int, int], key: tuple, args: tuple, meta: dict) -> None:
+        hit = self.compiled.get(key)
+        if hit is None or _hooks_set():
+            kernel = self.fn[grid](*args, **meta)
+            if _DIRECT_LAUNCH and hit is None and hasattr(kernel, "packed_metadata"):
+                # the launcher takes every parameter in order, constexprs included
+                tail = tuple(meta[name] for name in self.fn.arg_names[len(args) :])
+                self.compiled[key] = (kernel, tail)
+            return
+        kernel, tail = hit
+        device = triton.runtime.driver.active.get_current_device()
+        stream = triton.runtime.driver.active.get_current_stream(device)
+        kernel.run(
+            grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata,
+            None, None, None, *args, *tail,
+        )  # fmt: skip
+
+
+def _hooks_set() -> bool:
+    """Whether a profiler (or anyone) hooks Triton's launches: then every launch takes
+    Triton's path, which calls the hooks with the launch's metadata."""
+    runtime = triton.knobs.runtime
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _int_class(v: int) -> tuple[bool, bool, bool]:
+    """What Triton specialises an integer argument on: equal to 1, divisible by 16, 32-bit."""
+    return (v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
+
+
+_prefill_launcher = _Launcher(_prefill_kernel)
 
 
 def _validate_enabled(validate: bool | None) -> bool:
     if validate is None:
         return os.environ.get("HYBRIDKV_VALIDATE", "") not in ("", "0")
     return validate
+
+
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def _cache_kind(cache_dtype: torch.dtype, device: torch.device) -> str:
+    if cache_dtype in _FP8:
+        if cache_dtype == torch.float8_e4m3fn and not _fp8e4_in_hardware(device):
+            return "fp8-bytes"
+        return "fp8"
+    return "fp32" if cache_dtype == torch.float32 else "16bit"
+
+
+def prefill_shape(
+    *,
+    device: torch.device,
+    block_size: int,
+    group: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    cache_dtype: torch.dtype,
+    max_query_len: int,
+    max_seq_len: int,
+) -> PrefillShape:
+    """The :class:`PrefillShape` of a launch."""
+    major, minor = _capability(device)
+    return PrefillShape(
+        arch=10 * major + minor,
+        page_align=min(block_size & -block_size, _MAX_BLOCK_N),
+        group=group,
+        head_dim=max(16, triton.next_power_of_2(max(head_dim_k, head_dim_v))),
+        cache=_cache_kind(cache_dtype, device),
+        query=_bucket(max_query_len),
+        context=_bucket(max_seq_len),
+    )
 
 
 def _check_lengths(
@@ -353,6 +832,8 @@ def _check_lengths(
     total_q: int,
     num_blocks: int,
     block_size: int,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
 ) -> None:
     """The contract's device-data checks (one sync)."""
     cu = cu_seqlens_q.detach().cpu().long()
@@ -372,6 +853,18 @@ def _check_lengths(
             f"request {r} has more query tokens ({int(q_lens[r])}) than seq_lens "
             f"({int(lens[r])}, its KV length including the new tokens)"
         )
+    if max_query_len is not None and len(q_lens) and int(q_lens.max()) > max_query_len:
+        r = int(q_lens.argmax())
+        raise ValueError(
+            f"request {r} has {int(q_lens[r])} query tokens, more than max_query_len = "
+            f"{max_query_len}; pass max_query_len >= the longest query (or None)"
+        )
+    if max_seq_len is not None and len(lens) and int(lens.max()) > max_seq_len:
+        r = int(lens.argmax())
+        raise ValueError(
+            f"seq_lens[{r}] = {int(lens[r])} exceeds max_seq_len = {max_seq_len}; pass "
+            f"max_seq_len >= max(seq_lens) (or None)"
+        )
     used = (lens + block_size - 1) // block_size
     if len(used) and int(used.max()) > block_tables.shape[1]:
         raise ValueError(
@@ -390,6 +883,375 @@ def _check_lengths(
         )
 
 
+@functools.cache
+def _autotuned_kernel():
+    """The kernel under ``triton.autotune`` over ``CONFIGS``, keyed by the shape class (the
+    constexprs plus the longest-query and context buckets). Built on first use: the
+    interpreter cannot autotune. The kernel writes a fresh output, so tuning in place is
+    safe."""
+    configs = [
+        triton.Config(
+            {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n},
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
+        for c in CONFIGS
+    ]
+    return triton.autotune(
+        configs,
+        key=[
+            "HEAD_DIM_K",
+            "HEAD_DIM_V",
+            "GROUP",
+            "PAGE_ALIGN",
+            "FP8",
+            "tune_query",
+            "tune_context",
+        ],
+        prune_configs_by={"early_config_prune": _prune_for_autotune},
+    )(_prefill_kernel)
+
+
+def _config_of(c: triton.Config) -> PrefillConfig:
+    return PrefillConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+
+
+def _prune_for_autotune(
+    configs: list[triton.Config], nargs: dict, **kwargs
+) -> list[triton.Config]:
+    """Autotuning's candidates: the configs that fit the launch's shape class."""
+    args = {**nargs, **kwargs}
+    major, minor = _capability(args["q_ptr"].device)
+    item = args["k_cache_ptr"].element_size()
+    cache = {1: "fp8", 4: "fp32"}.get(item, "16bit")
+    if args["FP8"] == 2:
+        cache = "fp8-bytes"
+    shape = PrefillShape(
+        arch=10 * major + minor,
+        page_align=args["PAGE_ALIGN"],
+        group=args["GROUP"],
+        head_dim=max(args["BLOCK_DK"], args["BLOCK_DV"]),
+        cache=cache,
+        query=args["tune_query"],
+        context=args["tune_context"],
+    )
+    kept = [c for c in configs if config_fits(_config_of(c), shape)]
+    return kept or configs[:1]
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillPlan:
+    """Everything :meth:`run` needs that does not change between the layers of one step.
+
+    Made by :func:`plan_prefill`; holds the step's block tables, query offsets and lengths (by
+    reference: a CUDA graph that captured :meth:`run` replays on whatever they hold then), the
+    config and the grid."""
+
+    batch: int
+    total_q: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    block_size: int
+    cache_dtype: torch.dtype
+    q_dtype: torch.dtype
+    scale: float
+    sliding_window: int  # 0: full causal attention
+    max_query_len: int
+    max_seq_len: int
+    shape: PrefillShape
+    config: PrefillConfig
+    config_source: str  # the table row, "autotune" or "given"
+    autotune: bool
+    grid: tuple[int, int]  # (query tiles, KV heads) of the planned config
+    block_tables: torch.Tensor = field(repr=False)
+    cu_seqlens_q: torch.Tensor = field(repr=False)
+    seq_lens: torch.Tensor = field(repr=False)
+    _constexprs: dict = field(repr=False)
+    # derived once, for run's checks and launch
+    _q_shape: tuple[int, int, int] = field(init=False, repr=False)
+    _out_shape: tuple[int, int, int] = field(init=False, repr=False)
+    _k_tail: tuple[int, int, int] = field(init=False, repr=False)
+    _v_tail: tuple[int, int, int] = field(init=False, repr=False)
+    _meta: dict = field(init=False, repr=False)
+    _launch_key: tuple = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)  # a frozen dataclass's derived fields
+
+        bs, hkv = self.block_size, self.num_kv_heads
+        put("_q_shape", (self.total_q, self.num_heads, self.head_dim_k))
+        put("_out_shape", (self.total_q, self.num_heads, self.head_dim_v))
+        put("_k_tail", (bs, hkv, self.head_dim_k))
+        put("_v_tail", (bs, hkv, self.head_dim_v))
+        c = self.config
+        meta = dict(self._constexprs, BLOCK_M=c.block_m, BLOCK_N=c.block_n)
+        put("_meta", dict(meta, num_warps=c.num_warps, num_stages=c.num_stages))
+        # the plan's part of every launch's specialisation: its tensors' alignment, its
+        # integers' classes, the constexprs and options
+        tensors = (self.block_tables, self.seq_lens, self.cu_seqlens_q)
+        put(
+            "_launch_key",
+            (
+                self.block_tables.device,
+                (self.q_dtype, self.cache_dtype, self.seq_lens.dtype),
+                tuple(t.data_ptr() % 16 for t in tensors),
+                tuple(
+                    _int_class(v)
+                    for v in (self.batch, bs, self.sliding_window, self.block_tables.stride(0))
+                ),
+                tuple(sorted(self._meta.items())),
+            ),
+        )
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of one layer: ``q [total_q, Hq, Dk]`` over ``k_cache``/``v_cache``
+        ``[num_blocks, block_size, Hkv, D]`` (any strides but the last) of the planned shape
+        and dtype; fp8 caches need ``k_scale``/``v_scale`` (float32, one value each). Returns
+        ``[total_q, Hq, Dv]`` in ``q``'s dtype (in ``out`` if given: then nothing is
+        allocated)."""
+        if q.shape != self._q_shape or q.dtype != self.q_dtype or q.stride(2) != 1:
+            raise ValueError(
+                f"q must be {list(self._q_shape)} {self.q_dtype} with a contiguous last dim "
+                f"(the plan's), got {tuple(q.shape)} {q.dtype}"
+            )
+        ks, vs = k_cache.stride(), v_cache.stride()
+        if (
+            k_cache.shape[1:] != self._k_tail
+            or v_cache.shape[1:] != self._v_tail
+            or k_cache.shape[0] != v_cache.shape[0]
+            or k_cache.dtype != self.cache_dtype
+            or v_cache.dtype != self.cache_dtype
+            or ks[3] != 1
+            or vs[3] != 1
+        ):
+            raise ValueError(
+                f"k_cache/v_cache must be [num_blocks, {self.block_size}, {self.num_kv_heads}, "
+                f"{self.head_dim_k}/{self.head_dim_v}] {self.cache_dtype} views with a "
+                f"contiguous last dim (the plan's), got {tuple(k_cache.shape)} {k_cache.dtype} "
+                f"and {tuple(v_cache.shape)} {v_cache.dtype}"
+            )
+        fp8 = self._constexprs["FP8"]
+        if fp8:
+            _check_scale(k_scale, "k_scale")
+            _check_scale(v_scale, "v_scale")
+            if fp8 == 2:  # the kernel decodes the bytes itself
+                k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        else:
+            k_scale = v_scale = self.seq_lens  # never read
+        if out is None:
+            out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
+        elif out.shape != self._out_shape or out.stride(2) != 1 or out.dtype != q.dtype:
+            raise ValueError(
+                f"out must be {list(self._out_shape)} {q.dtype}, contiguous in Dv, got "
+                f"{tuple(out.shape)} {out.dtype}"
+            )
+        if self.total_q == 0 or self.batch == 0:
+            return out
+        qs, os_ = q.stride(), out.stride()
+        args = (
+            q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_seqlens_q, k_scale,
+            v_scale, out, self.scale, self.batch, self.block_size, self.sliding_window, qs[0],
+            qs[1], os_[0], os_[1], self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0],
+            vs[1], vs[2], self.shape.query, self.shape.context,
+        )  # fmt: skip
+        if self.autotune:
+            group, batch, kv_heads = self.shape.group, self.batch, self.num_kv_heads
+            total_q = self.total_q
+            # the tile count follows the config the autotuner tries
+            grid = lambda meta: (
+                total_q // tokens_per_tile(meta["BLOCK_M"], group) + batch,
+                kv_heads,
+            )
+            _autotuned_kernel()[grid](*args, **self._constexprs)
+        else:
+            # what may differ between the layers of a step and matters to Triton's
+            # specialisation: the pointers' alignment and the strides
+            key = (
+                self._launch_key, q.data_ptr() % 16, k_cache.data_ptr() % 16,
+                v_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
+                v_scale.data_ptr() % 16, qs, os_, ks, vs,
+            )  # fmt: skip
+            _prefill_launcher((*self.grid, 1), key, args, self._meta)
+        return out
+
+
+def _check_scale(scale: torch.Tensor | None, name: str) -> None:
+    if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
+        raise ValueError(
+            f"an fp8 cache needs {name}: a float32 tensor holding one value, got "
+            f"{None if scale is None else (scale.dtype, tuple(scale.shape))}"
+        )
+
+
+def plan_prefill(
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    cache_dtype: torch.dtype,
+    q_dtype: torch.dtype,
+    scale: float,
+    total_q: int,
+    head_dim_v: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    config: PrefillConfig | None = None,
+    autotune: bool = False,
+    num_blocks: int | None = None,
+    validate: bool | None = None,
+) -> PrefillPlan:
+    """Plan one step's prefill: ``block_tables [B, max_blocks] int32`` (row-contiguous),
+    ``cu_seqlens_q [B+1] int32`` (request ``r``'s queries are rows ``cu[r]:cu[r+1]`` of q) and
+    ``seq_lens [B] int32`` (each request's KV length including its new tokens, already in the
+    cache), on the device the layers' tensors live on, and the shapes every layer of the step
+    shares; ``total_q`` is q's row count. Returns a :class:`PrefillPlan` whose
+    :meth:`~PrefillPlan.run` serves every layer.
+
+    Planning never syncs with the device: ``max_query_len`` (>= every request's query count;
+    default ``total_q``) and ``max_seq_len`` (>= every seq_len; default what the block table
+    can hold) only pick the config's sequence-length class. ``config`` overrides the table
+    (:func:`choose_config`); ``autotune=True`` tunes over ``CONFIGS`` on the GPU instead, keyed
+    by the shape class. ``validate`` (default: the ``HYBRIDKV_VALIDATE`` switch) checks the
+    module's contract (one sync; block ids need ``num_blocks``, the cache's).
+    """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    batch = block_tables.shape[0]
+    if cu_seqlens_q.shape != (batch + 1,) or seq_lens.shape != (batch,):
+        raise ValueError(
+            f"cu_seqlens_q must be [B+1] and seq_lens [B] for the B={batch} rows of "
+            f"block_tables, got {tuple(cu_seqlens_q.shape)} and {tuple(seq_lens.shape)}"
+        )
+    if cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError(
+            f"cu_seqlens_q and seq_lens must be int32, got {cu_seqlens_q.dtype} and "
+            f"{seq_lens.dtype}"
+        )
+    device = block_tables.device
+    if cu_seqlens_q.device != device or seq_lens.device != device:
+        raise ValueError(
+            f"block_tables ({device}), cu_seqlens_q ({cu_seqlens_q.device}) and seq_lens "
+            f"({seq_lens.device}) must be on one device"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
+    if total_q < 0:
+        raise ValueError(f"total_q must be >= 0, got {total_q}")
+    if max_query_len is not None and max_query_len < 0:
+        raise ValueError(f"max_query_len must be >= 0 (or None), got {max_query_len}")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1 (or None), got {max_seq_len}")
+    if sliding_window is not None and sliding_window < 0:
+        raise ValueError(f"sliding_window must be None, 0 (off) or positive: {sliding_window}")
+    if q_dtype in _FP8:
+        raise ValueError("q must be fp16/bf16/fp32")
+    if autotune and _INTERPRETED:
+        raise ValueError(
+            "autotune=True needs a GPU: the Triton interpreter cannot time configs; leave it "
+            "off (the table's config) or pass config="
+        )
+    if autotune and config is not None:
+        raise ValueError("pass config= or autotune=True, not both")
+    if max_seq_len is not None:
+        needed = triton.cdiv(max_seq_len, block_size)
+        if needed > block_tables.shape[1]:
+            raise ValueError(
+                f"block_tables has {block_tables.shape[1]} columns but max_seq_len "
+                f"{max_seq_len} needs {needed} blocks"
+            )
+    if _validate_enabled(validate):
+        if num_blocks is None:
+            raise ValueError("validate=True checks block ids: pass num_blocks (the cache's)")
+        _check_lengths(
+            cu_seqlens_q,
+            seq_lens,
+            block_tables,
+            total_q,
+            num_blocks,
+            block_size,
+            max_query_len,
+            max_seq_len,
+        )
+    # host-known bounds where the caller gave none: no request has more queries than q has
+    # rows, nor more tokens than its block-table row holds
+    query_len = total_q if max_query_len is None else min(max_query_len, total_q)
+    seq_len = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
+    group = num_heads // num_kv_heads
+    shape = prefill_shape(
+        device=device,
+        block_size=block_size,
+        group=group,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim_v,
+        cache_dtype=cache_dtype,
+        max_query_len=query_len,
+        max_seq_len=seq_len,
+    )
+    if autotune:
+        source = "autotune"
+        config = choose_config(shape)[0]  # recorded only; the autotuner picks per launch
+    elif config is None:
+        config, source = choose_config(shape)
+    else:
+        if config not in CONFIGS:
+            raise ValueError(f"{config} is not one of CONFIGS: {', '.join(map(str, CONFIGS))}")
+        source = "given"
+    # request r owns tiles cu[r] // BLOCK_Q + r ...: at most total_q // BLOCK_Q + B of them
+    tiles = total_q // tokens_per_tile(config.block_m, group) + batch
+    return PrefillPlan(
+        batch=batch,
+        total_q=total_q,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim_k=head_dim,
+        head_dim_v=head_dim_v,
+        block_size=block_size,
+        cache_dtype=cache_dtype,
+        q_dtype=q_dtype,
+        scale=float(scale),
+        sliding_window=sliding_window or 0,
+        max_query_len=query_len,
+        max_seq_len=seq_len,
+        shape=shape,
+        config=config,
+        config_source=source,
+        autotune=autotune,
+        grid=(tiles, num_kv_heads),
+        block_tables=block_tables,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        _constexprs=dict(
+            GROUP=group,
+            GROUP_PAD=triton.next_power_of_2(group),
+            HEAD_DIM_K=head_dim,
+            HEAD_DIM_V=head_dim_v,
+            BLOCK_DK=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+            PAGE_ALIGN=shape.page_align,
+            FP8={"fp8": 1, "fp8-bytes": 2}.get(shape.cache, 0),
+        ),
+    )
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -403,95 +1265,68 @@ def paged_prefill_attention(
     v_scale: torch.Tensor | None = None,
     validate: bool | None = None,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    config: PrefillConfig | None = None,
+    autotune: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of ``q [total_q, Hq, Dk]`` over each request's paged K/V.
+    """Causal attention of ``q [total_q, Hq, Dk]`` over each request's paged K/V:
+    :func:`plan_prefill` and :meth:`PrefillPlan.run` in one call (plan once and run per layer
+    to save the host work).
 
     ``cu_seqlens_q [B+1] int32`` splits ``q`` into requests; ``seq_lens [B] int32`` is each
     request's KV length including its new tokens (already in the cache). Returns
     ``[total_q, Hq, Dv]`` in ``q``'s dtype. Never syncs with the device unless ``validate``
     (default: the ``HYBRIDKV_VALIDATE`` environment switch) asks for the contract's checks.
     ``out [total_q, Hq, Dv]`` (contiguous in Dv), if given, receives the result.
+    ``max_query_len`` / ``max_seq_len`` (bounds of the step's query counts and KV lengths)
+    pick the config's sequence-length class; ``config`` forces one of ``CONFIGS``;
+    ``autotune=True`` tunes on the GPU. fp8 caches need ``k_scale``/``v_scale`` (float32
+    scalars).
     """
     if q.dim() != 3 or q.stride(2) != 1:
-        raise ValueError(f"q must be [total_q, Hq, D] with a contiguous last dim, got {q.shape}")
-    total_q, num_heads, dk = q.shape
-    if k_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] or k_cache.shape[3] != dk:
-        raise ValueError("caches must be [num_blocks, block_size, Hkv, D] views matching q")
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("the caches' head_dim must be contiguous")
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"Hq={num_heads} is not a multiple of Hkv={num_kv_heads}")
-    batch = seq_lens.shape[0]
-    if cu_seqlens_q.shape != (batch + 1,) or block_tables.shape[0] != batch:
-        raise ValueError("cu_seqlens_q must be [B+1] and block_tables [B, max_blocks]")
-    if cu_seqlens_q.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("cu_seqlens_q and seq_lens must be int32")
-    if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
-        raise ValueError("block_tables must be a row-contiguous int32 tensor")
-    if sliding_window is not None and sliding_window < 0:
-        raise ValueError(f"sliding_window must be None, 0 (off) or positive: {sliding_window}")
+        raise ValueError(
+            f"q must be [total_q, Hq, D] with a contiguous last dim, got {tuple(q.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, Hkv, D] views")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError("k_cache and v_cache disagree on blocks, block size or heads")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"q head_dim {q.shape[2]} != k_cache head_dim {k_cache.shape[3]}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
     quant = k_cache.dtype in _FP8
     if quant and (k_scale is None or v_scale is None):
         raise ValueError("fp8 caches need k_scale and v_scale (float32 scalars)")
-    if quant != (v_cache.dtype in _FP8):
-        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    if _validate_enabled(validate):
-        _check_lengths(cu_seqlens_q, seq_lens, block_tables, total_q, num_blocks, block_size)
-    dv = v_cache.shape[3]
-    if out is None:
-        out = torch.empty((total_q, num_heads, dv), dtype=q.dtype, device=q.device)
-    elif out.shape != (total_q, num_heads, dv) or out.stride(2) != 1:
-        raise ValueError(f"out must be [total_q, Hq, Dv] = {(total_q, num_heads, dv)}")
-    if total_q == 0 or batch == 0:
-        return out
-    fp8 = 0
-    if quant:
-        fp8 = 1
-        if k_cache.dtype == torch.float8_e4m3fn and not _fp8e4_in_hardware(q.device):
-            fp8 = 2  # the kernel decodes the bytes itself
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    scales = (
-        (k_scale.reshape(1).float(), v_scale.reshape(1).float()) if quant else (seq_lens, seq_lens)
-    )
-    group = num_heads // num_kv_heads
-    # request r owns tiles cu[r] // BLOCK_Q + r ...: at most total_q // BLOCK_Q + B of them
-    grid = lambda meta: (total_q // tokens_per_tile(meta["BLOCK_M"], group) + batch, num_kv_heads)
-    _prefill_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
+    plan = plan_prefill(
         block_tables,
-        seq_lens,
         cu_seqlens_q,
-        scales[0],
-        scales[1],
-        out,
-        scale,
-        batch,
-        block_size,
-        sliding_window or 0,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
-        HEAD_DIM_K=dk,
-        HEAD_DIM_V=dv,
-        BLOCK_DK=max(16, triton.next_power_of_2(dk)),
-        BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        PAGE_ALIGN=min(block_size & -block_size, _MAX_BLOCK_N),
-        FP8=fp8,
+        seq_lens,
+        num_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[2],
+        head_dim=q.shape[2],
+        head_dim_v=v_cache.shape[3],
+        block_size=k_cache.shape[1],
+        cache_dtype=k_cache.dtype,
+        q_dtype=q.dtype,
+        scale=scale,
+        total_q=q.shape[0],
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        sliding_window=sliding_window,
+        config=config,
+        autotune=autotune,
+        num_blocks=k_cache.shape[0],
+        validate=validate,
     )
-    return out
+    if quant:
+        k_scale = k_scale.reshape(1).to(torch.float32)
+        v_scale = v_scale.reshape(1).to(torch.float32)
+    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
+
+
+# ---- reference --------------------------------------------------------------------------------
 
 
 def paged_prefill_attention_ref(
@@ -509,24 +1344,28 @@ def paged_prefill_attention_ref(
 ) -> torch.Tensor:
     """Plain torch: gather each request's K/V through its block table, causal softmax in fp32.
     Keys no query of the request can see (below a sliding window) are not read: an allocator
-    may have freed their blocks."""
+    may have freed their blocks. Every tensor it builds lives on ``q``'s device."""
     from einops import repeat
 
-    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
+    device = q.device
+    out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=device)
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
+    tables = block_tables.to(device=device, dtype=torch.long)
+    cu = cu_seqlens_q.tolist()
     for r, n in enumerate(seq_lens.tolist()):
-        a, b = int(cu_seqlens_q[r]), int(cu_seqlens_q[r + 1])
+        a, b = cu[r], cu[r + 1]
         first = max(0, n - (b - a) - sliding_window + 1) if sliding_window else 0
-        pos = torch.arange(first, n)
-        blocks = block_tables[r].long()[pos // block_size]
+        pos = torch.arange(first, n, device=device)
+        blocks = tables[r][pos // block_size]
         k = k_cache[blocks, pos % block_size].float()
         v = v_cache[blocks, pos % block_size].float()
         if k_cache.dtype in _FP8:
-            k, v = k * k_scale.float(), v * v_scale.float()
+            k = k * k_scale.to(device=device, dtype=torch.float32).reshape(())
+            v = v * v_scale.to(device=device, dtype=torch.float32).reshape(())
         k = repeat(k, "n h d -> n (h g) d", g=group)
         v = repeat(v, "n h d -> n (h g) d", g=group)
-        qpos = torch.arange(n - (b - a), n)
+        qpos = torch.arange(n - (b - a), n, device=device)
         visible = pos[None, :] <= qpos[:, None]
         if sliding_window:
             visible &= pos[None, :] > qpos[:, None] - sliding_window

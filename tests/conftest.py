@@ -8,3 +8,8 @@ import os
 
 if not os.environ.get("HYBRIDKV_TEST_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    from hybridkv.triton_compat import patch_interpreter_scalars
+
+    # Triton <= 3.6's interpreter with NumPy >= 2.4 cannot take runtime loop bounds
+    patch_interpreter_scalars()

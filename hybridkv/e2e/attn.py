@@ -47,8 +47,8 @@ class PagedContext:
     ``cu_seqlens``: ``[B + 1]`` int64 offsets of a packed forward's requests (None: a batch).
     ``views``: ``layer index -> (k_cache, v_cache, group id)`` of every attention layer of
     ``plan`` over ``buffers`` (the layer index is transformers' ``layer_idx``); ``windows``:
-    layer index -> its group's sliding window (None: full attention); ``called``: ``id(module)
-    -> layer index`` of the shared modules being run (:func:`track_layer_index`)."""
+    group id -> the group's sliding window (None: full attention); ``called``: ``id(module) ->
+    layer index`` of the shared modules being run (:func:`track_layer_index`)."""
 
     plan: MemoryPlan
     buffers: dict[str, torch.Tensor]
@@ -61,14 +61,34 @@ class PagedContext:
     #: the last :meth:`token_positions` answer with what it was computed from: every attention
     #: layer of a forward asks the same question
     _positions: tuple = field(init=False, default=(), repr=False)
+    #: this forward's kernel plans (:meth:`kernel_plan`), made by its first layer of each group
+    _plans: dict = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.views = {
             p.layer_index: (*self.plan.kv_views(self.buffers, p.layer), p.group_id)
             for p in self.plan.kv_placements
         }
-        window = {g.group_id: g.sliding_window for g in self.plan.groups}
-        self.windows = {p.layer_index: window[p.group_id] for p in self.plan.kv_placements}
+        self.windows = {g.group_id: g.sliding_window for g in self.plan.groups}
+
+    def begin_forward(
+        self,
+        block_tables: list[torch.Tensor] | torch.Tensor,
+        start: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+    ) -> None:
+        """Set one forward's inputs; the previous forward's kernel plans are dropped."""
+        self.block_tables, self.start, self.cu_seqlens = block_tables, start, cu_seqlens
+        self._plans.clear()
+
+    def kernel_plan(self, key: tuple, make):
+        """The kernel plan named ``key`` for this forward: made once by ``make()`` (the first
+        layer of a group to ask), then shared by every layer that asks with the same key. Plans
+        hold the forward's block tables and lengths, so :meth:`begin_forward` drops them."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make()
+        return plan
 
     def layer_of(self, module: torch.nn.Module) -> int:
         return self.called.get(id(module), module.layer_idx)
@@ -143,43 +163,67 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature: ``query [B, Hq, T, D]``, ``key``/``value
     [B, Hkv, T, D]`` (new tokens only); returns ``[B, T, Hq, D]``. The mask is ignored: the
-    kernels are causal by position and bounded by each request's length."""
-    from ..kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
-
+    kernels are causal by position and bounded by each request's length. The first layer of a
+    KV cache group plans the forward's cache writes and attention
+    (:meth:`PagedContext.kernel_plan`); every layer then only runs the plans on its own views."""
     ctx = _CTX
     if ctx is None:
         raise RuntimeError(f"{ATTN_NAME} attention called outside hybridkv.e2e.attn.set_context")
     layer = ctx.layer_of(module)
     k_cache, v_cache, gid = ctx.views[layer]
-    window = ctx.windows[layer]
-    table = ctx.table(gid).to(torch.int32).contiguous()
     b, hq, t, d = query.shape
+    scale = scaling if scaling is not None else d**-0.5
+    shapes = (b, t, hq, key.shape[1], d, value.shape[3], query.dtype, float(scale))
+    write, attend = ctx.kernel_plan(
+        ("attention", gid, *shapes), lambda: _attention_plans(ctx, gid, k_cache, *shapes)
+    )
+    k = key.transpose(1, 2).reshape(b * t, key.shape[1], d).contiguous()
+    v = value.transpose(1, 2).reshape(b * t, value.shape[1], value.shape[3]).contiguous()
+    write.run(k, v, k_cache, v_cache)
+    q = query.transpose(1, 2).reshape(b * t, hq, d).contiguous()
+    out = attend.run(q, k_cache, v_cache)
+    return out.reshape(b, t, hq, out.shape[-1]), None
+
+
+def _attention_plans(
+    ctx: PagedContext,
+    gid: int,
+    k_cache: torch.Tensor,
+    b: int,
+    t: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    q_dtype: torch.dtype,
+    scale: float,
+):
+    """A forward's plans for one KV cache group: the cache write of its new tokens, and decode
+    (every request brings one token) or varlen prefill over the pages."""
+    from ..kernels import plan_decode, plan_prefill, plan_write_kv_cache
+
+    table = ctx.table(gid).to(torch.int32).contiguous()
     bs = k_cache.shape[1]
     seg, pos, cu = ctx.token_positions(b, t)  # [N], [N], [R + 1]
     slots = table.to(torch.int64)[seg, pos // bs] * bs + pos % bs
-    k = key.transpose(1, 2).reshape(b * t, key.shape[1], d).contiguous()
-    v = value.transpose(1, 2).reshape(b * t, value.shape[1], value.shape[3]).contiguous()
-    write_kv_cache(k, v, k_cache, v_cache, slots)
+    write = plan_write_kv_cache(
+        slots, num_heads=hkv, head_dim=d, head_dim_v=dv, block_size=bs,
+        num_blocks=k_cache.shape[0], key_dtype=q_dtype, cache_dtype=k_cache.dtype,
+    )  # fmt: skip
     lens = cu.diff()
     seq_lens = (pos[cu[1:] - 1] + 1).to(torch.int32)  # [R]: each request's last position + 1
-    scale = scaling if scaling is not None else d**-0.5
-    q = query.transpose(1, 2).reshape(b * t, hq, d).contiguous()
+    shared = dict(
+        num_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, block_size=bs,
+        cache_dtype=k_cache.dtype, q_dtype=q_dtype, scale=scale,
+        sliding_window=ctx.windows[gid], max_seq_len=int(seq_lens.max()),
+    )  # fmt: skip
     if bool((lens == 1).all()):
-        out = paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            table,
-            seq_lens,
-            scale,
-            sliding_window=window,
-            max_seq_len=int(seq_lens.max()),
-        )
-    else:
-        out = paged_prefill_attention(
-            q, k_cache, v_cache, table, cu.to(torch.int32), seq_lens, scale, sliding_window=window
-        )
-    return out.reshape(b, t, hq, out.shape[-1]), None
+        return write, plan_decode(table, seq_lens, **shared)
+    attend = plan_prefill(
+        table, cu.to(torch.int32), seq_lens, total_q=b * t, max_query_len=int(lens.max()),
+        **shared,
+    )  # fmt: skip
+    return write, attend
 
 
 def install_mla_layers(model: torch.nn.Module, plan: MemoryPlan) -> None:
@@ -220,7 +264,7 @@ def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.T
     attention-weighted latent, and every query token is one :func:`mla_decode_attention` row
     over its prefix (causal by construction; T rows per request in a prefill). No rotary
     embedding: Kimi-Linear's MLA is NoPE (transformers applies none)."""
-    from ..kernels import mla_decode_attention
+    from ..kernels import plan_mla_decode
 
     ctx = _CTX
     m = module
@@ -236,24 +280,29 @@ def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.T
 
     layer = ctx.layer_of(m)
     cache, _, gid = ctx.views[layer]
-    table = ctx.table(gid).to(torch.int32).contiguous()
     bs = cache.shape[1]
     seg, pos, _ = ctx.token_positions(b, t)  # [B * T] each
-    blocks = table.to(torch.int64)[seg, pos // bs]
+
+    def make_plan():
+        """Every query token is one decode row over its own prefix: its request's table row
+        and its position + 1 as the length (the same for every MLA layer of the forward)."""
+        table = ctx.table(gid).to(torch.int32).contiguous()
+        seq_lens = (pos + 1).to(torch.int32)
+        blocks = table.to(torch.int64)[seg, pos // bs]
+        plan = plan_mla_decode(
+            table[seg], seq_lens, num_heads=h, kv_lora_rank=m.kv_lora_rank,
+            qk_rope_head_dim=d_rope, block_size=bs, cache_dtype=cache.dtype,
+            q_dtype=q_nope.dtype, scale=m.scaling, max_seq_len=int(seq_lens.max()),
+        )  # fmt: skip
+        return blocks, plan
+
+    shapes = (b, t, h, m.kv_lora_rank, d_rope, q_nope.dtype, float(m.scaling))
+    blocks, plan = ctx.kernel_plan(("mla", gid, *shapes), make_plan)
     cache.view(cache.shape[0], bs, -1)[blocks, pos % bs] = latent.to(cache.dtype)
 
     w = m.kv_b_proj.weight.view(h, d_nope + d_v, m.kv_lora_rank)
     q_abs = torch.einsum("xhn,hnc->xhc", q_nope, w[:, :d_nope]).contiguous()
-    seq_lens = (pos + 1).to(torch.int32)
-    out = mla_decode_attention(
-        q_abs,
-        q_pe.contiguous(),
-        cache,
-        table[seg],
-        seq_lens,
-        m.scaling,
-        max_seq_len=int(seq_lens.max()),
-    )
+    out = plan.run(q_abs, q_pe.contiguous(), cache)
     out = torch.einsum("xhc,hvc->xhv", out, w[:, d_nope:])
     return m.o_proj(out.reshape(b, t, h * d_v))
 

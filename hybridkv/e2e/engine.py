@@ -292,7 +292,7 @@ class Engine:
             pos = start[:, None] + torch.arange(t)
             keep = 1
         tables = self.alloc.block_tables([r.rid for r in reqs])
-        self.ctx.block_tables, self.ctx.start, self.ctx.cu_seqlens = tables, start, cu
+        self.ctx.begin_forward(tables, start, cu)
         cache = self.new_cache()
         slots, states = self._gather_states(reqs)
         if packed:
@@ -342,26 +342,41 @@ class Engine:
     ) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
         """The requests' slots per state group ``[B]`` and every state layer's states (layer
         index -> part -> ``[B, ...]``, the plan's layout), gathered from the slots."""
-        from ..kernels import gather_states
+        from ..kernels import plan_gather_states
 
         slots: dict[int, torch.Tensor] = {}
+        plans: dict[tuple, object] = {}  # one gather plan per group and state part
         states: dict[int, dict[str, torch.Tensor]] = {}
         for s in self.state_layers:
             if s.gid not in slots:
                 ids = [self.alloc.state_slot(r.rid, s.gid) for r in reqs]
                 slots[s.gid] = torch.tensor(ids, dtype=torch.int64)
-            states[s.idx] = {n: gather_states(pool, slots[s.gid]) for n, pool in s.pools.items()}
+            states[s.idx] = {}
+            for n, pool in s.pools.items():
+                key = (s.gid, n, tuple(pool.shape[1:]), pool.dtype)
+                if key not in plans:
+                    plans[key] = plan_gather_states(
+                        slots[s.gid], dtype=pool.dtype, row_shape=tuple(pool.shape[1:])
+                    )
+                states[s.idx][n] = plans[key].run(pool)
         return slots, states
 
     def _scatter_states(
         self, slots: dict[int, torch.Tensor], states: dict[int, dict[str, torch.Tensor]]
     ) -> None:
         """Scatter the updated states back into their slots."""
-        from ..kernels import scatter_states
+        from ..kernels import plan_scatter_states
 
+        plans: dict[tuple, object] = {}  # one scatter plan per group and state part
         for s in self.state_layers:
             for n, t in states[s.idx].items():
-                scatter_states(s.pools[n], slots[s.gid], t)
+                pool = s.pools[n]
+                key = (s.gid, n, tuple(pool.shape[1:]), pool.dtype)
+                if key not in plans:
+                    plans[key] = plan_scatter_states(
+                        slots[s.gid], dtype=pool.dtype, row_shape=tuple(pool.shape[1:])
+                    )
+                plans[key].run(pool, t)
 
     # ---- copies ----------------------------------------------------------------------------
     def _zero_states(self, r: Request) -> None:
@@ -376,7 +391,7 @@ class Engine:
 
     def _run_state_copies(self, copies: list[tuple[int, int, int]], *, checkpoint: bool) -> None:
         """``(group, src slot, dst slot)`` for every state layer of the group."""
-        from ..kernels import copy_states
+        from ..kernels import plan_copy_states
 
         if not copies:
             return
@@ -389,11 +404,18 @@ class Engine:
             by_group.setdefault(gid, ([], []))
             by_group[gid][0].append(src)
             by_group[gid][1].append(dst)
+        plans: dict[tuple, object] = {}  # one copy plan per group and state part
         for s in self.state_layers:
-            if s.gid in by_group:
-                src, dst = (torch.tensor(x, dtype=torch.int64) for x in by_group[s.gid])
-                for pool in s.pools.values():
-                    copy_states(pool, src, dst)
+            if s.gid not in by_group:
+                continue
+            for n, pool in s.pools.items():
+                key = (s.gid, n, tuple(pool.shape[1:]), pool.dtype)
+                if key not in plans:
+                    src, dst = (torch.tensor(x, dtype=torch.int64) for x in by_group[s.gid])
+                    plans[key] = plan_copy_states(
+                        src, dst, dtype=pool.dtype, row_shape=tuple(pool.shape[1:])
+                    )
+                plans[key].run(pool)
 
     def _run_kv_copies(self, copies: list[tuple[int, int, int, int]]) -> None:
         """``(group, src block, dst block, num_tokens)``: the first tokens of a partly reused

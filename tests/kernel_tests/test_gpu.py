@@ -1,6 +1,11 @@
-"""GPU-only checks: bf16 attention (the interpreter's bf16 ``tl.dot`` is unreliable) and fp8
-rounding on hardware. Run on a GPU with ``HYBRIDKV_TEST_GPU=1 pytest -m gpu tests/kernel_tests``
-(the variable keeps ``tests/conftest.py`` from switching the interpreter on)."""
+"""GPU-only checks: bf16 attention (the interpreter's bf16 ``tl.dot`` is unreliable), fp8 on
+hardware, the fp8 saturation contract against the GPU's own conversions, the direct launcher and
+CUDA-graph capture of every ``plan.run``. Run on a GPU with
+``HYBRIDKV_TEST_GPU=1 pytest -m gpu tests/kernel_tests`` (the variable keeps ``tests/conftest.py``
+from switching the interpreter on); ``python -m paper.gpu_suite`` runs them first.
+
+Inputs are fresh random values every run; outputs are NaN-poisoned before each launch; caches
+hold NaN wherever no request owns the bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import math
 import pytest
 import torch
 
-from hybridkv_kernels.cache_write import write_kv_cache, write_kv_cache_ref
+from hybridkv_kernels import paged_decode as pd
 from hybridkv_kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
 from hybridkv_kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_ref
 
@@ -21,6 +26,24 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+#: bf16 has 8 mantissa bits: unit-scale attention outputs agree to a few bf16 ulps
+BF16_TOL = 2e-2
+
+
+def _on_gpu(backing, *views):
+    on_gpu = backing.cuda()
+    return [torch.as_strided(on_gpu, v.shape, v.stride(), v.storage_offset()) for v in views]
+
+
+def _nan(*shape, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = BF16_TOL) -> None:
+    assert not got.isnan().any(), "an output the kernel should have written is NaN"
+    err = (got.float() - want.float()).abs().max().item()
+    assert err < tol, err
+
 
 @pytest.mark.parametrize("layout", SYNTHETIC)
 @pytest.mark.parametrize("lens", [[1, 300, 4097], [8192]], ids=["mixed", "long"])
@@ -29,57 +52,108 @@ def test_bf16_decode_and_prefill(layout, lens):
     num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
     backing, k_cache, v_cache = synthetic_caches(layout, num_blocks, bs, hkv, d, d, dtype)
     tables = _fill(k_cache, v_cache, lens, dtype)
-    on_gpu = backing.cuda()
-    k_cache = torch.as_strided(on_gpu, k_cache.shape, k_cache.stride(), k_cache.storage_offset())
-    v_cache = torch.as_strided(on_gpu, v_cache.shape, v_cache.stride(), v_cache.storage_offset())
+    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
     tables = tables.cuda()
     q = torch.randn(len(lens), hq, d, device="cuda", dtype=dtype)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, seq, d**-0.5)
-    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, d**-0.5)
-    # bf16 has 8 mantissa bits: outputs of unit-scale attention agree to a few bf16 ulps
-    assert (got.float() - want.float()).abs().max() < 2e-2
+    out = _nan(len(lens), hq, d)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, seq, d**-0.5, out=out)
+    _close(got, paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, d**-0.5))
     cu = torch.tensor([0, *torch.tensor([min(n, 64) for n in lens]).cumsum(0).tolist()])
     cu = cu.to(torch.int32).cuda()
     qp = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=dtype)
-    got = paged_prefill_attention(qp, k_cache, v_cache, tables, cu, seq, d**-0.5)
-    want = paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, seq, d**-0.5)
-    assert (got.float() - want.float()).abs().max() < 2e-2
+    out = _nan(int(cu[-1]), hq, d)
+    got = paged_prefill_attention(qp, k_cache, v_cache, tables, cu, seq, d**-0.5, out=out)
+    _close(got, paged_prefill_attention_ref(qp, k_cache, v_cache, tables, cu, seq, d**-0.5))
 
 
-@pytest.mark.parametrize("soft", [False, True], ids=["hw-e4m3", "soft-e4m3"])
-def test_fp8_write_rounds_like_torch(soft, monkeypatch):
-    """Random values, and for the software encoder (what an sm_80 GPU runs; forced here on
-    any GPU) also every rounding boundary, infinities and NaNs, against torch byte for byte."""
-    from hybridkv_kernels import cache_write
+# the page sizes the zoo's plans produce, at the head dims and GQA of the models they come from
+PAGE_CASES = [
+    pytest.param(bs, hq, hkv, d, id=f"bs{bs}-gqa{hq // hkv}-d{d}")
+    for bs, hq, hkv, d in [
+        (16, 16, 2, 256), (64, 16, 2, 256), (192, 16, 2, 256), (576, 16, 2, 256),
+        (16, 32, 8, 128), (272, 32, 8, 128), (528, 32, 8, 128), (1040, 32, 8, 128),
+        (16, 8, 8, 128), (16, 32, 2, 128),
+    ]
+]  # fmt: skip
 
-    from .test_cache_write import _e4m3_boundary_values
 
-    if soft:
-        monkeypatch.setattr(cache_write, "_fp8e4_in_hardware", lambda device: False)
-    elif not cache_write._fp8e4_in_hardware(torch.device("cuda")):
-        pytest.skip("no hardware e4m3 on this GPU (the soft case covers it)")
-    backing, k, v = synthetic_caches("classic", 8, 16, 2, 64, 64, torch.float32)
-    b8 = torch.zeros(backing.numel(), dtype=torch.float8_e4m3fn, device="cuda")
-    k8 = torch.as_strided(b8, k.shape, k.stride(), k.storage_offset())
-    v8 = torch.as_strided(b8, v.shape, v.stride(), v.storage_offset())
-    r8 = b8.clone()
-    kr = torch.as_strided(r8, k.shape, k.stride(), k.storage_offset())
-    vr = torch.as_strided(r8, v.shape, v.stride(), v.storage_offset())
-    key, value = (torch.randn(100, 2, 64, device="cuda") for _ in range(2))
-    boundary = _e4m3_boundary_values()
-    if not soft:  # the hardware's NaN and infinity encodings are its own business
-        boundary = boundary[boundary.isfinite()]
-    key.view(-1)[: boundary.numel()] = boundary.cuda()
-    ks, vs = torch.tensor(0.01, device="cuda"), torch.tensor(0.013, device="cuda")
-    slots = torch.randperm(128, device="cuda")[:100]
-    write_kv_cache(key, value, k8, v8, slots, ks, vs)
-    write_kv_cache_ref(key, value, kr, vr, slots, ks, vs)
-    assert torch.equal(b8.view(torch.uint8), r8.view(torch.uint8))
-    one = torch.ones((), device="cuda")
-    write_kv_cache(key, value, k8, v8, slots, one, one)
-    write_kv_cache_ref(key, value, kr, vr, slots, one, one)
-    assert torch.equal(b8.view(torch.uint8), r8.view(torch.uint8))
+@pytest.mark.parametrize("bs, hq, hkv, d", PAGE_CASES)
+@pytest.mark.parametrize("lens", [[8200, 5, 3000], [1, 17000]], ids=["B3", "B2-long"])
+def test_bf16_decode_on_every_page_size(bs, hq, hkv, d, lens):
+    """The config the table picks for each page class, and the split counts the plan picks
+    (one split at a batch that fills the GPU, many for one long request)."""
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    backing, k_cache, v_cache = synthetic_caches(
+        "classic", num_blocks, bs, hkv, d, d, torch.bfloat16
+    )
+    tables = _fill(k_cache, v_cache, lens, torch.bfloat16)
+    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
+    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
+    plan = pd.plan_decode(
+        tables, seq, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+        cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16, scale=d**-0.5,
+        max_seq_len=max(lens),
+    )  # fmt: skip
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, d**-0.5)
+    for _ in range(2):  # the second launch takes the direct launcher
+        out = _nan(len(lens), hq, d)
+        _close(plan.run(q, k_cache, v_cache, out=out), want)
+
+
+@pytest.mark.parametrize("config", pd.CONFIGS, ids=str)
+def test_bf16_decode_every_config_that_fits(config):
+    bs, hq, hkv, d, lens = 16, 16, 2, 256, [700, 33]
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    backing, k_cache, v_cache = synthetic_caches(
+        "classic", num_blocks, bs, hkv, d, d, torch.bfloat16
+    )
+    tables = _fill(k_cache, v_cache, lens, torch.bfloat16)
+    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
+    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    shape = pd.decode_shape(
+        device=torch.device("cuda"), block_size=bs, group=hq // hkv, head_dim_k=d, head_dim_v=d,
+        cache_dtype=torch.bfloat16, batch=2, num_kv_heads=hkv, max_seq_len=700,
+    )  # fmt: skip
+    if not pd.config_fits(config, shape):
+        pytest.skip("the config does not fit this shape (it would spill)")
+    q = torch.randn(2, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = _nan(2, hq, d)
+    got = paged_decode_attention(
+        q, k_cache, v_cache, tables, seq, d**-0.5, num_splits=3, out=out, config=config
+    )
+    _close(got, paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, d**-0.5))
+
+
+@pytest.mark.parametrize("software", [False, True], ids=["hw-convert", "byte-decode"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_decode(dtype, software, monkeypatch):
+    """fp8 caches on the GPU, scales folded out of the tile: the hardware conversion and (e4m3)
+    the byte decode an A100 runs, against the float32 reference."""
+    if software and dtype != torch.float8_e4m3fn:
+        pytest.skip("only e4m3 has a software decode")
+    if software:
+        monkeypatch.setattr(pd, "_fp8e4_in_hardware", lambda device: False)
+    elif dtype == torch.float8_e4m3fn and not pd._fp8e4_in_hardware(torch.device("cuda")):
+        pytest.skip("no hardware e4m3 on this GPU")
+    bs, hq, hkv, d, lens = 16, 16, 2, 256, [3000, 17]
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    k = torch.randn(num_blocks, bs, hkv, d, device="cuda").to(dtype)
+    v = torch.randn(num_blocks, bs, hkv, d, device="cuda").to(dtype)
+    need = [math.ceil(n / bs) for n in lens]
+    ids = (torch.randperm(num_blocks - 1)[: sum(need)] + 1).int()
+    tables = torch.zeros(2, need[0], dtype=torch.int32)  # columns past a request: never read
+    tables[0], tables[1, : need[1]] = ids[: need[0]], ids[need[0] :]
+    tables = tables.cuda()
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(2, hq, d, device="cuda", dtype=torch.bfloat16)
+    ks = torch.tensor([0.37], device="cuda")
+    vs = torch.tensor([1.9], device="cuda")
+    out = _nan(2, hq, d)
+    got = paged_decode_attention(q, k, v, tables, seq, d**-0.5, k_scale=ks, v_scale=vs, out=out)
+    want = paged_decode_attention_ref(q, k, v, tables, seq, d**-0.5, k_scale=ks, v_scale=vs)
+    _close(got, want, tol=2 * BF16_TOL * 1.9)  # the output is scaled by v_scale
 
 
 @pytest.mark.parametrize("lens", [[1, 300, 4097], [16384]], ids=["mixed", "long"])
@@ -88,7 +162,7 @@ def test_bf16_mla_decode(lens):
 
     from .test_mla_decode import _tables
 
-    dtype, heads, dc, dr, bs = torch.bfloat16, 16, 512, 64, 64
+    dtype, heads, dc, dr, bs = torch.bfloat16, 32, 512, 64, 64
     num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
     cache = torch.full((num_blocks, bs, 1, dc + dr), float("nan"), dtype=dtype)
     tables = _tables(cache, lens, dtype).cuda()
@@ -97,7 +171,95 @@ def test_bf16_mla_decode(lens):
     q_nope = torch.randn(len(lens), heads, dc, device="cuda", dtype=dtype)
     q_pe = torch.randn(len(lens), heads, dr, device="cuda", dtype=dtype)
     scale = (dc + dr) ** -0.5
-    got = mla_decode_attention(q_nope, q_pe, cache, tables, seq, scale)
-    want = mla_decode_attention_ref(q_nope, q_pe, cache, tables, seq, scale)
-    assert not got.isnan().any()
-    assert (got.float() - want.float()).abs().max() < 2e-2
+    out = _nan(len(lens), heads, dc)
+    got = mla_decode_attention(q_nope, q_pe, cache, tables, seq, scale, out=out)
+    _close(got, mla_decode_attention_ref(q_nope, q_pe, cache, tables, seq, scale))
+
+
+_FP8_CASES = [
+    pytest.param(torch.float8_e4m3fn, False, id="e4m3-hw"),
+    pytest.param(torch.float8_e4m3fn, True, id="e4m3-soft"),
+    pytest.param(torch.float8_e5m2, False, id="e5m2"),
+]
+
+
+@pytest.mark.parametrize("dtype, soft", _FP8_CASES)
+def test_fp8_write_follows_the_saturation_contract(dtype, soft, monkeypatch):
+    """Every rounding boundary with its fp32 neighbours, values past the largest finite value
+    (torch 2.11 gives NaN for e4m3 >= 464 and inf for e5m2 >= 61440), infinities, NaNs and
+    random values, at two scales, on the GPU's conversions (and the software e4m3 encoder an
+    A100 runs): the kernel's bytes equal ``write_kv_cache_ref`` (saturate to the largest
+    finite value, NaN stays NaN) for every non-NaN input, NaN inputs give NaN (the hardware
+    picks its own NaN code), bytes no token owns stay poisoned, and in range the bytes equal
+    torch's own CUDA cast."""
+    from hybridkv_kernels import cache_write
+
+    from .test_cache_write import _e4m3_boundary_values, _e5m2_boundary_values
+
+    if soft:
+        monkeypatch.setattr(cache_write, "_fp8e4_in_hardware", lambda device: False)
+    elif dtype == torch.float8_e4m3fn and not cache_write._fp8e4_in_hardware(torch.device("cuda")):
+        pytest.skip("no hardware e4m3 on this GPU (the soft case covers it)")
+    boundary = _e4m3_boundary_values() if dtype == torch.float8_e4m3fn else _e5m2_boundary_values()
+    tokens, heads, d = -(-boundary.numel() // 128), 2, 64
+    bs = 16
+    num_blocks = -(-tokens // bs) + 2
+    poison = 0x5A  # a finite byte in both formats that no input here maps to by chance
+    caches = torch.full((2, num_blocks, bs, heads, d), poison, dtype=torch.uint8, device="cuda")
+    k8, v8 = caches[0].view(dtype), caches[1].view(dtype)
+    ref = caches.clone()
+    kr, vr = ref[0].view(dtype), ref[1].view(dtype)
+    key = torch.randn(tokens, heads, d, device="cuda") * 100
+    key.view(-1)[: boundary.numel()] = boundary.cuda()
+    value = torch.randn(tokens, heads, d, device="cuda")
+    slots = (torch.randperm((num_blocks - 1) * bs, device="cuda")[:tokens] + bs).long()
+    nan_in = key.isnan()
+    for ks in (0.01, 1.0):
+        ks, vs = torch.tensor(ks, device="cuda"), torch.tensor(0.013, device="cuda")
+        cache_write.write_kv_cache(key, value, k8, v8, slots, ks, vs)
+        cache_write.write_kv_cache_ref(key, value, kr, vr, slots, ks, vs)
+        got = caches[0].view(-1, heads, d)[slots]
+        want = ref[0].view(-1, heads, d)[slots]
+        assert torch.equal(got[~nan_in], want[~nan_in])
+        assert got[nan_in].view(dtype).float().isnan().all()
+        assert torch.equal(caches[1], ref[1])
+    assert (caches.view(2, -1, heads, d).sum(-1) != 0).any()  # something was written
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert (caches[0].view(-1, heads, d)[untouched] == poison).all()
+    # in range, the same bytes as torch's own cast (scale 1: the last write)
+    finite_max = 464.0 if dtype == torch.float8_e4m3fn else 61440.0
+    in_range = key.abs() < finite_max
+    torch_cast = key.to(dtype).view(torch.uint8)
+    assert torch.equal(got[in_range], torch_cast[in_range])
+
+
+def _capture(run, result) -> None:
+    """``run`` replays from a CUDA graph to the eager result."""
+    run()
+    torch.cuda.synchronize()
+    want = result().clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    result().fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(result(), want)
+
+
+def test_every_plan_run_captures_in_a_cuda_graph():
+    """Every kernel's ``plan.run`` (and the direct launcher it takes after its first call)
+    replays from a CUDA graph to the eager result."""
+    from paper.bench_host import _cases
+
+    for kernel, _wrapper, _plan, run, result in _cases(torch.device("cuda")):
+        try:
+            _capture(run, result)
+        except AssertionError as e:
+            raise AssertionError(f"{kernel}: the graph's replay differs from eager") from e

@@ -1,7 +1,7 @@
 """MLA latent-cache decode against the torch reference: synthetic strided caches, head counts
 from one to DeepSeek's 128, block sizes that are not powers of two, fp8 (with the software e4m3
-decode of GPUs before sm_89), input validation and the real plan views of Kimi-Linear
-(MLA + KDA) in every layout."""
+decode of GPUs before sm_89), input validation, the real plan views of Kimi-Linear (MLA + KDA)
+in every layout, every config of ``CONFIGS``, the plan / run API and the default table."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ import torch
 from hybridkv import models
 from hybridkv.layouts import LAYOUTS, make_plan
 from hybridkv_kernels import mla_decode
-from hybridkv_kernels.mla_decode import mla_decode_attention, mla_decode_attention_ref
+from hybridkv_kernels.mla_decode import (
+    CONFIGS,
+    MlaConfig,
+    MlaShape,
+    mla_decode_attention,
+    mla_decode_attention_ref,
+    plan_mla_decode,
+)
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 
@@ -161,6 +168,10 @@ def test_mla_decode_errors():
         mla_decode_attention(q_nope, q_pe, cache, tables, torch.tensor([40]).int(), 1.0)
     with pytest.raises(ValueError, match="int32"):
         mla_decode_attention(q_nope, q_pe, cache, tables.long(), one, 1.0)
+    with pytest.raises(ValueError, match="fp16/bf16/fp32"):
+        mla_decode_attention(q_nope.double(), q_pe.double(), cache.double(), tables, one, 1.0)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        mla_decode_attention(q_nope, q_pe, cache.to(torch.float8_e4m3fn), tables, one, 1.0)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
@@ -202,21 +213,36 @@ def test_mla_decode_deepseek_128_heads(monkeypatch):
     assert (one.float() - two.float()).abs().max() <= TOL[torch.float16]
 
 
-@pytest.mark.parametrize("config", range(len(mla_decode._CONFIGS)))
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
 @pytest.mark.parametrize("block_size", [16, 64, 48, 80, 7])
-def test_mla_decode_block_sizes(block_size, config, monkeypatch):
+def test_mla_decode_block_sizes(block_size, config):
     """Page walk: tiles of every config over pages that are not a power of two (48, 80: 16-token
     segments, several per tile) or odd (7: one token per segment), with splits that start
-    inside a page."""
-    monkeypatch.setenv("HYBRIDKV_INTERPRET_CONFIG", str(config))
-    torch.manual_seed(block_size + config)
+    inside a page (float32)."""
+    torch.manual_seed(block_size + config.block_n)
     lens, dc, dr = [200, 3, 129], 32, 16
     num_blocks = sum(math.ceil(n / block_size) for n in lens) + 2
     cache = _strided_cache(num_blocks, block_size, dc, dr, torch.float32)
     tables = _tables(cache, lens, torch.float32)
-    # 12 heads (BLOCK_H 16): the 64-token config is kept only up to 16 heads
     q_nope, q_pe = torch.randn(3, 12, dc), torch.randn(3, 12, dr)
-    _check(q_nope, q_pe, cache, tables, lens, 0.2, splits=3)
+    _check(q_nope, q_pe, cache, tables, lens, 0.2, splits=3, config=config)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_every_config_matches_the_reference(config):
+    """Whatever the table or an autotuner picks computes the same attention (fp16, 32 heads,
+    latent 128 + 32 on 64-token pages): one split (the kernel normalises and writes the output)
+    and three (partials and the reduce), with a request shorter than a tile and one that ends
+    inside a tile."""
+    torch.manual_seed(config.block_n * config.num_warps + config.num_stages)
+    lens, dc, dr, block_size = [3, 150, 64], 128, 32, 64
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 2
+    cache = _strided_cache(num_blocks, block_size, dc, dr, torch.float16)
+    tables = _tables(cache, lens, torch.float16)
+    q_nope = torch.randn(3, 32, dc).half()
+    q_pe = torch.randn(3, 32, dr).half()
+    for splits in (1, 3):
+        _check(q_nope, q_pe, cache, tables, lens, (dc + dr) ** -0.5, splits, config=config)
 
 
 def _fp8_case(fp8, block_size=16, lens=(37, 70)):
@@ -300,43 +326,261 @@ def test_num_splits_must_be_positive(splits):
         mla_decode_attention(q_nope, q_pe, cache, tables, seq, 0.2, num_splits=splits)
 
 
-def test_every_config_fits_the_gpus():
-    """The pruning model keeps at least one config for every realistic launch (latent 512 + 64;
-    the compile check verifies each kept one with ptxas)."""
-    for capability in [(8, 0), (9, 0)]:
-        for heads in [1, 16, 32, 64, 128]:
-            for cache_bytes, fp8 in [(2, False), (1, True)]:
-                fits = dict(
-                    block_h=mla_decode.heads_per_program(heads, capability, fp8),
-                    block_dc=512,
-                    block_dr=64,
-                    q_bytes=2,
-                    cache_bytes=cache_bytes,
-                    fp8=fp8,
-                    capability=capability,
-                )
-                kept = [c for c in mla_decode._CONFIGS if mla_decode._config_fits(c, **fits)]
-                assert kept, fits
+# ---- the plan / run API -------------------------------------------------------------------------
 
 
-def test_prune_drops_what_does_not_fit(monkeypatch):
-    """A launch's args decide: 64-token fp16 tiles need 164 KiB of shared memory at 16 heads,
-    more than an A100 has, and spill at 32 heads; 64 heads fit only 16-token tiles with wgmma
-    (sm_90)."""
+def _plan_for(cache, tables, lens, q_nope, q_pe, **kw):
+    return plan_mla_decode(
+        tables, torch.tensor(lens, dtype=torch.int32), num_heads=q_nope.shape[1],
+        kv_lora_rank=q_nope.shape[2], qk_rope_head_dim=q_pe.shape[2],
+        block_size=cache.shape[1], cache_dtype=cache.dtype, q_dtype=q_nope.dtype, scale=0.25,
+        max_seq_len=max(lens), **kw,
+    )  # fmt: skip
+
+
+def test_one_plan_serves_every_layer():
+    """Two MLA layers packed in one page (layer 1's latent rows sit after layer 0's): one plan,
+    one run each with its own queries, each against its own reference; the partial buffers
+    are reused between the runs, and a 4-D ``[nb, bs, 1, D]`` view works as well."""
+    lens, bs, dc, dr = [97, 3, 130], 16, 64, 16
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    backing = _poisoned((num_blocks, bs, 2, dc + dr), torch.float16)
+    layer0, layer1 = backing[:, :, 0], backing[:, :, 1:]  # [nb, bs, D] and [nb, bs, 1, D]
+    tables = _tables(layer1, lens, torch.float16)
+    for b, n in enumerate(lens):  # layer 0's latents of the same tokens
+        pos = torch.arange(n)
+        layer0[tables[b, pos // bs].long(), pos % bs] = torch.randn(n, dc + dr).half()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    q_shape = torch.empty(3, 20, dc, dtype=torch.float16), torch.empty(3, 20, dr).half()
+    plan = _plan_for(layer0, tables, lens, *q_shape, num_splits=2)
+    assert plan.num_splits == 2 and plan.part_acc is not None
+    for cache in (layer0, layer1):
+        q_nope, q_pe = torch.randn(3, 20, dc).half(), torch.randn(3, 20, dr).half()
+        out = _poisoned((3, 20, dc), torch.float16)
+        assert plan.run(q_nope, q_pe, cache, out=out) is out
+        want = mla_decode_attention_ref(q_nope, q_pe, cache, tables, seq, 0.25)
+        assert (out.float() - want.float()).abs().max() <= TOL[torch.float16]
+
+
+def test_run_rejects_what_the_plan_was_not_made_for():
+    q_nope, q_pe, cache, tables, lens = _validation_case()
+    plan = _plan_for(cache, tables, lens, q_nope, q_pe)
+    with pytest.raises(ValueError, match=r"q_nope must be \[2, 4, 32\] torch.float32"):
+        plan.run(q_nope.half(), q_pe, cache)
+    with pytest.raises(ValueError, match=r"q_nope must be \[2, 4, 32\]"):
+        plan.run(q_nope[:1], q_pe, cache)
+    with pytest.raises(ValueError, match=r"q_pe must be \[2, 4, 16\]"):
+        plan.run(q_nope, q_pe[:, :2], cache)
+    with pytest.raises(ValueError, match=r"latent_cache must be \[num_blocks, 16, \(1,\) 48\]"):
+        plan.run(q_nope, q_pe, cache[:, :8])
+    with pytest.raises(ValueError, match=r"latent_cache must be"):
+        plan.run(q_nope, q_pe, cache[:, :, :40])
+    with pytest.raises(ValueError, match=r"latent_cache must be"):
+        plan.run(q_nope, q_pe, cache.half())
+    with pytest.raises(ValueError, match=r"latent_cache must be"):
+        plan.run(q_nope, q_pe, torch.zeros(6, 16, 2, 48))
+    with pytest.raises(ValueError, match="out must be"):
+        plan.run(q_nope, q_pe, cache, out=torch.empty(2, 4, 31))
+    cache8 = torch.zeros(cache.shape, dtype=torch.float8_e4m3fn)
+    plan8 = _plan_for(cache8, tables, lens, q_nope, q_pe)
+    with pytest.raises(ValueError, match="needs k_scale: a float32 tensor"):
+        plan8.run(q_nope, q_pe, cache8, k_scale=torch.tensor(1.0, dtype=torch.float64))
+    wide = torch.empty_strided((6, 16, 48), (2**30, 2**27, 1), device="meta")  # no storage
+    with pytest.raises(ValueError, match="token stride 134217728 is too large"):
+        plan.run(q_nope, q_pe, wide)
+
+
+def test_plan_choices():
+    """What the plan decides: a table config, one split (no partials, no second launch) when
+    the batch fills the GPU, the splits choose_num_splits gives otherwise."""
+    q_nope, q_pe, cache, tables, lens = _validation_case()
+    plan = _plan_for(cache, tables, lens, q_nope, q_pe, num_splits=1)
+    assert plan.config in CONFIGS and plan.config_source
+    assert plan.num_splits == 1 and plan.part_acc is None
+    plan = _plan_for(cache, tables, lens, q_nope, q_pe, config=CONFIGS[-1])
+    assert plan.config == CONFIGS[-1] and plan.config_source == "given"
+    with pytest.raises(ValueError, match="not one of CONFIGS"):
+        _plan_for(cache, tables, lens, q_nope, q_pe, config=MlaConfig(8, 1, 1))
+    with pytest.raises(ValueError, match="validate=True checks block ids: pass num_blocks"):
+        _plan_for(cache, tables, lens, q_nope, q_pe, validate=True)
+    with pytest.raises(ValueError, match="seq_lens is on"):
+        plan_mla_decode(
+            tables, torch.tensor(lens, device="meta"), num_heads=4, kv_lora_rank=32,
+            qk_rope_head_dim=16, block_size=16, cache_dtype=torch.float32,
+            q_dtype=torch.float32, scale=0.2, max_seq_len=40,
+        )  # fmt: skip
+
+
+def test_autotune_needs_a_gpu():
+    """Under the interpreter autotuning is refused with a clear error, from the plan and from
+    the one-call wrapper."""
+    q_nope, q_pe, cache, tables, lens = _validation_case()
+    with pytest.raises(ValueError, match="autotune=True needs a GPU"):
+        _plan_for(cache, tables, lens, q_nope, q_pe, autotune=True)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    with pytest.raises(ValueError, match="autotune=True needs a GPU"):
+        mla_decode_attention(q_nope, q_pe, cache, tables, seq, 0.2, autotune=True)
+
+
+def _kimi_plan(batch, ctx, capability, monkeypatch, dtype=torch.bfloat16, heads=32):
+    monkeypatch.setattr(mla_decode, "_capability", lambda device: capability)
+    tables = torch.zeros(batch, ctx // 64, dtype=torch.int32)
+    return plan_mla_decode(
+        tables, torch.full((batch,), ctx, dtype=torch.int32), num_heads=heads,
+        kv_lora_rank=512, qk_rope_head_dim=64, block_size=64, cache_dtype=dtype,
+        q_dtype=torch.bfloat16, scale=576**-0.5, max_seq_len=ctx,
+    )  # fmt: skip
+
+
+def test_split_count_at_the_measured_points(monkeypatch):
+    """Kimi-Linear (32 heads, one program a request) on an H100/H200 (132 multiprocessors, the
+    CPU's count): one wave of resident CTAs. The table's sm_90 config holds one CTA a
+    multiprocessor: 132 // 8 = 16 splits at B=8 ctx 32k (the split count the H200 measured
+    best there), 2 at B=64; on sm_80 32/4/2 holds two: 264 // 8 = 33 -> 32 splits of 1024
+    tokens. Short contexts split less: a split's float32 partial may cost at most a quarter of
+    the latent bytes it reads."""
+    plan = _kimi_plan(8, 32768, (9, 0), monkeypatch)
+    assert mla_decode.ctas_per_sm(plan.config, plan.shape) == 1
+    assert plan.num_splits == 16 and plan.split_len == 2048
+    assert _kimi_plan(64, 32768, (9, 0), monkeypatch).num_splits == 2
+    assert _kimi_plan(256, 8192, (9, 0), monkeypatch).num_splits == 1
+    plan = _kimi_plan(8, 32768, (8, 0), monkeypatch)
+    assert mla_decode.ctas_per_sm(plan.config, plan.shape) == 2
+    assert plan.num_splits == 32 and plan.split_len == 1024
+    plan = _kimi_plan(8, 8192, (8, 0), monkeypatch)  # 8192 // 456 = 17: 17 splits of 512
+    assert mla_decode.partial_tokens(plan.shape, 512, 64, 2) == 456
+    assert plan.num_splits == 16 and plan.split_len == 512
+    assert mla_decode.choose_num_splits(8, 1, 32768, 132, 1) == 16
+    assert mla_decode.choose_num_splits(8, 1, 32768, 132, 2) == 33
+    assert mla_decode.choose_num_splits(1, 1, 100, 132, 2) == 1
+    assert mla_decode.choose_num_splits(1, 1, 10**6, 132, 2) == 64
+
+
+def test_one_split_epilogue_only_where_it_compiles(monkeypatch):
+    """One split normalises in the partial kernel and skips the reduce, except where that
+    epilogue spilled in the compile check: then the plan keeps partials of one split and the
+    reduce (32/4/2 at 32 heads on sm_80, and 32/4/3 beside it, though it compiled; 64 heads a
+    program on sm_90)."""
+    h100 = _kimi_plan(512, 512, (9, 0), monkeypatch)
+    assert h100.num_splits == 1 and h100.config == MlaConfig(64, 8, 3)
+    assert h100.part_acc is None and h100._constexprs["ONE_SPLIT"]
+    a100 = _kimi_plan(512, 512, (8, 0), monkeypatch)
+    assert a100.num_splits == 1 and a100.config == MlaConfig(32, 4, 2)
+    assert a100.part_acc.shape == (512, 32, 1, 512) and not a100._constexprs["ONE_SPLIT"]
+    deepseek = _kimi_plan(512, 512, (9, 0), monkeypatch, heads=128)
+    assert deepseek.num_splits == 1 and deepseek.part_acc is not None
+    for shape in (h100.shape, a100.shape):
+        for config in CONFIGS:
+            if mla_decode.config_fits(config, shape):
+                at_the_edge = config.block_n == 32 and config.num_warps == 4  # 32/4/3: kept out
+                assert mla_decode.one_split_fits(config, shape) != at_the_edge, (config, shape)
+
+
+# ---- the default table --------------------------------------------------------------------------
+
+
+def _shapes_matching(rule):
+    """Every shape class a row can match at the latents the models use (512 + 64, DeepSeek
+    and Kimi-Linear; 128 + 32 and 32 + 16, small test latents) with 16-bit queries."""
+    for arch in (80, 90):
+        for block_h in (16, 32, 64):
+            for dc, dr in ((512, 64), (128, 32), (32, 16)):
+                for cache in ("16bit", "fp32", "fp8", "fp8-bytes"):
+                    for page_align in (1, 2, 4, 8, 16, 32, 64):
+                        for work in (1, 8, 64, 1024):
+                            q_bytes = 4 if cache == "fp32" else 2
+                            shape = MlaShape(
+                                arch, block_h, dc, dr, cache, q_bytes, page_align, work, 4096
+                            )
+                            if rule.matches(shape):
+                                yield shape
+
+
+def _possible(shape):
+    """A shape heads_per_program can produce: 64 heads a program only on sm_90 with 16-bit
+    caches and 16-token segments."""
+    if shape.block_h == 64:
+        return shape.arch >= 90 and shape.cache == "16bit" and shape.page_align >= 16
+    return True
+
+
+def test_table_rows_are_candidates_and_fit_what_they_match():
+    """Every row's config is one autotuning would try, its source says where it comes from,
+    and it fits every possible shape class the row can match at the models' 16-bit or fp8
+    latents; wherever no row fits, choose_config still finds a fitting config."""
+    for rule in mla_decode._TABLE:
+        assert rule.config in CONFIGS, rule
+        assert rule.source.startswith(("H200 sweep", "unmeasured:")), rule
+        for shape in _shapes_matching(rule):
+            if _possible(shape) and shape.cache != "fp32":
+                assert mla_decode.config_fits(rule.config, shape), (rule.config, shape)
+    for rule in mla_decode._TABLE:
+        for shape in _shapes_matching(rule):
+            if _possible(shape):
+                config, _ = mla_decode.choose_config(shape)
+                assert mla_decode.config_fits(config, shape), (config, shape)
+
+
+def test_fits_follow_the_compile_check():
+    """config_fits against what ``python -m paper.compile_kernels`` measured at latent 512 + 64
+    (triton 3.9, ptxas for sm_80 / sm_90): at 32 heads, 4 warps spill with 64-token tiles
+    (the H200's measured best, 64/4/2: 52 B on sm_80, 292 B on sm_90) and, on sm_90, with
+    32-token ones (16 B); 8 warps do not. fp8 tiles converted in registers spill at 4 warps."""
+
+    def fits(config, arch, block_h=32, cache="16bit", page_align=64):
+        shape = MlaShape(arch, block_h, 512, 64, cache, 2, page_align, 8, 32768)
+        return mla_decode.config_fits(config, shape)
+
+    c = MlaConfig
+    for arch in (80, 90):
+        assert not fits(c(64, 4, 2), arch)
+        assert fits(c(64, 8, 2), arch)
+        assert fits(c(16, 8, 3), arch)
+        assert not fits(c(32, 4, 2), arch, cache="fp8")
+        assert fits(c(32, 8, 2), arch, cache="fp8")
+    assert fits(c(32, 4, 2), 80) and not fits(c(32, 4, 2), 90)
+    assert not fits(c(64, 8, 2), 90, block_h=64)  # only 16-token tiles beside 64 heads
+    assert fits(c(16, 8, 3), 90, block_h=64)
+    for arch in (80, 90):  # 16 heads: 64-token tiles need 8 warps, and one page segment
+        assert not fits(c(64, 4, 2), arch, block_h=16)
+        assert fits(c(64, 8, 2), arch, block_h=16)
+        assert not fits(c(64, 8, 2), arch, block_h=16, page_align=16)
+        assert fits(c(32, 4, 2), arch, block_h=16, page_align=16)
+
+
+def test_measured_rows_pick_the_configs_they_name(monkeypatch):
+    """Kimi-Linear at 32 heads: sm_90 takes the nearest config to the H200's measured best
+    (64/4/2, which spills) that compiles without spills, 64/8/3; sm_80 32/4/2 (two CTAs on an
+    A100); fp8 caches 32/8/2; DeepSeek's 64 heads a program on sm_90 16/8/3; 16 heads (TP2)
+    32/4/3 on sm_90, 32/4/2 on sm_80."""
+    assert _kimi_plan(8, 32768, (9, 0), monkeypatch).config == MlaConfig(64, 8, 3)
+    assert _kimi_plan(64, 32768, (8, 0), monkeypatch).config == MlaConfig(32, 4, 2)
+    fp8 = _kimi_plan(8, 32768, (9, 0), monkeypatch, dtype=torch.float8_e4m3fn)
+    assert fp8.config == MlaConfig(32, 8, 2)
+    deepseek = _kimi_plan(8, 32768, (9, 0), monkeypatch, heads=128)
+    assert deepseek.shape.block_h == 64 and deepseek.config == MlaConfig(16, 8, 3)
+    assert _kimi_plan(8, 32768, (9, 0), monkeypatch, heads=16).config == MlaConfig(32, 4, 3)
+    assert _kimi_plan(8, 32768, (8, 0), monkeypatch, heads=16).config == MlaConfig(32, 4, 2)
+
+
+def test_autotune_prune_keeps_what_fits(monkeypatch):
+    """Autotuning's candidates are the configs that fit the launch (read from its arguments
+    as the autotuner passes them)."""
     meta = dict(device="meta")
     args = dict(
-        q_nope_ptr=torch.empty(1, 32, 512, dtype=torch.float16, **meta),
-        cache_ptr=torch.empty(4, 64, 576, dtype=torch.float16, **meta),
-        BLOCK_H=32,
-        BLOCK_DC=512,
-        BLOCK_DR=64,
-        FP8=0,
-    )
-    kept = mla_decode._prune(mla_decode._CONFIGS, args)
-    assert [c.kwargs["BLOCK_N"] for c in kept] == [16, 16, 32]  # the interpreter is an sm_80
-    assert len(mla_decode._prune(mla_decode._CONFIGS, {**args, "BLOCK_H": 16})) == 3
-    monkeypatch.setattr(mla_decode, "_capability", lambda device: (9, 0))
-    assert mla_decode._prune(mla_decode._CONFIGS, {**args, "BLOCK_H": 16}) == mla_decode._CONFIGS
-    assert len(mla_decode._prune(mla_decode._CONFIGS, args)) == 3
-    kept = mla_decode._prune(mla_decode._CONFIGS, {**args, "BLOCK_H": 64})
-    assert {(c.kwargs["BLOCK_N"], c.num_warps) for c in kept} == {(16, 8)}
+        q_nope_ptr=torch.empty(1, 32, 512, dtype=torch.bfloat16, **meta),
+        cache_ptr=torch.empty(4, 64, 576, dtype=torch.bfloat16, **meta),
+        BLOCK_H=32, BLOCK_DC=512, BLOCK_DR=64, PAGE_ALIGN=64, FP8=0, tune_work=8,
+        tune_context=32768,
+    )  # fmt: skip
+    configs = [
+        mla_decode.triton.Config({"BLOCK_N": c.block_n}, num_warps=c.num_warps,
+                                 num_stages=c.num_stages)
+        for c in CONFIGS
+    ]  # fmt: skip
+    for arch in ((8, 0), (9, 0)):
+        monkeypatch.setattr(mla_decode, "_capability", lambda device, a=arch: a)
+        shape = MlaShape(10 * arch[0], 32, 512, 64, "16bit", 2, 64, 8, 32768)
+        kept = [mla_decode._config_of(c) for c in mla_decode._prune_for_autotune(configs, args)]
+        assert kept == [c for c in CONFIGS if mla_decode.config_fits(c, shape)]
+        assert MlaConfig(64, 4, 2) not in kept and MlaConfig(64, 8, 2) in kept

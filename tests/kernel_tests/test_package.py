@@ -23,7 +23,12 @@ def test_reexport_is_the_kernel_modules_object(name):
     assert (got.__module__, got.__qualname__) == (f"hybridkv_kernels.{owner}", name)
 
 
-def test_every_wrapper_has_its_reference():
-    wrappers = [n for n in hk.__all__ if not n.endswith("_ref")]
-    assert len(wrappers) == 7
-    assert sorted(hk.__all__) == sorted([*wrappers, *(f"{n}_ref" for n in wrappers)])
+def test_every_wrapper_has_its_reference_and_every_kernel_a_planner():
+    assert len(hk.WRAPPERS) == 7 and len(hk.PLANNERS) == 7
+    refs = [n for n in hk.__all__ if n.endswith("_ref")]
+    assert sorted(refs) == sorted(f"{n}_ref" for n in hk.WRAPPERS)
+    planners = [n for n in hk.__all__ if n.startswith("plan_")]
+    assert sorted(planners) == sorted(hk.PLANNERS)
+    for name in hk.PLANNERS:  # a planner returns a plan with run()
+        plan_cls = getattr(hk, name).__annotations__["return"]
+        assert "Plan" in str(plan_cls), name

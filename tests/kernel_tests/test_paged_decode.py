@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hybridkv.layouts import LAYOUTS
+from hybridkv_kernels import paged_decode as pd
 from hybridkv_kernels.cache_write import write_kv_cache_ref
 from hybridkv_kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
 
@@ -262,3 +263,265 @@ def test_decode_num_splits_must_be_positive(splits):
     q, k, v, tables, seq = _small_case()
     with pytest.raises(ValueError, match="num_splits must be >= 1"):
         paged_decode_attention(q, k, v, tables, seq, 0.25, num_splits=splits, max_seq_len=40)
+
+
+# ---- configs, the default table and the plan / run API ------------------------------------------
+
+
+@pytest.mark.parametrize("config", pd.CONFIGS, ids=str)
+@pytest.mark.parametrize("block_size", [16, 48, 544], ids=lambda b: f"bs{b}")
+def test_every_config_matches_the_reference(config, block_size):
+    """Whatever the table or an autotuner picks computes the same attention: one-segment tiles
+    (the tile inside a page) and tiles of several page segments, with a window and splits."""
+    lens = [1, 2 * block_size + 7, 300]
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
+    _, k_cache, v_cache = synthetic_caches(
+        "packed3-layer1", num_blocks, block_size, 2, 32, 32, torch.float16
+    )
+    tables = _fill(k_cache, v_cache, lens, torch.float16)
+    q = torch.randn(len(lens), 8, 32).half()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    for window, splits in ((None, 1), (70, 3)):
+        out = torch.full((3, 8, 32), float("nan"), dtype=torch.float16)
+        got = paged_decode_attention(
+            q, k_cache, v_cache, tables, seq, 0.2, window, num_splits=splits, out=out,
+            config=config,
+        )  # fmt: skip
+        want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, 0.2, window)
+        assert not got.isnan().any()
+        assert (got.float() - want.float()).abs().max() <= TOL[torch.float16]
+
+
+def test_many_splits_merge_in_chunks():
+    """64 splits of one long request: the reduce merges them 16 at a time, over several column
+    blocks of the output (head dim 100: not a multiple of the column block)."""
+    block_size, lens = 16, [64 * 128 + 5, 40]
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 2
+    _, k_cache, v_cache = synthetic_caches(
+        "classic", num_blocks, block_size, 1, 100, 100, torch.float32
+    )
+    tables = _fill(k_cache, v_cache, lens, torch.float32)
+    q = torch.randn(2, 2, 100)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    plan = pd.plan_decode(
+        tables, seq, num_heads=2, num_kv_heads=1, head_dim=100, block_size=block_size,
+        cache_dtype=torch.float32, q_dtype=torch.float32, scale=0.1, max_seq_len=max(lens),
+        num_splits=80,
+    )  # fmt: skip
+    assert plan.num_splits == 65  # splits of whole 128-token tiles: cdiv(8197, 128)
+    out = torch.full((2, 2, 100), float("nan"))
+    plan.run(q, k_cache, v_cache, out=out)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, 0.1)
+    assert (out - want).abs().max() <= TOL[torch.float32]
+
+
+def _plan_for(k_cache, tables, lens, q, **kw):
+    return pd.plan_decode(
+        tables, torch.tensor(lens, dtype=torch.int32), num_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[2], head_dim=q.shape[2], block_size=k_cache.shape[1],
+        cache_dtype=k_cache.dtype, q_dtype=q.dtype, scale=0.25, max_seq_len=max(lens), **kw,
+    )  # fmt: skip
+
+
+def test_one_plan_serves_every_layer():
+    """Two layers of one packed page (layers 0 and 1 of ``packed3``): one plan, one run each,
+    each against its own reference; the partial buffers are reused between the runs."""
+    lens, bs = [97, 3, 330], 16
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    backing, k1, v1 = synthetic_caches("packed3-layer1", num_blocks, bs, 2, 32, 32, torch.float16)
+    page = k1.stride(0)
+    layer = page // 3
+    k0 = torch.as_strided(backing, k1.shape, k1.stride(), 0)
+    v0 = torch.as_strided(backing, v1.shape, v1.stride(), v1.storage_offset() - layer)
+    tables = _fill(k1, v1, lens, torch.float16)
+    for b, n in enumerate(lens):  # layer 0's K/V of the same tokens
+        pos = torch.arange(n)
+        blocks = tables[b, pos // bs].long()
+        k0[blocks, pos % bs] = torch.randn(n, 2, 32).half()
+        v0[blocks, pos % bs] = torch.randn(n, 2, 32).half()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    plan = _plan_for(k1, tables, lens, torch.empty(3, 8, 32, dtype=torch.float16), num_splits=2)
+    for k, v in ((k0, v0), (k1, v1)):
+        q = torch.randn(3, 8, 32).half()
+        out = torch.full((3, 8, 32), float("nan"), dtype=torch.float16)
+        assert plan.run(q, k, v, out=out) is out
+        want = paged_decode_attention_ref(q, k, v, tables, seq, 0.25)
+        assert (out.float() - want.float()).abs().max() <= TOL[torch.float16]
+
+
+def test_run_rejects_what_the_plan_was_not_made_for():
+    q, k, v, tables, seq = _small_case()
+    plan = _plan_for(k, tables, seq.tolist(), q)
+    with pytest.raises(ValueError, match=r"q must be \[2, 4, 16\] torch.float32"):
+        plan.run(q.half(), k, v)
+    with pytest.raises(ValueError, match=r"q must be \[2, 4, 16\]"):
+        plan.run(q[:1], k, v)
+    with pytest.raises(ValueError, match=r"k_cache/v_cache must be \[num_blocks, 16, 2, 16/16\]"):
+        plan.run(q, k[:, :8], v[:, :8])
+    with pytest.raises(ValueError, match="out must be"):
+        plan.run(q, k, v, out=torch.empty(2, 4, 15))
+    k8 = torch.zeros(k.shape, dtype=torch.float8_e4m3fn)
+    plan8 = _plan_for(k8, tables, seq.tolist(), q)
+    with pytest.raises(ValueError, match="an fp8 cache needs k_scale: a float32 tensor"):
+        plan8.run(q, k8, k8.clone(), k_scale=torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_plan_choices():
+    """What the plan decides: a table config, one split (no partials, no second launch) when
+    the batch fills the GPU, the splits choose_num_splits gives otherwise."""
+    q, k, _, tables, seq = _small_case()
+    plan = _plan_for(k, tables, seq.tolist(), q)
+    assert plan.config in pd.CONFIGS and plan.config_source
+    assert plan.num_splits == 1 and plan.part_acc is None
+    big = torch.zeros(1, 200, dtype=torch.int32)
+    plan = _plan_for(k, big, [3072], q[:1])
+    assert plan.num_splits == pd.choose_num_splits(1, 2, 3072) == 12  # 256 tokens each
+    assert plan.part_acc.shape == (1, 4, 12, 16)
+    # plans of other dtypes never share a compiled kernel in the direct launcher
+    half = _plan_for(k.half(), tables, seq.tolist(), q.half())
+    assert half._launch_key != _plan_for(k, tables, seq.tolist(), q)._launch_key
+    with pytest.raises(ValueError, match="not one of CONFIGS"):
+        _plan_for(k, tables, seq.tolist(), q, config=pd.DecodeConfig(8, 1, 1))
+    with pytest.raises(ValueError, match="autotune=True needs a GPU"):
+        _plan_for(k, tables, seq.tolist(), q, autotune=True)
+    with pytest.raises(ValueError, match="validate=True checks block ids: pass num_blocks"):
+        _plan_for(k, tables, seq.tolist(), q, validate=True)
+
+
+def _shapes_matching(rule):
+    for arch in (80, 90):
+        for page_align in (1, 2, 4, 8, 16, 32, 64, 128):
+            for head_dim in (16, 32, 64, 128, 256, 512):
+                for cache in ("16bit", "fp32", "fp8", "fp8-bytes"):
+                    for work in (1, 8, 64, 1024):
+                        shape = pd.DecodeShape(arch, page_align, 4, head_dim, cache, work, 4096)
+                        if rule.matches(shape):
+                            yield shape
+
+
+def test_table_rows_are_candidates_and_fit_the_common_shapes():
+    """Every row's config is one autotuning would try, and fits every shape of 16-bit or
+    hardware-fp8 caches at the measured head dims (128, 256) that the row can match; for any
+    head dim up to 256 the table's choice fits (a row whose config does not fit a shape falls
+    through to the next row that does)."""
+    for rule in pd._TABLE:
+        assert rule.config in pd.CONFIGS, rule
+        assert rule.source, rule
+        for shape in _shapes_matching(rule):
+            if shape.head_dim in (128, 256) and shape.cache in ("16bit", "fp8"):
+                assert pd.config_fits(rule.config, shape), (rule.config, shape)
+            if shape.head_dim <= 256:  # attention heads; MLA's 576-wide latent has its kernel
+                config, _ = pd.choose_config(shape)
+                assert pd.config_fits(config, shape)
+
+
+def test_measured_rows_pick_the_measured_configs():
+    """The H200 sweep's winners: 16-token pages 16/2/4 (batch 1: 16/4/4), 256-token pages at head
+    dim 128: 128/4/2, 576-token pages at head dim 256: 32/4/3."""
+
+    def pick(block_size, head_dim, work):
+        return pd.choose_config(
+            pd.decode_shape(
+                device=torch.device("cpu"), block_size=block_size, group=8,
+                head_dim_k=head_dim, head_dim_v=head_dim, cache_dtype=torch.bfloat16,
+                batch=work, num_kv_heads=1, max_seq_len=8192,
+            )
+        )[0]  # fmt: skip
+
+    assert pick(16, 256, 128) == pd.DecodeConfig(16, 2, 4)
+    assert pick(1040, 128, 512) == pd.DecodeConfig(16, 2, 4)  # 16-token segments of big pages
+    assert pick(16, 256, 2) == pd.DecodeConfig(16, 4, 4)
+    assert pick(256, 128, 128) == pd.DecodeConfig(128, 4, 2)
+    assert pick(576, 256, 128) == pd.DecodeConfig(32, 4, 3)
+
+
+def test_launcher_skips_triton_binding_once_a_specialisation_is_compiled(monkeypatch):
+    """``_Launcher`` with a stand-in for a compiled kernel (the interpreter has none): the first
+    call of a key goes through ``fn[grid]``, later ones call the compiled kernel's launcher with
+    every parameter in order (constexprs last), a new key compiles again, and launch hooks
+    force Triton's path (which calls them)."""
+    import triton
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *a):
+            calls.append(("direct", a))
+
+    class Fn:
+        arg_names = ("x_ptr", "n", "BLOCK", "FLAG")
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                calls.append(("triton", grid, args, meta))
+                return Compiled()
+
+            return launch
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 1234
+
+    monkeypatch.setattr(pd, "_DIRECT_LAUNCH", True)
+    monkeypatch.setattr(type(triton.runtime.driver), "active", property(lambda self: Driver()))
+    launcher = pd._Launcher(Fn())
+    meta = {"BLOCK": 16, "FLAG": True, "num_warps": 2}
+    launcher((3, 1, 1), ("a",), ("X", 7), meta)
+    launcher((3, 1, 1), ("a",), ("Y", 8), meta)
+    launcher((5, 2, 1), ("b",), ("Z", 9), meta)
+    assert [c[0] for c in calls] == ["triton", "direct", "triton"]
+    assert calls[1][1] == (
+        3,
+        1,
+        1,
+        1234,
+        "function",
+        "metadata",
+        None,
+        None,
+        None,
+        "Y",
+        8,
+        16,
+        True,
+    )
+    hook = triton.knobs.runtime.launch_enter_hook
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    launcher((3, 1, 1), ("a",), ("W", 1), meta)
+    assert calls[-1][0] == "triton"
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", hook)
+    monkeypatch.setattr(pd, "_DIRECT_LAUNCH", False)
+    fresh = pd._Launcher(Fn())
+    fresh((1, 1, 1), ("c",), ("V", 2), meta)
+    fresh((1, 1, 1), ("c",), ("V", 2), meta)
+    assert [c[0] for c in calls[-2:]] == ["triton", "triton"]
+
+
+@pytest.mark.parametrize("q_scale", [1.0, 3e3, 1e-4], ids=["unit", "large", "small"])
+@pytest.mark.parametrize("software", [False, True], ids=["hw-convert", "byte-decode"])
+def test_fp8_cache_with_bf16_queries_runs_its_dots_in_fp16(q_scale, software, monkeypatch):
+    """A bf16 query over an fp8 cache is scaled by a power of two into fp16's range and the dots
+    run in fp16 (one conversion instruction a pair of fp8 values, where bf16 takes four): the
+    result stays within bf16's rounding of the float32 reference, for queries far above fp16's
+    largest value (3e3 x randn: a near one-hot softmax) and far below its smallest normal."""
+    if software:
+        monkeypatch.setattr(pd, "_fp8e4_in_hardware", lambda device: False)
+    dtype = torch.float8_e4m3fn
+    k8, v8 = _fp8_caches(20, 16, 2, 64, dtype)
+    lens = [70, 9, 130]
+    tables = _fill(k8, v8, lens, dtype)
+    q = (torch.randn(3, 4, 64) * q_scale).to(torch.bfloat16)
+    ks, vs = torch.tensor(0.5), torch.tensor(0.25)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    plan = _plan_for(k8, tables, lens, q)
+    assert plan._constexprs["Q_TO_F16"]
+    got = plan.run(q, k8, v8, ks, vs)
+    want = paged_decode_attention_ref(q, k8, v8, tables, seq, 0.25, k_scale=ks, v_scale=vs)
+    assert not torch.isnan(got).any()
+    err = (got.float() - want.float()).abs().max().item()
+    assert err < 2e-2 * want.float().abs().max().item(), err
