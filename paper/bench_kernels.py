@@ -1,28 +1,36 @@
-"""Benchmark the kernels on real layouts: ``python -m paper.bench_kernels [--quick] [--out DIR]``.
+"""Benchmark the kernels on a GPU: ``python -m paper.bench_kernels [--set suite|full]``.
 
-On a GPU it times, with CUDA events, over shapes from the zoo:
+Every case runs on real pages: a memory plan of a zoo model is made and allocated, and the kernel
+reads one layer's views of it (or a flat ``[blocks, block_size, Hkv, D]`` cache for the GQA
+sweep), with block tables of shuffled ids. Beside hybridkv's kernels, on the same caches:
 
-- paged decode attention on every layout's real pages (a plan is made and allocated, and the
-  kernel reads one attention layer's views), on a plain unpacked ``[blocks, 16, H, D]`` cache, and
-  PyTorch's SDPA on contiguous K/V (the bandwidth a non-paged kernel gets);
-- absorbed MLA decode on Kimi-Linear's latent pages in every layout;
-- FlexAttention over PyTorch's own paged cache (``torch.nn.attention.experimental``), where the
-  installed torch has it (failures are listed in the JSON's ``flex_errors``);
-- the state gather / scatter kernels on a GDN or Mamba-2 state pool inside padded pages;
-- the cache-write kernel;
+- vLLM 0.33's Triton unified attention (``paper.peers.vllm_triton``; its files are fetched
+  into a git-ignored folder, never committed), called as vLLM's TritonAttention backend calls
+  it; rows are skipped, with the reason in the JSON's ``skipped``, where it is not fetched;
+- PyTorch's SDPA on contiguous K/V (FlashAttention / cuDNN: what an unpaged kernel gets);
+- with ``--flex``, FlexAttention over PyTorch's own paged cache, where the installed torch has
+  it (it compiles once per shape, tens of seconds each; failures are listed in ``flex_errors``).
 
-and reports achieved GB/s and the fraction of the device's copy bandwidth, measured first with a
-large ``copy_``. Results go to ``paper/results/kernels-<device>.{csv,json}`` with the device, date,
-library versions and git commit.
+Timing: ``triton.testing.do_bench`` medians (it flushes the L2 cache before every repetition).
+hybridkv's kernels are planned once outside the timed call (``plan_*``), as an engine plans once
+per step, so the timed call is what each layer launches; the peers likewise time only what
+their forward launches. Decode and the copy kernels report the share of the device's copy
+bandwidth (a large ``copy_``, read + write counted, measured first) their bytes take:
+``pct_copy = bytes the kernel must read and write / time / copy bandwidth``; prefill reports
+TFLOP/s (``4 * Hq * D`` per visible query-key pair).
 
-Without a GPU it runs the same code under the Triton interpreter at tiny sizes (``--quick``) as a
-smoke test, writing only where ``--out`` says: interpreter timings mean nothing.
+``--set suite`` is the fixed set ``python -m paper.gpu_suite`` runs (a few minutes); ``full``
+sweeps the zoo's models, layouts, batches and contexts. Results go to
+``paper/results/kernels-<device>.{json,csv}`` with the device, date, library versions and git
+commit. Without a GPU, ``--set quick`` runs tiny shapes under the Triton interpreter (a smoke
+test: its timings mean nothing, and it writes only where ``--out`` says).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -33,6 +41,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,366 +52,807 @@ import triton
 
 from hybridkv import models
 from hybridkv.layouts import make_plan
-from hybridkv_kernels.cache_write import write_kv_cache
-from hybridkv_kernels.mla_decode import mla_decode_attention
-from hybridkv_kernels.paged_decode import paged_decode_attention
-from hybridkv_kernels.state_copy import gather_states, scatter_states
+from hybridkv_kernels import cache_write, mla_decode, paged_decode, paged_prefill, state_copy
 
 RESULTS = Path(__file__).parent / "results"
-LAYOUTS = ("inflate", "pack", "aggregate", "per_group", "two_level")
-MODELS = {
-    # name: (decode batches, contexts)
-    "qwen3-next-80b-a3b": ([1, 8, 32, 128, 256], [1024, 8192, 32768, 131072]),
-    "nemotron-h-8b": ([1, 8, 32, 128, 256], [1024, 8192, 32768, 131072]),
-}
-QUICK = {"qwen3.5-0.8b": ([1, 2], [64, 200])}
-#: MLA + linear attention (KDA): the latent-cache decode kernel on every layout
-MLA_MODEL = "kimi-linear-48b-a3b"
-MLA_SHAPES = ([1, 32, 128], [8192, 32768])
-MLA_QUICK = ([1], [130])
 
 
-def _time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs after a warm-up."""
-    fn()
+# ---- the cases ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """One decode step of one attention layer: ``batch`` requests of ``context`` tokens."""
+
+    model: str
+    layout: str  # a plan layout, or "flat" (a [blocks, block_size, Hkv, D] cache)
+    batch: int
+    context: int
+    kv_dtype: str = "bfloat16"
+    block_size: int = 16  # flat caches only
+    heads: tuple[int, int, int] | None = None  # flat caches: (Hq, Hkv, D); None: the model's
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """One chunked-prefill step: request ``r`` brings ``q_lens[r]`` new tokens after
+    ``cached[r]`` cached ones, all causal."""
+
+    model: str
+    layout: str
+    q_lens: tuple[int, ...]
+    cached: tuple[int, ...]
+    kv_dtype: str = "bfloat16"
+    block_size: int = 16
+    heads: tuple[int, int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mla:
+    model: str
+    layout: str
+    batch: int
+    context: int
+    kv_dtype: str = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class States:
+    op: str  # gather | scatter | copy
+    batch: int
+    row_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    model: str
+    tokens: int
+    kv_dtype: str = "bfloat16"
+
+
+QWEN, NEMOTRON, KIMI = "qwen3-next-80b-a3b", "nemotron-h-8b", "kimi-linear-48b-a3b"
+
+
+def suite_cases() -> list:
+    """The fixed set of the GPU suite: every page size the plans of Qwen3-Next (16, 64, 192, 576)
+    and Nemotron-H (16, 272, 528, 1040) produce, head dims 256 and 128, GQA 1-16, batch 1 at
+    long context, fp8 against bf16, MLA, the copy kernels, and the prefill goals of issue 28."""
+    cases: list = []
+    for model, layouts in (
+        (QWEN, ("per_group", "aggregate", "pack", "inflate")),
+        (NEMOTRON, ("per_group", "aggregate", "pack", "inflate")),
+    ):
+        for layout in layouts:
+            for batch, ctx in ((8, 32768), (64, 8192)):
+                cases.append(Decode(model, layout, batch, ctx))
+    cases += [
+        Decode(QWEN, "per_group", 1, 32768),
+        Decode(QWEN, "per_group", 1, 131072),
+        Decode(QWEN, "per_group", 256, 4096),
+        Decode(NEMOTRON, "per_group", 1, 32768),
+        Decode(QWEN, "flat", 64, 8192, heads=(8, 8, 128)),  # GQA 1
+        Decode(QWEN, "flat", 64, 8192, heads=(32, 2, 128)),  # GQA 16
+        Decode(QWEN, "per_group", 64, 8192, kv_dtype="float8_e4m3fn"),
+        Decode(NEMOTRON, "per_group", 64, 8192, kv_dtype="float8_e4m3fn"),
+    ]
+    for model, large in ((QWEN, "inflate"), (NEMOTRON, "aggregate")):
+        for layout in ("per_group", large):
+            cases += [
+                Prefill(model, layout, (8192,), (0,)),
+                Prefill(model, layout, (4608, 2048, 1024, 512), (0, 0, 0, 0)),
+                Prefill(model, layout, (2048,), (30720,)),
+            ]
+    cases += [
+        Prefill(QWEN, "per_group", (8192,), (0,), kv_dtype="float8_e4m3fn"),
+        Prefill(QWEN, "flat", (8192,), (0,), heads=(8, 8, 128)),  # GQA 1
+        Prefill(QWEN, "flat", (8192,), (0,), block_size=64, heads=(32, 2, 128)),  # GQA 16
+    ]
+    for layout in ("per_group", "aggregate"):
+        for batch, ctx in ((8, 8192), (8, 32768), (64, 32768)):
+            cases.append(Mla(KIMI, layout, batch, ctx))
+    for op in ("gather", "scatter", "copy"):
+        for batch in (8, 64, 256):
+            cases.append(States(op, batch, 1 << 20))
+    cases += [Write(QWEN, n) for n in (256, 4096, 32768)]
+    return cases
+
+
+def full_cases() -> list:
+    """The zoo sweep: every layout, batches 1-256, contexts 1k-128k."""
+    cases: list = []
+    for model in (QWEN, NEMOTRON):
+        for layout in ("per_group", "two_level", "aggregate", "pack", "inflate"):
+            for batch in (1, 8, 32, 128, 256):
+                for ctx in (1024, 8192, 32768, 131072):
+                    cases.append(Decode(model, layout, batch, ctx))
+    for layout in ("per_group", "two_level", "aggregate", "pack", "inflate"):
+        for batch, ctx in ((1, 32768), (8, 8192), (8, 32768), (64, 32768)):
+            cases.append(Mla(KIMI, layout, batch, ctx))
+    return cases + [c for c in suite_cases() if not isinstance(c, Decode | Mla)]
+
+
+def quick_cases() -> list:
+    """Tiny shapes for the CPU smoke test (interpreter)."""
+    tiny = "qwen3.5-0.8b"
+    return [
+        Decode(tiny, "per_group", 2, 70, kv_dtype="float16"),
+        Decode(tiny, "inflate", 1, 130, kv_dtype="float16"),
+        Decode(tiny, "flat", 2, 64, kv_dtype="float16", heads=(4, 2, 32)),
+        Prefill(tiny, "per_group", (20, 7), (0, 40), kv_dtype="float16"),
+        Mla(KIMI, "per_group", 1, 70, kv_dtype="float16"),
+        States("gather", 2, 4096),
+        States("scatter", 2, 4096),
+        States("copy", 2, 4096),
+        Write(tiny, 16, kv_dtype="float16"),
+    ]
+
+
+SETS = {"suite": suite_cases, "full": full_cases, "quick": quick_cases}
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, reps: int | None = None) -> float:
+    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on a GPU (L2 flushed before
+    each repetition); a host timer under the interpreter (meaningless, for the smoke test)."""
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+        rep = 100 if reps is None else reps
+        return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(reps or 1):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
 
 
-def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a device-to-device ``copy_`` (read + write counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _time(lambda: dst.copy_(src), device, reps)
+    return 2 * nbytes / (time_ms(lambda: dst.copy_(src), device, reps=200) / 1e3)
 
 
-def _plan_for(model, layout: str, batch: int, ctx: int, device):
-    """The smallest plan of ``layout`` for ``batch`` requests of ``ctx`` tokens in whole blocks,
-    and its buffers allocated on ``device``."""
-    plan = make_plan(model, layout, fit_tokens=batch * ctx, max_num_seqs=batch)
-    whole_blocks = batch * math.ceil(ctx / plan.block_size) * plan.block_size
-    if whole_blocks > batch * ctx:
-        plan = make_plan(model, layout, fit_tokens=whole_blocks, max_num_seqs=batch)
-    return plan, plan.allocate(device, fill=0)
+# ---- building caches ---------------------------------------------------------------------------
 
 
-def _random_tables(num_blocks: int, block_size: int, batch: int, ctx: int, device):
-    """Block tables of distinct shuffled ids (never the null block 0), None if too few."""
-    per_req = math.ceil(ctx / block_size)
-    usable = num_blocks - 1
-    if batch * per_req > usable:
-        return None
-    ids = torch.randperm(usable, device=device)[: batch * per_req] + 1
-    return ids.view(batch, per_req).to(torch.int32)
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
 
 
-def _decode_case(model_name, layout, batch, ctx, device, dtype, reps):
-    model = models.load(model_name, kv_dtype="bfloat16" if dtype == torch.bfloat16 else "float16")
-    spec = model.attention_layers[0].spec
-    hq, hkv, d = spec.heads_per_rank, spec.kv_heads_per_rank, spec.head_dim
-    if layout == "unpacked":
-        block_size = 16
-        num_blocks = batch * math.ceil(ctx / block_size) + 1
-        k_cache = torch.randn(num_blocks, block_size, hkv, d, device=device).to(dtype)
-        v_cache = torch.randn_like(k_cache)
+def _heads(model_name: str, heads: tuple[int, int, int] | None) -> tuple[int, int, int]:
+    if heads is not None:
+        return heads
+    spec = models.load(model_name).attention_layers[0].spec
+    return spec.heads_per_rank, spec.kv_heads_per_rank, spec.head_dim
+
+
+def _plan_for(model_name: str, kv_dtype: str, layout: str, tokens: int, seqs: int, device):
+    """The smallest plan of ``layout`` holding ``seqs`` requests of ``tokens / seqs`` tokens in
+    whole blocks, allocated on ``device``."""
+    model = models.load(model_name, kv_dtype=kv_dtype)
+    plan = make_plan(model, layout, fit_tokens=tokens, max_num_seqs=seqs)
+    per_req = math.ceil(tokens / seqs / plan.block_size) * plan.block_size
+    if per_req * seqs > tokens:
+        plan = make_plan(
+            model, layout, fit_tokens=per_req * seqs + plan.block_size, max_num_seqs=seqs
+        )
+    return model, plan, plan.allocate(device, fill=0)
+
+
+def _fill_random(*caches: torch.Tensor) -> None:
+    """Random values (never zeros: they hide unwritten outputs and can run faster)."""
+    for c in caches:
+        if c.dtype.itemsize == 1:
+            c.view(torch.uint8).copy_(torch.randint(0, 0x78, c.shape, dtype=torch.uint8))
+        else:
+            c.normal_()
+
+
+def _kv_caches(case, tokens: int, seqs: int, device):
+    """(k_cache, v_cache) for a decode / prefill case."""
+    dtype = _dtype(case.kv_dtype)
+    if case.layout == "flat":
+        _, hkv, d = _heads(case.model, case.heads)
+        num_blocks = math.ceil(tokens / case.block_size) + seqs + 1
+        pages = torch.empty((num_blocks, 2, case.block_size, hkv, d), dtype=dtype, device=device)
+        k, v = pages[:, 0], pages[:, 1]
     else:
-        plan, buffers = _plan_for(model, layout, batch, ctx, device)
-        k_cache, v_cache = plan.kv_views(buffers, model.attention_layers[0].name)
-        k_cache.normal_()
-        v_cache.normal_()
-        block_size = plan.block_size
-    tables = _random_tables(k_cache.shape[0], block_size, batch, ctx, device)
+        model, plan, buffers = _plan_for(
+            case.model, case.kv_dtype, case.layout, tokens, seqs, device
+        )
+        k, v = plan.kv_views(buffers, model.attention_layers[0].name)
+    _fill_random(k, v)
+    return k, v
+
+
+def random_tables(
+    num_blocks: int, block_size: int, lens: list[int], device
+) -> torch.Tensor | None:
+    """Block tables of distinct shuffled ids (never the null block 0); None if too few."""
+    per_req = [math.ceil(n / block_size) for n in lens]
+    if sum(per_req) > num_blocks - 1:
+        return None
+    ids = torch.randperm(num_blocks - 1, device=device)[: sum(per_req)] + 1
+    tables = torch.zeros((len(lens), max(per_req)), dtype=torch.int32, device=device)
+    start = 0
+    for r, n in enumerate(per_req):
+        tables[r, :n] = ids[start : start + n]
+        start += n
+    return tables
+
+
+def _scales(dtype: torch.dtype, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if dtype.itemsize != 1:
+        return None, None
+    return (torch.full((1,), 0.05, device=device), torch.full((1,), 0.05, device=device))
+
+
+# ---- the runs ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A case's inputs on the device and how to plan, launch and sweep hybridkv's kernel:
+    ``plan(**overrides)`` makes a plan (``config=``, ``num_splits=`` ...), ``launch(plan)`` the
+    timed call, ``candidates(plan)`` the overrides a sweep tries around the default plan,
+    ``info(plan)`` what the plan chose; ``measure`` is ``{"bytes": ...}`` or ``{"flops": ...}``.
+    ``peer`` (if any) makes vLLM's call on the same inputs and ``result`` returns our output."""
+
+    measure: dict
+    block_size: int | None
+    plan: Callable[..., Any]
+    launch: Callable[[Any], Callable[[], object]]
+    candidates: Callable[[Any], list[dict]]
+    info: Callable[[Any], dict]
+    peer: Callable[[], Callable[[], torch.Tensor]] | None = None
+    result: Callable[[], torch.Tensor] | None = None
+
+
+@dataclasses.dataclass
+class Ctx:
+    device: torch.device
+    copy_bw: float  # bytes/s
+    reps: int | None
+    rows: list[dict]
+    skipped: list[str]
+    flex_errors: list[str]
+    peers: bool = True
+    # FlexAttention compiles once per shape (tens of seconds each): opt-in
+    flex: bool = False
+
+    def row(self, case, impl: str, ms: float, **extra) -> dict:
+        r = {"case": type(case).__name__.lower(), **dataclasses.asdict(case), "impl": impl}
+        r.update(ms=ms, **extra)
+        if "bytes" in extra:
+            r["gbps"] = extra["bytes"] / (ms / 1e3) / 1e9
+            r["pct_copy"] = 100 * extra["bytes"] / (ms / 1e3) / self.copy_bw
+        if "flops" in extra:
+            r["tflops"] = extra["flops"] / (ms / 1e3) / 1e12
+        self.rows.append(r)
+        return r
+
+
+def _vllm(hq: int, hkv: int, d: int, scale: float, device):
+    from paper.peers import vllm_triton
+
+    if not vllm_triton.available():
+        raise LookupError(f"vLLM's Triton attention is not fetched ({vllm_triton.FETCH_COMMAND})")
+    return vllm_triton.VllmTritonAttention(hq, hkv, d, scale, device=device)
+
+
+def _q_dtype(device: torch.device) -> torch.dtype:
+    # bf16 on a GPU (the models' dtype); fp16 under the interpreter, whose bf16 dots are wrong
+    return torch.bfloat16 if device.type == "cuda" else torch.float16
+
+
+def _splits_around(default: int) -> list[int]:
+    return sorted({1, max(1, default // 2), default, 2 * default, 4 * default} - {default})
+
+
+def prepare_decode(case: Decode, device) -> Prepared | None:
+    hq, hkv, d = _heads(case.model, case.heads)
+    lens = [case.context] * case.batch
+    k, v = _kv_caches(case, case.batch * case.context, case.batch, device)
+    tables = random_tables(k.shape[0], k.shape[1], lens, device)
     if tables is None:
         return None
-    seq = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    q = torch.randn(batch, hq, d, device=device).to(dtype)
-    fn = lambda: paged_decode_attention(q, k_cache, v_cache, tables, seq, d**-0.5, max_seq_len=ctx)
-    seconds = _time(fn, device, reps)
-    # bytes one layer's decode must read: K and V of every request (plus q and out, negligible)
-    moved = batch * ctx * hkv * 2 * d * k_cache.element_size()
-    return {"block_size": block_size, "seconds": seconds, "bytes": moved, "hq": hq, "hkv": hkv}
+    seq = torch.tensor(lens, dtype=torch.int32, device=device)
+    q_dtype = _q_dtype(device)
+    q = torch.randn(case.batch, hq, d, device=device).to(q_dtype)
+    k_scale, v_scale = _scales(k.dtype, device)
+    out = torch.empty(case.batch, hq, d, dtype=q_dtype, device=device)
+
+    def plan(**overrides):
+        return paged_decode.plan_decode(
+            tables, seq, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=k.shape[1],
+            cache_dtype=k.dtype, q_dtype=q_dtype, scale=d**-0.5, max_seq_len=case.context,
+            **overrides,
+        )  # fmt: skip
+
+    def candidates(default) -> list[dict]:
+        # every config, those the fit rule drops too (a measured spill may still be fastest)
+        splits = [default.num_splits, *_splits_around(default.num_splits)]
+        configs = [default.config, *(c for c in paged_decode.CONFIGS if c != default.config)]
+        return [{"config": c, "num_splits": n} for c in configs for n in splits][1:]
+
+    def peer():
+        return _vllm(hq, hkv, d, d**-0.5, device).prepare(q, k, v, tables, seq)
+
+    return Prepared(
+        measure={"bytes": case.batch * case.context * hkv * 2 * d * k.element_size()},
+        block_size=k.shape[1],
+        plan=plan,
+        launch=lambda p: lambda: p.run(q, k, v, k_scale, v_scale, out=out),
+        candidates=candidates,
+        info=lambda p: {
+            "config": str(p.config),
+            "config_source": p.config_source,
+            "num_splits": p.num_splits,
+        },
+        peer=peer if k.dtype == q_dtype else None,
+        result=lambda: out,
+    )
 
 
-def _mla_case(layout, batch, ctx, device, dtype, reps):
-    """Absorbed MLA decode over one MLA layer's latent view in a real plan of Kimi-Linear."""
-    model = models.load(MLA_MODEL, kv_dtype="bfloat16" if dtype == torch.bfloat16 else "float16")
+def _causal_pairs(q_lens, cached) -> int:
+    """Query-key pairs a causal prefill computes: each new token sees the cached ones and the
+    new ones up to itself."""
+    return sum(n * c + n * (n + 1) // 2 for n, c in zip(q_lens, cached))
+
+
+def prepare_prefill(case: Prefill, device) -> Prepared | None:
+    hq, hkv, d = _heads(case.model, case.heads)
+    lens = [n + c for n, c in zip(case.q_lens, case.cached)]
+    k, v = _kv_caches(case, sum(lens), len(lens), device)
+    tables = random_tables(k.shape[0], k.shape[1], lens, device)
+    if tables is None:
+        return None
+    q_dtype = _q_dtype(device)
+    total = sum(case.q_lens)
+    q = torch.randn(total, hq, d, device=device).to(q_dtype)
+    cu = torch.tensor([0, *torch.tensor(case.q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu, seq = cu.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+    k_scale, v_scale = _scales(k.dtype, device)
+    out = torch.empty(total, hq, d, dtype=q_dtype, device=device)
+
+    def plan(**overrides):
+        return paged_prefill.plan_prefill(
+            tables, cu, seq, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=k.shape[1],
+            cache_dtype=k.dtype, q_dtype=q_dtype, scale=d**-0.5, total_q=total,
+            max_query_len=max(case.q_lens), max_seq_len=max(lens), **overrides,
+        )  # fmt: skip
+
+    def candidates(default) -> list[dict]:
+        return [{"config": c} for c in paged_prefill.CONFIGS if c != default.config]
+
+    def peer():
+        return _vllm(hq, hkv, d, d**-0.5, device).prepare(q, k, v, tables, seq, cu)
+
+    return Prepared(
+        measure={"flops": 4 * hq * d * _causal_pairs(case.q_lens, case.cached)},
+        block_size=k.shape[1],
+        plan=plan,
+        launch=lambda p: lambda: p.run(q, k, v, k_scale, v_scale, out=out),
+        candidates=candidates,
+        info=lambda p: {"config": str(p.config), "config_source": p.config_source},
+        peer=peer if k.dtype == q_dtype else None,
+        result=lambda: out,
+    )
+
+
+def prepare_mla(case: Mla, device) -> Prepared | None:
+    model, plan_, buffers = _plan_for(
+        case.model, case.kv_dtype, case.layout, case.batch * case.context, case.batch, device
+    )
     spec = model.attention_layers[0].spec
-    plan, buffers = _plan_for(model, layout, batch, ctx, device)
-    cache, _ = plan.kv_views(buffers, model.attention_layers[0].name)
-    cache.normal_()
-    tables = _random_tables(cache.shape[0], plan.block_size, batch, ctx, device)
+    cache, _ = plan_.kv_views(buffers, model.attention_layers[0].name)
+    _fill_random(cache)
+    lens = [case.context] * case.batch
+    tables = random_tables(cache.shape[0], plan_.block_size, lens, device)
     if tables is None:
         return None
-    seq = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    seq = torch.tensor(lens, dtype=torch.int32, device=device)
     heads = spec.num_heads // spec.tp_size
-    q_nope = torch.randn(batch, heads, spec.kv_lora_rank, device=device).to(dtype)
-    q_pe = torch.randn(batch, heads, spec.qk_rope_head_dim, device=device).to(dtype)
+    q_dtype = _q_dtype(device)
+    q_nope = torch.randn(case.batch, heads, spec.kv_lora_rank, device=device).to(q_dtype)
+    q_pe = torch.randn(case.batch, heads, spec.qk_rope_head_dim, device=device).to(q_dtype)
     scale = (spec.kv_lora_rank + spec.qk_rope_head_dim) ** -0.5
-    fn = lambda: mla_decode_attention(q_nope, q_pe, cache, tables, seq, scale, max_seq_len=ctx)
-    seconds = _time(fn, device, reps)
-    moved = batch * ctx * spec.latent_dim * cache.element_size()
-    return {"block_size": plan.block_size, "seconds": seconds, "bytes": moved, "hq": heads}
+    out = torch.empty_like(q_nope)
+    k_scale = _scales(cache.dtype, device)[0]
+
+    def plan(**overrides):
+        return mla_decode.plan_mla_decode(
+            tables, seq, num_heads=heads, kv_lora_rank=spec.kv_lora_rank,
+            qk_rope_head_dim=spec.qk_rope_head_dim, block_size=plan_.block_size,
+            cache_dtype=cache.dtype, q_dtype=q_dtype, scale=scale, max_seq_len=case.context,
+            **overrides,
+        )  # fmt: skip
+
+    def candidates(default) -> list[dict]:
+        # every config: the measured-fastest 64/4/2 spills, and the fit rule drops it
+        splits = [default.num_splits, *_splits_around(default.num_splits)]
+        configs = [default.config, *(c for c in mla_decode.CONFIGS if c != default.config)]
+        return [{"config": c, "num_splits": n} for c in configs for n in splits][1:]
+
+    return Prepared(
+        measure={"bytes": case.batch * case.context * spec.latent_dim * cache.element_size()},
+        block_size=plan_.block_size,
+        plan=plan,
+        launch=lambda p: lambda: p.run(q_nope, q_pe, cache, k_scale, out=out),
+        candidates=candidates,
+        info=lambda p: {
+            "config": str(p.config),
+            "config_source": p.config_source,
+            "num_splits": p.num_splits,
+        },
+    )
 
 
-def _flex_paged_case(model_name, batch, ctx, device, dtype, reps):
-    """PyTorch FlexAttention over its own paged cache (``torch.nn.attention.experimental``),
-    compiled; None where this torch or device lacks it."""
+def prepare_states(case: States, device) -> Prepared:
+    """A pool of 2-byte elements whose slots are ``row_bytes`` apart, shuffled slot ids."""
+    row = case.row_bytes // 2
+    slots = 2 * case.batch + 1
+    pool = torch.randn(slots, row, device=device).to(torch.bfloat16)
+    ids = (torch.randperm(slots - 1, device=device)[: 2 * case.batch] + 1).to(torch.int32)
+    src, dst = ids[: case.batch], ids[case.batch :]
+    rows = torch.randn(case.batch, row, device=device).to(torch.bfloat16)
+    kw = dict(row_shape=(row,), num_slots=slots, dtype=pool.dtype)
+    maker = getattr(state_copy, f"plan_{case.op}_states")
+    slot_args = (src, dst) if case.op == "copy" else ((dst,) if case.op == "scatter" else (src,))
+
+    def launch(p):
+        return (lambda: p.run(pool)) if case.op == "copy" else (lambda: p.run(pool, rows))
+
+    def candidates(default) -> list[dict]:
+        return [{"config": c} for c in state_copy.CONFIGS if c != default.config]
+
+    return Prepared(
+        measure={"bytes": 2 * case.batch * case.row_bytes},
+        block_size=None,
+        plan=lambda **o: maker(*slot_args, **kw, **o),
+        launch=launch,
+        candidates=candidates,
+        info=lambda p: {"config": str(p.config), "config_source": p.config_source},
+    )
+
+
+def prepare_write(case: Write, device) -> Prepared:
+    model, plan_, buffers = _plan_for(
+        case.model, case.kv_dtype, "pack", 2 * case.tokens, 1, device
+    )
+    spec = model.attention_layers[0].spec
+    k_cache, v_cache = plan_.kv_views(buffers, model.attention_layers[0].name)
+    dtype = _q_dtype(device)
+    key = torch.randn(case.tokens, spec.kv_heads_per_rank, spec.head_dim, device=device).to(dtype)
+    value = torch.randn_like(key)
+    slots = torch.randperm(k_cache.shape[0] * k_cache.shape[1] - plan_.block_size, device=device)
+    slots = slots[: case.tokens] + plan_.block_size
+    k_scale, v_scale = _scales(k_cache.dtype, device)
+    kw = dict(
+        num_heads=spec.kv_heads_per_rank, head_dim=spec.head_dim, block_size=plan_.block_size,
+        num_blocks=k_cache.shape[0], key_dtype=dtype, cache_dtype=k_cache.dtype,
+    )  # fmt: skip
+
+    def candidates(default) -> list[dict]:
+        return [{"config": c} for c in cache_write.CONFIGS if c != default.config]
+
+    return Prepared(
+        measure={"bytes": key.numel() * (2 * key.element_size() + 2 * k_cache.element_size())},
+        block_size=plan_.block_size,
+        plan=lambda **o: cache_write.plan_write_kv_cache(slots, **kw, **o),
+        launch=lambda p: lambda: p.run(key, value, k_cache, v_cache, k_scale, v_scale),
+        candidates=candidates,
+        info=lambda p: {"config": str(p.config), "config_source": p.config_source},
+    )
+
+
+PREPARE = {
+    Decode: prepare_decode,
+    Prefill: prepare_prefill,
+    Mla: prepare_mla,
+    States: prepare_states,
+    Write: prepare_write,
+}
+
+
+def run_prepared(case, ctx: Ctx) -> None:
+    """hybridkv's kernel on its default plan, then vLLM's on the same inputs (where it has the
+    kernel), with the largest difference between the two outputs."""
+    prep = PREPARE[type(case)](case, ctx.device)
+    if prep is None:
+        ctx.skipped.append(f"{case}: the plan has too few blocks")
+        return
+    plan = prep.plan()
+    ms = time_ms(prep.launch(plan), ctx.device, ctx.reps)
+    ctx.row(case, "hybridkv", ms, block_size=prep.block_size, **prep.measure, **prep.info(plan))
+    if isinstance(case, States) and case.op != "copy":
+        run_torch_states(case, ctx)
+    if not (ctx.peers and prep.peer):
+        return
+    try:
+        peer = prep.peer()
+    except LookupError as e:
+        ctx.skipped.append(f"vllm_triton: {e}")
+        return
+    theirs = peer().float()
+    diff = (theirs - prep.result().float()).abs().max().item()
+    ms = time_ms(peer, ctx.device, ctx.reps)
+    ctx.row(
+        case, "vllm_triton", ms, block_size=prep.block_size, max_abs_diff_vs_hybridkv=diff,
+        **prep.measure,
+    )  # fmt: skip
+
+
+def run_torch_states(case: States, ctx: Ctx) -> None:
+    """``index_select`` / ``index_copy_`` on the same pool and batch: torch's own copies."""
+    device = ctx.device
+    row = case.row_bytes // 2
+    slots = 2 * case.batch + 1
+    pool = torch.randn(slots, row, device=device).to(torch.bfloat16)
+    ids = torch.randperm(slots - 1, device=device)[: case.batch] + 1
+    rows = torch.randn(case.batch, row, device=device).to(torch.bfloat16)
+    if case.op == "gather":
+        fn = lambda: torch.index_select(pool, 0, ids, out=rows)
+    else:
+        fn = lambda: pool.index_copy_(0, ids, rows)
+    ms = time_ms(fn, device, ctx.reps)
+    ctx.row(case, "torch", ms, bytes=2 * case.batch * case.row_bytes)
+
+
+def sweep_case(row: dict, device, deadline: float) -> list[dict]:
+    """Every candidate plan (configs, split counts) of the case of a benchmark row, until
+    ``deadline``; one result per candidate, the best one flagged, with the default's value."""
+    cls = {"decode": Decode, "prefill": Prefill, "mla": Mla, "states": States, "write": Write}
+    cls = cls[row["case"]]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    case = cls(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in row.items() if k in fields}
+    )
+    prep = PREPARE[cls](case, device)
+    default = prep.plan()
+    metric, unit = ("tflops", "TFLOP/s") if "flops" in prep.measure else ("pct_copy", "% copy")
+
+    def value(ms: float) -> float:
+        if "flops" in prep.measure:
+            return prep.measure["flops"] / (ms / 1e3) / 1e12
+        return row["pct_copy"] * row["ms"] / ms  # same bytes, same copy bandwidth
+
+    base = value(time_ms(prep.launch(default), device))
+    label = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(case).items() if v is not None)
+    out = []
+    for overrides in prep.candidates(default):
+        if time.time() > deadline:
+            out.append({"case": label, "status": "stopped: out of time"})
+            break
+        tried = {k: str(v) for k, v in overrides.items()}
+        try:
+            plan = prep.plan(**overrides)
+            v = value(time_ms(prep.launch(plan), device))
+        except Exception as e:  # a config out of shared memory fails to launch: a result
+            out.append({"case": label, **tried, "status": f"error: {e!r}"[:300]})
+            continue
+        out.append(
+            {"case": label, **prep.info(plan), "value": v, "unit": unit, "metric": metric,
+             "default_config": prep.info(default).get("config"), "default_value": base}
+        )  # fmt: skip
+    measured = [r for r in out if "value" in r]
+    if measured:
+        best = max(measured, key=lambda r: r["value"])
+        if best["value"] > base:
+            best["best"] = True
+    return out
+
+
+def run_case(case, ctx: Ctx, seen_sdpa: set) -> None:
+    run_prepared(case, ctx)
+    if not ctx.peers or getattr(case, "kv_dtype", "") not in ("bfloat16", "float16"):
+        return
+    if isinstance(case, Decode):
+        key = (case.model, case.heads, case.batch, case.context)
+        if key not in seen_sdpa:
+            seen_sdpa.add(key)
+            run_sdpa_decode(case, ctx)
+            if ctx.flex and ctx.device.type == "cuda":
+                run_flex_decode(case, ctx)
+    elif isinstance(case, Prefill):
+        key = (case.model, case.heads, case.q_lens, case.cached)
+        if key not in seen_sdpa:
+            seen_sdpa.add(key)
+            run_sdpa_prefill(case, ctx)
+
+
+def run_sdpa_decode(case: Decode, ctx: Ctx) -> None:
+    """SDPA on contiguous K/V of the same batch, heads and context (no paging)."""
+    device = ctx.device
+    hq, hkv, d = _heads(case.model, case.heads)
+    dtype = _q_dtype(device)
+    k = torch.randn(case.batch, hkv, case.context, d, device=device).to(dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(case.batch, hq, 1, d, device=device).to(dtype)
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    ms = time_ms(fn, device, ctx.reps)
+    moved = case.batch * case.context * hkv * 2 * d * 2
+    ctx.row(dataclasses.replace(case, layout="contiguous"), "torch_sdpa", ms, bytes=moved)
+
+
+def run_flex_decode(case: Decode, ctx: Ctx) -> None:
+    """FlexAttention over PyTorch's own paged cache (128-token pages), compiled."""
+    device = ctx.device
     try:
         from torch.nn.attention.experimental._paged_attention import PagedAttention
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    except ImportError:
-        return None
-    model = models.load(model_name)
-    spec = model.attention_layers[0].spec
-    hq, hkv, d = spec.heads_per_rank, spec.kv_heads_per_rank, spec.head_dim
-    page = 128  # flex's KV block: one page per KV block
-    per_req = math.ceil(ctx / page)
-    n_pages = batch * per_req
-    paged = PagedAttention(n_pages, page, batch, device=str(device))
-    for b in range(batch):  # shuffled pages, as an allocator hands them out
-        paged.reserve(torch.tensor(b, device=device), torch.tensor(ctx, device=device))
-    k_cache = torch.randn(1, hkv, n_pages * page, d, device=device).to(dtype)
-    v_cache = torch.randn_like(k_cache)
-    logical = create_block_mask(
-        lambda b, h, q_idx, kv_idx: kv_idx < ctx,
-        batch,
-        None,
-        1,
-        per_req * page,
-        device=str(device),
-        BLOCK_SIZE=page,
-    )
-    mask = paged.convert_logical_block_mask(logical)
-    score_mod = paged.get_score_mod(None)
-    flex = torch.compile(flex_attention)
-    q = torch.randn(batch, hq, 1, d, device=device).to(dtype)
-    fn = lambda: flex(q, k_cache, v_cache, score_mod=score_mod, block_mask=mask, enable_gqa=True)
-    fn()
-    seconds = _time(fn, device, reps)
-    return {"block_size": page, "seconds": seconds, "bytes": batch * ctx * hkv * 2 * d * 2}
-
-
-def _sdpa_case(model_name, batch, ctx, device, dtype, reps):
-    model = models.load(model_name)
-    spec = model.attention_layers[0].spec
-    hq, hkv, d = spec.heads_per_rank, spec.kv_heads_per_rank, spec.head_dim
-    k = torch.randn(batch, hkv, ctx, d, device=device).to(dtype)
-    v = torch.randn_like(k)
-    q = torch.randn(batch, hq, 1, d, device=device).to(dtype)
-    group = hq // hkv
+    except ImportError as e:
+        ctx.flex_errors.append(f"{case}: {e!r}"[:300])
+        return
+    hq, hkv, d = _heads(case.model, case.heads)
+    batch, length, page = case.batch, case.context, 128
+    per_req = math.ceil(length / page)
     try:
-        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        paged = PagedAttention(batch * per_req, page, batch, device=str(device))
+        for b in range(batch):
+            paged.reserve(torch.tensor(b, device=device), torch.tensor(length, device=device))
+        k = torch.randn(1, hkv, batch * per_req * page, d, device=device).to(torch.bfloat16)
+        v = torch.randn_like(k)
+        logical = create_block_mask(
+            lambda b, h, q_idx, kv_idx: kv_idx < length, batch, None, 1, per_req * page,
+            device=str(device), BLOCK_SIZE=page,
+        )  # fmt: skip
+        mask = paged.convert_logical_block_mask(logical)
+        score_mod = paged.get_score_mod(None)
+        flex = torch.compile(flex_attention)
+        q = torch.randn(batch, hq, 1, d, device=device).to(torch.bfloat16)
+        fn = lambda: flex(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=True)
         fn()
-    except TypeError:  # torch < 2.5: expand the KV heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    seconds = _time(fn, device, reps)
-    return {"block_size": 0, "seconds": seconds, "bytes": batch * ctx * hkv * 2 * d * 2}
+    except Exception as e:  # an experimental API: record why, keep benchmarking
+        ctx.flex_errors.append(f"{case}: {e!r}"[:300])
+        return
+    ms = time_ms(fn, device, ctx.reps)
+    ctx.row(
+        dataclasses.replace(case, layout="flex128"), "torch_flex_paged", ms,
+        bytes=batch * length * hkv * 2 * d * 2, block_size=page,
+    )  # fmt: skip
 
 
-def _state_cases(device, reps, quick):
-    """Gather and scatter a GDN recurrent state pool whose slots sit in padded pages."""
-    model = models.load("qwen3.5-0.8b" if quick else "qwen3-next-80b-a3b")
-    batches = [1, 2] if quick else [1, 8, 32, 128, 256]
-    rows = []
-    for batch in batches:
-        # the smallest plan with ``batch`` states (and one block of KV)
-        plan = make_plan(model, "inflate", fit_tokens=1, max_num_seqs=batch)
-        buffers = plan.allocate(device, fill=0)
-        pool = plan.state_views(buffers, model.state_layers[0].name)["ssm"]
-        slots = (torch.randperm(pool.shape[0] - 1, device=device)[:batch] + 1).to(torch.int32)
-        out = torch.empty((batch, *pool.shape[1:]), dtype=pool.dtype, device=device)
-        moved = 2 * batch * pool[0].numel() * pool.element_size()
-        t = _time(lambda p=pool, s=slots, o=out: gather_states(p, s, o), device, reps)
-        rows.append(
-            {
-                "kernel": "gather_states",
-                "layout": "inflate",
-                "batch": batch,
-                "context": 0,
-                "seconds": t,
-                "bytes": moved,
-            }
-        )
-        t = _time(lambda p=pool, s=slots, o=out: scatter_states(p, s, o), device, reps)
-        rows.append(
-            {
-                "kernel": "scatter_states",
-                "layout": "inflate",
-                "batch": batch,
-                "context": 0,
-                "seconds": t,
-                "bytes": moved,
-            }
-        )
-    return rows
+def run_sdpa_prefill(case: Prefill, ctx: Ctx) -> None:
+    """SDPA (FlashAttention) on contiguous K/V, one request at a time for a varlen batch."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    device = ctx.device
+    hq, hkv, d = _heads(case.model, case.heads)
+    dtype = _q_dtype(device)
+    calls = []
+    for n, c in zip(case.q_lens, case.cached):
+        q = torch.randn(1, hq, n, d, device=device).to(dtype)
+        k = torch.randn(1, hkv, n + c, d, device=device).to(dtype)
+        v = torch.randn_like(k)
+        # queries at the end of their context: a bottom-right aligned causal mask
+        calls.append((q, k, v, None if c == 0 else causal_lower_right(n, n + c)))
+
+    def fn():
+        for q, k, v, mask in calls:
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+            )
+
+    ms = time_ms(fn, device, ctx.reps)
+    flops = 4 * hq * d * _causal_pairs(case.q_lens, case.cached)
+    ctx.row(dataclasses.replace(case, layout="contiguous"), "torch_sdpa", ms, flops=flops)
 
 
-def _write_case(device, dtype, reps, quick):
-    model = models.load("qwen3.5-0.8b" if quick else "qwen3-next-80b-a3b")
-    spec = model.attention_layers[0].spec
-    tokens = 64 if quick else 8192
-    plan = make_plan(model, "pack", fit_tokens=2 * tokens, max_num_seqs=1)
-    buffers = plan.allocate(device, fill=0)
-    k_cache, v_cache = plan.kv_views(buffers, model.attention_layers[0].name)
-    key = torch.randn(tokens, spec.kv_heads_per_rank, spec.head_dim, device=device).to(dtype)
-    value = torch.randn_like(key)
-    slots = torch.randperm(k_cache.shape[0] * k_cache.shape[1] - plan.block_size, device=device)
-    slots = slots[:tokens] + plan.block_size
-    t = _time(lambda: write_kv_cache(key, value, k_cache, v_cache, slots), device, reps)
-    moved = 2 * 2 * key.numel() * key.element_size()
-    return {
-        "kernel": "write_kv_cache",
-        "layout": f"pack({plan.pack_size})",
-        "batch": 1,
-        "context": tokens,
-        "seconds": t,
-        "bytes": moved,
-    }
+# ---- provenance and output ---------------------------------------------------------------------
 
 
-def _git_commit() -> str:
+def git_commit() -> tuple[str, bool]:
+    """HEAD and whether the checkout has uncommitted changes to tracked files."""
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        head = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        dirty = bool(subprocess.check_output(["git", "status", "--porcelain", "-uno"], text=True))
+        return head, dirty
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "unknown", False
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder")
-    parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--max-bytes", type=float, default=0.3, help="fraction of GPU memory")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and args.out is None:
-        parser.error("without a GPU the timings mean nothing: pass --out to a scratch folder")
-    quick = args.quick or device.type == "cpu"
-    reps = args.reps or (3 if quick else 20)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
-    out_dir = args.out or RESULTS
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
-    copy_bw = copy_bandwidth(device, (1 << 20) if quick else (2 << 30), reps)
-    limit = (
-        args.max_bytes * torch.cuda.get_device_properties(0).total_memory
-        if device.type == "cuda"
-        else 1 << 28
-    )
-    rows = []
-    flex_errors: list[str] = []
-    for model_name, (batches, contexts) in (QUICK if quick else MODELS).items():
-        kv_per_token = models.load(model_name).kv_bytes_per_token
-        for batch in batches:
-            for ctx in contexts:
-                if batch * ctx * kv_per_token > limit:
-                    continue
-                for layout in ("unpacked", *LAYOUTS):
-                    r = _decode_case(model_name, layout, batch, ctx, device, dtype, reps)
-                    if r is not None:
-                        rows.append(
-                            {
-                                "kernel": "paged_decode",
-                                "model": model_name,
-                                "layout": layout,
-                                "batch": batch,
-                                "context": ctx,
-                                **r,
-                            }
-                        )
-                if device.type == "cuda":  # compiling flex on the CPU takes minutes
-                    try:
-                        r = _flex_paged_case(model_name, batch, ctx, device, dtype, reps)
-                    except Exception as e:  # experimental API: record why, keep benchmarking
-                        flex_errors.append(f"{model_name} B={batch} ctx={ctx}: {e!r}"[:300])
-                        r = None
-                    if r is not None:
-                        rows.append(
-                            {
-                                "kernel": "flex_paged",
-                                "model": model_name,
-                                "layout": "flex",
-                                "batch": batch,
-                                "context": ctx,
-                                **r,
-                            }
-                        )
-                r = _sdpa_case(model_name, batch, ctx, device, dtype, reps)
-                rows.append(
-                    {
-                        "kernel": "sdpa_contiguous",
-                        "model": model_name,
-                        "layout": "-",
-                        "batch": batch,
-                        "context": ctx,
-                        **r,
-                    }
-                )
-                print(f"{model_name} B={batch} ctx={ctx} done", file=sys.stderr)
-    mla_kv = models.load(MLA_MODEL).kv_bytes_per_token
-    for batch in (MLA_QUICK if quick else MLA_SHAPES)[0]:
-        for ctx in (MLA_QUICK if quick else MLA_SHAPES)[1]:
-            if batch * ctx * mla_kv > limit:
-                continue
-            for layout in LAYOUTS:
-                r = _mla_case(layout, batch, ctx, device, dtype, reps)
-                if r is not None:
-                    rows.append(
-                        {
-                            "kernel": "mla_decode",
-                            "model": MLA_MODEL,
-                            "layout": layout,
-                            "batch": batch,
-                            "context": ctx,
-                            **r,
-                        }
-                    )
-    rows.extend(_state_cases(device, reps, quick))
-    rows.append(_write_case(device, dtype, reps, quick))
-    for r in rows:
-        r["gbps"] = r["bytes"] / r["seconds"] / 1e9
-        r["pct_of_copy_bw"] = 100 * r["bytes"] / r["seconds"] / copy_bw
+def device_meta(device: torch.device, copy_bw: float) -> dict:
+    commit, dirty = git_commit()
     meta = {
-        "device": name,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "device_type": device.type,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": sys.version.split()[0],
-        "commit": _git_commit(),
+        "host": platform.machine(),
+        "commit": commit,
+        "dirty": dirty,
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
-        "dtype": str(dtype),
-        "flex_errors": flex_errors,
     }
-    tag = "cpu-interpreter" if device.type == "cpu" else name.replace(" ", "-")
-    (out_dir / f"kernels-{tag}.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=1)
-    )
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        meta.update(sms=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
+    return meta
+
+
+def device_tag(meta: dict) -> str:
+    return "cpu-interpreter" if meta["device_type"] == "cpu" else meta["device"].replace(" ", "-")
+
+
+def write_results(out_dir: Path, meta: dict, rows: list[dict], **extra) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = device_tag(meta)
+    path = out_dir / f"kernels-{tag}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows, **extra}, indent=1, default=str))
     fields = sorted({k for r in rows for k in r})
     with open(out_dir / f"kernels-{tag}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+    return path
+
+
+def _summary(row: dict) -> str:
+    measure = [f"{row['ms']:.4g} ms"]
+    if "pct_copy" in row:
+        measure.append(f"{row['pct_copy']:.1f}% copy")
+    if "tflops" in row:
+        measure.append(f"{row['tflops']:.1f} TFLOP/s")
+    return f"{row['impl']} {', '.join(measure)}"
+
+
+def run_set(
+    cases: list,
+    device: torch.device,
+    reps: int | None,
+    peers: bool,
+    progress=print,
+    flex: bool = False,
+) -> tuple[dict, list[dict], dict]:
+    """Run ``cases``; returns (meta, rows, extras). Each case's numbers go to ``progress``
+    as they come, so a run cut short still leaves them in its log."""
+    copy_bw = copy_bandwidth(device, (2 << 30) if device.type == "cuda" else (1 << 20))
+    ctx = Ctx(device, copy_bw, reps, [], [], [], peers=peers, flex=flex)
+    seen: set = set()
+    for i, case in enumerate(cases, 1):
+        t0 = time.time()
+        first = len(ctx.rows)
+        run_case(case, ctx, seen)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        numbers = "; ".join(_summary(r) for r in ctx.rows[first:])
+        progress(f"[{i}/{len(cases)}] {case} ({time.time() - t0:.1f} s): {numbers}")
+    return (
+        device_meta(device, copy_bw),
+        ctx.rows,
+        {"skipped": ctx.skipped, "flex_errors": ctx.flex_errors},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=sorted(SETS), default="suite")
+    parser.add_argument("--out", type=Path, default=None, help="output folder")
+    parser.add_argument("--reps", type=int, default=None, help="do_bench's rep (ms) / CPU reps")
+    parser.add_argument("--no-peers", action="store_true", help="hybridkv's kernels only")
+    parser.add_argument(
+        "--flex", action="store_true", help="add FlexAttention decode (compiles per shape)"
+    )
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        if args.out is None:
+            parser.error("without a GPU the timings mean nothing: pass --out to a scratch folder")
+        if args.set != "quick":
+            parser.error("without a GPU only --set quick runs (tiny shapes, interpreter)")
+    meta, rows, extra = run_set(
+        SETS[args.set](), device, args.reps, not args.no_peers, print, flex=args.flex
+    )
+    meta["set"] = args.set
+    path = write_results(args.out or RESULTS, meta, rows, **extra)
     print(json.dumps(meta, indent=1))
-    print(f"{len(rows)} rows -> {out_dir}/kernels-{tag}.csv")
+    print(f"{len(rows)} rows -> {path}")
     return 0
 
 

@@ -165,11 +165,15 @@ def quick_matrix() -> list[Case]:
         c("prefill", dtype="e5m2", d=128, gqa=8, bs=16, win=0, i64=0),
         c("decode", dtype="e5m2", d=64, gqa=4, bs=16, win=0, i64=0),
         c("mla", dtype="bf16", heads=16, bs=64, i64=0),
+        c("mla", dtype="bf16", heads=32, bs=64, i64=0),  # Kimi-Linear at TP1
         c("mla", dtype="e4m3", heads=128, bs=64, i64=0),
         c("mla", dtype="e5m2", heads=64, bs=64, i64=1),
         c("cache_write", dtype="fp16", d=128, heads=8, i64=0),
         c("cache_write", dtype="e4m3", d=256, heads=16, i64=1),
         c("cache_write", dtype="bf16", d=64, heads=1, i64=0),
+        c("cache_write", dtype="e5m2", d=40, heads=3, i64=0),  # rows not a multiple of 16
+        # Qwen3-Next on vLLM's inflated 576-token pages: 64-token segments
+        c("decode", dtype="bf16", d=256, gqa=8, bs=576, win=0, i64=0),
         c("states", op="gather", row="mamba2-ssm", dtype="fp32", i64=1),
         c("states", op="scatter", row="conv-odd", dtype="bf16", i64=0),
         c("states", op="copy", row="conv-odd", dtype="fp16", i64=0),
@@ -251,7 +255,7 @@ def _fp8_scales(dtype: str, device):
     return None
 
 
-def _run_decode(p: dict, meta, index) -> None:
+def _run_decode(p: dict, meta, index, autotune: bool) -> None:
     import torch
 
     from hybridkv_kernels import paged_decode
@@ -277,10 +281,11 @@ def _run_decode(p: dict, meta, index) -> None:
         v_scale=scale,
         max_seq_len=max_len,
         validate=False,
+        autotune=autotune,
     )
 
 
-def _run_prefill(p: dict, meta, index) -> None:
+def _run_prefill(p: dict, meta, index, autotune: bool) -> None:
     import torch
 
     from hybridkv_kernels import paged_prefill
@@ -312,10 +317,11 @@ def _run_prefill(p: dict, meta, index) -> None:
         max_seq_len=max(seq_lens),
         max_query_len=max(q_lens),
         validate=False,
+        autotune=autotune,
     )
 
 
-def _run_mla(p: dict, meta, index) -> None:
+def _run_mla(p: dict, meta, index, autotune: bool) -> None:
     import torch
 
     from hybridkv_kernels import mla_decode
@@ -335,10 +341,11 @@ def _run_mla(p: dict, meta, index) -> None:
         k_scale=_fp8_scales(p["dtype"], meta),
         max_seq_len=max_len,
         validate=False,
+        autotune=autotune,
     )
 
 
-def _run_cache_write(p: dict, meta, index) -> None:
+def _run_cache_write(p: dict, meta, index, autotune: bool) -> None:
     import torch
 
     from hybridkv_kernels import cache_write
@@ -358,10 +365,11 @@ def _run_cache_write(p: dict, meta, index) -> None:
         k_scale=scale,
         v_scale=scale,
         validate=False,
+        autotune=autotune,
     )
 
 
-def _run_states(p: dict, meta, index) -> None:
+def _run_states(p: dict, meta, index, autotune: bool) -> None:
     import math
 
     import torch
@@ -376,13 +384,13 @@ def _run_states(p: dict, meta, index) -> None:
     # slot ids live with the pool (the wrappers check it); they are never read back
     ids = torch.empty(batch, dtype=torch.int32, device=meta)
     if p["op"] == "gather":
-        _call(state_copy.gather_states, pool, ids, validate=False)
+        _call(state_copy.gather_states, pool, ids, validate=False, autotune=autotune)
     elif p["op"] == "scatter":
         src = torch.empty((batch, *shape), dtype=pool.dtype, device=meta)
-        _call(state_copy.scatter_states, pool, ids, src, validate=False)
+        _call(state_copy.scatter_states, pool, ids, src, validate=False, autotune=autotune)
     else:
         dst = torch.empty(batch, dtype=torch.int32, device=meta)
-        _call(state_copy.copy_states, pool, ids, dst, validate=False)
+        _call(state_copy.copy_states, pool, ids, dst, validate=False, autotune=autotune)
 
 
 _BUILDERS: dict[str, Callable] = {
@@ -439,7 +447,8 @@ class _Recorder:
         kwargs = dict(kwargs)
         kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # newer Triton only
+            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
         bound, specialization, options = self.binder(fn)(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(
             self.backend, kwargs, bound, specialization, options
@@ -568,8 +577,10 @@ def _reads_device(exc: BaseException) -> bool:
     return "meta" in text or "item()" in text or "data-dependent" in text
 
 
-def capture(case: Case, arch: int) -> tuple[list[Launch], str]:
-    """The launches of one wrapper call for one arch, and how the index tensors were passed."""
+def capture(case: Case, arch: int, autotune: bool = True) -> tuple[list[Launch], str]:
+    """The launches of one wrapper call for one arch, and how the index tensors were passed.
+    With ``autotune`` the wrappers launch through their autotuners, so every candidate config
+    is captured; without, the one config the default table picks."""
     import torch
 
     _require_compiled_mode()
@@ -578,13 +589,13 @@ def capture(case: Case, arch: int) -> tuple[list[Launch], str]:
         warnings.simplefilter("ignore")
         with _capturing(arch) as rec:
             try:
-                _BUILDERS[case.family](case.p, meta, meta)
+                _BUILDERS[case.family](case.p, meta, meta, autotune)
                 return rec.launches, "meta"
             except (NotImplementedError, RuntimeError, ValueError) as exc:
                 if not _reads_device(exc):
                     raise
             rec.launches.clear()
-            _BUILDERS[case.family](case.p, meta, cpu)
+            _BUILDERS[case.family](case.p, meta, cpu, autotune)
             return rec.launches, "cpu-index (the wrapper reads device tensors back)"
 
 
@@ -618,16 +629,22 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
+def _ptxas_path(arch: int) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch)
+    return ptxas[0] if isinstance(ptxas, tuple) else ptxas.path  # Triton 3.3: (path, version)
+
+
 @functools.lru_cache
 def _tool_versions() -> dict[str, str]:
-    from triton.backends.nvidia.compiler import get_ptxas
 
     def version(path: str) -> str:
         out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
         m = re.search(r"release ([\d.]+), (V[\d.]+)", out)
         return m.group(2) if m else out.strip().splitlines()[-1]
 
-    out = {f"ptxas_sm{a}": version(get_ptxas(a).path) for a in ARCHS}
+    out = {f"ptxas_sm{a}": version(_ptxas_path(a)) for a in ARCHS}
     out["nvdisasm"] = version(_tool("nvdisasm"))
     return out
 
@@ -642,9 +659,9 @@ def _analysis_dir() -> Path:
 
 def _ptxas_verbose(ptx: str, arch: int, options: dict) -> dict:
     """Run the ptxas Triton used for this arch with Triton's flags and ``-v``."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
 
-    ptxas = get_ptxas(arch).path
+    ptxas = _ptxas_path(arch)
     flags = ["-lineinfo", "-v", "--regAllocOptLevel=2"]
     if not options.get("enable_fp_fusion", True):
         flags.append("--fmad=false")
@@ -795,14 +812,28 @@ def _is_dot(line: str) -> bool:
     return " tt.dot " in line or "warp_group_dot" in line or "tc_gen5_mma" in line
 
 
+def _jit_function(kernel: str):
+    """The JITFunction named ``module:qualname`` (under its autotuner/heuristics wrappers)."""
+    import importlib
+
+    from triton.runtime.jit import JITFunction
+
+    module, qualname = kernel.split(":")
+    fn = importlib.import_module(module)
+    for part in qualname.split("."):
+        fn = getattr(fn, part)
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    return fn
+
+
 def compile_job(job: dict) -> dict:
     """Compile one (kernel, specialisation, config, arch) and measure it."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import _triton_jit_function_registry as registry
 
-    fn = registry[job["kernel"]]
+    fn = _jit_function(job["kernel"])
     arch = job["arch"]
     src = ASTSource(fn, job["signature"], job["constexpr_paths"], job["attrs"])
     t0 = time.perf_counter()
@@ -871,7 +902,7 @@ CSV_COLUMNS = [
     "sass_hgmma", "sass_ldg", "sass_ldgsts", "sass_tma", "sass_int_ops", "sass_insns",
     "sass_loops", "loop_insns", "loop_mma", "loop_ldg", "loop_ldgsts", "loop_tma", "loop_int_ops",
     "ttgir_buffers", "ttgir_loop_async_copies", "ttgir_loop_sync_loads", "grid", "index_tensors",
-    "constexprs", "heuristics", "compile_s", "job",
+    "constexprs", "heuristics", "default", "compile_s", "job",
 ]  # fmt: skip
 
 
@@ -894,6 +925,11 @@ def run_matrix(
         for case in cases:
             try:
                 launches, how = capture(case, arch)
+                defaults = {
+                    _job_key(job)
+                    for launch in capture(case, arch, autotune=False)[0]
+                    for job in launch.configs
+                }
             except Exception as exc:  # the wrapper refused the case: a failure to report
                 rows.append(
                     {
@@ -924,6 +960,7 @@ def run_matrix(
                                 f"{k}={v}" for k, v in job["constexprs"].items()
                             ),
                             "heuristics": " ".join(launch.heuristics),
+                            "default": key in defaults,
                             "job": key,
                         }
                     )
@@ -989,6 +1026,18 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "configs_not_fitting": sum(not r["fits"] for r in ok),
                 "launches_no_fit": no_fit,
                 "loop_int_per_mma": round(max(loop_ratio), 1) if loop_ratio else None,
+                # the configs the default tables pick (what runs without autotuning)
+                "default_max_registers": max(
+                    (r["registers"] or 0 for r in ok if r.get("default")), default=0
+                ),
+                "default_spill_bytes": sum(
+                    (r["spill_stores"] or 0) + (r["spill_loads"] or 0)
+                    for r in ok
+                    if r.get("default")
+                ),
+                "default_max_shared": max(
+                    (r["shared"] for r in ok if r.get("default")), default=0
+                ),
                 # loads the software pipeliner left synchronous in the hot loop (tensor shapes)
                 "loop_sync_loads": _shapes(r.get("ttgir_loop_sync_loads") for r in ok),
             }
@@ -1085,11 +1134,14 @@ def markdown(summary: list[dict], prov: dict, fails: list[dict]) -> str:
         ("launches_no_fit", "launches no config fits"),
         ("loop_int_per_mma", "loop IMAD+LEA+IADD3 per MMA (max)"),
         ("loop_sync_loads", "loop loads not pipelined (TTGIR)"),
+        ("default_max_registers", "default config: max registers"),
+        ("default_spill_bytes", "default config: spill bytes"),
+        ("default_max_shared", "default config: max shared (B)"),
     ]  # fmt: skip
     from paper.data import markdown_table
 
     table = markdown_table(
-        [{k: "-" if r[k] is None else r[k] for k, _ in cols} for r in summary], cols
+        [{k: "-" if r.get(k) is None else r[k] for k, _ in cols} for r in summary], cols
     )
     text = [
         "Compiled resources of every kernel launch (Triton "

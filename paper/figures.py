@@ -596,65 +596,81 @@ def decode_roofline(ctx: Context) -> list[Path]:
 
 
 # ---- (vii) kernel results -----------------------------------------------------------------------
-def _numeric(rows: list[dict[str, str]], column: str) -> bool:
-    try:
-        for r in rows:
-            float(r[column])
-    except (ValueError, TypeError):
-        return False
-    return bool(rows)
-
-
 @register(
     "kernels",
-    "Measured kernel bandwidth on the GPU (from paper/results/kernels-*.csv, when committed).",
+    "Measured kernels on a GPU: the goals of the kernel issues met or missed, and every "
+    "benchmark row (from paper/results/kernels-*.json and gpu-suite-*.json, when committed).",
 )
 def kernels(ctx: Context) -> list[Path]:
-    files = sorted(RESULTS.glob("kernels-*.csv"))
-    if not files:
+    runs = sorted(RESULTS.glob("kernels-*.json"))
+    before = RESULTS / "kernels-before-h200-2026-11-26.md"
+    if not runs:
         note = (
-            "No GPU results: `paper/results/kernels-*.csv` is not committed yet, so the paper "
-            "reports no measured kernel numbers. Run `python -m paper.bench_kernels` on a GPU "
-            "and rerun `python -m paper.figures`."
+            "No GPU results for the current kernels: no `paper/results/kernels-*.json` is "
+            "committed yet, so the paper reports no measured time for them. Run "
+            "`python -m paper.gpu_suite` on a GPU and rerun `python -m paper.figures`."
         )
+        if before.exists():
+            note += (
+                f" The kernels before the plan/run rework were measured on one H200: "
+                f"`paper/results/{before.name}`."
+            )
         return [ctx.table("kernels", note)]
-    out = []
-    sections = []
-    for f in files:
-        with f.open() as fh:
-            rows = list(csv.DictReader(fh))
-        if not rows:
-            continue
-        cols = list(rows[0])
-        shown = rows[:40]
-        sections.append(
-            f"### {f.name}\n\n"
-            + markdown_table(shown, [(c, c) for c in cols])
-            + (f"\n\n({len(rows) - 40} more rows in the file)" if len(rows) > 40 else "")
+    sections, out = [], []
+    for path in runs:
+        run = json.loads(path.read_text())
+        meta, rows = run["meta"], run["rows"]
+        tag = path.stem.removeprefix("kernels-")
+        head = (
+            f"### {meta['device']} ({meta['date'][:10]}, torch {meta['torch']}, triton "
+            f"{meta['triton']}, commit `{meta['commit'][:10]}`"
+            + (", uncommitted changes" if meta.get("dirty") else "")
+            + f"; copy bandwidth {meta['copy_bandwidth_gbps']:.0f} GB/s)"
         )
-        metric = next(
-            (
-                c
-                for c in cols
-                if any(k in c.lower() for k in ("gb/s", "gbps", "bandwidth")) and _numeric(rows, c)
-            ),
-            None,
-        )
-        if metric is None:
-            continue
-        label_cols = [c for c in cols if c != metric and not _numeric(rows, c)] or cols[:1]
-        labels = [" ".join(r[c] for c in label_cols) for r in rows]
-        values = [float(r[metric]) for r in rows]
-        fig, ax = plt.subplots(figsize=(7, 0.25 * len(rows) + 1.5))
-        ax.barh(range(len(rows)), values)
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels(labels, fontsize=6)
-        ax.invert_yaxis()
-        ax.set_xlabel(metric)
-        ax.set_title(f"Kernel results: {f.name}")
-        out.append(ctx.save(fig, f"kernels_{f.stem}"))
-    out.append(ctx.table("kernels", "\n\n".join(sections) or "Kernel CSV files are empty."))
+        suite = RESULTS / f"gpu-suite-{tag}.json"
+        goals = json.loads(suite.read_text())["goals"] if suite.exists() else []
+        goal_rows = [
+            {
+                "issue": g["issue"],
+                "goal": g["text"],
+                "status": g["status"],
+                "worst": f"{g['worst']['value']} {g.get('unit', '')}" if "worst" in g else "",
+                "case": g.get("worst", {}).get("case", ""),
+            }
+            for g in goals
+        ]
+        cols = [(c, c) for c in ("case", "impl", "model", "layout", "block_size", "batch")]
+        cols += [(c, c) for c in ("context", "q_lens", "kv_dtype", "ms", "pct_copy", "tflops")]
+        cols += [("config", "config")]
+        shown = [{k: _fmt(r.get(k)) for k, _ in cols} for r in rows]
+        text = head + "\n\n"
+        if goal_rows:
+            text += markdown_table(goal_rows, [(c, c) for c in goal_rows[0]]) + "\n\n"
+        sections.append(text + markdown_table(shown, cols))
+        bw = [r for r in rows if r.get("pct_copy") is not None]
+        if bw:
+            labels = [
+                " ".join(str(r.get(k)) for k in ("case", "impl", "layout", "batch", "context"))
+                for r in bw
+            ]
+            fig, ax = plt.subplots(figsize=(7, 0.22 * len(bw) + 1.5))
+            ax.barh(range(len(bw)), [r["pct_copy"] for r in bw])
+            ax.set_yticks(range(len(bw)))
+            ax.set_yticklabels(labels, fontsize=5)
+            ax.invert_yaxis()
+            ax.set_xlabel("% of the device's copy bandwidth")
+            ax.set_title(f"Kernel bandwidth: {meta['device']}")
+            out.append(ctx.save(fig, f"kernels_{tag}"))
+    out.append(ctx.table("kernels", "\n\n".join(sections)))
     return out
+
+
+def _fmt(v: object) -> object:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, list):
+        return "x".join(map(str, v))
+    return "" if v is None else v
 
 
 @register(

@@ -1,4 +1,5 @@
-"""The kernel benchmark runs end to end (CPU smoke mode: the numbers mean nothing here)."""
+"""The kernel benchmark, the host-time benchmark and the GPU suite run end to end on the CPU
+(smoke mode under the Triton interpreter: the numbers mean nothing here, the plumbing does)."""
 
 from __future__ import annotations
 
@@ -11,20 +12,106 @@ import pytest
 def test_bench_kernels_quick(tmp_path):
     from paper.bench_kernels import main
 
-    assert main(["--quick", "--out", str(tmp_path), "--reps", "1"]) == 0
+    assert main(["--set", "quick", "--out", str(tmp_path), "--reps", "1"]) == 0
     (path,) = tmp_path.glob("kernels-*.json")
     data = json.loads(path.read_text())
-    kernels = {r["kernel"] for r in data["rows"]}
-    want = {"paged_decode", "sdpa_contiguous", "gather_states", "write_kv_cache", "mla_decode"}
-    assert want <= kernels
-    layouts = {r["layout"] for r in data["rows"] if r["kernel"] == "paged_decode"}
-    assert layouts == {"unpacked", "inflate", "pack", "aggregate", "per_group", "two_level"}
-    assert data["meta"]["interpreter"] is True
-    assert all(r["seconds"] > 0 for r in data["rows"])
+    rows = data["rows"]
+    kernels = {r["case"] for r in rows if r["impl"] == "hybridkv"}
+    assert kernels == {"decode", "prefill", "mla", "states", "write"}
+    assert {r["impl"] for r in rows} >= {"hybridkv", "torch_sdpa", "torch"}
+    decode = [r for r in rows if r["case"] == "decode" and r["impl"] == "hybridkv"]
+    assert {r["layout"] for r in decode} == {"per_group", "inflate", "flat"}
+    for r in decode:  # what the plan chose is recorded beside the time
+        assert r["config"].startswith("BLOCK_N=") and r["config_source"] and r["num_splits"] >= 1
+    assert data["meta"]["interpreter"] is True and data["meta"]["commit"]
+    assert all(r["ms"] > 0 for r in rows)
+    assert all(r["pct_copy"] > 0 for r in rows if "bytes" in r)
 
 
 def test_bench_refuses_to_write_cpu_numbers_into_results():
     from paper.bench_kernels import main
 
     with pytest.raises(SystemExit):
-        main(["--quick"])
+        main(["--set", "quick"])
+    with pytest.raises(SystemExit):  # the GPU shape sets need a GPU
+        main(["--set", "suite", "--out", "/tmp/nowhere"])
+
+
+def test_suite_covers_every_goal_shape():
+    """The GPU suite's fixed set has every page size the plans produce, both head dims, GQA 1
+    and 16, batch 1 at long context, fp8 beside bf16, MLA at batch >= 8, the copy kernels at
+    batch >= 8 and writes at >= 4k tokens, and the prefill shapes of the prefill issue."""
+    from hybridkv import models
+    from hybridkv.layouts import make_plan
+    from paper import bench_kernels as bk
+
+    cases = bk.suite_cases()
+    pages = set()
+    for c in cases:
+        if isinstance(c, bk.Decode) and c.layout != "flat":
+            model = models.load(c.model)
+            pages.add(make_plan(model, c.layout, fit_tokens=c.batch * c.context,
+                                max_num_seqs=c.batch).block_size)  # fmt: skip
+    assert {16, 64, 192, 576, 272, 528, 1040} <= pages
+    decode = [c for c in cases if isinstance(c, bk.Decode)]
+    assert {c.heads[0] // c.heads[1] for c in decode if c.heads} == {1, 16}
+    assert any(c.batch == 1 and c.context >= 32768 for c in decode)
+    assert any(c.kv_dtype == "float8_e4m3fn" for c in decode)
+    prefill = [c for c in cases if isinstance(c, bk.Prefill)]
+    assert any(len(c.q_lens) > 1 and len(set(c.q_lens)) > 1 for c in prefill)  # unequal varlen
+    assert any(c.cached[0] > 0 for c in prefill)  # an extend
+    assert any(isinstance(c, bk.Mla) and c.batch >= 8 for c in cases)
+    assert {c.op for c in cases if isinstance(c, bk.States)} == {"gather", "scatter", "copy"}
+    assert any(isinstance(c, bk.Write) and c.tokens >= 4096 for c in cases)
+
+
+def test_goals_are_judged_from_rows():
+    """Goal bookkeeping on hand-made rows: met, missed with the worst case named, paired
+    ratios against a peer, fp8 against bf16, and no data."""
+    from paper.gpu_suite import GOALS, evaluate
+
+    def decode(impl, ms, pct, dtype="bfloat16", batch=8, layout="per_group"):
+        return {"case": "decode", "impl": impl, "model": "m", "layout": layout,
+                "block_size": 16, "batch": batch, "context": 8192, "kv_dtype": dtype,
+                "ms": ms, "pct_copy": pct}  # fmt: skip
+
+    rows = [
+        decode("hybridkv", 1.0, 95.0),
+        decode("hybridkv", 1.0, 80.0, layout="pack"),
+        decode("vllm_triton", 1.5, 60.0),
+        decode("hybridkv", 0.55, 86.0, dtype="float8_e4m3fn"),
+    ]
+    goals = {g["goal"]: g for g in evaluate(rows, host=[])}
+    assert goals["decode >= 90%"]["status"] == "missed"
+    assert goals["decode >= 90%"]["worst"]["value"] == 80.0
+    assert "layout=pack" in goals["decode >= 90%"]["worst"]["case"]
+    assert goals["decode vs vLLM"]["status"] == "met"  # 1.5 ms / 1.0 ms
+    assert goals["fp8 decode <= 0.6x"]["status"] == "met"  # 0.55 / 1.0
+    assert goals["MLA >= 80%"]["status"] == "no data"
+    assert len(goals) == len(GOALS)
+    host = [{"kernel": "paged_decode", "call": "run", "us": 12.0, "graph_ok": True},
+            {"kernel": "mla_decode", "call": "run", "us": 31.0, "graph_ok": False}]  # fmt: skip
+    goals = {g["goal"]: g for g in evaluate(rows, host)}
+    assert goals["host <= 30 us"]["missed"] == ["mla_decode"]
+    assert goals["CUDA graphs"]["missed"] == ["mla_decode"]
+
+
+@pytest.mark.slow
+def test_gpu_suite_smoke(tmp_path):
+    """Every step of ``python -m paper.gpu_suite`` on tiny shapes under the interpreter: the
+    tests (skipped without a GPU), the benchmark, host times, a time-boxed sweep, the report."""
+    from paper.gpu_suite import main
+
+    assert main(["--smoke", "--out", str(tmp_path), "--budget-s", "1", "--skip-tests"]) == 0
+    names = {p.name for p in tmp_path.iterdir()}
+    tag = "cpu-interpreter"
+    for stem in ("kernels", "host", "sweep", "gpu-suite"):
+        assert f"{stem}-{tag}.json" in names, names
+    report = json.loads((tmp_path / f"gpu-suite-{tag}.json").read_text())
+    assert {g["goal"] for g in report["goals"]} >= {"decode >= 90%", "host <= 30 us"}
+    host = json.loads((tmp_path / f"host-{tag}.json").read_text())["rows"]
+    assert {h["kernel"] for h in host} == {
+        "paged_decode", "paged_prefill", "mla_decode", "write_kv_cache", "gather_states",
+        "scatter_states", "copy_states",
+    }  # fmt: skip
+    assert "| issue | goal |" in (tmp_path / f"gpu-suite-{tag}.md").read_text()

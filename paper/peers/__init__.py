@@ -1,0 +1,1 @@
+"""Other projects' attention kernels, fetched at run time (never committed) as peers."""
