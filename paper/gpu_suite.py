@@ -317,26 +317,38 @@ def markdown(meta: dict, goals: list[dict], tests: dict, sweep_rows: list[dict])
     return "\n".join(lines) + "\n"
 
 
-def run_tests(env: dict, out: Path, tag: str, smoke: bool, say) -> dict:
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
+def run_tests(env: dict, out: Path, tag: str, smoke: bool, limit_s: float, say) -> dict:
     """The GPU tests in a subprocess (their own interpreter setting), output saved."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/kernel_tests", "-q"]
     cmd += ["-p", "no:cacheprovider", "-rs"]
     if not smoke and importlib.util.find_spec("xdist") is not None:
         # the tests are mostly Triton compiles, which run in parallel on the host's cores
         cmd += ["-n", str(min(8, os.cpu_count() or 1))]
+    if not smoke and importlib.util.find_spec("pytest_timeout") is not None:
+        cmd += ["--timeout", "180"]  # a hung kernel fails its test, not the whole suite
     env = dict(env)
     if not smoke:
         env["HYBRIDKV_TEST_GPU"] = "1"
         env.pop("TRITON_INTERPRET", None)
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    text = proc.stdout + proc.stderr
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s
+        )
+        text, returncode = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        text = f"{_text(e.stdout)}{_text(e.stderr)}\nstopped after {limit_s:.0f} s in total"
+        returncode = -1
     (out / f"gpu-tests-{tag}.txt").write_text(text)
     summary = next(
         (line.strip("= ") for line in reversed(text.splitlines()) if " in " in line), "no summary"
     )
     say(f"GPU tests: {summary} ({time.time() - t0:.0f} s)")
-    return {"returncode": proc.returncode, "summary": summary}
+    return {"returncode": returncode, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=450, help="stop sweeping after this")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes under the interpreter")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument(
+        "--tests-limit-s",
+        type=float,
+        default=300,
+        help="stop the GPU tests after this (the benchmark runs even if a test hangs)",
+    )
     args = ap.parse_args(argv)
     t_start = time.time()
     env = ensure_kernels_importable()
@@ -371,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         tag_for_tests = (
             "cpu-interpreter" if args.smoke else torch.cuda.get_device_name().replace(" ", "-")
         )
-        tests = run_tests(env, args.out, tag_for_tests, args.smoke, say)
+        tests = run_tests(env, args.out, tag_for_tests, args.smoke, args.tests_limit_s, say)
     cases = bk.quick_cases() if args.smoke else bk.suite_cases()
     meta, rows, extra = bk.run_set(cases, device, 1 if args.smoke else None, True, say)
     meta["set"] = "quick" if args.smoke else "suite"
