@@ -143,22 +143,18 @@ class DecodeRule:
 _H200 = (
     "H200 sweep 2026-11-26 (paper/results/kernels-before-h200-2026-11-26.md), % of copy bandwidth"
 )
+_H200_SUITE = "H200 GPU suite run 1, 2026-11-26 (paper/results/h200-suite-1/), % of copy bandwidth"
 #: the default configs, first match wins. Measured rows name the shape they were measured on;
 #: the others are marked unmeasured and say what they are inferred from (the GPU suite sweeps
 #: them: ``python -m paper.gpu_suite``).
 _TABLE: tuple[DecodeRule, ...] = (
     DecodeRule(
-        DecodeConfig(16, 4, 4),
-        f"{_H200}: Qwen3-Next B=1 (2 KV heads) ctx 32k on 16-token pages, 41.2% with 64 splits "
-        "(16/2/4: lower); the split count is choose_num_splits'",
-        page_align=(16, 16),
-        work=(1, 8),
-    ),
-    DecodeRule(
-        DecodeConfig(16, 2, 4),
-        f"{_H200}: 16-token pages at B=64 ctx 8k, Qwen3-Next (d 256, GQA 8) 95.3%, Nemotron-H "
-        "(d 128, GQA 4) 97.1%; the best config of the sweep for e4m3 caches too (32.7%, before "
-        "the scales were folded out of the tile)",
+        DecodeConfig(16, 2, 3),
+        f"{_H200_SUITE}: 16-token segments (16-token pages, Nemotron-H's 272-, 528-, 1040-token "
+        "pages), bf16 at B >= 8 with choose_num_splits' counts: Nemotron-H (d 128, GQA 4) "
+        "96-102%, Qwen3-Next (d 256, GQA 8) 88.7% at B=8 ctx 32k and 100.4% at B=256 ctx 4k; "
+        "16/2/4 (the earlier sweep's pick) 71-95% on the same cases; the best config at B=1 "
+        "(48-63%) and for e4m3 caches (62-64%) too",
         page_align=(16, 16),
     ),
     DecodeRule(
@@ -239,15 +235,26 @@ _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 128
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """Split the context when batch * KV heads alone cannot fill the GPU: about two programs a
-    multiprocessor, at least ``_MIN_SPLIT_TOKENS`` tokens a split, at most ``_MAX_SPLITS``.
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, num_warps: int = 4
+) -> int:
+    """Split the context when batch * KV heads alone cannot fill the GPU: about eight warps a
+    multiprocessor (two programs of 4 warps, four of 2), ten for 2-warp programs, which hide
+    their loads only in numbers; at least ``_MIN_SPLIT_TOKENS`` tokens a split, at most
+    ``_MAX_SPLITS``. A batch within a quarter of that target takes one split (a split costs a
+    reduce and partials traffic).
 
-    Measured (H200): 2 splits at B=64 x 2 KV heads (256 programs) reach 95%; at B=1 x 2 KV heads
-    and 32k context 64 splits (128 programs, fewer than the 132 SMs) gave the best of the
-    sweep, 41%. One small program a multiprocessor has one tile in compute while its next ones
-    load, so the rule asks for two: 128 splits there (unmeasured; the GPU suite sweeps 32-256)."""
-    by_parallelism = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    Measured (H200 GPU suite, 16/2/3 on 16-token pages): Nemotron-H B=8 x 8 KV heads at 32k,
+    5 splits (320 programs) 81%, 10 splits 96%; Qwen3-Next B=8 x 2 KV heads, 16 splits 86%,
+    32 splits 88.7%, 64 splits 86.3%; B=64 x 2 KV heads at 8k, 3 splits 71%, 6 splits 86%,
+    11 fewer; B=256 x 2 KV heads (512 programs), 1 split 100.4%, 2 splits 93%. 4-warp tiles on
+    large pages: 16 splits at B=8 x 2 KV heads 89% (8 splits of 64/4/3: 89.7%)."""
+    programs_per_sm = 5 if num_warps <= 2 else 2
+    target = programs_per_sm * num_sms
+    base = max(1, batch * num_kv_heads)
+    if base * 4 >= target * 3:
+        return 1
+    by_parallelism = triton.cdiv(target, base)
     by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
     return max(1, min(by_parallelism, by_length, _MAX_SPLITS))
 
@@ -971,7 +978,9 @@ def plan_decode(
             raise ValueError(f"{config} is not one of CONFIGS: {', '.join(map(str, CONFIGS))}")
         source = "given"
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(device))
+        num_splits = choose_num_splits(
+            batch, num_kv_heads, max_seq_len, _num_sms(device), config.num_warps
+        )
     # each split covers a whole number of tiles of any config
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
     num_splits = triton.cdiv(max_seq_len, split_len)

@@ -157,15 +157,17 @@ class PrefillRule:
 
 _NOT_FP32 = ("16bit", "fp8", "fp8-bytes")
 _H200 = "H200 sweep 2026-11-26 (paper/results/kernels-before-h200-2026-11-26.md), bf16, causal"
+_H200_SUITE = "H200 GPU suite run 1, 2026-11-26 (paper/results/h200-suite-1/), bf16, causal"
 _P = PrefillConfig
 #: the default configs, first match wins. Measured rows name the shape they were measured on
 #: (one 8k-token bf16 request, so they match 16-bit caches and steps of >= 1k query tokens on
 #: sm_90+); the others are marked unmeasured and say what they are inferred from.
 _TABLE: tuple[PrefillRule, ...] = (
     PrefillRule(
-        _P(64, 16, 4, 3),
-        f"{_H200}: Qwen3-Next (16 q / 2 KV heads, d 256), one 8k request on 16-token pages, "
-        "209.5 TFLOP/s (autotuned over the old configs: 73.3)",
+        _P(128, 64, 8, 3),
+        f"{_H200_SUITE}: Qwen3-Next (16 q / 2 KV heads, d 256), one 8k request on 16-token "
+        "pages, 357.2 TFLOP/s; 64/16/4/3 (the earlier sweep's pick, 209.5 then) 251 with the "
+        "pipelined multi-page tiles",
         arch=(90, 1000),
         page_align=(16, 16),
         head_dim=(256, 256),

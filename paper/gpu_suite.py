@@ -31,6 +31,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -276,9 +277,24 @@ def sweep(missed_rows: list[dict], device, deadline: float, say) -> list[dict]:
     return results
 
 
-def _missed_rows(rows: list[dict], goals: list[dict]) -> list[dict]:
+def _missed_rows(rows: list[dict], goals: list[dict], kinds: list[str] | None) -> list[dict]:
+    """Our rows behind a missed goal, in the order of ``kinds`` (all kinds: the benchmark's
+    order), one per shape class (model, page size, dtype, heads, batch), since a config that
+    wins on one context length of a class wins on the others too."""
     missed = {label for g in goals if g.get("status") == "missed" for label in g["missed"]}
-    return [r for r in rows if r["impl"] == "hybridkv" and _label(r) in missed]
+    picked = [r for r in rows if r["impl"] == "hybridkv" and _label(r) in missed]
+    if kinds is not None:
+        picked = sorted(
+            (r for r in picked if r["case"] in kinds), key=lambda r: kinds.index(r["case"])
+        )
+    seen, out = set(), []
+    for r in picked:
+        key = tuple(str(r.get(k)) for k in ("case", "model", "block_size", "kv_dtype", "heads",
+                                             "batch", "op"))  # fmt: skip
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -345,7 +361,12 @@ def run_tests(env: dict, out: Path, tag: str, smoke: bool, limit_s: float, say) 
         returncode = -1
     (out / f"gpu-tests-{tag}.txt").write_text(text)
     summary = next(
-        (line.strip("= ") for line in reversed(text.splitlines()) if " in " in line), "no summary"
+        (
+            line.strip("= ")
+            for line in reversed(text.splitlines())
+            if re.search(r"\b\d+ (passed|failed|skipped|deselected|errors?)\b.* in ", line)
+        ),
+        "no summary",
     )
     say(f"GPU tests: {summary} ({time.time() - t0:.0f} s)")
     return {"returncode": returncode, "summary": summary}
@@ -358,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=450, help="stop sweeping after this")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes under the interpreter")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument(
+        "--sweep",
+        help="sweep only these case kinds, in this order (e.g. prefill,mla,write,states)",
+    )
     ap.add_argument(
         "--tests-limit-s",
         type=float,
@@ -402,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     files.append(host_path)
     goals = evaluate(rows, host)
     deadline = t_start + args.budget_s
-    sweep_rows = sweep(_missed_rows(rows, goals), device, deadline, say)
+    kinds = args.sweep.split(",") if args.sweep else None
+    sweep_rows = sweep(_missed_rows(rows, goals, kinds), device, deadline, say)
     sweep_path = args.out / f"sweep-{tag}.json"
     sweep_path.write_text(json.dumps({"meta": meta, "rows": sweep_rows}, indent=1, default=str))
     files.append(sweep_path)

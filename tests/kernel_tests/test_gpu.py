@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-#: bf16 has 8 mantissa bits: unit-scale attention outputs agree to a few bf16 ulps
+#: bf16 has 8 mantissa bits: attention outputs agree to a few bf16 ulps of their scale
 BF16_TOL = 2e-2
 
 
@@ -40,9 +40,12 @@ def _nan(*shape, dtype=torch.bfloat16):
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float = BF16_TOL) -> None:
+    """Within ``tol`` relative to the output's scale (a bf16 ulp grows with the value: the
+    synthetic caches' long-context outputs reach ~3, where one ulp is 0.016)."""
     assert not got.isnan().any(), "an output the kernel should have written is NaN"
     err = (got.float() - want.float()).abs().max().item()
-    assert err < tol, err
+    scale = max(1.0, want.float().abs().max().item())
+    assert err < tol * scale, (err, scale)
 
 
 @pytest.mark.parametrize("layout", SYNTHETIC)
@@ -234,32 +237,11 @@ def test_fp8_write_follows_the_saturation_contract(dtype, soft, monkeypatch):
     assert torch.equal(got[in_range], torch_cast[in_range])
 
 
-def _capture(run, result) -> None:
-    """``run`` replays from a CUDA graph to the eager result."""
-    run()
-    torch.cuda.synchronize()
-    want = result().clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    result().fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(result(), want)
-
-
 def test_every_plan_run_captures_in_a_cuda_graph():
     """Every kernel's ``plan.run`` (and the direct launcher it takes after its first call)
     replays from a CUDA graph to the eager result."""
-    from paper.bench_host import _cases
+    from paper.bench_host import _cases, _graph_ok
 
-    for kernel, _wrapper, _plan, run, result in _cases(torch.device("cuda")):
-        try:
-            _capture(run, result)
-        except AssertionError as e:
-            raise AssertionError(f"{kernel}: the graph's replay differs from eager") from e
+    bad = [k for k, _wrapper, _plan, run, result in _cases(torch.device("cuda"))
+           if not _graph_ok(run, result)]  # fmt: skip
+    assert not bad, f"the graph's replay differs from eager: {bad}"

@@ -416,8 +416,8 @@ def test_table_rows_are_candidates_and_fit_the_common_shapes():
 
 
 def test_measured_rows_pick_the_measured_configs():
-    """The H200 sweep's winners: 16-token pages 16/2/4 (batch 1: 16/4/4), 256-token pages at head
-    dim 128: 128/4/2, 576-token pages at head dim 256: 32/4/3."""
+    """The H200 winners: 16-token segments 16/2/3 at any batch (GPU suite), 256-token pages at
+    head dim 128: 128/4/2, 576-token pages at head dim 256: 32/4/3 (first sweep)."""
 
     def pick(block_size, head_dim, work):
         return pd.choose_config(
@@ -428,11 +428,23 @@ def test_measured_rows_pick_the_measured_configs():
             )
         )[0]  # fmt: skip
 
-    assert pick(16, 256, 128) == pd.DecodeConfig(16, 2, 4)
-    assert pick(1040, 128, 512) == pd.DecodeConfig(16, 2, 4)  # 16-token segments of big pages
-    assert pick(16, 256, 2) == pd.DecodeConfig(16, 4, 4)
+    assert pick(16, 256, 128) == pd.DecodeConfig(16, 2, 3)
+    assert pick(1040, 128, 512) == pd.DecodeConfig(16, 2, 3)  # 16-token segments of big pages
+    assert pick(16, 256, 2) == pd.DecodeConfig(16, 2, 3)
     assert pick(256, 128, 128) == pd.DecodeConfig(128, 4, 2)
     assert pick(576, 256, 128) == pd.DecodeConfig(32, 4, 3)
+
+
+def test_split_counts_follow_the_measured_occupancy():
+    """2-warp programs: about five a multiprocessor (Nemotron-H B=8 x 8 KV heads: 11 splits,
+    where 10 measured 96% and 5 81%); 4-warp: two; one split once the batch is within a quarter
+    of that (B=256 x 2 KV heads: 100% with one); long enough splits; at most _MAX_SPLITS."""
+    assert pd.choose_num_splits(8, 8, 32768, 132, 2) == 11
+    assert pd.choose_num_splits(8, 8, 32768, 132, 4) == 5
+    assert pd.choose_num_splits(256, 2, 4096, 132, 2) == 1
+    assert pd.choose_num_splits(64, 2, 8192, 132, 2) == 6
+    assert pd.choose_num_splits(1, 2, 1 << 20, 132, 2) == pd._MAX_SPLITS
+    assert pd.choose_num_splits(1, 2, 1000, 132, 2) == 1000 // pd._MIN_SPLIT_TOKENS
 
 
 def test_launcher_skips_triton_binding_once_a_specialisation_is_compiled(monkeypatch):
