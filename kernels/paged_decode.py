@@ -235,26 +235,41 @@ _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 128
 
 
-def choose_num_splits(
-    batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132, num_warps: int = 4
-) -> int:
-    """Split the context when batch * KV heads alone cannot fill the GPU: about eight warps a
-    multiprocessor (two programs of 4 warps, four of 2), ten for 2-warp programs, which hide
-    their loads only in numbers; at least ``_MIN_SPLIT_TOKENS`` tokens a split, at most
-    ``_MAX_SPLITS``. A batch within a quarter of that target takes one split (a split costs a
-    reduce and partials traffic).
+def programs_per_sm(config: DecodeConfig, shape: DecodeShape) -> int:
+    """How many programs of ``config`` ``choose_num_splits`` aims to give each multiprocessor.
 
-    Measured (H200 GPU suite, 16/2/3 on 16-token pages): Nemotron-H B=8 x 8 KV heads at 32k,
-    5 splits (320 programs) 81%, 10 splits 96%; Qwen3-Next B=8 x 2 KV heads, 16 splits 86%,
-    32 splits 88.7%, 64 splits 86.3%; B=64 x 2 KV heads at 8k, 3 splits 71%, 6 splits 86%,
-    11 fewer; B=256 x 2 KV heads (512 programs), 1 split 100.4%, 2 splits 93%. 4-warp tiles on
-    large pages: 16 splits at B=8 x 2 KV heads 89% (8 splits of 64/4/3: 89.7%)."""
-    programs_per_sm = 5 if num_warps <= 2 else 2
-    target = programs_per_sm * num_sms
+    4+ warps: two (8+ warps a multiprocessor). 2 warps: as many as fit at once in shared
+    memory (``num_stages`` K and V tiles, as Triton allocates them on Hopper, plus 8 KiB),
+    at most 6 (8 for fp8 caches, whose programs also convert): small programs hide their loads
+    only in numbers, and a grid that overflows one wave of resident programs leaves a tail.
+    Measured (H200 GPU suite, 16/2/3): Qwen3-Next (d 256: 4 resident) B=8 x 2 KV heads at 32k,
+    32 splits (512 programs) 88.7%, 37 splits (592: two waves) 66.6%; B=64 x 2 KV heads at 8k,
+    3 splits 92.5%, 6 splits 79.9%; Nemotron-H (d 128) B=8 x 8 KV heads, 5 splits 81%, 10-11
+    splits 96%; e4m3 Nemotron-H B=64 x 8 KV heads, 1 split 48.7%, 2 splits 60.9%."""
+    if config.num_warps > 2:
+        return 2
+    item = 1 if shape.fp8 else (4 if shape.cache == "fp32" else 2)
+    per_program = config.num_stages * config.block_n * 2 * shape.head_dim * item + 8192
+    resident = _SHARED_BYTES.get(shape.arch // 10, _SHARED_BYTES[8]) // per_program
+    return max(1, min(resident, 8 if shape.fp8 else 6))
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int = 132,
+    per_sm: int = 2,
+    one_wave: bool = False,
+) -> int:
+    """Split the context when batch * KV heads alone cannot fill the GPU with ``per_sm``
+    programs a multiprocessor (``programs_per_sm``): at least ``_MIN_SPLIT_TOKENS`` tokens a
+    split, at most ``_MAX_SPLITS``. ``one_wave`` (2-warp programs, sized by what fits at once):
+    round down, so the grid stays one wave; otherwise round up (4-warp programs on large
+    pages: 16 splits at B=8 x 2 KV heads, 89%; 8 splits of 64/4/3: 89.7%)."""
+    target = per_sm * num_sms
     base = max(1, batch * num_kv_heads)
-    if base * 4 >= target * 3:
-        return 1
-    by_parallelism = triton.cdiv(target, base)
+    by_parallelism = target // base if one_wave else triton.cdiv(target, base)
     by_length = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
     return max(1, min(by_parallelism, by_length, _MAX_SPLITS))
 
@@ -979,8 +994,9 @@ def plan_decode(
         source = "given"
     if num_splits is None:
         num_splits = choose_num_splits(
-            batch, num_kv_heads, max_seq_len, _num_sms(device), config.num_warps
-        )
+            batch, num_kv_heads, max_seq_len, _num_sms(device),
+            per_sm=programs_per_sm(config, shape), one_wave=config.num_warps <= 2,
+        )  # fmt: skip
     # each split covers a whole number of tiles of any config
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
     num_splits = triton.cdiv(max_seq_len, split_len)

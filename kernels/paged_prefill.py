@@ -157,7 +157,10 @@ class PrefillRule:
 
 _NOT_FP32 = ("16bit", "fp8", "fp8-bytes")
 _H200 = "H200 sweep 2026-11-26 (paper/results/kernels-before-h200-2026-11-26.md), bf16, causal"
-_H200_SUITE = "H200 GPU suite run 1, 2026-11-26 (paper/results/h200-suite-1/), bf16, causal"
+_H200_SUITE = (
+    "H200 GPU suite run 2, 2026-11-26 (paper/results/h200-suite-2/sweep-NVIDIA-H200.json), "
+    "bf16, causal"
+)
 _P = PrefillConfig
 #: the default configs, first match wins. Measured rows name the shape they were measured on
 #: (one 8k-token bf16 request, so they match 16-bit caches and steps of >= 1k query tokens on
@@ -166,39 +169,42 @@ _TABLE: tuple[PrefillRule, ...] = (
     PrefillRule(
         _P(128, 64, 8, 3),
         f"{_H200_SUITE}: Qwen3-Next (16 q / 2 KV heads, d 256), one 8k request on 16-token "
-        "pages, 357.2 TFLOP/s; 64/16/4/3 (the earlier sweep's pick, 209.5 then) 251 with the "
-        "pipelined multi-page tiles",
+        "pages, 359.5 TFLOP/s (357.2 in run 1); 64/16/4/3 (the first sweep's pick) 249.8. "
+        "GQA 8 only: at GQA 1 and 4 it spills 4 B (compile check)",
+        arch=(90, 1000),
+        page_align=(16, 16),
+        head_dim=(256, 256),
+        group=(8, 8),
+        query=(1024, 1 << 40),
+        caches=("16bit", "fp8"),
+    ),
+    PrefillRule(
+        _P(64, 32, 4, 3),
+        f"unmeasured: d 256 on 16-token pages at GQA other than 8 (the measured 128 x 64 tile "
+        f"spills there): the sweep's third best at GQA 8 ({_H200_SUITE}: 293.3 TFLOP/s, "
+        "128 x 64: 359.5, 64 x 16: 249.8), no spills at GQA 1-8 on 16-token pages",
         arch=(90, 1000),
         page_align=(16, 16),
         head_dim=(256, 256),
         query=(1024, 1 << 40),
-        caches=("16bit",),
+        caches=("16bit", "fp8"),
     ),
     PrefillRule(
-        _P(128, 16, 8, 3),
-        f"{_H200}: Nemotron-H (32 q / 8 KV heads, d 128), one 8k request on 16-token pages, "
-        "176.6 TFLOP/s (autotuned: 119.3)",
+        _P(128, 64, 8, 3),
+        f"{_H200_SUITE}: one 8k request at d 128: Nemotron-H (GQA 4) on 16- and 272-token "
+        "pages 279.4 / 286.0 TFLOP/s (128/16/8/3, the first sweep's pick: 176), GQA 1 on "
+        "16-token pages 220.2 (137.3), GQA 16 on 64-token pages 403.7 (64/32/4/3: 346.9)",
         arch=(90, 1000),
-        page_align=(16, 16),
+        page_align=(16, 64),
         head_dim=(128, 128),
         query=(1024, 1 << 40),
         caches=("16bit",),
     ),
     PrefillRule(
-        _P(64, 32, 4, 3),
-        f"{_H200}: Nemotron-H (d 128), one 8k request on 256-token pages, 237.6 TFLOP/s forced "
-        "(the autotuner, over the old configs, reached 239.8)",
-        arch=(90, 1000),
-        page_align=(64, 64),
-        head_dim=(128, 128),
-        query=(1024, 1 << 40),
-        caches=("16bit",),
-    ),
-    PrefillRule(
-        _P(64, 32, 4, 3),
-        "unmeasured: the H200's best on 576-token pages, 64/32/4 warps/2 stages (Qwen3-Next "
-        "d 256, 8k: 317.5 TFLOP/s, autotuned 127.5), spills 8-12 B on sm_90 in the compile "
-        "check; the same tile with 3 stages compiles without (246-252 registers)",
+        _P(128, 32, 8, 3),
+        f"{_H200_SUITE}: Qwen3-Next (d 256) on 576-token pages, one 8k request, 376.3 TFLOP/s "
+        "(64/32/4/3: 328.9, and it spills 8-56 B at GQA 1-4 in the compile check); "
+        "128/64/8/3 is out of shared memory there under Triton 3.6 (262,144 B)",
         arch=(90, 1000),
         page_align=(32, 64),
         head_dim=(256, 256),
@@ -224,21 +230,44 @@ _TABLE: tuple[PrefillRule, ...] = (
     ),
     PrefillRule(
         _P(128, 16, 8, 3),
-        "unmeasured: the d 128 16-token-page winner (Nemotron-H, 176.6 TFLOP/s on sm_90) for "
-        "other caches, head dims <= 64, smaller pages and sm_80 (179 registers there)",
+        "unmeasured: the first sweep's d 128 16-token-page winner (Nemotron-H, 176.6 TFLOP/s "
+        "on sm_90, where the GPU suite's 128 x 64 tile now leads for 16-bit caches) for other "
+        "caches, head dims <= 64, smaller pages and sm_80 (179 registers there)",
+        arch=(90, 1000),
         page_align=(1, 16),
         head_dim=(16, 128),
         query=(1024, 1 << 40),
         caches=_NOT_FP32,
     ),
     PrefillRule(
+        _P(128, 16, 8, 3),
+        "unmeasured: the first sweep's d 128 16-token-page winner (Nemotron-H, 176.6 TFLOP/s "
+        "on sm_90, where the GPU suite's 128 x 64 tile now leads for 16-bit caches) for other "
+        "caches, head dims <= 64, smaller pages and sm_80 (179 registers there)",
+        arch=(80, 89),
+        page_align=(1, 16),
+        head_dim=(16, 128),
+        query=(1024, 1 << 40),
+        caches=("16bit",),
+    ),
+    PrefillRule(
         _P(64, 16, 8, 3),
-        "unmeasured: pre-Hopper fp8 at d <= 128 and small pages, steps of < 1k query tokens: "
+        "unmeasured: pre-Hopper fp8 at d 128 and small pages, steps of < 1k query tokens: "
         "the 64 x 16 tile of the row below spills 4 B on 4 warps there (e5m2, since the loop "
         "was split into unmasked and diagonal tiles); on 8 warps it does not",
         arch=(80, 89),
         page_align=(1, 16),
-        head_dim=(16, 128),
+        head_dim=(128, 128),
+        caches=("fp8", "fp8-bytes"),
+    ),
+    PrefillRule(
+        _P(64, 16, 4, 3),
+        "unmeasured: pre-Hopper fp8 at d <= 64 and small pages: the same tile on 8 warps "
+        "spills 8 B at GQA 1 with e4m3 bytes (compile check, table defaults); on 4 warps it "
+        "compiles clean at d 64",
+        arch=(80, 89),
+        page_align=(1, 16),
+        head_dim=(16, 64),
         caches=("fp8", "fp8-bytes"),
     ),
     PrefillRule(
@@ -327,17 +356,16 @@ _PRE_HOPPER: dict[tuple[str, int], frozenset[PrefillConfig]] = {
     ("16bit", 256): frozenset(
         {_P(64, 16, 8, 3), _P(64, 32, 8, 3), _P(32, 16, 8, 3), _P(32, 32, 8, 3)}
     ),
-    # e4m3 bytes: 64 x 32 at 8 warps spills 16 B
+    # e4m3 bytes: 64 x 32 at 8 warps spills 16 B; since the per-row block ids of multi-page
+    # tiles, 64 x 16 at 8 warps 8 B (GQA 1) and 128 x 16 at 8 warps 12-16 B
     ("fp8", 64): frozenset(
         {
             _P(64, 16, 4, 3),
             _P(64, 32, 4, 2),
-            _P(128, 16, 8, 3),
             _P(64, 32, 4, 3),
             _P(64, 64, 4, 3),
             _P(128, 32, 8, 3),
             _P(128, 64, 8, 3),
-            _P(64, 16, 8, 3),
             _P(32, 16, 8, 3),
             _P(32, 32, 8, 3),
         }
@@ -381,7 +409,20 @@ _PRE_HOPPER.update(
 #: 64 x 32 tiles at d 256 on 4 warps (8-12 B; with 3 stages: none)
 _HOPPER_SPILLS: dict[tuple[str, int], frozenset[PrefillConfig]] = {
     ("16bit", 256): frozenset({_P(64, 32, 4, 2)}),
-    ("fp8", 256): frozenset({_P(32, 32, 8, 3)}),  # 8 B (e4m3 with int64 addressing)
+    # 8 B (e4m3 with int64 addressing); 32 x 16 at 8 warps 20 B (e4m3, GQA 1, int64)
+    ("fp8", 256): frozenset({_P(32, 32, 8, 3), _P(32, 16, 8, 3)}),
+    ("fp8", 128): frozenset({_P(32, 32, 8, 3)}),  # 8 B (e5m2, GQA 8)
+}
+
+#: configs the sm_90 rule's shared-memory bound rejects that compile without spills and ran on
+#: an H200 (GPU suite run 2) on pages of <= 16 tokens at GQA 8 (at GQA 1 and 4 they spill 4 B;
+#: GQA 16 is unchecked): 128 x 64 tiles at d 256 keep Q in
+#: registers for wgmma and stage only 3 K/V buffers (196,864 B bf16, 164,096 B e4m3; 252-255
+#: registers), where the bound counts Q and P in shared memory too. On single-page tiles
+#: (pages of >= 32 tokens) Triton 3.6 stages a fourth buffer and runs out (262,144 B).
+_HOPPER_VERIFIED_SMALL_PAGES: dict[tuple[str, int], frozenset[PrefillConfig]] = {
+    ("16bit", 256): frozenset({_P(128, 64, 8, 3)}),
+    ("fp8", 256): frozenset({_P(128, 64, 8, 3)}),
 }
 
 
@@ -411,16 +452,20 @@ def config_fits(config: PrefillConfig, shape: PrefillShape) -> bool:
     compile well, never admit one that spills; the test suite checks the table against it).
     Pre-Hopper GPUs: the measured sets of ``_PRE_HOPPER``. sm_90 (wgmma keeps the accumulator
     of a warpgroup's 64 rows in registers): at most 128 float32 accumulator values and 64
-    K-tile values a thread, less the measured exceptions of ``_HOPPER_SPILLS``."""
+    K-tile values a thread, less the measured exceptions of ``_HOPPER_SPILLS``, plus those of
+    ``_HOPPER_VERIFIED_SMALL_PAGES``."""
     if triton.next_power_of_2(shape.group) > config.block_m or shape.head_dim > 256:
         return False  # more rows than the config's, or wider than anything checked
     if shape.page_align < 16 and (config.block_n > 16 or config.block_m < 64):
         # segments of 1-8 tokens: their addresses take registers; on pages of 8 and 1 tokens
         # 32-key tiles and 32-row tiles spill 4-56 B where 16-key tiles of 64+ rows do not
         return False
+    key = ("fp8" if shape.fp8 else shape.cache, _width_class(shape.head_dim))
+    verified = _HOPPER_VERIFIED_SMALL_PAGES.get(key, ())
+    if shape.arch >= 90 and shape.page_align <= 16 and shape.group == 8 and config in verified:
+        return True
     if shared_bytes(config, shape) > _SHARED_BYTES.get(shape.arch, _SHARED_FALLBACK):
         return False
-    key = ("fp8" if shape.fp8 else shape.cache, _width_class(shape.head_dim))
     if shape.arch < 90:
         return config in _PRE_HOPPER.get(key, ())
     # fp32 caches: Q and the K/V tiles are fp32 too, so half the accumulator and tile values

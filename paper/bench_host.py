@@ -127,10 +127,17 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _graph_ok(run: Callable[[], torch.Tensor | None], result: Callable[[], torch.Tensor]) -> bool:
-    """Capture ``run`` in a CUDA graph, put what it writes back as it was before the first
-    eager call, replay: the eager result again? (In-place kernels write only some rows of
-    their result, so the rest must hold what it held, not a poison value.)"""
-    before = result().clone()
+    """Fill ``run``'s result with fresh random values, call it eagerly, capture it in a CUDA
+    graph, put the random values back, replay: the eager result again? (In-place kernels
+    write only some rows of their result, and a copy's source may live in it too, so the
+    result is refilled with what it held rather than poisoned; the fresh values make sure the
+    eager call changes it even where earlier calls already wrote the same rows.)"""
+    target = result()
+    if target.is_floating_point():
+        target.copy_(torch.randn(target.shape, device=target.device).to(target.dtype))
+    else:
+        target.copy_(torch.randint_like(target, 0, 100))
+    before = target.clone()
     run()
     torch.cuda.synchronize()
     want = result().clone()

@@ -32,6 +32,7 @@ import argparse
 import csv
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import math
 import os
@@ -755,6 +756,15 @@ def git_commit() -> tuple[str, bool]:
         return "unknown", False
 
 
+def kernels_digest() -> str:
+    """SHA-256 over ``kernels/*.py`` (name and bytes, sorted by name): which kernel sources
+    ran, even where the checkout's git metadata is missing or stale (a copied working tree)."""
+    digest = hashlib.sha256()
+    for path in sorted((Path(__file__).resolve().parents[1] / "kernels").glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def device_meta(device: torch.device, copy_bw: float) -> dict:
     commit, dirty = git_commit()
     meta = {
@@ -767,6 +777,7 @@ def device_meta(device: torch.device, copy_bw: float) -> dict:
         "host": platform.machine(),
         "commit": commit,
         "dirty": dirty,
+        "kernels_sha256": kernels_digest(),
         "copy_bandwidth_gbps": copy_bw / 1e9,
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
     }

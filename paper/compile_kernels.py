@@ -292,33 +292,37 @@ def _run_prefill(p: dict, meta, index, autotune: bool) -> None:
 
     kv_heads = 8
     d, bs = p["d"], p["bs"]
-    # an extend (16 new tokens after a 4080-token cached prefix) and a fresh 512-token prefill
-    q_lens, seq_lens = [16, 512], [4096, 512]
     cdt = _torch_dtype(p["dtype"])
     nblocks = _blocks_for(2 * bs * kv_heads * d, p["i64"], 4096)
     k, v = _kv_caches(nblocks, bs, kv_heads, d, cdt, meta)
-    q = torch.empty((sum(q_lens), kv_heads * p["gqa"], d), dtype=_q_dtype(p["dtype"]), device=meta)
-    cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
     scale = _fp8_scales(p["dtype"], meta)
-    _call(
-        paged_prefill.paged_prefill_attention,
-        q,
-        k,
-        v,
-        _table(len(q_lens), -(-max(seq_lens) // bs), index),
-        _index(cu, torch.int32, index),
-        _index(seq_lens, torch.int32, index),
-        d**-0.5,
-        sliding_window=p["win"] or None,
-        k_scale=scale,
-        v_scale=scale,
-        max_seq_len=max(seq_lens),
-        max_query_len=max(q_lens),
-        validate=False,
-        autotune=autotune,
-    )
+    # one step per query-length class of the table: an extend (16 new tokens after a
+    # 4080-token cached prefix) beside a fresh 512-token prefill (< 1k query tokens), and one
+    # fresh 2048-token prefill (the class the GPU sweeps measured)
+    for q_lens, seq_lens in (([16, 512], [4096, 512]), ([2048], [2048])):
+        q = torch.empty(
+            (sum(q_lens), kv_heads * p["gqa"], d), dtype=_q_dtype(p["dtype"]), device=meta
+        )
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        _call(
+            paged_prefill.paged_prefill_attention,
+            q,
+            k,
+            v,
+            _table(len(q_lens), -(-max(seq_lens) // bs), index),
+            _index(cu, torch.int32, index),
+            _index(seq_lens, torch.int32, index),
+            d**-0.5,
+            sliding_window=p["win"] or None,
+            k_scale=scale,
+            v_scale=scale,
+            max_seq_len=max(seq_lens),
+            max_query_len=max(q_lens),
+            validate=False,
+            autotune=autotune,
+        )
 
 
 def _run_mla(p: dict, meta, index, autotune: bool) -> None:
@@ -458,9 +462,13 @@ class _Recorder:
         grid = tuple(int(g) for g in grid)
         kernel = f"{fn.module}:{fn.fn.__qualname__}"
         named = {fn.arg_names[path[0]]: _plain(v) for path, v in constexprs.items()}
-        label = (
-            self.config_label or f"num_warps={options.num_warps},num_stages={options.num_stages}"
-        )
+        if self.config_label:
+            label = self.config_label
+        else:  # the table's choice, passed as constexprs: name its tile like a config's label
+            tile = [f"{k}={named[k]}" for k in _TILE_CONSTEXPRS if k in named]
+            label = ",".join(
+                [*tile, f"num_warps={options.num_warps}", f"num_stages={options.num_stages}"]
+            )
         launch = self.current
         if launch is None:
             launch = Launch(kernel=kernel, index=len(self.launches))
@@ -488,6 +496,10 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (bool, int, float, str)) or v is None:
         return v
     return str(v)
+
+
+#: the constexprs a kernel's config sets (tile sizes), named in a launch's label
+_TILE_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_H", "BLOCK", "GRID_PER_SM")
 
 
 def _config_label(cfg) -> str:
@@ -912,8 +924,11 @@ def run_matrix(
     jobs: int = 2,
     asm_dir: str | None = None,
     progress: Callable[[str], None] | None = None,
+    defaults_only: bool = False,
 ) -> list[dict]:
-    """Capture, compile and measure every case for every arch; one row per launch config."""
+    """Capture, compile and measure every case for every arch; one row per launch config
+    (``defaults_only``: only the config each launch's table picks, not every candidate the
+    autotuner would try)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -924,7 +939,7 @@ def run_matrix(
     for arch in archs:
         for case in cases:
             try:
-                launches, how = capture(case, arch)
+                launches, how = capture(case, arch, autotune=not defaults_only)
                 defaults = {
                     _job_key(job)
                     for launch in capture(case, arch, autotune=False)[0]
@@ -1209,6 +1224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--asm-dir", help="also keep each compile's TTGIR, PTX and cubin here")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     ap.add_argument("--strict", action="store_true", help="exit 1 when anything fails")
+    ap.add_argument(
+        "--defaults-only",
+        action="store_true",
+        help="compile only the table's config of each launch (a fraction of the full matrix)",
+    )
     args = ap.parse_args(argv)
 
     if "triton" not in sys.modules:
@@ -1222,8 +1242,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
     t0 = time.time()
-    rows = run_matrix(cases, tuple(args.arch), args.jobs, args.asm_dir, progress=print)
+    rows = run_matrix(cases, tuple(args.arch), args.jobs, args.asm_dir, print, args.defaults_only)
     prov = provenance(args.quick, time.time() - t0, tuple(args.arch))
+    if args.defaults_only:
+        prov["matrix"] += ", table defaults only"
     if args.json and not args.out:
         paths = (None, args.json, None)
     elif args.out:

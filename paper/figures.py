@@ -599,10 +599,12 @@ def decode_roofline(ctx: Context) -> list[Path]:
 @register(
     "kernels",
     "Measured kernels on a GPU: the goals of the kernel issues met or missed, and every "
-    "benchmark row (from paper/results/kernels-*.json and gpu-suite-*.json, when committed).",
+    "benchmark row (from paper/results/[run/]kernels-*.json and gpu-suite-*.json, when "
+    "committed).",
 )
 def kernels(ctx: Context) -> list[Path]:
-    runs = sorted(RESULTS.glob("kernels-*.json"))
+    # a GPU suite run's files sit together, in paper/results/ or a folder of their own
+    runs = sorted(RESULTS.glob("kernels-*.json")) + sorted(RESULTS.glob("*/kernels-*.json"))
     before = RESULTS / "kernels-before-h200-2026-11-26.md"
     if not runs:
         note = (
@@ -621,13 +623,14 @@ def kernels(ctx: Context) -> list[Path]:
         run = json.loads(path.read_text())
         meta, rows = run["meta"], run["rows"]
         tag = path.stem.removeprefix("kernels-")
+        folder = "" if path.parent == RESULTS else f"{path.parent.name}: "
         head = (
-            f"### {meta['device']} ({meta['date'][:10]}, torch {meta['torch']}, triton "
+            f"### {folder}{meta['device']} ({meta['date'][:10]}, torch {meta['torch']}, triton "
             f"{meta['triton']}, commit `{meta['commit'][:10]}`"
             + (", uncommitted changes" if meta.get("dirty") else "")
             + f"; copy bandwidth {meta['copy_bandwidth_gbps']:.0f} GB/s)"
         )
-        suite = RESULTS / f"gpu-suite-{tag}.json"
+        suite = path.parent / f"gpu-suite-{tag}.json"
         goals = json.loads(suite.read_text())["goals"] if suite.exists() else []
         goal_rows = [
             {
@@ -660,7 +663,8 @@ def kernels(ctx: Context) -> list[Path]:
             ax.invert_yaxis()
             ax.set_xlabel("% of the device's copy bandwidth")
             ax.set_title(f"Kernel bandwidth: {meta['device']}")
-            out.append(ctx.save(fig, f"kernels_{tag}"))
+            name = tag if path.parent == RESULTS else f"{path.parent.name}_{tag}"
+            out.append(ctx.save(fig, f"kernels_{name}"))
     out.append(ctx.table("kernels", "\n\n".join(sections)))
     return out
 

@@ -1,6 +1,7 @@
 """Everything that needs a GPU, in one command: ``python -m paper.gpu_suite``.
 
-Run it whenever a GPU is at hand (an H100 or H200 takes about 6-8 minutes). In order:
+Run it whenever a GPU is at hand (an H200 took 4-6 minutes with the default sweep budget).
+In order:
 
 1. the GPU tests (``HYBRIDKV_TEST_GPU=1 pytest -m gpu tests/kernel_tests``): bf16 attention,
    fp8 on hardware, the fp8 saturation contract, CUDA-graph capture of every ``plan.run``;

@@ -64,7 +64,7 @@ def _sections(markdown: str) -> list[tuple[str, str]]:
 
 
 def _linked(section: str) -> list[Path]:
-    names = re.findall(r"\((?:\./)?((?:figures|results)/[\w.-]+)\)", section)
+    names = re.findall(r"\((?:\./)?((?:figures|results)/[\w./-]+)\)", section)
     return [PAPER / n for n in names if (PAPER / n).is_file()]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -436,15 +437,34 @@ def test_measured_rows_pick_the_measured_configs():
 
 
 def test_split_counts_follow_the_measured_occupancy():
-    """2-warp programs: about five a multiprocessor (Nemotron-H B=8 x 8 KV heads: 11 splits,
-    where 10 measured 96% and 5 81%); 4-warp: two; one split once the batch is within a quarter
-    of that (B=256 x 2 KV heads: 100% with one); long enough splits; at most _MAX_SPLITS."""
-    assert pd.choose_num_splits(8, 8, 32768, 132, 2) == 11
-    assert pd.choose_num_splits(8, 8, 32768, 132, 4) == 5
-    assert pd.choose_num_splits(256, 2, 4096, 132, 2) == 1
-    assert pd.choose_num_splits(64, 2, 8192, 132, 2) == 6
-    assert pd.choose_num_splits(1, 2, 1 << 20, 132, 2) == pd._MAX_SPLITS
-    assert pd.choose_num_splits(1, 2, 1000, 132, 2) == 1000 // pd._MIN_SPLIT_TOKENS
+    """2-warp programs fill one wave of what fits at once (Qwen3-Next d 256 on an H200: 4 a
+    multiprocessor, so B=8 x 2 KV heads at 32k takes 33 splits -> 32 of 1024 tokens, where 32
+    measured 88.7% and 37 66.6%; B=64 x 2: 4, where 3 measured 92.5% and 6 79.9%); Nemotron-H
+    d 128: 6 a multiprocessor, B=8 x 8 KV heads 12 splits (10 measured 96%, 5 81%); 4-warp
+    programs two a multiprocessor, rounded up; long enough splits; at most _MAX_SPLITS."""
+
+    def splits(batch, hkv, context, head_dim, config, fp8=False):
+        shape = pd.decode_shape(
+            device=torch.device("cpu"), block_size=16, group=8, head_dim_k=head_dim,
+            head_dim_v=head_dim, cache_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+            batch=batch, num_kv_heads=hkv, max_seq_len=context,
+        )  # fmt: skip
+        shape = dataclasses.replace(shape, arch=90)
+        return pd.choose_num_splits(
+            batch, hkv, context, 132, per_sm=pd.programs_per_sm(config, shape),
+            one_wave=config.num_warps <= 2,
+        )  # fmt: skip
+
+    small, large = pd.DecodeConfig(16, 2, 3), pd.DecodeConfig(32, 4, 3)
+    assert splits(8, 2, 32768, 256, small) == 33
+    assert splits(64, 2, 8192, 256, small) == 4
+    assert splits(256, 2, 4096, 256, small) == 1
+    assert splits(8, 8, 32768, 128, small) == 12
+    assert splits(64, 8, 8192, 128, small, fp8=True) == 2
+    assert splits(8, 2, 32768, 256, large) == 17  # 2048-token splits: the plan runs 16
+    assert splits(64, 2, 8192, 256, large) == 3
+    assert splits(1, 2, 1 << 20, 256, small) == pd._MAX_SPLITS
+    assert splits(1, 2, 1000, 256, small) == 1000 // pd._MIN_SPLIT_TOKENS
 
 
 def test_launcher_skips_triton_binding_once_a_specialisation_is_compiled(monkeypatch):

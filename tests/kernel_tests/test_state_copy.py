@@ -348,7 +348,8 @@ def test_table_invariants():
     row says where it comes from; every shape class gets a config from the table."""
     for rule in state_copy._TABLE:
         assert rule.config in CONFIGS
-        assert rule.source.startswith("unmeasured: inferred from")  # no GPU has run them yet
+        # measured rows name the run and the measured shapes; the others what they come from
+        assert rule.source.startswith(("H200 GPU suite", "unmeasured: inferred from"))
         shapes = list(_shapes_of(rule))
         assert shapes
         for shape in shapes:
@@ -359,6 +360,9 @@ def test_table_invariants():
                 for row_bytes in (16, 1 << 20):
                     shape = StateShape(arch, elem_bytes, aligned, row_bytes, 8)
                     assert state_copy.choose_config(shape)[1].startswith("unmeasured")
+    # the measured row: aligned rows of >= 512 KiB at batch >= 64 (the suite's 1 MiB rows)
+    shape = StateShape(90, 2, True, 1 << 20, 64)
+    assert state_copy.choose_config(shape)[0] == StateConfig(2, 4, 16)
     assert len(set(CONFIGS)) == len(CONFIGS)
 
 
