@@ -334,6 +334,13 @@ def markdown(meta: dict, goals: list[dict], tests: dict, sweep_rows: list[dict])
     return "\n".join(lines) + "\n"
 
 
+def site_packages() -> list[str]:
+    """This interpreter's package folders."""
+    import site
+
+    return [p for p in (*site.getsitepackages(), site.getusersitepackages()) if p]
+
+
 def _text(output: str | bytes | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
@@ -360,6 +367,10 @@ def run_tests(env: dict, out: Path, tag: str, smoke: bool, limit_s: float, say) 
     except subprocess.TimeoutExpired as e:
         text = f"{_text(e.stdout)}{_text(e.stderr)}\nstopped after {limit_s:.0f} s in total"
         returncode = -1
+    # the machine's install paths (warnings quote them) say nothing about the kernels
+    for site in sorted(set(site_packages()), key=len, reverse=True):
+        text = text.replace(site, "<site-packages>")
+    text = text.replace(sys.executable, "<python>")
     (out / f"gpu-tests-{tag}.txt").write_text(text)
     summary = next(
         (

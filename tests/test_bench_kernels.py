@@ -28,13 +28,13 @@ def test_bench_kernels_quick(tmp_path):
     assert all(r["pct_copy"] > 0 for r in rows if "bytes" in r)
 
 
-def test_bench_refuses_to_write_cpu_numbers_into_results():
+def test_bench_refuses_to_write_cpu_numbers_into_results(tmp_path):
     from paper.bench_kernels import main
 
     with pytest.raises(SystemExit):
         main(["--set", "quick"])
     with pytest.raises(SystemExit):  # the GPU shape sets need a GPU
-        main(["--set", "suite", "--out", "/tmp/nowhere"])
+        main(["--set", "suite", "--out", str(tmp_path / "nowhere")])
 
 
 def test_suite_covers_every_goal_shape():
