@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from .alloc import POLICIES
+from .alloc import POLICIES, AllocatorOptions
+from .alloc.policies import policy_class
 from .layouts import make_plan
 from .models.model import HybridModel
 from .sim import SimConfig, simulate
@@ -95,6 +96,20 @@ def candidates(model: HybridModel, pins: Pins | None = None) -> list[Candidate]:
     ]
 
 
+def candidate_options(
+    base: AllocatorOptions, cand: Candidate, block_size: int
+) -> AllocatorOptions:
+    """``base`` with what the advisor picks for ``cand`` on a plan of ``block_size``: its
+    checkpoint policy, and a hash unit of ``min(16, block_size)`` (it must divide the block,
+    which varies across candidates). The candidates' policies keep no states inside a prompt,
+    so ``checkpoint_interval`` is unset."""
+    return base.replace(
+        checkpoint_policy=cand.policy,
+        hash_block_size=min(16, block_size),
+        checkpoint_interval=None,
+    )
+
+
 def _key(row: dict) -> tuple[float, float, float]:
     return (row["ttft_p50_ms"], -row["throughput_tok_s"], -row["hit_rate"])
 
@@ -112,7 +127,9 @@ def advise(
 ) -> Advice:
     """Simulate every candidate and rank them (see the module docstring). ``progress``: one bar
     over the candidates, naming the one being simulated. ``target``: the vLLM whose rules the
-    shared-pool layouts follow (default vLLM 0.33's)."""
+    shared-pool layouts follow (default vLLM 0.33's). ``config``: its
+    ``max_num_batched_tokens``, ``gpu`` and allocator options apply to every candidate, but for
+    what the advisor picks per candidate (:func:`candidate_options`)."""
     config = config or SimConfig()
     pins = pins or Pins()
     results: list[dict] = []
@@ -131,7 +148,11 @@ def advise(
                 max_num_seqs=max_num_seqs,
                 block_size=cand.block_size,
                 pack_size=cand.pack_size,
-                state_slots_per_seq=slots if slots is not None else 1 + (cand.policy == "align"),
+                state_slots_per_seq=(
+                    slots
+                    if slots is not None
+                    else policy_class(cand.policy).state_slots_per_request
+                ),
                 cache_state_slots=cached
                 if cached is not None
                 else (max_num_seqs if cand.layout == "per_group" else 0),
@@ -142,9 +163,8 @@ def advise(
             continue
         sim_config = SimConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
-            hash_block_size=min(16, plan.block_size),
-            checkpoint_policy=cand.policy,
             gpu=config.gpu,
+            allocator=candidate_options(config.allocator, cand, plan.block_size),
         )
         try:
             result = simulate(plan, model, trace, sim_config)

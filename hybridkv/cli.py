@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import __version__, models
+from .alloc import AllocatorOptions, ConfigError
 from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -423,6 +424,36 @@ def _add_trace_options(p: argparse.ArgumentParser, default: str) -> None:
     g.add_argument("--seed", type=int, default=0)
 
 
+#: the allocator's options (:class:`~hybridkv.alloc.AllocatorOptions` names) ``simulate`` has
+#: flags for, and each flag's argparse ``dest`` (the flag is ``--`` + it, dashed)
+ALLOCATOR_FLAGS: dict[str, str] = {
+    "checkpoint_policy": "policy",
+    "checkpoint_interval": "checkpoint_interval",
+    "hash_block_size": "hash_block_size",
+}
+
+
+def _allocator_options(
+    args: argparse.Namespace, plan: MemoryPlan, base: AllocatorOptions
+) -> AllocatorOptions:
+    """``base`` with what the flags of :data:`ALLOCATOR_FLAGS` set (the hash unit defaults to
+    ``min(16, block size)``), checked against ``plan``. A bad value is a ``ValueError`` that
+    names the flag and value given, then what is wrong and what would fix it."""
+    values = {name: getattr(args, dest) for name, dest in ALLOCATOR_FLAGS.items()}
+    values["hash_block_size"] = values["hash_block_size"] or min(16, plan.block_size)
+    try:
+        options = base.replace(**values)
+        options.for_plan(plan)  # the checks that need the plan (the hash unit divides blocks)
+    except ConfigError as exc:
+        given = [
+            f"--{dest.replace('_', '-')} {getattr(args, dest)}"
+            for name, dest in ALLOCATOR_FLAGS.items()
+            if name in str(exc) and getattr(args, dest) is not None
+        ]
+        raise ValueError(f"{', '.join(given)}: {exc}" if given else str(exc)) from None
+    return options
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from . import traces
     from .sim import SimConfig, simulate
@@ -430,11 +461,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     model = _load_model(args)
     trace = _load_trace(args)
     plan = _plan(model, args.layout, args)
-    options = {}
-    if args.checkpoint_interval is not None:
-        options["checkpoint_interval"] = args.checkpoint_interval
-    unit = args.hash_block_size or min(16, plan.block_size)
-    config = SimConfig(checkpoint_policy=args.policy, hash_block_size=unit, **options)
+    config = SimConfig(allocator=_allocator_options(args, plan, SimConfig().allocator))
+    unit = config.allocator.hash_block_size
     try:
         result = simulate(plan, model, trace, config, progress=_show_progress(args))
     except RuntimeError as exc:  # a plan too small for the trace: the simulator says why

@@ -8,8 +8,8 @@ same request sequence and memory as another simulator that replays requests this
 behaviour (batches, TTFT, preemption) use :func:`hybridkv.sim.simulate`.
 
 The allocator sees the calls an engine would make: prefill chunks end where the policy wants a
-checkpoint (:meth:`~hybridkv.alloc.HybridAllocator.next_checkpoint`, and ``align``'s
-:meth:`~hybridkv.alloc.HybridAllocator.split_prefill`), every step is committed, and decode
+checkpoint (:meth:`~hybridkv.alloc.HybridAllocator.prefill_chunk`, the question the simulator's
+scheduler asks too), every step is committed, and decode
 steps with no allocator work are handed over together (the allocator's fast path, as the
 simulator does). The answer's last token is appended but never computed: a server samples it
 and stops.
@@ -24,13 +24,21 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from .alloc import HybridAllocator, MemoryBreakdown
+from .alloc import AllocatorOptions, HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
 from .alloc.marconi import tokens_as_flops
+from .alloc.policies import policy_class
 from .plan import MemoryPlan
 from .traces import Request, Trace
 
-__all__ = ["MARCONI_ALPHAS", "ReplayResult", "replay", "serve", "tune_marconi_alpha"]
+__all__ = [
+    "MARCONI_ALPHAS",
+    "REPLAY_OPTIONS",
+    "ReplayResult",
+    "replay",
+    "serve",
+    "tune_marconi_alpha",
+]
 
 
 @dataclass(frozen=True)
@@ -93,27 +101,33 @@ def _requests(trace: Trace | Iterable[Request]) -> Sequence[Request]:
 MARCONI_ALPHAS = tuple(round(0.1 * i, 1) for i in range(21))
 
 
+#: :func:`replay`'s allocator options unless it is given some: Marconi's policy, as its simulator
+REPLAY_OPTIONS = AllocatorOptions(checkpoint_policy="marconi")
+
+
 def replay(
     plan: MemoryPlan,
     trace: Trace | Iterable[Request],
+    options: AllocatorOptions | None = None,
     *,
-    checkpoint_policy: str = "marconi",
-    hash_block_size: int = 16,
     sample_every: int = 0,
     progress: bool = False,
     marconi_alpha: float | str = "auto",
     alpha_grid: Sequence[float] = MARCONI_ALPHAS,
     bootstrap_multiplier: int = 5,
     tuning_last: int = 500,
-    **allocator_options: Any,
+    **overrides: Any,
 ) -> ReplayResult:
     """Replay ``trace`` on ``plan`` one request at a time (see the module docstring).
 
-    ``allocator_options`` go to :class:`~hybridkv.alloc.HybridAllocator` (``marconi_flops``,
-    ``evict_unreachable``, ...). ``sample_every`` > 0 records the memory breakdown after every
-    that many requests (0: none). Requests need ``output_ids`` (the answer's tokens) when
-    ``output_length`` > 0: later turns of a conversation resend them. A request that does not
-    fit in the plan's memory alone raises ``ValueError``.
+    ``options``: the allocator's (default :data:`REPLAY_OPTIONS`); keyword ``overrides``
+    replace some of them (``checkpoint_policy="last"``, ``evict_unreachable=False``, ...).
+    Replay sets two itself: ``max_model_len`` to the trace's longest request, and under
+    ``marconi`` the alpha (``marconi_alpha`` below, which tuning changes during the run).
+    ``sample_every`` > 0 records the memory breakdown after every that many requests (0: none).
+    Requests need ``output_ids`` (the answer's tokens) when ``output_length`` > 0: later turns
+    of a conversation resend them. A request that does not fit in the plan's memory alone
+    raises ``ValueError``.
 
     ``marconi_alpha`` (``marconi`` only): a number fixes it; ``"auto"`` tunes it as Marconi
     does (:func:`tune_marconi_alpha`): it starts at 0, and once ``bootstrap_multiplier`` times
@@ -121,26 +135,25 @@ def replay(
     are replayed from an empty cache with each value of ``alpha_grid``; the value that saved
     the most prefill FLOPs over the last ``tuning_last`` of them is used from then on."""
     reqs = _requests(trace)
-    marconi = checkpoint_policy == "marconi"
+    options = (options or REPLAY_OPTIONS).replace(**overrides)
+    # a policy whose eviction weighs value (marconi) has an alpha to fix or tune
+    marconi = policy_class(options.checkpoint_policy).weighs_value
     auto = marconi and marconi_alpha == "auto"
     if marconi and not auto:
         if isinstance(marconi_alpha, str):
             raise ValueError(f"marconi_alpha must be a number or 'auto', got {marconi_alpha!r}")
-        allocator_options["marconi_alpha"] = marconi_alpha
+        options = options.replace(marconi_alpha=marconi_alpha)
     elif auto:
-        allocator_options["marconi_alpha"] = 0.0
+        options = options.replace(marconi_alpha=0.0)  # Marconi's tuner starts at 0
     if bootstrap_multiplier < 1:
         raise ValueError(f"bootstrap_multiplier must be >= 1, got {bootstrap_multiplier}")
-    max_len = max((len(r.prompt) + r.output_length for r in reqs), default=1)
+    # every request of the trace fits its length: only the plan's memory may refuse one
+    options = options.replace(
+        max_model_len=max((len(r.prompt) + r.output_length for r in reqs), default=1)
+    )
 
     def make() -> HybridAllocator:
-        return HybridAllocator(
-            plan,
-            checkpoint_policy=checkpoint_policy,
-            hash_block_size=hash_block_size,
-            max_model_len=max_len,
-            **allocator_options,
-        )
+        return HybridAllocator(plan, options)
 
     alloc = make()
     hits = np.zeros(len(reqs), dtype=np.int64)
@@ -157,7 +170,7 @@ def replay(
                 window = bootstrap_multiplier * (i + 1)
             if window is not None and i + 1 == window:
                 alloc.marconi_alpha = tune_marconi_alpha(
-                    make, reqs[:window], alpha_grid, tuning_last, flops=_flops(allocator_options)
+                    make, reqs[:window], alpha_grid, tuning_last, flops=_flops(options)
                 )
                 tuned_at = i
         if sample_every and (i + 1) % sample_every == 0:
@@ -168,7 +181,7 @@ def replay(
     stats = alloc.stats()
     return ReplayResult(
         layout=plan.layout,
-        policy=checkpoint_policy,
+        policy=options.checkpoint_policy,
         hits=hits,
         prompts=prompts,
         samples=tuple(samples),
@@ -184,8 +197,8 @@ def _evictions(alloc: HybridAllocator) -> int:
     return sum(p.get("evictions", 0) for p in alloc.stats()["pools"].values())
 
 
-def _flops(options: dict[str, Any]) -> Callable[[int, int], float]:
-    return options.get("marconi_flops") or tokens_as_flops
+def _flops(options: AllocatorOptions) -> Callable[[int, int], float]:
+    return options.marconi_flops or tokens_as_flops
 
 
 def tune_marconi_alpha(
@@ -222,12 +235,9 @@ def serve(alloc: HybridAllocator, req: Request, *, index: int | None = None) -> 
     hit = alloc.add_request(rid, prompt)
     done = hit.num_cached_tokens
     while done < len(prompt):
-        # offered every remaining token (no token budget): align cuts where vLLM would, the
-        # other policies where they want a checkpoint
-        n = alloc.split_prefill(rid, len(prompt) - done)
-        stop = alloc.next_checkpoint(rid)
-        if stop is not None and done < stop < done + n:
-            n = stop - done
+        # offered every remaining token (no token budget): the policy cuts where it wants a
+        # checkpoint (align: where vLLM's scheduler would)
+        n = alloc.prefill_chunk(rid, len(prompt) - done)
         if n <= 0:  # pragma: no cover - an allocator that cuts nothing would loop forever
             raise RuntimeError(f"request {i}: the policy leaves a prefill chunk of {n} tokens")
         _step(alloc, rid, n, i, len(prompt))

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .alloc import RECOVERY_POLICIES, HitInfo, HybridAllocator, PoolExhausted
+from .alloc import HitInfo, HybridAllocator, PoolExhausted
 
 __all__ = ["Executor", "Scheduler", "SchedulerConfig", "Seq", "StepOutput"]
 
@@ -233,11 +233,6 @@ class Scheduler:
                 f"plan's checkpoint granularity ({self.align} tokens): a long prompt would never "
                 "advance; raise max_num_batched_tokens / long_prefill_token_threshold"
             )
-        caching = alloc.caching and bool(plan.state_groups)
-        policy = alloc.policy.name
-        self._vllm_split = caching and policy == "align"
-        self._stop_last_block = caching and policy == "align_every_block"
-        self._stop_next = caching and policy in ("last", "marconi", *RECOVERY_POLICIES)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []  # by admission order
         self.prefilling: list[Seq] = []  # running requests not decoding, by admission order
@@ -411,30 +406,17 @@ class Scheduler:
 
     # ---- pieces -----------------------------------------------------------------------------
     def _chunk(self, seq: Seq, done: int, budget: int) -> int:
-        """Prefill tokens of ``seq`` this step, ``done`` already having slots: all that fit; a
-        chunk the budget cuts ends on the checkpoint granularity; where the policy wants a
-        state, the chunk ends there."""
+        """Prefill tokens of ``seq`` this step, ``done`` already having slots: what the budget
+        allows, cut where the checkpoint policy says (a chunk the budget cuts ends on the
+        checkpoint granularity; where the policy wants a state, the chunk ends there:
+        :meth:`HybridAllocator.prefill_chunk <hybridkv.alloc.HybridAllocator.prefill_chunk>`)."""
         threshold = self.config.long_prefill_token_threshold
         if threshold:
             budget = min(budget, threshold)
         remaining = seq.num_tokens - done
-        if self._vllm_split:
-            return self.alloc.split_prefill(
-                seq.rid, min(remaining, budget), self.config.max_num_batched_tokens
-            )
-        align = self.align
-        n = remaining if remaining <= budget else max(0, (done + budget) // align * align - done)
-        if self._stop_last_block:
-            # a prefill that would cross the last block boundary of the request's tokens stops
-            # there first, so that boundary's state is kept (budget cuts already end on blocks)
-            stop = seq.num_tokens // align * align
-        elif self._stop_next:
-            stop = self.alloc.next_checkpoint(seq.rid) or 0
-        else:
-            stop = 0
-        if done < stop < done + n:
-            n = stop - done
-        return n
+        return self.alloc.prefill_chunk(
+            seq.rid, min(remaining, budget), self.config.max_num_batched_tokens
+        )
 
     def _allocate(self, seq: Seq, n: int, out: StepOutput) -> bool:
         """Slots for ``n`` more tokens of running ``seq``, preempting the newest running request

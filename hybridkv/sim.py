@@ -11,9 +11,9 @@ With the ``align`` policy, where a prefill chunk ends is vLLM 0.33's rule
 (``Scheduler._mamba_block_aligned_split``, asked through the allocator's ``split_prefill``; the
 rules are listed in :class:`hybridkv.alloc.policies.VllmAlign`): a chunk the token budget cuts
 ends on a block multiple, and a prompt that fits runs in one chunk to its last cacheable block
-boundary (to its end when the state layers export the checkpoint from inside the prefill,
-``SimConfig.prefill_checkpoint_alignment``), stopping earlier only at a junction or, with hash
-units finer than the block, at the prompt's last hash boundary. With the other policies chunks
+boundary (to its end when the state layers export the checkpoint from inside the prefill:
+``AllocatorOptions.prefill_checkpoint_alignment``), stopping earlier only at a junction or, with
+hash units finer than the block, at the prompt's last hash boundary. With the other policies chunks
 the budget cuts end on multiples of the state groups' block size; ``align_every_block`` also
 stops a prefill at the last block boundary of the request's tokens (as hybridkv's ``align`` did
 before it followed vLLM 0.33), ``marconi`` at the request's pending branch point
@@ -37,15 +37,17 @@ tests compare the two).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 from tqdm import tqdm  # a text bar: in a notebook tqdm.auto would want ipywidgets
 
-from .alloc import HybridAllocator, MemoryBreakdown
+from .alloc import AllocatorOptions, HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
 from .costmodel import GPU, H100_SXM, ParamCount, StepCoster
 from .models.model import HybridModel
@@ -53,21 +55,46 @@ from .plan import MemoryPlan
 from .sched import Scheduler, SchedulerConfig, Seq, StepOutput
 from .traces import Trace
 
+_C = TypeVar("_C")
 
+#: :class:`SimConfig`'s allocator options unless given: a simulated request is never refused
+#: for its length (the plan's memory decides what runs)
+SIM_ALLOCATOR = AllocatorOptions(max_model_len=1 << 20)
+
+
+def _allocator_options_as_keywords(cls: type[_C]) -> type[_C]:
+    """Let ``cls`` (a dataclass with an ``allocator: AllocatorOptions`` field) take each of the
+    allocator's options as a keyword too: they replace those options of ``allocator=`` (default:
+    the field's default). The names are :meth:`AllocatorOptions.names`, so an option added
+    there is taken here without an edit. ``dataclasses.replace(config, hash_block_size=8)`` and
+    ``cls(**{**config.__dict__, ...})`` go through here as well, so they work the same."""
+    init = cls.__init__
+    default = next(f.default for f in dataclasses.fields(cls) if f.name == "allocator")
+    names = frozenset(AllocatorOptions.names())
+
+    @functools.wraps(init)
+    def __init__(self: _C, *args: Any, **kwargs: Any) -> None:
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        if flat:
+            kwargs["allocator"] = kwargs.get("allocator", default).replace(**flat)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
+@_allocator_options_as_keywords
 @dataclass(frozen=True)
 class SimConfig:
     """Scheduler and cache options (vLLM's names where they exist).
 
-    ``hash_block_size`` is vLLM's ``prefix_match_unit`` (vLLM's default is the block size, which
-    turns hits inside a block off). ``prefix_cache_retention_interval`` and
-    ``prefill_checkpoint_alignment`` apply to the ``align`` policy (see
-    :class:`hybridkv.alloc.HybridAllocator`); the latter is ``None`` for state layers whose
-    prefill cannot export a checkpoint (vLLM 0.32's Gated DeltaNet, or any GPU without
-    FlashInfer's GDN prefill), 1 for Mamba-2, and for vLLM 0.33's Gated DeltaNet under
-    FlashInfer the block size (``lcm(hash_block_size, 64)`` with hits inside a block); the
-    default ``"auto"`` takes it from the plan's vLLM target. ``checkpoint_interval`` is where the
-    ``periodic`` and ``hash_boundary`` policies keep states inside a prompt (exported from inside
-    the prefill when the alignment divides it, else prefill chunks end there).
+    ``allocator``: the allocator's options (:class:`~hybridkv.alloc.AllocatorOptions`, which
+    documents each one), default :data:`SIM_ALLOCATOR`. They are also taken as keywords and
+    read as attributes, as when ``SimConfig`` had a field for each: ``SimConfig(
+    checkpoint_policy="last").checkpoint_policy`` is ``SimConfig(allocator=SIM_ALLOCATOR.replace(
+    checkpoint_policy="last")).allocator.checkpoint_policy``; keywords given with ``allocator=``
+    replace those of its options. The simulator gives the allocator its clock's FLOP model
+    (``marconi_flops``) unless the options name one.
 
     Memory is sampled every ``sample_every`` steps; once ``max_samples`` samples are taken the
     interval doubles (every other sample is dropped), so long runs keep at most that many. Every
@@ -77,20 +104,21 @@ class SimConfig:
 
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # most prompt tokens of one request per step (0: any)
-    hash_block_size: int = 16
-    checkpoint_policy: str = "align"
-    enable_prefix_caching: bool = True
     gpu: GPU = H100_SXM
-    max_model_len: int = 1 << 20
     sample_every: int = 16  # steps between memory samples
     max_samples: int = 512
     breakdown_every: int = 8
     fast_decode: bool = True  # park decoding requests between allocator events (same results)
-    prefix_cache_retention_interval: int | None = 0
-    prefill_checkpoint_alignment: int | str | None = "auto"
-    checkpoint_interval: int | None = None  # periodic / hash_boundary (default 512)
     #: the model's parameters for the roofline (default: the zoo's count for the model)
     params: ParamCount | None = None
+    allocator: AllocatorOptions = SIM_ALLOCATOR
+
+    def __getattr__(self, name: str) -> Any:
+        # called only when no field has the name: the allocator's options read as they did
+        # when SimConfig mirrored them (config.checkpoint_policy), with one owner of each
+        if name in AllocatorOptions.names():
+            return getattr(self.allocator, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -225,18 +253,11 @@ def simulate(
     step the scheduler ran (after it ran), e.g. to record the schedule."""
     config = config or SimConfig()
     coster = StepCoster(model, config.gpu, params=config.params)
-    alloc = HybridAllocator(
-        plan,
-        enable_prefix_caching=config.enable_prefix_caching,
-        hash_block_size=config.hash_block_size,
-        checkpoint_policy=config.checkpoint_policy,
-        max_model_len=config.max_model_len,
-        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
-        prefill_checkpoint_alignment=config.prefill_checkpoint_alignment,
-        checkpoint_interval=config.checkpoint_interval,
+    options = config.allocator
+    if options.marconi_flops is None:
         # marconi weighs the FLOPs a state saves by the same cost model as the clock
-        marconi_flops=coster.prefill_flops,
-    )
+        options = options.replace(marconi_flops=coster.prefill_flops)
+    alloc = HybridAllocator(plan, options)
     # sliding-window layers: the decode cost needs every context, not just their sum
     sched = Scheduler(alloc, scheduler_config(plan, config), contexts=bool(coster.windows))
     clock = RooflineClock(coster)

@@ -21,11 +21,14 @@ import time
 from pathlib import Path
 
 from hybridkv import models
-from hybridkv.alloc import HybridAllocator
+from hybridkv.alloc import AllocatorOptions, HybridAllocator
 from hybridkv.alloc.hashing import extend_unit_hashes, get_hash_fn, token_array
 from hybridkv.layouts import LAYOUTS, make_plan
 
 RESULTS = Path(__file__).parent / "results"
+#: the benchmark's allocator options (with each layout's policy): hash unit 16, and no request
+#: refused for its length
+OPTIONS = AllocatorOptions(hash_block_size=16, max_model_len=1 << 20)
 
 
 def bench_layout(
@@ -36,9 +39,7 @@ def bench_layout(
     prompt lengths spread over 64 tokens, as in a real batch."""
     model = models.load("qwen3-next-80b-a3b")
     plan = make_plan(model, layout, memory="40GiB", max_num_seqs=num_reqs, block_size=16)
-    alloc = HybridAllocator(
-        plan, hash_block_size=16, max_model_len=1 << 20, checkpoint_policy=policy
-    )
+    alloc = HybridAllocator(plan, OPTIONS.replace(checkpoint_policy=policy))
     for r in range(num_reqs):
         n = prompt_len if synchronized else prompt_len + (r * 37) % 64
         alloc.add_request(r, list(range(r * 100_000, r * 100_000 + n)))
@@ -59,7 +60,7 @@ def bench_layout(
         times.append(time.perf_counter() - t0)
     times.sort()
     # churn on an empty allocator: add, allocate and free requests of two blocks each
-    alloc = HybridAllocator(plan, hash_block_size=16, max_model_len=1 << 20)
+    alloc = HybridAllocator(plan, OPTIONS)
     t0 = time.perf_counter()
     ops = 0
     for r in range(num_reqs, num_reqs + 2000):

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridkv import models, traces
+from hybridkv.alloc.policies import policy_class
 from hybridkv.layouts import LAYOUTS, make_plan
 from hybridkv.sim import SimConfig, simulate
 
@@ -69,7 +70,7 @@ def bench(num_requests: int, layouts: list[str], policies: list[str], progress: 
                 layout,
                 memory="40GiB",
                 max_num_seqs=256,
-                state_slots_per_seq=2 if policy == "align" else 1,
+                state_slots_per_seq=policy_class(policy).state_slots_per_request,
             )
             t0 = time.perf_counter()
             r = simulate(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime as dt
 import json
 import math
 import re
@@ -787,10 +788,26 @@ def _before(name: str, keys: tuple[str, ...]) -> tuple[dict[tuple, dict], dict] 
 
 
 def _before_note(meta: dict, now: dict) -> str:
+    """Says which commit the *before* columns ran and whether they ran back to back with the
+    current ones (within two hours on the same machine) or are an earlier measurement."""
+    then, this = str(meta.get("commit", "?"))[:10], str(now.get("commit", "?"))[:10]
+    try:
+        gap = abs(
+            dt.datetime.fromisoformat(str(now["date"]))
+            - dt.datetime.fromisoformat(str(meta["date"]))
+        )
+    except (KeyError, ValueError):
+        gap = None
+    if gap is not None and gap <= dt.timedelta(hours=2):
+        return (
+            f"*before*: the same benchmark at commit `{then}` ({meta.get('date', '?')}), run on "
+            f"the same machine just before this one (`{this}`), so the two columns compare "
+            "code, not machines."
+        )
     return (
-        f"*before*: the same benchmark at commit `{str(meta.get('commit', '?'))[:10]}` "
-        f"({meta.get('date', '?')}), run on the same machine just before this one "
-        f"(`{str(now.get('commit', '?'))[:10]}`), so the two columns compare code, not machines."
+        f"*before*: the same benchmark at commit `{then}`, an earlier measurement "
+        f"({meta.get('date', '?')}, {meta.get('machine', 'machine not recorded')}), not run "
+        f"back to back with this one (`{this}`): the columns compare code and runs."
     )
 
 

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridkv import traces
+from hybridkv.alloc import AllocatorOptions
+from hybridkv.alloc.policies import policy_class
 from hybridkv.costmodel import H100_SXM, ParamCount, StepCoster
 from hybridkv.layouts import make_plan
 from hybridkv.models.model import HybridModel
@@ -137,12 +139,13 @@ def run_hybridkv(
     layout: str, capacity: int, policy: str = "marconi", n: int = NUM_REQUESTS, **options: Any
 ):
     """One replay of the chat trace on ``layout`` at ``capacity`` bytes (a ReplayResult).
-    ``marconi`` tunes its alpha as Marconi does unless ``marconi_alpha`` is given."""
-    if policy == "marconi":
-        options.setdefault("marconi_flops", marconi_flops())
-    return replay(
-        plan(layout, capacity), chat_trace(n), checkpoint_policy=policy, sample_every=5, **options
-    )
+    ``marconi`` tunes its alpha as Marconi does unless ``marconi_alpha`` is given; ``options``
+    are :func:`~hybridkv.replay.replay`'s (allocator options and ``marconi_alpha``)."""
+    # marconi weighs the FLOPs a state saves by Marconi's 7B, as the peer does
+    # a policy whose eviction weighs value needs the FLOP model of Marconi's 7B
+    flops = marconi_flops() if policy_class(policy).weighs_value else None
+    base = AllocatorOptions(checkpoint_policy=policy, marconi_flops=flops)
+    return replay(plan(layout, capacity), chat_trace(n), base, sample_every=5, **options)
 
 
 # ---- the peer ------------------------------------------------------------------------------

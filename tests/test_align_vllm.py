@@ -91,24 +91,23 @@ def test_second_sharer_of_a_1024_token_prefix(unit):
     """The prompts are long: vLLM runs the first in one chunk to its last cacheable block
     boundary, beyond the shared prefix, and keeps only that state (and, with 16-token hash units,
     the prompt's last hash boundary), so the second sharer hits nothing. ``align_every_block``
-    keeps a state at every block boundary a *step ends on*; with the whole prompt in one budget
-    its steps end at the last block boundary too, so it hits nothing either (hybridkv's earlier
-    ``align`` did the same); a budget that cuts the prompt at each block is what gives it the
-    block inside the prefix."""
+    ends a prefill chunk at every block multiple and keeps each of those states, so the second
+    sharer hits the last block boundary inside the prefix, whatever the token budget."""
     _, plan = gdn()
     B = _block(plan)
     h = 16 if unit == "16" else B
     first = SHARED + 2 * B
     assert pos(first, B) > SHARED  # the replay boundary is past the shared prefix
     assert _hits("align", first, 2, h) == 0
-    assert _hits("align_every_block", first, 2, h) == 0
+    assert _hits("align_every_block", first, 2, h) == SHARED // B * B
     one_block = {"max_num_batched_tokens": B}
     assert _hits("align_every_block", first, 2, h, **one_block) == SHARED // B * B
     # the second sharer found the shared prefix cached by attention only (a junction): it cut
     # its prefill at the junction's block boundary and kept that state (its own last cacheable
     # boundary is past the prefix), so the third hits it
     assert _hits("align", first, 3, h) == SHARED // B * B
-    assert _hits("align_every_block", first, 3, h) == 0  # it knows no junctions
+    # it needs no junction: every sharer hits the prefix's last block boundary
+    assert _hits("align_every_block", first, 3, h) == 2 * (SHARED // B * B)
 
 
 @pytest.mark.parametrize("unit", ["16", "block"])
@@ -429,10 +428,11 @@ def test_auto_prefill_exports_follow_the_vllm_target(name, target, expected):
     assert a.policy.vllm.export == want
 
 
-def test_align_every_block_prefill_stops_at_the_last_block_boundary_only():
-    """``align_every_block`` is hybridkv's earlier ``align``: a prompt that fits the budget runs
-    to its last block boundary in one chunk, then the rest (two prefill steps), never in
-    block-sized chunks."""
+def test_align_every_block_prefill_ends_at_every_block():
+    """``align_every_block`` ends prefill chunks at every multiple of the state block, as its
+    policy defines (the scheduler and replay ask the allocator, :meth:`prefill_chunk`): a
+    ``3B + 5``-token prompt that fits the budget takes 4 prefill steps (3 blocks, then the
+    rest) where no caching takes one, and on a 16-token per_group plan ``3B/16 + 1``."""
     model, plan = gdn()
     B = _block(plan)
     trace = _sharers(3 * B + 5, 1)
@@ -442,11 +442,11 @@ def test_align_every_block_prefill_stops_at_the_last_block_boundary_only():
     )
     # without prefix caching nothing cuts the prefill: one step fewer
     plain = simulate(plan, model, trace, SimConfig(enable_prefix_caching=False, **config))
-    assert every.steps == plain.steps + 1
-    # on a 16-token per_group plan the same prompt still takes two prefill steps, not 3B/16
+    assert every.steps == plain.steps + 3
+    # on a 16-token per_group plan the same prompt takes 3B/16 + 1 prefill steps
     small = make_plan(model, "per_group", memory="8GiB", max_num_seqs=16)
     every = simulate(
         small, model, trace, SimConfig(checkpoint_policy="align_every_block", **config)
     )
     plain = simulate(small, model, trace, SimConfig(enable_prefix_caching=False, **config))
-    assert every.steps == plain.steps + 1
+    assert every.steps == plain.steps + 3 * B // 16

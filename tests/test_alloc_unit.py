@@ -516,7 +516,7 @@ def test_marconi_eviction_weighs_recency_against_value():
     the oldest state goes; with a large alpha the state whose own segment saves the fewest
     FLOPs per byte kept, however recent; a segment reaches up to the previous state or branch
     point of its chain."""
-    from hybridkv.alloc.prefix_cache import PrefixIndex
+    from hybridkv.alloc.prefix_cache import Entry, PrefixIndex
 
     p = plan("qwen3.5-0.8b", "per_group")
     chain = next(g.group_id for g in p.attention_groups)
@@ -542,7 +542,7 @@ def test_marconi_eviction_weighs_recency_against_value():
     # states at u4 (80 tokens, cached first) and u7 (128 tokens, a step later)
     state = s.state_groups[0]
     for u in (units[4], units[7]):
-        index.entries[(state, u)] = (1, units.index(u), [u], True)
+        index.entries[(state, u)] = Entry(1, units.index(u), [u], True)
         s.accessed(u)
         s.tick()
     assert s.segment_start(units[7], 128) == 80  # the state at u4 ends u7's segment

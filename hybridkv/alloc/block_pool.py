@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from itertools import islice
-from operator import itemgetter
 from typing import Protocol
 
 from .errors import DoubleFree, PoolExhausted
@@ -235,8 +234,22 @@ class BlockPool(IdCache):
         self.evictor: Evictor | None = None
         self.evictor_window = 1
         self.num_evictions = 0
+        #: cached entries per group (kept as they come and go: counting them at every memory
+        #: sample walked every key)
+        self.cached_per_group: Counter[int] = Counter()
         # one id space for every group: its own evictor already chooses across them
         self.segment_evictor: Callable[[], bool] | None = None
+
+    def cache(self, bid: int, key: CacheKey) -> bool:
+        if not super().cache(bid, key):
+            return False
+        self.cached_per_group[key[0]] += 1  # type: ignore[index]
+        return True
+
+    def _drop_key(self, bid: int) -> None:
+        """:class:`IdCache`'s, counting the group's entry out first (``on_evict`` may look)."""
+        self.cached_per_group[self._id_to_key[bid][0]] -= 1  # type: ignore[index]
+        super()._drop_key(bid)
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -298,12 +311,12 @@ class BlockPool(IdCache):
         """Ids held or cached. Serving several groups, a state group counts its requests' ids
         and its cached checkpoints, and the first attention group every other id that is not
         free (shared prefix blocks once, however many requests use them). Cost: O(1) for one
-        group, else O(cached ids + the state groups' held ids)."""
+        group, else O(the state groups' held ids)."""
         total = self.num_ids - 1 - len(self._plain)
         if len(self.groups) == 1:
             return {self.groups[0]: total}
         count: dict[int, int] = {}
-        cached = Counter(map(itemgetter(0), self._key_to_id))
+        cached = self.cached_per_group
         for g in self.groups:
             if g in state_groups:
                 count[g] = n = cached[g] + len(held(g))

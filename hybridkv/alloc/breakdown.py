@@ -31,13 +31,18 @@ requests, O(cached units + running blocks): meant for sampling, not for every st
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .reach import Reach
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .manager import HybridAllocator
+    from ..plan import MemoryPlan
+    from .block_pool import IdCache, Pool
+    from .prefix_cache import PrefixIndex, UnitKey
 
-__all__ = ["CATEGORIES", "MemoryBreakdown", "memory_breakdown"]
+__all__ = ["CATEGORIES", "BreakdownSource", "MemoryBreakdown", "memory_breakdown"]
 
 #: the categories, in the order tables and plots show them
 CATEGORIES = (
@@ -88,55 +93,37 @@ class MemoryBreakdown:
         return tuple(f.name for f in fields(cls))
 
 
-def memory_breakdown(alloc: HybridAllocator) -> MemoryBreakdown:
+class BreakdownSource(Protocol):
+    """What :func:`memory_breakdown` reads of an allocator (``HybridAllocator`` is one)."""
+
+    @property
+    def plan(self) -> MemoryPlan: ...
+
+    @property
+    def index(self) -> PrefixIndex: ...
+
+    @property
+    def pool(self) -> Mapping[int, IdCache]:
+        """Group id -> the ids it takes (a pool, or a two-level pool's group view)."""
+        ...
+
+    @property
+    def pools(self) -> tuple[Pool, ...]: ...
+
+    def held_ids(self) -> list[tuple[int, list[int]]]:
+        """Every id running requests hold, as ``(group, ids)``; an id once per holder."""
+        ...
+
+
+def memory_breakdown(alloc: BreakdownSource) -> MemoryBreakdown:
     """Classify every byte of ``alloc``'s plan; see the module docstring."""
     plan = alloc.plan
     groups = plan.groups
-    h = alloc.h
     id_bytes = {g.group_id: plan.id_bytes(g.group_id) for g in groups}
     data_bytes = {g.group_id: plan.id_data_bytes(g.group_id) for g in groups}
-    block = {g.group_id: g.block_size for g in groups}
     out: dict[str, int] = defaultdict(int)
-
-    # ---- live: every id a running request holds, once per pool -----------------------------
-    # a group's ids -> id -> group: a block shared by requests counts once
-    live_ids: dict[Any, dict[int, int]] = defaultdict(dict)
-    for gid, ids in alloc.held_ids():
-        seen = live_ids[alloc.pool[gid]]
-        for bid in ids:
-            if bid:
-                seen[bid] = gid
-    for seen in live_ids.values():
-        for gid in seen.values():
-            out["live"] += data_bytes[gid]
-            out["padding"] += id_bytes[gid] - data_bytes[gid]
-
-    # ---- cached entries no request holds: reachable or not ---------------------------------
-    index = alloc.index
-    useful = _useful_units(alloc)
-    state_positions: set[bytes] = set()
-    for key, (bid, _, units, entry_is_state) in index.entries.items():
-        gid = key[0]  # type: ignore[index]
-        pool = alloc.pool[gid]
-        if pool.refcount(bid):
-            continue  # held: counted as live
-        if entry_is_state:
-            data = data_bytes[gid]
-            ok = (gid, units[0]) in useful
-            if ok:
-                state_positions.add(units[0])
-            kind = "state"
-        else:
-            data = data_bytes[gid] * len(units) * h // block[gid]
-            ok = any((gid, u) in useful for u in units)
-            kind = "kv"
-        name = "reachable" if ok else "unreachable"
-        out[name] += data
-        out[f"{name}_{kind}"] += data
-        out["padding"] += id_bytes[gid] - data
-        if entry_is_state and not ok:
-            state_positions.add(units[0])
-    out["cached_states"] = len(state_positions)
+    _live(alloc, id_bytes, data_bytes, out)
+    _cached(alloc, id_bytes, data_bytes, out)
 
     # ---- free, owned but empty, unusable ----------------------------------------------------
     usable = 0
@@ -150,92 +137,91 @@ def memory_breakdown(alloc: HybridAllocator) -> MemoryBreakdown:
     return MemoryBreakdown(**{f: int(out.get(f, 0)) for f in MemoryBreakdown.field_names()})
 
 
-def _useful_units(alloc: HybridAllocator) -> set[tuple[int, bytes]]:
-    """``(group, unit)`` pairs a hit could use: for state groups, units where every state group
-    has a checkpoint and the attention groups have the prefix; for attention groups, the units
-    on the prefix of such a checkpoint (of any cached unit when the model has no state)."""
-    index = alloc.index
-    parent = index.parent
+def _live(
+    alloc: BreakdownSource,
+    id_bytes: dict[int, int],
+    data_bytes: dict[int, int],
+    out: dict[str, int],
+) -> None:
+    """Every id a running request holds, once per pool (a block shared by requests counts
+    once), into ``live`` and ``padding``."""
+    # a group's ids -> id -> group
+    live_ids: dict[Any, dict[int, int]] = defaultdict(dict)
+    for gid, ids in alloc.held_ids():
+        seen = live_ids[alloc.pool[gid]]
+        for bid in ids:
+            if bid:
+                seen[bid] = gid
+    for seen in live_ids.values():
+        for gid in seen.values():
+            out["live"] += data_bytes[gid]
+            out["padding"] += id_bytes[gid] - data_bytes[gid]
+
+
+def _cached(
+    alloc: BreakdownSource,
+    id_bytes: dict[int, int],
+    data_bytes: dict[int, int],
+    out: dict[str, int],
+) -> None:
+    """The cached entries no request holds, reachable or not, into their categories and
+    ``padding``, and ``cached_states``. States are counted per group and priced at the end
+    (a pack layout's 36 state groups make them most of the index): the sums are the same."""
+    index, groups = alloc.index, alloc.plan.groups
+    useful = _useful_units(alloc)
+    refs = [alloc.pool[g.group_id].ref for g in groups]  # refcounts: held entries are live
+    # a KV entry of n units holds kv_bytes[gid] * n // block[gid] bytes of data
+    kv_bytes = [data_bytes[g.group_id] * index.h for g in groups]
+    block = [g.block_size for g in groups]
+    kv_ok = kv_bad = kv_padding = 0
+    # free state entries per group: all, and those a hit could use
+    states, states_ok = [0] * len(groups), [0] * len(groups)
+    state_positions: set[bytes] = set()
+    for key, entry in index.entries.items():
+        gid = key[0]  # type: ignore[index]
+        if refs[gid][entry.block_id]:
+            continue  # held: counted as live
+        units = entry.units
+        if entry.is_state:
+            u = units[0]
+            state_positions.add(u)
+            states[gid] += 1
+            if (gid, u) in useful:
+                states_ok[gid] += 1
+            continue
+        data = kv_bytes[gid] * len(units) // block[gid]
+        # the first unit nearly always answers (useful prefixes are closed upwards)
+        if (gid, units[0]) in useful or any((gid, u) in useful for u in units):
+            kv_ok += data
+        else:
+            kv_bad += data
+        kv_padding += id_bytes[gid] - data
+    out["reachable"] += kv_ok
+    out["reachable_kv"] += kv_ok
+    out["unreachable"] += kv_bad
+    out["unreachable_kv"] += kv_bad
+    out["padding"] += kv_padding
+    for gid, n in enumerate(states):
+        if not n:
+            continue
+        ok, data = states_ok[gid], data_bytes[gid]
+        out["reachable"] += ok * data
+        out["reachable_state"] += ok * data
+        out["unreachable"] += (n - ok) * data
+        out["unreachable_state"] += (n - ok) * data
+        out["padding"] += n * (id_bytes[gid] - data)
+    out["cached_states"] = len(state_positions)
+
+
+def _useful_units(alloc: BreakdownSource) -> set[UnitKey]:
+    """``(group, unit)`` pairs a hit could use (:meth:`.reach.Reach.useful_units`)."""
     groups = alloc.plan.groups
-    h = alloc.h
     full = [g.group_id for g in groups if not g.is_state and not g.sliding_window]
     window = [
         (g.group_id, g.sliding_window) for g in groups if not g.is_state and g.sliding_window
     ]
     states = [g.group_id for g in groups if g.is_state]
-
-    rooted: dict[tuple[int, bytes], bool] = {}
-
-    def is_rooted(gid: int, unit: bytes) -> bool:
-        """The unit and every unit before it are cached in ``gid`` (iterative: chains are
-        thousands of units long)."""
-        path = []
-        k: tuple[int, bytes] | None = (gid, unit)
-        result = True
-        while k is not None:
-            known = rooted.get(k)
-            if known is not None:
-                result = known
-                break
-            if k not in parent:
-                result = False
-                break
-            path.append(k)
-            p = parent[k]
-            k = None if p is None else (gid, p)
-        for x in path:
-            rooted[x] = result
-        return result
-
-    def window_cached(gid: int, unit: bytes, W: int) -> bool:
-        k: tuple[int, bytes] | None = (gid, unit)
-        for _ in range(max(1, -(-(W - 1) // h))):
-            if k is None:
-                return True
-            if k not in parent:
-                return False
-            p = parent[k]
-            k = None if p is None else (gid, p)
-        return True
-
-    useful: set[tuple[int, bytes]] = set()
-    if not states:
-        for gid, unit in list(parent):
-            if gid in full and is_rooted(gid, unit):
-                useful.add((gid, unit))
-        for gid, W in window:
-            for g, unit in list(parent):
-                if g == gid and window_cached(gid, unit, W):
-                    useful.add((gid, unit))
-        return useful
-    first = states[0]
-    for key, (_, _, units, entry_is_state) in index.entries.items():
-        if not entry_is_state or key[0] != first:  # type: ignore[index]
-            continue
-        u = units[0]
-        if not all((g, u) in parent for g in states[1:]):
-            continue
-        if not all(is_rooted(g, u) for g in full):
-            continue
-        if not all(window_cached(g, u, W) for g, W in window):
-            continue
-        for g in states:
-            useful.add((g, u))
-        for g in full:  # mark the prefix, stopping where another state's walk got to
-            k: tuple[int, bytes] | None = (g, u)
-            while k is not None and k not in useful:
-                useful.add(k)
-                p = parent[k]
-                k = None if p is None else (g, p)
-        for g, W in window:
-            k = (g, u)
-            for _ in range(max(1, -(-(W - 1) // h))):
-                if k is None or k not in parent:
-                    break
-                useful.add(k)
-                p = parent[k]
-                k = None if p is None else (g, p)
-    return useful
+    return Reach(alloc.index).useful_units(full, window, states)
 
 
 def breakdown_table(samples: list[MemoryBreakdown]) -> dict[str, Any]:

@@ -9,8 +9,10 @@
 - free lists hold exactly the free ids, cached ones in the LRU and the rest in the plain list;
 - cache maps are mutual inverses, every entry is in the prefix index with the id the pool has,
   and every cached hash unit is covered by exactly the entries the index lists;
-- two-level pools: every large page is free, active (an id in use), or idle (no id in use, some
-  cached) and owned by at most one group; ids in use or cached lie in pages their group owns;
+- two-level pools: the page table's invariants (every large page exactly one of free, active
+  (an id in use) or idle (no id in use, some cached); owners consistent; reserved pages the sum
+  of the reservations, none left after an allocation), each view's LRU ordered by stamp and its
+  cached ids per page as the table counts; ids in use or cached lie in pages their group owns;
 - block tables equal the block lists.
 """
 
@@ -91,15 +93,16 @@ def check_consistency(a: HybridAllocator) -> None:
             assert free == set(plain) | set(lru), f"{p.name}: free lists lost ids"
     assert set(keys_in_pools) == set(entries), "prefix index and pools disagree on entries"
     cover: dict[tuple[int, bytes], list[int]] = defaultdict(list)
-    for key, (bid, _, units, _) in entries.items():
+    for key, entry in entries.items():
+        bid = entry.block_id
         assert keys_in_pools[key][1] == bid, f"entry {key!r} points to {bid}, pool disagrees"
-        assert key[1] == units[-1], "an entry is keyed by its last unit"
-        for u in units:
+        assert key[1] == entry.last_unit, "an entry is keyed by its last unit"
+        for u in entry.units:
             cover[(key[0], u)].append(bid)
     assert set(cover) == set(a.index.holders) == set(a.index.parent), "unit index is stale"
     for k, bids in cover.items():
         assert sorted(bids) == sorted(a.index.holders[k]), f"unit {k!r} holders are wrong"
-    states = Counter(units[0] for (_, _, units, is_state) in entries.values() if is_state)
+    states = Counter(e.units[0] for e in entries.values() if e.is_state)
     assert states == Counter(a.index.state_units), "the index's states per unit are stale"
     assert all(a.index.state_units.values()), "a unit is counted with no state"
 
@@ -125,35 +128,24 @@ def _own(a: HybridAllocator, owner: dict, gid: int, bid: int) -> None:
 
 
 def _check_two_level(pool: TwoLevelPool) -> None:
-    assert pool.reserved_pages == 0 and not pool.reservations, "page reservations left behind"
-    assert set(pool.idle_stamp) == set(pool.idle), "idle page stamps out of step"
-    owned: dict[int, int] = {}
-    for g, v in pool.views.items():
-        for page in v.pages:
-            assert page not in owned, f"large page {page} owned by groups {owned[page]} and {g}"
-            owned[page] = g
-            assert pool.page_owner[page] == g
-    for page in range(pool.num_pages):
-        free = page in pool.free_pages
-        assert free == (pool.page_owner[page] is None), f"page {page}: free list vs owner"
-        assert free == (page not in owned), f"page {page} free yet owned"
+    """The page table's invariants and each view's (:meth:`TwoLevelPool.check`), then the ids
+    against their pages."""
+    table = pool.table
+    assert table.reserved_pages == 0 and not table.reservations(), "page reservations left"
+    pool.check()
     for g, v in pool.views.items():
         k = v.k
         for sid in range(v.num_ids):
             if v.ref[sid] or v.key_of(sid) is not None:
-                assert pool.page_owner[sid // k] == g, f"id {sid} of g{g} outside its pages"
+                assert table.owner_of(sid // k) == g, f"id {sid} of g{g} outside its pages"
         plain, lru = map(set, v.free_lists())
-        for page in v.pages:
+        for page in table.pages_of(g):
             ids = range(page * k, page * k + k)
             in_use = sum(1 for s in ids if v.ref[s])
             expect = in_use + (1 if page == 0 else 0)
-            assert pool.used[page] == expect, f"page {page}: used count {pool.used[page]}"
-            idle = page in v.idle_pages
-            assert idle == (page in pool.idle), f"page {page}: idle lists disagree"
-            if idle:
-                assert expect == 0 and any(v.key_of(s) is not None for s in ids)
+            assert table.in_use(page) == expect, f"page {page}: used count {table.in_use(page)}"
+            if table.is_idle(page, g):
                 assert not any(s in plain or s in lru for s in ids), "idle ids listed"
             else:
-                assert expect > 0, f"page {page} of g{g} unused but neither idle nor free"
                 free_ids = {s for s in ids if not v.ref[s] and s != 0}
                 assert free_ids == {s for s in ids if s in plain or s in lru}

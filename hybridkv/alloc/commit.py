@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING
 
 from .block_pool import IdCache
 from .hashing import HashFn, extend_unit_hashes
-from .policies import CACHE, NONE, ROLLING, CheckpointPolicy, VllmAlign
+from .policies import CheckpointPolicy
 from .prefix_cache import PrefixIndex
 from .request import Request
 from .tables import BlockTables
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .marconi import MarconiScorer
+    from .groups import FullAttentionManager
+    from .policies import EvictionHooks
 
 __all__ = ["Committer"]
 
@@ -34,11 +35,13 @@ Held = list[tuple[IdCache, int]]
 class Committer:
     """Caches what a step computed and takes the state checkpoints, for one allocator.
 
-    ``pools``: group -> where its ids come from; ``attn``: (group, block size) of every
-    attention group; ``state``: the state groups; ``full``: the full-attention groups.
-    ``vllm``: ``align``'s rules (None for the other policies or without state groups);
-    ``promote``: a partial tail entry grows into a full one once its block fills (vLLM's
-    partial hash hits); ``exports``: states come from inside a step."""
+    ``pools``: group -> where its ids come from; ``attention``: the attention groups'
+    managers (they cache their computed blocks); ``state``: the state groups; ``full``: the
+    full-attention groups.
+    ``policy`` decides which states are kept (:meth:`~.policies.CheckpointPolicy.step_end`),
+    through this object's :class:`~.policies.StateActions` (:meth:`keep`, :meth:`export`,
+    :meth:`roll`, :meth:`cache_tail_blocks`); ``promote``: a partial tail entry grows into a
+    full one once its block fills (vLLM's partial hash hits)."""
 
     def __init__(
         self,
@@ -47,32 +50,28 @@ class Committer:
         pools: dict[int, IdCache],
         tables: BlockTables,
         policy: CheckpointPolicy,
-        vllm: VllmAlign | None,
         hash_block_size: int,
         hash_fn: HashFn,
-        attn: list[tuple[int, int]],
+        attention: list[FullAttentionManager],
         state: list[int],
         full: list[int],
         caching: bool,
         partial: bool,
         promote: bool,
-        exports: bool,
-        scorer: MarconiScorer | None,
+        scorer: EvictionHooks | None,
     ) -> None:
         self.index = index
         self.pool = pools
         self.tables = tables
         self.policy = policy
-        self.vllm = vllm
         self.h = hash_block_size
         self.hash_fn = hash_fn
-        self.attn = attn
+        self.attention = attention
         self.state = state
         self.full = full
         self.caching = caching
         self.partial = partial
         self.promote = promote
-        self.exports = exports
         self.scorer = scorer
         # state groups by the ids they take (one for all of them in the shared layouts, so
         # that a checkpoint takes its ids in one call), in group order
@@ -86,6 +85,9 @@ class Committer:
         #: state ids they took
         self.num_checkpoints = 0
         self.num_checkpoint_ids = 0
+        # where the commit in progress puts state copies and the slots it holds
+        self._copies: list = []
+        self._held: Held = []
 
     # ---- the step's commit ------------------------------------------------------------------
     def commit(self, r: Request, copies: list, held: Held) -> None:
@@ -96,68 +98,14 @@ class Committer:
         known = min(r.num_alloc, len(r.tokens))
         if len(r.hashes) < known // h:
             extend_unit_hashes(r.hashes, r.tokens, known, h, r.extra, self.hash_fn)
-        hashes = r.hashes
-        index = self.index
-        for gid, B in self.attn:
-            full = known // B
-            i0 = r.ncached[gid]
-            if full <= i0:
-                continue
-            blocks, pool, s = r.blocks[gid], self.pool[gid], B // h
-            for i in range(i0, full):
-                bid = blocks[i]
-                if bid:
-                    key = (gid, hashes[(i + 1) * s - 1])
-                    if pool.cache(bid, key):
-                        index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
-                    elif self.promote and pool.key_of(bid) is not None:
-                        # the block was cached as the prompt's partial tail and is now full:
-                        # its entry grows to the whole block (vLLM's partial -> full promotion
-                        # in BlockPool.cache_full_blocks)
-                        pool.uncache(bid)
-                        if pool.cache(bid, key):
-                            index.add(key, bid, i * s, hashes, s, r.tokens, r.lora_id, False)
-            r.ncached[gid] = full
-        P = r.num_alloc
-        vllm = self.vllm
-        if vllm is not None:
-            start, r.step_start = r.step_start, -1
-            if self.promote:
-                # FullAttentionManager._cache_partial_tail_block: the block holding the
-                # prompt's last hash boundary is cached up to it once computed
-                t = vllm.pos(r.nprompt, h)
-                if 0 < t <= known:
-                    self.cache_tail_blocks(r, t)
-            if self.state and known == P and P > 0:
-                keep, cp = vllm.step_end(start, P, r.nprompt, len(r.tokens), r.junction)
-                if cp:
-                    self.checkpoint(r, cp, self.last_exports, held, export=True)
-                if keep:
-                    self.checkpoint(r, P, copies, held)
-        elif self.state and known == P:
-            policy = self.policy
-            if self.exports:
-                start, r.step_start = r.step_start, -1
-                if start >= 0:
-                    for m in policy.marks(start, P - 1, r.nprompt):
-                        self.checkpoint(r, m, self.last_exports, held, export=True)
-                        r.last_mark = m
-                    if policy.marks(P - 1, P, r.nprompt):
-                        self.checkpoint(r, P, copies, held)  # the step ends on one
-                        r.last_mark = P
-            action = policy.at_step_end(P, r.branch_at, r.nprompt)
-            if action != NONE and P % h == 0:
-                if action == CACHE:
-                    self.checkpoint(r, P, copies, held)
-                    if r.branch_at == P:
-                        r.branch_at = -1
-                    elif policy.interval:
-                        # a kept state inside the prompt is also the newest end state (as
-                        # when it is exported from a step that ends on it)
-                        r.last_mark = P
-                        self.roll(r, P, copies)
-                elif action == ROLLING:
-                    self.roll(r, P, copies)
+        ncached = r.ncached
+        for m in self.attention:
+            if known // m.block_size > ncached[m.group_id]:  # a block filled since the last
+                m.cache_computed(r, known, self.promote)
+        if self.state:
+            # the policy keeps, exports or rolls states through keep / export / roll
+            self._copies, self._held = copies, held
+            self.policy.step_end(r, r.num_alloc, known, self)
 
     def free_held(self, held: Held) -> None:
         """Free the commit's held slots, one call per pool."""
@@ -172,6 +120,25 @@ class Committer:
         for gid, sid in r.sources:
             self.pool[gid].free((sid,))
         r.sources = []
+
+    # ---- the policy's actions (StateActions) -------------------------------------------------
+    def keep(self, r: Request, position: int) -> None:
+        self.checkpoint(r, position, self._copies, self._held)
+
+    def export(self, r: Request, position: int) -> None:
+        self.checkpoint(r, position, self.last_exports, self._held, export=True)
+
+    def roll(self, r: Request, position: int) -> None:
+        """Refresh the request's private end-of-request checkpoint to ``position``."""
+        for gid in self.state:
+            ck = r.end_ckpt.get(gid)
+            if ck is None:
+                dst = self.spare_or_new(r, gid)
+                if dst is None:
+                    continue
+                ck = r.end_ckpt[gid] = [position, dst]
+            ck[0] = position
+            self._copies.append((gid, r.blocks[gid][0], ck[1]))
 
     # ---- checkpoints ------------------------------------------------------------------------
     def take_spare(self, r: Request, gid: int) -> int | None:
@@ -227,18 +194,6 @@ class Committer:
         if self.scorer is not None:
             self.scorer.accessed(u)
 
-    def roll(self, r: Request, P: int, copies: list) -> None:
-        """Refresh the request's private end-of-request checkpoint to position ``P``."""
-        for gid in self.state:
-            ck = r.end_ckpt.get(gid)
-            if ck is None:
-                dst = self.spare_or_new(r, gid)
-                if dst is None:
-                    continue
-                ck = r.end_ckpt[gid] = [P, dst]
-            ck[0] = P
-            copies.append((gid, r.blocks[gid][0], ck[1]))
-
     # ---- at free ----------------------------------------------------------------------------
     def cache_end_state(self, r: Request) -> None:
         """``r`` is freed: cache its private end checkpoints (and the partly filled attention
@@ -291,15 +246,5 @@ class Committer:
         A full block is cached at commit, but the last block of a request is never full, and
         with large blocks it holds most of what a follow-up turn could reuse. Its first tokens
         are final, so a later hit at ``P`` copies them into a new block (``kv_copies``)."""
-        h = self.h
-        for gid, B in self.attn:
-            j = (P - 1) // B
-            if P % B == 0 or j >= len(r.blocks[gid]) or not r.blocks[gid][j]:
-                continue  # a full block was cached at its commit
-            s = B // h
-            key = (gid, r.hashes[P // h - 1])
-            bid = r.blocks[gid][j]
-            if self.pool[gid].cache(bid, key):
-                self.index.add(
-                    key, bid, j * s, r.hashes, P // h - j * s, r.tokens, r.lora_id, False
-                )
+        for m in self.attention:
+            m.cache_tail(r, P)

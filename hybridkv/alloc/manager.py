@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +48,10 @@ import torch
 from ..plan import MemoryPlan
 from .block_pool import IdCache, Pool
 from .breakdown import MemoryBreakdown, memory_breakdown
+from .capacity import Capacity
+from .cascade import Cascade
 from .commit import Committer
 from .errors import (
-    ConfigError,
     DoubleFree,
     DuplicateRequest,
     MaxLengthExceeded,
@@ -59,18 +59,19 @@ from .errors import (
     UnknownRequest,
 )
 from .events import AllBlocksCleared, KVEventBatch
+from .groups import Coordinator
 from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
-from .marconi import MarconiEvictor, MarconiPoolEvictor, MarconiScorer, PrefillFlops
-from .policies import ALL_POLICIES, CheckpointPolicy
+from .options import AllocatorOptions
+from .policies import make_policy
+from .policies.base import budget_cut
 from .pools import build_pools
-from .prefix_cache import GroupRule, PrefixIndex, longest_hit
+from .prefix_cache import PrefixIndex
 from .request import INF as _INF
 from .request import Request
 from .tables import BlockTables
 
 __all__ = ["HitInfo", "HybridAllocator"]
 
-ATTENTION_KINDS = ("full_attention", "mla", "sliding_window")
 _FREED_MEMORY = 65536  # freed request ids remembered to tell a double free from a typo
 
 
@@ -88,158 +89,51 @@ class HitInfo:
 
 
 class HybridAllocator:
-    """See the module docstring. Arguments:
-
-    - ``hash_block_size``: tokens per prefix-cache hash unit; divides every group's block size
-      (vLLM's ``prefix_match_unit``; vLLM's default is the block size).
-    - ``checkpoint_policy``: ``align`` (vLLM 0.33's), ``align_every_block``, ``last``,
-      ``marconi``, ``periodic`` or ``hash_boundary`` (:mod:`.policies`).
-    - ``checkpoint_interval`` (``periodic`` / ``hash_boundary`` only, default 512): where those
-      keep states inside a prompt; a multiple of ``hash_block_size``. They are exported from
-      inside the prefill (:attr:`last_exports`) when ``prefill_checkpoint_alignment`` divides
-      the interval, else :meth:`next_checkpoint` asks the scheduler to end chunks there.
-    - ``prefix_cache_retention_interval`` (``align`` only): vLLM's option of that name: 0 keeps
-      only the replay boundary and junction states, ``R > 0`` also every multiple of ``R`` a
-      step ends on, ``None`` every block boundary a step ends on.
-    - ``prefill_checkpoint_alignment`` (``align`` only): the token alignment at which the state
-      layers' prefill kernels export a checkpoint from inside a prefill (vLLM's
-      ``MambaSpec.prefill_checkpoint_alignment``), or ``None`` when they cannot and the prefill
-      is split instead (:class:`~.policies.VllmAlign`, rule 2); ``"auto"`` (default) takes it
-      from the plan's vLLM target (:meth:`hybridkv.target.VllmRules.prefill_checkpoint_grid`).
-    - ``partial_block_hits``: let attention hit inside a block (at hash-unit granularity) by
-      copying the reused tokens into a new block; pays off where state checkpoints are finer
-      than the attention block (``last``/``marconi`` with large blocks).
-    - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
-    - ``marconi_alpha``, ``marconi_flops``: Marconi's eviction (:mod:`.marconi`): the weight of
-      FLOPs saved per byte against recency (settable later, :attr:`marconi_alpha`), and the FLOP
-      model (``costmodel.StepCoster(model, gpu).prefill_flops``; default: every token costs
-      the same). ``eviction_window``: how many of the oldest cached ids a pool's fallback
-      (when no cached state is a candidate) looks through.
-    - ``evict_unreachable``: when an eviction leaves cached entries no hit can use, evict them
-      too (:meth:`_settle`): the KV of a chain whose last state went, or everything after a
-      KV block that went. Marconi evicts a radix-tree leaf's KV with its state for the same
-      reason. ``False`` keeps them until they age out (vLLM's behaviour).
-    - ``marconi_across_groups`` (``marconi`` only): in a pool whose groups have ids of their own
-      (``two_level``), one evictor chooses what goes across the groups: the cached segment of
-      least utility, its state and KV together (:class:`~.marconi.MarconiPoolEvictor`).
-      ``False`` (an ablation) leaves it to each group's evictor, among that group's ids, and to
-      the pool's reclaim of idle pages by their age.
-    """
+    """See the module docstring. ``options`` (:class:`~.options.AllocatorOptions`, which
+    documents each one) say how it caches and checkpoints; keyword ``overrides`` replace some
+    of them (``HybridAllocator(plan, checkpoint_policy="last")``)."""
 
     def __init__(
-        self,
-        plan: MemoryPlan,
-        *,
-        enable_prefix_caching: bool = True,
-        hash_block_size: int = 16,
-        checkpoint_policy: str = "align",
-        max_model_len: int = 32768,
-        partial_block_hits: bool = True,
-        hash_algo: str = "sha256",
-        marconi_alpha: float = 1.0,
-        marconi_flops: PrefillFlops | None = None,
-        eviction_window: int = 32,
-        prefix_cache_retention_interval: int | None = 0,
-        prefill_checkpoint_alignment: int | str | None = "auto",
-        checkpoint_interval: int | None = None,
-        evict_unreachable: bool = True,
-        marconi_across_groups: bool = True,
+        self, plan: MemoryPlan, options: AllocatorOptions | None = None, **overrides: Any
     ) -> None:
-        if hash_block_size < 1:
-            raise ConfigError(f"hash_block_size must be >= 1, got {hash_block_size}")
-        for g in plan.groups:
-            if g.block_size % hash_block_size:
-                raise ConfigError(
-                    f"group {g.group_id} block_size {g.block_size} is not a multiple of "
-                    f"hash_block_size {hash_block_size}; pick a divisor of every block size"
-                )
-        if max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}")
+        options = (options or AllocatorOptions()).replace(**overrides) if overrides else options
+        self.options = o = (options or AllocatorOptions()).for_plan(plan)
         self.plan = plan
         self.groups = plan.groups
-        self.caching = enable_prefix_caching
-        self.h = hash_block_size
-        self.max_model_len = max_model_len
+        self.caching = o.enable_prefix_caching
+        self.h = o.hash_block_size
+        self.max_model_len = o.max_model_len
         self.slots_per_seq = plan.config.state_slots_per_seq
-        if prefill_checkpoint_alignment == "auto":
-            # what the plan's vLLM target exports: Mamba-2 anywhere, Qwen's GDN under
-            # FlashInfer on its grid, otherwise nothing (the prefill is split)
-            prefill_checkpoint_alignment = (
-                plan.vllm.prefill_checkpoint_grid(plan.state_groups[0].block_size, hash_block_size)
-                if plan.vllm is not None and plan.state_groups
-                else None
-            )
-        try:
-            self.policy = CheckpointPolicy(
-                checkpoint_policy,
-                plan,
-                hash_block_size,
-                retention_interval=prefix_cache_retention_interval,
-                prefill_checkpoint_alignment=prefill_checkpoint_alignment,
-                checkpoint_interval=checkpoint_interval,
-            )
-        except ValueError as e:
-            if checkpoint_policy not in ALL_POLICIES:
-                raise
-            raise ConfigError(str(e)) from None
-        self._vllm = self.policy.vllm if plan.state_groups else None
+        self.policy = make_policy(plan, o)
+        has_state = bool(plan.state_groups)
         # exports need the start of each step: multi-token allocations take the slow path
-        self._exports = bool(plan.state_groups) and (
-            (self._vllm is not None and self._vllm.export is not None) or self.policy.exports_marks
-        )
-        # hits inside a block (vLLM's partial hash hits): attention caches the prompt's tail
-        self._promote = self._vllm is not None and self._vllm.partial and partial_block_hits
-        self.hash_fn = get_hash_fn(hash_algo)
-        self.partial = partial_block_hits
-        self.index = PrefixIndex(hash_block_size)
-        self.evict_unreachable = evict_unreachable
-        # evicted entries: (group, units, is a state, the unit before them)
-        self._dead: list[tuple[int, list[bytes], bool, bytes | None]] = []
+        self._exports = has_state and self.policy.exports
+        self._granularity = plan.checkpoint_granularity
+        self.hash_fn = get_hash_fn(o.hash_algo)
+        self.index = PrefixIndex(self.h)
+        self.evict_unreachable = o.evict_unreachable
         self._build_pools()
-        self._attn: list[tuple[int, int]] = []
-        self._swa: list[tuple[int, int, int]] = []
-        self._state: list[int] = []
-        self._window = [0] * len(self.groups)
-        for g in self.groups:
-            if g.is_state:
-                self._state.append(g.group_id)
-            elif g.kind in ATTENTION_KINDS:
-                self._attn.append((g.group_id, g.block_size))
-                if g.kind == "sliding_window" and g.sliding_window:
-                    self._swa.append((g.group_id, g.block_size, g.sliding_window))
-                    self._window[g.group_id] = g.sliding_window
-            else:
-                raise ConfigError(f"group {g.group_id} has unknown kind {g.kind!r}")
-        # full-attention groups: a hit needs every token before it there (cascades, demotion)
-        self._full = [g for g, _ in self._attn if not self._window[g]]
-        self._attn_rules, self._rules = self._hit_rules()
-        # vLLM's junction is the hit of the first group of its hit search (full attention first,
-        # groups of one spec looked up together)
-        first = self._attn_rules[0] if self._attn_rules else None
-        self._junction_rules = [
-            x
-            for x in self._attn_rules
-            if first
-            and (x.kind, x.block_size, x.window) == (first.kind, first.block_size, first.window)
-        ]
-        #: Marconi's eviction utility (``marconi`` only): one clock and score for every pool
-        self._scorer: MarconiScorer | None = None
-        if self.policy.name == "marconi":
-            self._scorer = MarconiScorer(self.index, plan, self.pool, marconi_alpha, marconi_flops)
-            for pool in self._pools:
-                evictors = []
-                for ids, gids in pool.group_views():
-                    ids.evictor = MarconiEvictor(self._scorer, ids, gids)
-                    ids.evictor_window = max(1, eviction_window)
-                    evictors.append(ids.evictor)
-                if marconi_across_groups and len(evictors) > 1:
-                    # groups with ids of their own: which group gives way is Marconi's choice too
-                    pool.segment_evictor = MarconiPoolEvictor(self._scorer, evictors)
-        self.reqs: dict[Any, Request] = {}
         # a state group's row is its running slot and spares: a fixed width
+        slots = max(1, self.slots_per_seq)
         self.tables = BlockTables(
-            len(self.groups), fixed={g: max(1, self.slots_per_seq) for g in self._state}
+            len(self.groups), fixed={g.group_id: slots for g in plan.state_groups}
         )
+        #: the group managers and the hits across them
+        self.coordinator = Coordinator(
+            plan,
+            self.pool,
+            self.tables,
+            self.index,
+            hash_block_size=self.h,
+            partial_hits=o.partial_block_hits,
+            state_hit_step=self.policy.step,
+            slots_per_seq=self.slots_per_seq,
+        )
+        self._state = [m.group_id for m in self.coordinator.states]
+        self._probe_rules = self.coordinator.probe_rules(self.policy.admission_probe)
+        #: the policy's eviction bookkeeping (``marconi``'s scorer), None: the pools' LRU
+        self._eviction = self.policy.install_eviction(self.index, plan, self._pools, self.pool, o)
+        self.reqs: dict[Any, Request] = {}
         self._freed: OrderedDict[Any, None] = OrderedDict()
         self._dirty: dict[Any, Request] = {}  # allocated this step: commit has work
         self._sourced: dict[Any, Request] = {}  # hold hit sources until the commit
@@ -249,17 +143,16 @@ class HybridAllocator:
             pools=self.pool,
             tables=self.tables,
             policy=self.policy,
-            vllm=self._vllm,
-            hash_block_size=hash_block_size,
+            hash_block_size=self.h,
             hash_fn=self.hash_fn,
-            attn=self._attn,
+            attention=self.coordinator.attention,  # type: ignore[arg-type]
             state=self._state,
-            full=self._full,
+            full=[m.group_id for m in self.coordinator.whole_prefix],
             caching=self.caching,
-            partial=self.partial,
-            promote=self._promote,
-            exports=self._exports,
-            scorer=self._scorer,
+            partial=o.partial_block_hits,
+            # hits inside a block (vLLM's partial hash hits): attention caches prompts' tails
+            promote=has_state and self.policy.promotes_tail,
+            scorer=self._eviction,
         )
 
     @property
@@ -284,147 +177,20 @@ class HybridAllocator:
 
     # ---- construction -----------------------------------------------------------------------
     def _build_pools(self) -> None:
-        on_evict = self._evicted if self.evict_unreachable else self.index.remove
+        self.pool: dict[int, IdCache] = {}  # group -> where its ids come from
+        # evicts what evictions leave unreachable; reads self.pool, filled in below
+        self._cascade = Cascade(self.index, self.groups, self.pool)
+        on_evict = self._cascade.evicted if self.evict_unreachable else self.index.remove
         #: the pools, in plan order (:func:`.pools.build_pools`)
         self._pools: list[Pool] = build_pools(self.plan, on_evict)
-        self.pool: dict[int, IdCache] = {}  # group -> where its ids come from
-        self._cap: dict[int, Pool] = {}  # group -> the capacity it shares
+        pool_of: dict[int, Pool] = {}  # group -> the capacity it shares
         for pool in self._pools:
             for gid in pool.groups:
                 self.pool[gid] = pool.view(gid)
-                self._cap[gid] = pool
-
-    def _hit_rules(self) -> tuple[list[GroupRule], list[GroupRule]]:
-        """Full attention first (its hits bound everything and are downward closed), then
-        sliding window, then states (vLLM's order)."""
-        h = self.h
-        full, window, state = [], [], []
-        for g in self.groups:
-            step = h if self.partial else g.block_size
-            if g.is_state:
-                state.append(GroupRule(g.group_id, "state", g.block_size, self.policy.step))
-            elif g.kind == "sliding_window" and g.sliding_window:
-                window.append(
-                    GroupRule(g.group_id, "window", g.block_size, step, g.sliding_window)
-                )
-            else:
-                full.append(GroupRule(g.group_id, "full", g.block_size, step))
-        return full + window, full + window + state
-
-    # ---- unreachable entries ----------------------------------------------------------------
-    def _evicted(self, key: Any, bid: int) -> None:
-        """A pool evicted ``key``: update the index, and remember it for :meth:`_settle` (pools
-        call this in the middle of an allocation, where no other id may change)."""
-        _, _, units, is_state = self.index.entries[key]
-        above = self.index.parent.get((key[0], units[0]))  # the unit before the entry
-        self.index.remove(key, bid)
-        self._dead.append((key[0], units, is_state, above))
-
-    def _settle(self) -> None:
-        """Evict the free cached entries that the evictions since the last call left useless.
-
-        A hit needs, at its length ``P``, a state in every state group and the KV of every
-        token before ``P`` in every full-attention group. So when a state goes, the KV between
-        it and the previous state or branch of its chain serves nothing (unless a state lies
-        further down the chain); when a KV block goes, nothing after it on its chain can be
-        reached. Those entries would otherwise sit in the LRU, cached but useless, until they
-        aged out. A request that recomputes the missing part caches it again."""
-        index = self.index
-        parent, entries = index.parent, index.entries
-        full = self._full
-        while self._dead:
-            dead, self._dead = self._dead, []
-            # units whose entries go, in the order found (a dict: runs must not depend on the
-            # hash seed)
-            doomed: dict[tuple[int, bytes], None] = {}
-            for gid, units, is_state, above in dead:
-                if is_state:
-                    u = units[0]
-                    if self._has_state(u):
-                        # another state group still holds u: those states are useless alone
-                        for g in self._state:
-                            doomed[(g, u)] = None
-                        continue
-                    if not full:
-                        continue
-                    seg = self._dead_segment(full[0], u)
-                    for g in full:
-                        doomed.update(dict.fromkeys((g, x) for x in seg))
-                    for g, _, _ in self._swa:
-                        doomed.update(dict.fromkeys((g, x) for x in seg))
-                elif gid in full:
-                    gone = [u for u in units if (gid, u) not in parent]
-                    if not gone:
-                        continue
-                    below = self._subtree(gid, gone)
-                    for g in range(len(self.groups)):
-                        doomed.update(dict.fromkeys((g, x) for x in below))
-                    if above is not None and (gid, above) in parent:
-                        # the chain above the gap served only what lay below it, perhaps
-                        seg = self._dead_segment(gid, above)
-                        for g in full:
-                            doomed.update(dict.fromkeys((g, x) for x in seg))
-                        for g, _, _ in self._swa:
-                            doomed.update(dict.fromkeys((g, x) for x in seg))
-            for g, x in doomed:
-                key = (g, x)
-                info = entries.get(key)
-                if info is None:
-                    continue
-                if not info[3] and any(
-                    (g, y) not in doomed and len(index.holders[(g, y)]) == 1 for y in info[2]
-                ):
-                    continue  # the block's first tokens still serve a hit inside it
-                self.pool[g].drop_cached(info[0])
-
-    def _has_state(self, unit: bytes) -> bool:
-        """Some state group caches a checkpoint at ``unit`` (the index counts them: asking
-        each of 36 state groups' pools made evictions under periodic checkpoints crawl)."""
-        return unit in self.index.state_units
-
-    def _subtree(
-        self,
-        gid: int,
-        roots: list[bytes],
-        limit: int = 1 << 20,
-        stop: Callable[[bytes], bool] | None = None,
-    ) -> list[bytes] | None:
-        """``roots`` and every unit cached after them in ``gid``; None as soon as a unit
-        satisfies ``stop`` (the walk gives up there instead of collecting the rest)."""
-        out, stack = [], list(roots)
-        children = self.index.children
-        while stack and len(out) < limit:
-            x = stack.pop()
-            if stop is not None and stop(x):
-                return None
-            out.append(x)
-            kids = children.get((gid, x))
-            if kids:
-                stack.extend(kids)
-        return out
-
-    def _dead_segment(self, gid: int, u: bytes) -> list[bytes]:
-        """The units of ``gid`` that no state serves once the state at ``u`` is gone: nothing
-        if a state lies below ``u``; else ``u``'s subtree and the chain above it up to the
-        previous state or branch (exclusive)."""
-        # given up at the first state: with states every few hundred tokens (periodic),
-        # collecting whole subtrees first made this quadratic
-        seg = self._subtree(gid, [u], stop=self._has_state)
-        if seg is None:
-            return []
-        parent, children = self.index.parent, self.index.children
-        x = parent.get((gid, u))
-        while x is not None and (gid, x) in parent:
-            if self._has_state(x) or len(children.get((gid, x), ())) > 1:
-                break
-            seg.append(x)
-            x = parent[(gid, x)]
-        return seg
+                pool_of[gid] = pool
+        self._capacity = Capacity(pool_of, self.pool)
 
     # ---- lookups ----------------------------------------------------------------------------
-    def _lookup(self, gid: int, unit: bytes) -> int | None:
-        return self.pool[gid].lookup((gid, unit))
-
     def _get(self, req_id: Any) -> Request:
         r = self.reqs.get(req_id)
         if r is None:
@@ -445,71 +211,7 @@ class HybridAllocator:
         tokens = token_array(prompt_token_ids)
         extra = encode_extra_keys(extra_keys if lora_id is None else (extra_keys, lora_id))
         hashes = extend_unit_hashes([], tokens, len(tokens), self.h, extra, self.hash_fn)
-        return longest_hit(
-            self._rules, hashes, len(tokens) - 1, self.h, self._lookup, self.index.holder
-        )
-
-    # ---- capacity ---------------------------------------------------------------------------
-    def _can_allocate(
-        self,
-        needs: dict[int, int],
-        touch: dict[int, list[int]] | None = None,
-        freed: dict[int, int] | None = None,
-    ) -> bool:
-        """Whether ``needs`` fits after ``touch``; ``freed`` counts ids per group that would be
-        freed first (private checkpoints, see :meth:`_reclaim_private`)."""
-        cap = self._cap
-        # per pool: (needs, touch, freed) of its groups
-        asks: dict[Pool, tuple[dict[int, int], dict[int, list[int]], dict[int, int]]] = {}
-        for gid, n in needs.items():
-            asks.setdefault(cap[gid], ({}, {}, {}))[0][gid] = n
-        if touch:
-            for gid, ids in touch.items():
-                if ids:
-                    asks.setdefault(cap[gid], ({}, {}, {}))[1][gid] = ids
-        if freed:
-            for gid, n in freed.items():
-                ask = asks.get(cap[gid])
-                if ask is not None:
-                    ask[2][gid] = n
-        return all(pool.can_allocate(n, t, f) for pool, (n, t, f) in asks.items())
-
-    def _reclaim_private(
-        self, needs: dict[int, int], touch: dict[int, list[int]] | None = None
-    ) -> bool:
-        """Make room for ``needs`` by dropping running requests' private end-of-request
-        checkpoints (``last``/``marconi`` take them only where a slot is spare), oldest requests
-        first, but only if that makes ``needs`` fit: otherwise nothing changes. A dropped
-        checkpoint is taken again at the request's next hash-unit boundary if a slot is free."""
-        cap = self._cap
-        pools = {cap[g] for g in needs}
-        holders = [r for r in self.reqs.values() if any(cap[g] in pools for g in r.end_ckpt)]
-        if not holders:
-            return False
-        freed: dict[int, int] = {}
-        for r in holders:
-            for g in r.end_ckpt:
-                if cap[g] in pools:
-                    freed[g] = freed.get(g, 0) + 1
-        if not self._can_allocate(needs, touch, freed):
-            return False
-        for r in holders:
-            for gid in [g for g in r.end_ckpt if cap[g] in pools]:
-                _, sid = r.end_ckpt.pop(gid)
-                self.pool[gid].free((sid,))
-            if self._can_allocate(needs, touch):
-                return True
-        return self._can_allocate(needs, touch)
-
-    def _reserve(self, needs: dict[int, int]) -> list[Pool]:
-        """Reserve what an allocation over several groups of a pool relies on; returns the
-        pools to release afterwards."""
-        if len(needs) < 2:
-            return []
-        by_pool: dict[Pool, dict[int, int]] = {}
-        for gid, k in needs.items():
-            by_pool.setdefault(self._cap[gid], {})[gid] = k
-        return [pool for pool, n in by_pool.items() if pool.reserve(n)]
+        return self.coordinator.longest_hit(hashes, len(tokens) - 1)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -539,86 +241,10 @@ class HybridAllocator:
             raise MaxLengthExceeded(req_id, n, self.max_model_len)
         tokens = token_array(prompt_token_ids)
         extra = encode_extra_keys(extra_keys if lora_id is None else (extra_keys, lora_id))
-        hashes: list[bytes] = []
-        h = self.h
-        L, branch_at, junction = 0, -1, 0
-        if self.caching:
-            extend_unit_hashes(hashes, tokens, n, h, extra, self.hash_fn)
-            if n > 1 and self.index.entries:
-                L = longest_hit(self._rules, hashes, n - 1, h, self._lookup, self.index.holder)
-                if self.policy.branches and self._state:
-                    D = longest_hit(
-                        self._attn_rules, hashes, n - 1, h, self._lookup, self.index.holder
-                    )
-                    if D > L:
-                        branch_at = D // h * h
-                elif self._vllm is not None and self._junction_rules:
-                    J = longest_hit(
-                        self._junction_rules, hashes, n - 1, h, self._lookup, self.index.holder
-                    )
-                    if J > L:
-                        junction = J
-            self.num_queries += 1
-            self.num_query_tokens += n
-            self.num_hit_tokens += L
-            if self._scorer is not None:
-                self._scorer.tick()
-                if L:
-                    self._scorer.accessed(hashes[L // h - 1])
-        r = Request(req_id, tokens, extra, lora_id, hashes, len(self.groups))
-        touch: dict[int, list[int]] = {}
-        needs: dict[int, int] = {}
-        partial: dict[int, tuple[int, int]] = {}  # gid -> (src block, tokens to copy)
-        state_src: dict[int, int] = {}
-        for gid, B in self._attn:
-            full = L // B
-            W = self._window[gid]
-            first = min(full, max(0, L - W + 1) // B) if W else 0
-            r.lead[gid] = first
-            s = B // h
-            ids = [0] * first
-            ids += [self._lookup(gid, hashes[(j + 1) * s - 1]) for j in range(first, full)]
-            r.blocks[gid] = ids  # type: ignore[assignment]
-            r.ncached[gid] = full
-            held = [b for b in ids if b]
-            if full * B < L:
-                src = self.index.holder(gid, hashes[L // h - 1])
-                assert src is not None
-                partial[gid] = (src, L - full * B)
-                held.append(src)
-                needs[gid] = 1
-            touch[gid] = held
-        for gid in self._state:
-            needs[gid] = self.slots_per_seq
-            if L:
-                src = self._lookup(gid, hashes[L // h - 1])
-                assert src is not None
-                state_src[gid] = src
-                touch[gid] = [src]
-        if not self._can_allocate(needs, touch) and not self._reclaim_private(needs, touch):
-            short = sorted({self._cap[g].name for g in needs})
-            raise PoolExhausted(",".join(short), sum(needs.values()), 0)
-        for gid, ids in touch.items():
-            self.pool[gid].touch(ids)
-        hit = HitInfo(L)
-        reserved = self._reserve(needs)
-        for gid, k in needs.items():
-            new = self.pool[gid].allocate(k)
-            if gid in state_src:
-                hit.state_copies.append((gid, state_src[gid], new[0]))
-                r.sources.append((gid, state_src[gid]))
-            if gid in partial:
-                src, ntok = partial[gid]
-                hit.kv_copies.append((gid, src, new[0], ntok))
-                r.sources.append((gid, src))
-            r.blocks[gid].extend(new)
-        for cap in reserved:
-            cap.release()
-        r.num_alloc = L
-        if state_src:
-            r.hit_unit = hashes[L // h - 1]
-        r.branch_at = branch_at
-        r.junction = junction
+        r = Request(req_id, tokens, extra, lora_id, [], len(self.groups))
+        hit, probe_hit = self._look_up(r)
+        self.policy.admitted(r, hit, probe_hit)  # marconi's branch point, align's junction
+        info = self._take_hit(r, hit)
         if num_prompt_tokens is not None:
             r.nprompt = max(1, min(n, num_prompt_tokens))
         r.row = self.tables.add_row()
@@ -630,9 +256,63 @@ class HybridAllocator:
         if r.sources:
             self._sourced[req_id] = r
         self._set_limit(r)
-        if self._dead:
-            self._settle()
-        return hit
+        if self._cascade.pending:
+            self._cascade.settle()
+        return info
+
+    def _look_up(self, r: Request) -> tuple[int, int]:
+        """Hash ``r``'s prompt and find its hit, and the hit of the policy's admission probe."""
+        if not self.caching:
+            return 0, 0
+        n, h = len(r.tokens), self.h
+        hashes = r.hashes
+        extend_unit_hashes(hashes, r.tokens, n, h, r.extra, self.hash_fn)
+        hit = probe_hit = 0
+        if n > 1 and self.index.entries:
+            hit = self.coordinator.longest_hit(hashes, n - 1)
+            if self._probe_rules:
+                probe_hit = self.coordinator.longest_hit(hashes, n - 1, self._probe_rules)
+        self.num_queries += 1
+        self.num_query_tokens += n
+        self.num_hit_tokens += hit
+        if self._eviction is not None:
+            self._eviction.tick()
+            if hit:
+                self._eviction.accessed(hashes[hit // h - 1])
+        return hit, probe_hit
+
+    def _take_hit(self, r: Request, hit: int) -> HitInfo:
+        """Give ``r`` the cached blocks of its hit and the new ids every group needs (all or
+        nothing: raises :class:`PoolExhausted`, changing nothing)."""
+        adm = self.coordinator.admit(r, hit)
+        needs, touch = adm.needs, adm.touch
+        capacity = self._capacity
+        if not capacity.fits(needs, touch) and not capacity.reclaim_private(
+            needs, self.reqs.values(), touch
+        ):
+            short = sorted({capacity.pool_of[g].name for g in needs})
+            raise PoolExhausted(",".join(short), sum(needs.values()), 0)
+        for gid, ids in touch.items():
+            self.pool[gid].touch(ids)
+        info = HitInfo(hit)
+        reserved = capacity.reserve(needs)
+        for gid, k in needs.items():
+            new = self.pool[gid].allocate(k)
+            if gid in adm.state_sources:
+                src = adm.state_sources[gid]
+                info.state_copies.append((gid, src, new[0]))
+                r.sources.append((gid, src))
+            if gid in adm.kv_sources:
+                src, ntok = adm.kv_sources[gid]
+                info.kv_copies.append((gid, src, new[0], ntok))
+                r.sources.append((gid, src))
+            r.blocks[gid].extend(new)
+        for cap in reserved:
+            cap.release()
+        r.num_alloc = hit
+        if adm.state_sources:
+            r.hit_unit = r.hashes[hit // self.h - 1]
+        return info
 
     def allocate_slots(self, req_id: Any, num_new_tokens: int) -> bool:
         """Give ``num_new_tokens`` more tokens slots in every group, all or nothing.
@@ -660,28 +340,15 @@ class HybridAllocator:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new}")
         if total > self.max_model_len:
             raise MaxLengthExceeded(r.req_id, total, self.max_model_len)
-        for gid, B, W in self._swa:
-            self._free_outside_window(r, gid, B, r.num_alloc - W + 1)
-        needs: dict[int, int] = {}
-        for gid, B in self._attn:
-            k = -(-total // B) - len(r.blocks[gid])
-            if k > 0:
-                needs[gid] = k
+        needs = self.coordinator.blocks_needed(r, total)
         if needs:
-            if len(needs) == 1:
-                fits = self._cap[next(iter(needs))].can_allocate(needs)
-            else:
-                fits = self._can_allocate(needs)
-            if not fits and not self._reclaim_private(needs):
+            new = self._capacity.allocate(needs, self.reqs.values())
+            if not new:
                 return False
-            reserved = self._reserve(needs)
-            for gid, k in needs.items():
-                ids = self.pool[gid].allocate(k)
+            for gid, ids in new.items():
                 blocks = r.blocks[gid]
                 self.tables.write(gid, r.row, len(blocks), ids)
                 blocks.extend(ids)
-            for cap in reserved:
-                cap.release()
         if self._exports and self.caching and num_new > 0:
             if r.step_start < 0:
                 r.step_start = r.num_alloc
@@ -690,48 +357,21 @@ class HybridAllocator:
         if self.caching and total >= r.work_at:
             self._dirty[r.req_id] = r
         self._set_limit(r)
-        if self._dead:
-            self._settle()
+        if self._cascade.pending:
+            self._cascade.settle()
         return True
-
-    def _free_outside_window(self, r: Request, gid: int, B: int, first_needed: int) -> None:
-        """Blocks ending at or before the first token the next one attends to become null."""
-        blocks = r.blocks[gid]
-        lead = r.lead[gid]
-        end = min(max(0, first_needed) // B, len(blocks))
-        if end <= lead:
-            return
-        # Oldest first, as vLLM: the oldest of them is the nearest to eviction.
-        self.pool[gid].free(blocks[lead:end])
-        blocks[lead:end] = [0] * (end - lead)
-        self.tables.write(gid, r.row, lead, blocks[lead:end])
-        r.lead[gid] = end
 
     def _set_limit(self, r: Request) -> None:
         """Recompute how far allocate_slots may go on the fast path."""
-        limit = self.max_model_len + 1
-        work = _INF
-        for gid, B in self._attn:
-            cap = len(r.blocks[gid]) * B + 1
-            if cap < limit:
-                limit = cap
-            if self.caching:
-                nxt = (r.ncached[gid] + 1) * B
-                if nxt < work:
-                    work = nxt
-        for gid, B, W in self._swa:
-            thr = (r.lead[gid] + 1) * B + W - 1
-            if thr < limit:
-                limit = thr
+        limit, work = self.coordinator.fast_path_limit(r, self.caching)
+        if limit > self.max_model_len:
+            limit = self.max_model_len + 1
         if self.caching and self._state:
-            if self._vllm is not None:
-                nxt = self._vllm.next_position(r.num_alloc, r.nprompt, r.junction)
-            else:
-                nxt = self.policy.next_position(r.num_alloc, r.branch_at)
+            nxt = self.policy.next_work(r)
             if nxt < work:
                 work = nxt
         r.work_at = work
-        r.limit = min(limit, work)
+        r.limit = limit if limit < work else work
 
     def append_tokens(self, req_id: Any, token_ids: Any) -> None:
         """Record tokens the model produced (they enter the hashes of later blocks)."""
@@ -763,8 +403,8 @@ class HybridAllocator:
             self._sourced.clear()
         if held:
             commit.free_held(held)
-        if self._dead:
-            self._settle()
+        if self._cascade.pending:
+            self._cascade.settle()
         return copies
 
     # ---- free -------------------------------------------------------------------------------
@@ -793,27 +433,7 @@ class HybridAllocator:
         """Evict the finished request's cached KV past the last state kept on its chain (the
         answer's blocks under ``align``, which keeps states only in the prompt): no hit can
         reach it, and a request that computes past that state again computes it anyway."""
-        hashes, h = r.hashes, self.h
-        last = len(hashes)
-        while last > 0 and not self._has_state(hashes[last - 1]):
-            last -= 1
-        if last == len(hashes):
-            return
-        for gid, B in self._attn:
-            if self._window[gid]:
-                continue
-            blocks, s = r.blocks[gid], B // h
-            for j in range(last // s, len(blocks)):
-                bid = blocks[j]
-                if not bid:
-                    continue
-                key = self.pool[gid].key_of(bid)
-                info = self.index.entries.get(key) if key is not None else None
-                # an entry of this chain whose every unit lies past the last state
-                if info is not None and info[1] >= last and info[2][0] == hashes[info[1]]:
-                    self.pool[gid].drop_cached(bid)
-        if self._dead:
-            self._settle()
+        self._cascade.drop_past_last_state(r.hashes, r.blocks)
 
     # ---- queries ----------------------------------------------------------------------------
     def block_ids(self, req_id: Any) -> list[list[int]]:
@@ -842,17 +462,23 @@ class HybridAllocator:
         r = self._get(req_id)
         if not self.caching or not self._state:
             return None
-        if self._vllm is not None:
-            rest = len(r.tokens) - r.num_alloc
-            end = r.num_alloc + self.split_prefill(req_id, rest)
-            return end if end < len(r.tokens) else None
-        if self.policy.name == "align_every_block":
-            return self.policy.next_position(r.num_alloc, -1)
-        stops = [r.nprompt // self.h * self.h, r.branch_at]
-        if self.policy.interval and not self.policy.exports_marks:
-            stops.append(self.policy.next_mark(r.num_alloc, r.nprompt) or 0)
-        after = [p for p in stops if p > r.num_alloc]
-        return min(after) if after else None
+        return self.policy.chunk_stop(r)
+
+    def prefill_chunk(
+        self, req_id: Any, num_new_tokens: int, max_prefill_tokens: int | None = None
+    ) -> int:
+        """The one question a scheduler asks: how many of the ``num_new_tokens`` prompt tokens
+        the token budget allows ``req_id`` may run this step (``max_prefill_tokens``: the
+        scheduler's per-step limit, default none). The checkpoint policy answers
+        (:meth:`~.policies.CheckpointPolicy.chunk_tokens`): a chunk the budget cuts ends on the
+        plan's checkpoint granularity, and a chunk ends where the policy wants a state
+        (``align``: where vLLM's scheduler would end it). Without prefix caching or state
+        groups only the budget cut applies."""
+        r = self._get(req_id)
+        limit = _INF if max_prefill_tokens is None else max_prefill_tokens
+        if not self.caching or not self._state:
+            return budget_cut(r.num_alloc, num_new_tokens, len(r.tokens), self._granularity)
+        return self.policy.chunk_tokens(r, num_new_tokens, limit)
 
     def split_prefill(
         self, req_id: Any, num_new_tokens: int, max_prefill_tokens: int | None = None
@@ -863,16 +489,10 @@ class HybridAllocator:
         per-step token limit (default: no limit). Other policies (and ``align`` without prefix
         caching or state groups) cut nothing."""
         r = self._get(req_id)
-        if self._vllm is None or not self.caching or num_new_tokens <= 0:
+        if not self.caching or not self._state:
             return num_new_tokens
-        return self._vllm.split(
-            r.num_alloc,
-            num_new_tokens,
-            len(r.tokens),
-            r.nprompt,
-            r.junction,
-            _INF if max_prefill_tokens is None else max_prefill_tokens,
-        )
+        limit = _INF if max_prefill_tokens is None else max_prefill_tokens
+        return self.policy.split_prefill(r, num_new_tokens, limit)
 
     def junction(self, req_id: Any) -> int:
         """``align``: the junction found when the request was admitted (vLLM's
@@ -977,15 +597,15 @@ class HybridAllocator:
     def marconi_alpha(self) -> float | None:
         """``marconi``'s weight of FLOPs saved per byte against recency (None for the other
         policies). Settable: Marconi tunes it once it has seen the workload."""
-        return None if self._scorer is None else self._scorer.alpha
+        return None if self._eviction is None else self._eviction.alpha
 
     @marconi_alpha.setter
     def marconi_alpha(self, alpha: float) -> None:
-        if self._scorer is None:
+        if self._eviction is None:
             raise ValueError(
                 f"marconi_alpha is for checkpoint_policy='marconi', not {self.policy.name!r}"
             )
-        self._scorer.alpha = alpha  # the scorer checks it
+        self._eviction.alpha = alpha  # the scorer checks it
 
     def stats(self) -> dict[str, Any]:
         q = max(1, self.num_query_tokens)

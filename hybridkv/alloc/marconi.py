@@ -32,6 +32,8 @@ import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .reach import Reach
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import MemoryPlan
     from .prefix_cache import PrefixIndex
@@ -78,6 +80,7 @@ class MarconiScorer:
         flops: PrefillFlops | None = None,
     ) -> None:
         self.index = index
+        self.reach = Reach(index)  # the chain walks segments are read with
         self.pool_of = pool_of
         self.alpha = alpha
         self.flops = flops or tokens_as_flops
@@ -97,6 +100,9 @@ class MarconiScorer:
         # holds it (segments are disjoint: each ends at the next state or branch point)
         self._start: dict[bytes, tuple[int, bytes | None]] = {}
         self._owner: dict[bytes, bytes] = {}
+        # state unit -> (segment start, end, efficiency): a FLOP model is costly and every
+        # eviction rescores every candidate, whose segments seldom change
+        self._eff: dict[bytes, tuple[int, int, float]] = {}
 
     @property
     def alpha(self) -> float:
@@ -142,22 +148,24 @@ class MarconiScorer:
             start, at = memo
             if at is None or len(children.get((g, at), ())) > 1 or self.has_state(at):
                 return start
-        parent = self.index.parent
-        states, owner = self.last_access, self._owner
-        x, pos, at = unit, end, None
-        while True:
-            par = parent.get((g, x)) if g is not None else None
-            pos -= self.h
-            if par is None or pos <= 0:
-                pos = max(pos, 0)
-                break
-            if len(children.get((g, par), ())) > 1 or (par in states and self.has_state(par)):
-                at = par
-                break
-            owner[par] = unit
-            x = par
+        walked: list[bytes] = []
+        at = None
+        if g is not None:
+            # the walk may not reach past the chain's first token
+            limit = max(0, -(-end // self.h) - 1)
+            walked, at = self.reach.segment_above(g, unit, self._kept, limit)
+        owner = self._owner
+        for x in walked:
+            owner[x] = unit
+        pos = end - (len(walked) + 1) * self.h
+        if at is None:
+            pos = max(pos, 0)
         self._start[unit] = (pos, at)
         return pos
+
+    def _kept(self, unit: bytes) -> bool:
+        """A state Marconi tracks is cached at ``unit``: a segment ends there."""
+        return unit in self.last_access and self.has_state(unit)
 
     def has_state(self, unit: bytes) -> bool:
         g = self.state_groups[0]
@@ -166,6 +174,17 @@ class MarconiScorer:
     def efficiency(self, start: int, end: int) -> float:
         """FLOPs a hit at ``end`` saves over one at ``start``, per byte the state keeps."""
         return self.flops(end - start, start) / (self.state_bytes + self.kv_per_token * end)
+
+    def _efficiency_of(self, unit: bytes, end: int) -> float:
+        """:meth:`efficiency` of the segment of the state at ``unit`` (``end`` tokens), kept
+        until its start or end moves (the FLOP model is a pure function of them)."""
+        start = self.segment_start(unit, end)
+        kept = self._eff.get(unit)
+        if kept is not None and kept[0] == start and kept[1] == end:
+            return kept[2]
+        eff = self.efficiency(start, end)
+        self._eff[unit] = (start, end, eff)
+        return eff
 
     def candidates(self) -> list[tuple[bytes, int, int, bool]]:
         """(unit, tokens, last access, is a leaf) of every free cached state that is not a
@@ -183,15 +202,16 @@ class MarconiScorer:
             if e is None:
                 gone.append(u)
                 continue
-            if pool.refcount(e[0]):
+            if pool.refcount(e.block_id):
                 continue  # a running request holds it (a hit source)
             kids = len(children.get((chain, u), ())) if chain is not None else 0
             if kids > 1:
                 continue  # a branch point: every branch hits there
-            out.append((u, (e[1] + 1) * h, ts, kids == 0))
+            out.append((u, e.end_unit * h, ts, kids == 0))
         for u in gone:  # segments that started at u walk again when next scored
             del self.last_access[u]
             self._start.pop(u, None)
+            self._eff.pop(u, None)
         return out
 
     def utilities(self) -> dict[bytes, tuple[float, int, bool]]:
@@ -203,8 +223,7 @@ class MarconiScorer:
         now = self.clock + 1
         recency = _normalise([1.0 / (now - ts) for _, _, ts, _ in cands])
         if self.alpha:
-            start = self.segment_start
-            eff = _normalise([self.efficiency(start(u, P), P) for u, P, _, _ in cands])
+            eff = _normalise([self._efficiency_of(u, P) for u, P, _, _ in cands])
             utility = [r + self.alpha * e for r, e in zip(recency, eff)]
         else:
             utility = recency
@@ -294,14 +313,9 @@ class MarconiEvictor:
                 out.append((bid, (g, unit)))
         chain = s.chain_group
         leaf = chain is not None and not index.children.get((chain, unit))
-        if leaf and self.kv_groups:
-            units: list[bytes] = []
-            x: bytes | None = unit
-            for _ in range((end - s.segment_start(unit, end)) // s.h):
-                if x is None:
-                    break
-                units.append(x)
-                x = index.parent.get((chain, x))
+        if leaf and chain is not None and self.kv_groups:
+            n = (end - s.segment_start(unit, end)) // s.h
+            units = s.reach.path_up(chain, unit, n)
             inside = set(units)
             seen = {bid for bid, _ in out}
             for x in reversed(units):
@@ -311,7 +325,7 @@ class MarconiEvictor:
                             continue
                         seen.add(bid)
                         key = pool.key_of(bid)
-                        if all(y in inside for y in index.entries[key][2]):
+                        if all(y in inside for y in index.entries[key].units):
                             out.append((bid, key))
         return out
 

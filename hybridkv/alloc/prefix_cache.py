@@ -1,5 +1,5 @@
-"""Hybrid prefix caching: which hash units are cached, and how long a prefix every group can
-serve at once.
+"""The prefix cache's index (:class:`PrefixIndex`): which hash units are cached, in which
+entries (:class:`Entry`), with their parent links and the KV events of every change.
 
 **Entries and units.** A cached attention block of ``B`` tokens is keyed by its last hash unit
 and covers ``B / h`` units; a cached state checkpoint at token ``P`` is keyed by (and covers) the
@@ -9,31 +9,42 @@ one. Two blocks may share leading units (two prompts agreeing on 300 tokens of a
 block), so counting per unit is what keeps the event stream free of duplicates and of removals
 of units that are still cached.
 
-**Hit rules** (vLLM's ``find_longest_cache_hit`` fixed point, at hash-unit granularity):
-
-- full attention / MLA: every block before the hit, and with ``partial`` hits, a prefix of the
-  block holding the hit point (served by copying those tokens into a new block). Hits are
-  downward closed;
-- sliding window: the ``window - 1`` tokens before the hit point, in cached blocks (earlier blocks
-  are the null block); not downward closed, so candidates are scanned from the longest;
-- state: a checkpoint exactly at the hit point (the recurrent state cannot be rolled back).
-
-The hit is the longest length every group accepts: each group in turn shrinks the candidate until
-none does. It is at most ``len(prompt) - 1``: the last prompt token is always computed.
+How long a prefix every group serves is the group managers' (:mod:`.groups`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .block_pool import CacheKey
 from .events import MEDIUM_GPU, BlockRemoved, BlockStored
 
-__all__ = ["GroupRule", "PrefixIndex", "longest_hit"]
+__all__ = ["Entry", "PrefixIndex"]
 
 UnitKey = tuple[int, bytes]
+
+
+class Entry(NamedTuple):
+    """One cached entry of :class:`PrefixIndex` (a tuple: the index makes one per cached block
+    or checkpoint, on the commit's hot path). It covers ``units``, the hash units
+    ``first_unit .. first_unit + len(units) - 1`` of the prompts that computed it, and is held in
+    id ``block_id`` of its group's pool; ``is_state``: a state checkpoint (one unit) rather than
+    a block of KV."""
+
+    block_id: int
+    first_unit: int
+    units: list[bytes]
+    is_state: bool
+
+    @property
+    def last_unit(self) -> bytes:
+        """The unit the entry is keyed by (its key is ``(group, last_unit)``)."""
+        return self.units[-1]
+
+    @property
+    def end_unit(self) -> int:
+        """Index of the first unit after the entry: its end, in hash units."""
+        return self.first_unit + len(self.units)
 
 
 class PrefixIndex:
@@ -48,8 +59,7 @@ class PrefixIndex:
         # (group, unit) -> units cached right after it, in the order they came (a dict, not a
         # set: walks down a chain must not depend on the hash seed)
         self.children: dict[UnitKey, dict[bytes, None]] = {}
-        # entry key -> (id, first unit index, units covered, is a state checkpoint)
-        self.entries: dict[CacheKey, tuple[int, int, list[bytes], bool]] = {}
+        self.entries: dict[CacheKey, Entry] = {}  # entry key -> what it covers, where
         # unit -> how many groups hold a state checkpoint at it (is there a state at this
         # position: asked for every unit of a chain when a state is evicted)
         self.state_units: dict[bytes, int] = {}
@@ -76,7 +86,7 @@ class PrefixIndex:
         units = hashes[first_unit : first_unit + num_units]
         if is_state and key not in self.entries:
             self.state_units[units[0]] = self.state_units.get(units[0], 0) + 1
-        self.entries[key] = (bid, first_unit, units, is_state)
+        self.entries[key] = Entry(bid, first_unit, units, is_state)
         holders, parent = self.holders, self.parent
         if num_units == 1:  # every state checkpoint: the hot path of align mode
             k = (gid, units[0])
@@ -132,7 +142,7 @@ class PrefixIndex:
             k = (gid, u)
             if k not in entries:
                 state_units[u] = state_units.get(u, 0) + 1
-            entries[k] = (bid, unit, units, True)
+            entries[k] = Entry(bid, unit, units, True)
             lst = holders.get(k)
             if lst is not None:
                 lst.append(bid)
@@ -174,8 +184,9 @@ class PrefixIndex:
 
     def remove(self, key: CacheKey, bid: int) -> None:
         """Entry ``key`` was evicted; emit BlockRemoved for units nothing covers any more."""
-        _, _, units, is_state = self.entries.pop(key)
-        if is_state:
+        entry = self.entries.pop(key)
+        units = entry.units
+        if entry.is_state:
             left = self.state_units[units[0]] - 1
             if left:
                 self.state_units[units[0]] = left
@@ -216,15 +227,15 @@ class PrefixIndex:
 
     def entry_info(self, key: CacheKey) -> tuple[int, bool]:
         """(tokens of prefix the entry ends at, whether it is a state checkpoint)."""
-        _, first, units, is_state = self.entries[key]
-        return (first + len(units)) * self.h, is_state
+        entry = self.entries[key]
+        return entry.end_unit * self.h, entry.is_state
 
     def continuations(self, key: CacheKey, chain_group: int) -> int:
         """How many units are cached right after entry ``key`` on its chain: in its own group
         for a KV entry, in ``chain_group`` (a full-attention group) for a state checkpoint."""
-        _, _, units, is_state = self.entries[key]
-        gid = chain_group if is_state else key[0]  # type: ignore[index]
-        return len(self.children.get((gid, units[-1]), ()))
+        entry = self.entries[key]
+        gid = chain_group if entry.is_state else key[0]  # type: ignore[index]
+        return len(self.children.get((gid, entry.last_unit), ()))
 
     def take_events(self) -> list[Any]:
         out, self.events = self.events, []
@@ -235,106 +246,8 @@ class PrefixIndex:
         self.parent.clear()
         self.children.clear()
         self.entries.clear()
+        self.state_units.clear()
 
     def units(self) -> dict[UnitKey, bytes | None]:
         """Cached (group, unit) -> parent unit: what a subscriber's index must equal."""
         return dict(self.parent)
-
-
-# ---- hit rules -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GroupRule:
-    """How one group serves hits: ``kind`` is ``full``, ``window`` or ``state``; ``step`` is the
-    token granularity of its hit points (the hash unit with partial hits, the block otherwise,
-    the checkpoint spacing for states)."""
-
-    gid: int
-    kind: str
-    block_size: int
-    step: int
-    window: int = 0
-
-
-Lookup = Callable[[int, bytes], int | None]  # (gid, unit hash) -> id of the entry keyed there
-
-
-def longest_hit(
-    rules: list[GroupRule],
-    hashes: list[bytes],
-    max_len: int,
-    h: int,
-    lookup: Lookup,
-    holder: Lookup,
-) -> int:
-    """The fixed point described in the module docstring, over ``rules``."""
-    curr = min(max_len, len(hashes) * h)
-    full_cache: dict[int, int] = {}
-    while True:
-        prev = curr
-        for rule in rules:
-            if curr == 0:
-                return 0
-            if rule.kind == "full":
-                if rule.gid not in full_cache:
-                    full_cache[rule.gid] = _full_prefix_h(rule, hashes, curr, h, lookup, holder)
-                a = full_cache[rule.gid]
-                curr = min(curr, a) // rule.step * rule.step
-            elif rule.kind == "window":
-                curr = _window_hit(rule, hashes, curr, h, lookup, holder)
-            else:
-                curr = _state_hit(rule, hashes, curr, h, lookup)
-        if curr == prev:
-            return curr
-
-
-def _full_prefix_h(
-    rule: GroupRule, hashes: list[bytes], limit: int, h: int, lookup: Lookup, holder: Lookup
-) -> int:
-    """Longest prefix <= ``limit`` served by a full-attention group (downward closed)."""
-    B, gid, s = rule.block_size, rule.gid, rule.block_size // h
-    nblocks = limit // B
-    n = 0
-    while n < nblocks and lookup(gid, hashes[(n + 1) * s - 1]) is not None:
-        n += 1
-    hit = n * B
-    if rule.step < B:  # partial hit inside block n, one step at a time
-        per = rule.step // h
-        i = n * s + per - 1
-        end = min((n + 1) * s, limit // h)
-        while i < end and holder(gid, hashes[i]) is not None:
-            hit = (i + 1) * h
-            i += per
-    return hit
-
-
-def _window_hit(
-    rule: GroupRule, hashes: list[bytes], limit: int, h: int, lookup: Lookup, holder: Lookup
-) -> int:
-    """Longest L <= ``limit`` (a multiple of ``step``) with the ``window - 1`` tokens before L
-    cached. One lookup per block, then a scan over runs of cached blocks."""
-    B, gid, s, W, step = rule.block_size, rule.gid, rule.block_size // h, rule.window, rule.step
-    nb = limit // B
-    run = [0] * (nb + 1)  # run[j]: cached full blocks ending just before block j
-    for j in range(nb):
-        run[j + 1] = run[j] + 1 if lookup(gid, hashes[(j + 1) * s - 1]) is not None else 0
-    L = limit // step * step
-    while L > 0:
-        first_block = max(0, L - W + 1) // B
-        last = L // B  # blocks [first_block, last) must be full and cached
-        # a hit inside a block needs a cached block agreeing with us up to L
-        ok = not L % B or holder(gid, hashes[L // h - 1]) is not None
-        if ok and (last <= first_block or run[last] >= last - first_block):
-            return L
-        L -= step
-    return 0
-
-
-def _state_hit(rule: GroupRule, hashes: list[bytes], limit: int, h: int, lookup: Lookup) -> int:
-    """Longest L <= ``limit`` with a checkpoint of this state group exactly at L."""
-    step, gid = rule.step, rule.gid
-    L = limit // step * step
-    while L > 0:
-        if lookup(gid, hashes[L // h - 1]) is not None:
-            return L
-        L -= step
-    return 0

@@ -60,7 +60,8 @@ from typing import Any
 
 import torch
 
-from ..alloc import HybridAllocator
+from ..alloc import AllocatorOptions, HybridAllocator
+from ..alloc.options import AUTO
 from ..plan import MemoryPlan
 from ..sched import Scheduler, SchedulerConfig, Seq, StepOutput
 from . import attn
@@ -75,7 +76,7 @@ from .states import (
 )
 from .states import packed as packed_states
 
-__all__ = ["Engine", "Request", "hf_greedy"]
+__all__ = ["Engine", "Request", "engine_options", "hf_greedy"]
 
 
 class Request(Seq):
@@ -105,6 +106,32 @@ class _StateLayer:
     module: torch.nn.Module
 
 
+def engine_options(
+    config: Any, options: AllocatorOptions | None = None, **overrides: Any
+) -> AllocatorOptions:
+    """The allocator options an :class:`Engine` of a model with transformers ``config`` runs
+    with: ``options`` with ``overrides``, where
+
+    - ``options`` defaults to :class:`~hybridkv.alloc.AllocatorOptions` with ``max_model_len``
+      the model's ``max_position_embeddings`` (the options' default where a model has none,
+      as RecurrentGemma);
+    - ``prefill_checkpoint_alignment`` is ``None``: the engine's prefill writes a state only
+      where a step ends, so it cannot export the mid-prefill checkpoints vLLM's Mamba-2 /
+      FlashInfer GDN kernels do, and the scheduler splits the prefill at the checkpoint
+      instead (as vLLM's does for such kernels). ``"auto"`` (the default) resolves to that;
+      a number raises ``ValueError``."""
+    if options is None:
+        limit = getattr(config, "max_position_embeddings", None)
+        options = AllocatorOptions() if limit is None else AllocatorOptions(max_model_len=limit)
+    options = options.replace(**overrides)
+    if options.prefill_checkpoint_alignment not in (AUTO, None):
+        raise ValueError(
+            "the engine's prefill cannot export states from inside a chunk; leave "
+            "prefill_checkpoint_alignment 'auto' or None (chunks then end where states are kept)"
+        )
+    return options.replace(prefill_checkpoint_alignment=None)
+
+
 class Engine:
     """Serve greedy generations of ``model`` out of ``plan``'s memory.
 
@@ -114,14 +141,17 @@ class Engine:
     step's token budget. ``batch_prefill``: the step's prefill chunks run as one packed varlen
     forward (default), or one forward each (the reference the packed one is tested against).
     ``on_step``: called with every step's
-    :class:`~hybridkv.sched.StepOutput` after it ran. Remaining keyword arguments go to
-    :class:`HybridAllocator` (``checkpoint_policy``, ``hash_block_size``, ...).
+    :class:`~hybridkv.sched.StepOutput` after it ran. ``options``: the allocator's
+    (:class:`~hybridkv.alloc.AllocatorOptions`); keyword ``overrides`` replace some of them
+    (``checkpoint_policy="last"``, ...). What the engine decides itself is
+    :func:`engine_options`.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         plan: MemoryPlan,
+        options: AllocatorOptions | None = None,
         *,
         max_num_seqs: int | None = None,
         prefill_chunk: int = 64,
@@ -129,26 +159,14 @@ class Engine:
         batch_prefill: bool = True,
         poison: bool = True,
         on_step: Callable[[StepOutput], None] | None = None,
-        **alloc_kwargs: Any,
+        **overrides: Any,
     ) -> None:
         check_wired(plan)  # NotImplementedError with the reason for a refused family
         attn.register()
         self.model = model
         self.config = model.config
         self.plan = plan
-        # RecurrentGemma has no max_position_embeddings (the allocator's default then)
-        if getattr(self.config, "max_position_embeddings", None) is not None:
-            alloc_kwargs.setdefault("max_model_len", self.config.max_position_embeddings)
-        # the engine's prefill writes a state only where a step ends, so it cannot export the
-        # mid-prefill checkpoints vLLM's Mamba-2 / FlashInfer GDN kernels do: vLLM's scheduler
-        # then splits the prefill at the checkpoint instead (prefill_checkpoint_alignment=None)
-        alloc_kwargs.setdefault("prefill_checkpoint_alignment", None)
-        if alloc_kwargs["prefill_checkpoint_alignment"] is not None:
-            raise ValueError(
-                "the engine's prefill cannot export states from inside a chunk; leave "
-                "prefill_checkpoint_alignment unset (chunks then end where states are kept)"
-            )
-        self.alloc = HybridAllocator(plan, **alloc_kwargs)
+        self.alloc = HybridAllocator(plan, engine_options(self.config, options, **overrides))
         self.scheduler = Scheduler(
             self.alloc,
             SchedulerConfig(

@@ -1,82 +1,28 @@
-"""State checkpoint policies: where a request's recurrent state is kept for later prefix hits.
+"""``align``: vLLM 0.33's ``mamba_cache_mode="align"`` (:class:`AlignPolicy`, rules in
+:class:`VllmAlign`, each with the vLLM function it follows).
 
-A state can only be reused at exactly the token it was taken at, and each one costs a whole
-state page, so the policy decides which positions are worth a page. A checkpoint is taken when a
-scheduler step *ends* at a chosen position (the state exists nowhere else), by copying the
-running state into another slot after the forward pass; a backend that exports states from
-inside a prefill (vLLM's prefill checkpoint blocks) also gives one position inside the step.
-
-- ``align``: vLLM's ``mamba_cache_mode="align"`` as vLLM 0.33 runs it (:class:`VllmAlign` has
-  the rules, each with the vLLM function it follows). A prompt runs in one chunk up to its last
-  cacheable block boundary (or, with a backend that exports the checkpoint from inside the
-  prefill, in one chunk to its end); the states kept are that boundary's (the *replay
-  boundary*), the prompt's last hash-unit boundary when hits inside a block are on, and the
-  block boundary of a *junction*: a prefix that attention had cached but the states had not,
-  found when a request was admitted. ``prefix_cache_retention_interval`` (vLLM's option, default
-  0) adds states at every multiple of it that a step ends on (``None``: at every block boundary
-  a step ends on, the dense caching of a vLLM run with that setting).
-- ``align_every_block`` (not vLLM's): prefill chunks end at every multiple of the state groups'
-  block size and every block boundary a step ends on is cached, decode included. Hits land on
-  the largest block multiple of a shared prefix: the upper bound of align-style caching while
-  memory is ample (each state takes a page, so under pressure they evict one another).
-- ``last``: only the state at the end of each request. While it runs, the request keeps a private
-  rolling checkpoint at the last hash-unit boundary a step ended on (decode ends a step on every
-  token, so it is at most ``hash_block_size - 1`` tokens old); at ``free()`` it is cached. This
-  serves multi-turn reuse (the next turn extends the whole previous conversation) at one page per
-  conversation.
-- ``marconi`` (Marconi, MLSys'25): ``last`` plus a checkpoint at the *branch point* of a request
-  whose prompt diverges from a cached prefix (attention KV is cached past the point where the
-  state hit stops, so another request shared these tokens: the next one will too). Eviction
-  weighs recency against compute saved per byte (:mod:`.marconi`). Its admission is
-  what the name means when comparing policies: a state is admitted at a prefix only once a
-  second request has shown that prefix to be shared.
-- ``periodic`` (``checkpoint_interval`` ``N``): ``last`` plus a state at every multiple of ``N``
-  inside each prompt, exported from inside the prefill (SGLang keeps extra state buffers at a
-  fixed interval; Mamba-2's chunked scan and the chunked Gated-DeltaNet kernels compute the
-  state at every chunk boundary anyway). A later prompt sharing ``P`` tokens hits at the last
-  multiple of ``N`` below ``P``, whatever ``P`` is; each kept state costs a whole state page,
-  about ``state / N`` bytes per prompt token.
-- ``hash_boundary`` (``checkpoint_interval`` ``N``): ``last`` plus one state per prompt, at its
-  last multiple of ``N`` (``N`` = a trace's hash unit: Mooncake's 512). A request that shares
-  every whole ``N``-token block of an earlier prompt (the next turn of a conversation as a
-  block-hashed trace records it, or another question on the same document) hits there.
-
-Where a backend cannot export from inside a prefill (``prefill_checkpoint_alignment`` ``None``,
-or an interval that is not a multiple of it), ``periodic`` and ``hash_boundary`` end prefill
-chunks at those positions instead (:meth:`CheckpointPolicy.next_mark`, asked through the
-allocator's ``next_checkpoint``): the same states, more, smaller steps.
+A prompt runs in one chunk up to its last cacheable block boundary (or, with a backend that
+exports the checkpoint from inside the prefill, in one chunk to its end); the states kept are
+that boundary's (the *replay boundary*), the prompt's last hash-unit boundary when hits inside
+a block are on, and the block boundary of a *junction*: a prefix that attention had cached but
+the states had not, found when a request was admitted. ``prefix_cache_retention_interval``
+(vLLM's option, default 0) adds states at every multiple of it that a step ends on (``None``:
+at every block boundary a step ends on, the dense caching of a vLLM run with that setting).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .base import INF, CheckpointPolicy, StateActions
+
 if TYPE_CHECKING:  # pragma: no cover
-    from ..plan import MemoryPlan
+    from ...plan import MemoryPlan
+    from ..request import Request
 
-__all__ = [
-    "ALL_POLICIES",
-    "CACHE",
-    "DEFAULT_CHECKPOINT_INTERVAL",
-    "NONE",
-    "POLICIES",
-    "RECOVERY_POLICIES",
-    "ROLLING",
-    "CheckpointPolicy",
-    "VllmAlign",
-]
+__all__ = ["AlignPolicy", "VllmAlign"]
 
-NONE, CACHE, ROLLING = 0, 1, 2
-#: the policies a deployment can choose between (``align`` is vLLM's)
-POLICIES = ("align", "last", "marconi")
-#: policies that keep extra states inside prompts, to recover reuse the others miss
-RECOVERY_POLICIES = ("periodic", "hash_boundary")
-#: every policy name the allocator accepts: ``align_every_block`` is a bound, not a system
-ALL_POLICIES = (*POLICIES, *RECOVERY_POLICIES, "align_every_block")
-#: ``checkpoint_interval`` when none is given: Mooncake's hash unit
-DEFAULT_CHECKPOINT_INTERVAL = 512
-
-_INF = 1 << 62
+_INF = INF
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -169,11 +115,12 @@ class VllmAlign:
         retention_interval: int | None = 0,
         prefill_checkpoint_alignment: int | None = None,
     ) -> None:
-        self.B = block_size
-        self.S = scheduler_block_size
-        self.h = hash_block_size
+        self.block = block_size
+        self.scheduler_block = scheduler_block_size
+        self.unit = hash_block_size
         self.partial = partial
-        self.A = hash_block_size if partial else scheduler_block_size
+        #: where hits land (vLLM's ``_cache_hit_alignment_tokens``): ``A`` above
+        self.hit_unit = hash_block_size if partial else scheduler_block_size
         # Scheduler._mamba_block_aligned_split's ckpt_block_size (Scheduler.block_size is the
         # scheduler block size)
         self.ckpt_unit = hash_block_size if partial else scheduler_block_size
@@ -199,7 +146,7 @@ class VllmAlign:
         a = self.export
         if a is None:
             return False
-        B, h = self.B, self.h
+        B, h = self.block, self.unit
         return (
             start % h == 0
             and _cdiv(end, B) - 2 > (start - 1) // B
@@ -210,7 +157,8 @@ class VllmAlign:
 
     def boundary(self, tokens: int) -> int:
         """The state block a reachable boundary at ``tokens`` keeps (``reachable_block_mask``)."""
-        return tokens // self.A * self.A // self.B * self.B
+        A, B = self.hit_unit, self.block
+        return tokens // A * A // B * B
 
     def split(
         self,
@@ -225,7 +173,7 @@ class VllmAlign:
         prefill_end = max(num_prompt, num_tokens - 1)
         if start >= prefill_end:
             return num_new
-        B = self.B
+        B = self.block
         last = self.pos(num_tokens, B)
         end = start + num_new
         cp = self.pos(prefill_end, self.ckpt_unit)
@@ -236,7 +184,7 @@ class VllmAlign:
             aligned = end // B * B
             if aligned > start or max_prefill_tokens >= B:
                 end = aligned
-        tail = self.pos(num_prompt, self.h) if self.partial and not internal else 0
+        tail = self.pos(num_prompt, self.unit) if self.partial and not internal else 0
         stops = (
             (start // B + 1) * B if start % B and not internal else 0,
             last,
@@ -262,7 +210,7 @@ class VllmAlign:
             return 0
         if end < max(num_prompt, num_tokens - 1) and self.retention == 0:
             return 0
-        cp = self.pos(end, self.A)
+        cp = self.pos(end, self.hit_unit)
         return cp if self.export_valid(start, end, cp) else 0
 
     def step_end(
@@ -274,21 +222,21 @@ class VllmAlign:
         cp = self.export_at(start, P, num_prompt, num_tokens) if start >= 0 else 0
         exported = cp > 0
         if exported and not (
-            cp == self.pos(num_prompt, self.A)
-            or (cp % self.B == 0 and self._retained(cp))
+            cp == self.pos(num_prompt, self.hit_unit)
+            or (cp % self.block == 0 and self._retained(cp))
             or cp == junction
         ):
             cp = 0  # a transient state: vLLM evicts its block at once
-        if P % self.B == 0:
+        if P % self.block == 0:
             keep = self.keeps_block(P, num_prompt, junction)
         else:
-            keep = self.partial and not exported and self.pos(num_prompt, self.h) == P
+            keep = self.partial and not exported and self.pos(num_prompt, self.unit) == P
         return keep, cp
 
     def next_position(self, after: int, num_prompt: int, junction: int) -> int:
         """The smallest step end ``P > after`` at which rule 3 may keep a state (exports are
         found at the commit of the step that makes them)."""
-        B = self.B
+        B = self.block
         best = _INF
         if self.dense:
             best = (after // B + 1) * B
@@ -297,18 +245,21 @@ class VllmAlign:
         for p in (
             self.boundary(num_prompt - 1),
             self.boundary(junction) if junction > 0 else 0,
-            self.pos(num_prompt, self.h) if self.partial else 0,
+            self.pos(num_prompt, self.unit) if self.partial else 0,
         ):
             if after < p < best:
                 best = p
         return best
 
 
-class CheckpointPolicy:
-    """What to do with the state when a step ends at token ``P``: nothing, ``CACHE`` (take a
-    checkpoint and cache it) or ``ROLLING`` (refresh the request's private end checkpoint).
-    ``align`` delegates to :attr:`vllm` (:class:`VllmAlign`), which needs the request's prompt
-    length, junction and step start."""
+class AlignPolicy(CheckpointPolicy):
+    """vLLM 0.33's ``align`` (:class:`VllmAlign` has the rules): chunks split where vLLM's
+    scheduler splits them, states kept at the replay boundary, the prompt's tail and junctions
+    (plus the retention interval's), exported from inside a prefill where the backend can."""
+
+    name = "align"
+    admission_probe = "junction"
+    state_slots_per_request = 2
 
     def __init__(
         self,
@@ -319,117 +270,94 @@ class CheckpointPolicy:
         retention_interval: int | None = 0,
         prefill_checkpoint_alignment: int | None = None,
         checkpoint_interval: int | None = None,
+        partial_block_hits: bool = True,
     ) -> None:
-        if name not in ALL_POLICIES:
+        super().__init__(
+            name,
+            plan,
+            hash_block_size,
+            checkpoint_interval=checkpoint_interval,
+            partial_block_hits=partial_block_hits,
+        )
+        scheduler = plan.scheduler_block_size if plan.groups else self.block
+        if retention_interval is not None and (
+            retention_interval < 0 or retention_interval % scheduler
+        ):
             raise ValueError(
-                f"checkpoint_policy must be one of {', '.join(ALL_POLICIES)}, got {name!r}"
+                f"prefix_cache_retention_interval ({retention_interval}) must be None or a "
+                f"non-negative multiple of the scheduler block size ({scheduler}), as vLLM "
+                "requires"
             )
-        self.name = name
-        # align: every state group checkpoints at its block multiples; they share one size in
-        # every layout, and the plan's granularity (their lcm) keeps them in step if they did not.
-        block = plan.checkpoint_granularity if plan.state_groups else hash_block_size
-        self.block = block
-        self.keeps_end_state = name in ("last", "marconi", *RECOVERY_POLICIES)
-        self.branches = name == "marconi"
-        self.vllm: VllmAlign | None = None
-        #: periodic / hash_boundary: the interval of the states kept inside prompts (0: none)
-        self.interval = 0
-        #: those states are exported from inside a prefill step (else chunks end at them)
-        self.exports_marks = False
-        if checkpoint_interval is not None and name not in RECOVERY_POLICIES:
+        if prefill_checkpoint_alignment is not None and prefill_checkpoint_alignment < 1:
             raise ValueError(
-                f"checkpoint_interval applies to the {' and '.join(RECOVERY_POLICIES)} policies, "
-                f"not {name!r}; leave it unset"
+                "prefill_checkpoint_alignment must be None or >= 1, got "
+                f"{prefill_checkpoint_alignment}"
             )
-        if name in RECOVERY_POLICIES:
-            n = DEFAULT_CHECKPOINT_INTERVAL if checkpoint_interval is None else checkpoint_interval
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n % hash_block_size:
-                raise ValueError(
-                    f"checkpoint_interval must be a positive multiple of the hash unit "
-                    f"({hash_block_size} tokens): a state is only found at a hash boundary; "
-                    f"got {n!r}"
-                )
-            self.interval = n
-            a = prefill_checkpoint_alignment
-            self.exports_marks = a is not None and a >= 1 and n % a == 0
-        if name == "align_every_block":
-            self.step = block
-        elif name == "align":
-            scheduler = plan.scheduler_block_size if plan.groups else block
-            if retention_interval is not None and (
-                retention_interval < 0 or retention_interval % scheduler
-            ):
-                raise ValueError(
-                    f"prefix_cache_retention_interval ({retention_interval}) must be None or a "
-                    f"non-negative multiple of the scheduler block size ({scheduler}), as vLLM "
-                    "requires"
-                )
-            if prefill_checkpoint_alignment is not None and prefill_checkpoint_alignment < 1:
-                raise ValueError(
-                    "prefill_checkpoint_alignment must be None or >= 1, got "
-                    f"{prefill_checkpoint_alignment}"
-                )
-            # partial_hash_hits_enabled: a hash unit finer than the state block, and every
-            # attention group can look hashes up inside a block (full attention, MLA) or has
-            # blocks of one unit
-            partial = (
-                bool(plan.state_groups)
-                and hash_block_size < block
-                and all(
-                    g.kind in ("full_attention", "mla") or g.block_size == hash_block_size
-                    for g in plan.groups
-                    if not g.is_state
-                )
+        # partial_hash_hits_enabled: a hash unit finer than the state block, and every
+        # attention group can look hashes up inside a block (full attention, MLA) or has
+        # blocks of one unit
+        partial = (
+            bool(plan.state_groups)
+            and hash_block_size < self.block
+            and all(
+                g.kind in ("full_attention", "mla") or g.block_size == hash_block_size
+                for g in plan.groups
+                if not g.is_state
             )
-            self.vllm = VllmAlign(
-                block_size=block,
-                scheduler_block_size=scheduler,
-                hash_block_size=hash_block_size,
-                partial=partial,
-                retention_interval=retention_interval,
-                prefill_checkpoint_alignment=prefill_checkpoint_alignment,
-            )
-            self.step = self.vllm.A
-        else:
-            self.step = hash_block_size
+        )
+        self.vllm: VllmAlign = VllmAlign(
+            block_size=self.block,
+            scheduler_block_size=scheduler,
+            hash_block_size=hash_block_size,
+            partial=partial,
+            retention_interval=retention_interval,
+            prefill_checkpoint_alignment=prefill_checkpoint_alignment,
+        )
+        self.step = self.vllm.hit_unit
 
-    def marks(self, start: int, end: int, num_prompt: int) -> list[int]:
-        """``periodic`` / ``hash_boundary``: the positions in ``(start, end]`` at which a state
-        is kept inside the prompt (states strictly inside a prompt: the end state is
-        ``last``'s)."""
-        N = self.interval
-        if not N:
-            return []
-        top = min(end, num_prompt - 1)
-        if self.name == "hash_boundary":
-            m = (num_prompt - 1) // N * N
-            return [m] if start < m <= top and m > 0 else []
-        return list(range((start // N + 1) * N, top + 1, N))
+    @property
+    def exports(self) -> bool:
+        return self.vllm.export is not None
 
-    def next_mark(self, after: int, num_prompt: int) -> int | None:
-        """The first position of :meth:`marks` past ``after``, or None."""
-        if self.name == "periodic":
-            m = (after // self.interval + 1) * self.interval
-            return m if m < num_prompt else None
-        found = self.marks(after, num_prompt - 1, num_prompt)
-        return found[0] if found else None
+    @property
+    def promotes_tail(self) -> bool:
+        # hits inside a block (vLLM's partial hash hits): attention caches the prompt's tail
+        return self.vllm.partial and self.partial_block_hits
 
-    def at_step_end(self, P: int, branch_at: int, num_prompt: int = 0) -> int:
-        """For every policy but ``align`` (:class:`VllmAlign`); ``num_prompt`` locates the
-        states ``periodic`` and ``hash_boundary`` keep inside a prompt."""
-        if P <= 0:
-            return NONE
-        if self.branches and branch_at == P:
-            return CACHE
-        if self.interval and not self.exports_marks and self.marks(P - 1, P, num_prompt):
-            return CACHE
-        if P % self.step:
-            return NONE
-        return ROLLING if self.keeps_end_state else CACHE
+    def admitted(self, r: Request, hit: int, probe_hit: int) -> None:
+        if probe_hit > hit:
+            r.junction = probe_hit
 
-    def next_position(self, after: int, branch_at: int) -> int:
-        """The smallest P > ``after`` where :meth:`at_step_end` may act."""
-        nxt = (after // self.step + 1) * self.step
-        if self.branches and after < branch_at < nxt:
-            return branch_at
-        return nxt
+    def chunk_tokens(self, r: Request, offered: int, max_prefill_tokens: int) -> int:
+        return self.split_prefill(r, offered, max_prefill_tokens)
+
+    def split_prefill(self, r: Request, offered: int, max_prefill_tokens: int) -> int:
+        if offered <= 0:
+            return offered
+        return self.vllm.split(
+            r.num_alloc, offered, len(r.tokens), r.nprompt, r.junction, max_prefill_tokens
+        )
+
+    def chunk_stop(self, r: Request) -> int | None:
+        rest = len(r.tokens) - r.num_alloc
+        end = r.num_alloc + self.split_prefill(r, rest, _INF)
+        return end if end < len(r.tokens) else None
+
+    def next_work(self, r: Request) -> int:
+        return self.vllm.next_position(r.num_alloc, r.nprompt, r.junction)
+
+    def step_end(self, r: Request, P: int, known: int, act: StateActions) -> None:
+        vllm = self.vllm
+        start, r.step_start = r.step_start, -1
+        if self.promotes_tail:
+            # FullAttentionManager._cache_partial_tail_block: the block holding the
+            # prompt's last hash boundary is cached up to it once computed
+            t = vllm.pos(r.nprompt, self.h)
+            if 0 < t <= known:
+                act.cache_tail_blocks(r, t)
+        if known == P and P > 0:
+            keep, cp = vllm.step_end(start, P, r.nprompt, len(r.tokens), r.junction)
+            if cp:
+                act.export(r, cp)
+            if keep:
+                act.keep(r, P)

@@ -1,0 +1,172 @@
+"""The eviction cascade: when an eviction leaves cached entries no hit can use, evict them too
+(the allocator's ``evict_unreachable`` option).
+
+A hit needs, at its length ``P``, a state in every state group and the KV of every token
+before ``P`` in every full-attention group (:mod:`.reach`). So when a state goes, the KV between
+it and the previous state or branch of its chain serves nothing (unless a state lies further
+down the chain); when a KV block goes, nothing after it on its chain can be reached. Those
+entries would otherwise sit in the LRU, cached but useless, until they aged out. Marconi evicts
+a radix-tree leaf's KV with its state for the same reason. A request that recomputes the
+missing part caches it again.
+
+Pools evict in the middle of an allocation, where no other id may change: :meth:`Cascade.evicted`
+(their ``on_evict``) only updates the index and remembers the entry; :meth:`Cascade.settle`,
+called once the allocation is done, evicts what those evictions left unreachable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import repeat
+from typing import TYPE_CHECKING, NamedTuple
+
+from .reach import Reach
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import KVCacheGroup
+    from .block_pool import CacheKey, IdCache
+    from .prefix_cache import PrefixIndex, UnitKey
+
+__all__ = ["Cascade", "Evicted"]
+
+
+class Evicted(NamedTuple):
+    """An entry a pool evicted, as the cascade needs it once the index has forgotten it."""
+
+    group: int
+    units: list[bytes]
+    is_state: bool
+    above: bytes | None  # the unit before the entry on its chain (None at the root)
+
+
+class Cascade:
+    """The eviction cascade over ``index`` and the pools of ``groups`` (``pools``: group id ->
+    its :class:`~.block_pool.IdCache`; read when settling, so it may be filled in after the
+    pools that call :meth:`evicted` are built)."""
+
+    def __init__(
+        self, index: PrefixIndex, groups: Sequence[KVCacheGroup], pools: Mapping[int, IdCache]
+    ) -> None:
+        self.index = index
+        self.reach = Reach(index)
+        self.pools = pools
+        self.num_groups = len(groups)
+        self.state = [g.group_id for g in groups if g.is_state]
+        self.state_set = set(self.state)
+        window = [g.group_id for g in groups if g.kind == "sliding_window" and g.sliding_window]
+        # full-attention groups (with their block sizes): a hit needs every token before it
+        self.full_blocks = [
+            (g.group_id, g.block_size)
+            for g in groups
+            if not g.is_state and g.group_id not in window
+        ]
+        self.full = [g for g, _ in self.full_blocks]
+        self.chain_groups = self.full + window  # the groups a dead segment is evicted from
+        #: entries evicted since the last :meth:`settle`, oldest first
+        self.pending: list[Evicted] = []
+
+    def evicted(self, key: CacheKey, bid: int) -> None:
+        """A pool evicted ``key`` (held in ``bid``): update the index and remember the entry for
+        :meth:`settle`."""
+        index = self.index
+        entry = index.entries[key]
+        gid = key[0]  # type: ignore[index]
+        above = index.parent.get((gid, entry.units[0]))
+        index.remove(key, bid)
+        self.pending.append(Evicted(gid, entry.units, entry.is_state, above))
+
+    def settle(self) -> None:
+        """Evict the free cached entries that the evictions since the last call left useless
+        (those evictions may leave more: until none do)."""
+        index = self.index
+        entries, holders, pools = index.entries, index.holders, self.pools
+        while self.pending:
+            dead, self.pending = self.pending, []
+            doomed = self._doomed(dead)
+            for key in doomed:
+                entry = entries.get(key)
+                if entry is None:
+                    continue
+                g = key[0]
+                if not entry.is_state and any(
+                    (g, y) not in doomed and len(holders[(g, y)]) == 1 for y in entry.units
+                ):
+                    continue  # the block's first tokens still serve a hit inside it
+                pools[g].drop_cached(entry.block_id)
+
+    def _doomed(self, dead: list[Evicted]) -> dict[UnitKey, None]:
+        """The units whose entries ``dead`` left useless, in the order found (a dict, not a
+        set: the evictions must not depend on the hash seed)."""
+        parent, reach, full = self.index.parent, self.reach, self.full
+        doomed: dict[UnitKey, None] = {}
+        # dead segments doomed already: the states of one position go together (36 of them in
+        # a pack layout), and the same segment again would add nothing
+        done: set[UnitKey] = set()
+        for e in dead:
+            if e.is_state:
+                u = e.units[0]
+                if reach.has_state(u):
+                    # another state group still holds u: those states are useless alone
+                    _doom(doomed, self.state, [u])
+                elif full and (full[0], u) not in done:
+                    done.add((full[0], u))
+                    _doom(doomed, self.chain_groups, reach.dead_segment(full[0], u))
+            elif e.group in full:
+                gone = [u for u in e.units if (e.group, u) not in parent]
+                if not gone:
+                    continue
+                self._doom_everywhere(doomed, reach.subtree(e.group, gone) or [])
+                above = (e.group, e.above)
+                if e.above is not None and above in parent and above not in done:
+                    # the chain above the gap served only what lay below it, perhaps
+                    done.add(above)
+                    _doom(doomed, self.chain_groups, reach.dead_segment(e.group, e.above))
+        return doomed
+
+    def _doom_everywhere(self, doomed: dict[UnitKey, None], units: list[bytes]) -> None:
+        """``units`` in every group, in group order. A state group caches a unit only where the
+        index counts a state, and only its entries are looked up: its other units are left
+        out (36 state groups made this the cascade's largest cost)."""
+        state_units = self.index.state_units
+        with_state = [u for u in units if u in state_units]
+        for g in range(self.num_groups):
+            if g not in self.state_set:
+                _doom(doomed, [g], units)
+            elif with_state:
+                _doom(doomed, [g], with_state)
+
+    def drop_past_last_state(self, hashes: list[bytes], blocks: list[list[int]]) -> None:
+        """Evict a finished request's cached KV past the last state kept on its chain (the
+        answer's blocks under ``align``, which keeps states only in the prompt): no hit can
+        reach it, and a request that computes past that state again computes it anyway.
+        ``hashes``: the request's hash units; ``blocks``: its block ids per group."""
+        has_state = self.reach.has_state
+        last = len(hashes)
+        while last > 0 and not has_state(hashes[last - 1]):
+            last -= 1
+        if last == len(hashes):
+            return
+        entries, h = self.index.entries, self.index.h
+        for gid, B in self.full_blocks:
+            pool, row, s = self.pools[gid], blocks[gid], B // h
+            for j in range(last // s, len(row)):
+                bid = row[j]
+                if not bid:
+                    continue
+                key = pool.key_of(bid)
+                entry = entries.get(key) if key is not None else None
+                # an entry of this chain whose every unit lies past the last state
+                if (
+                    entry is not None
+                    and entry.first_unit >= last
+                    and entry.units[0] == hashes[entry.first_unit]
+                ):
+                    pool.drop_cached(bid)
+        if self.pending:
+            self.settle()
+
+
+def _doom(doomed: dict[UnitKey, None], groups: list[int], units: list[bytes]) -> None:
+    """Add ``units`` of each of ``groups`` (group by group) to ``doomed``."""
+    for g in groups:
+        doomed.update(zip(zip(repeat(g), units), repeat(None)))

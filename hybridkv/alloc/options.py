@@ -1,0 +1,155 @@
+"""The allocator's options, in one frozen dataclass (:class:`AllocatorOptions`).
+
+Everything that builds an allocator (the simulator's ``SimConfig``, the engine, replay, the
+advisor, the CLI) takes one of these, so each option is named, defaulted, documented and
+validated here only. :meth:`AllocatorOptions.for_plan` checks what depends on a plan (the hash
+unit divides every block) and resolves ``"auto"`` (the prefill checkpoint alignment of the
+plan's vLLM target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import ConfigError
+from .hashing import HASH_ALGOS
+from .marconi import PrefillFlops
+from .policies import POLICY_CLASSES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import MemoryPlan
+
+__all__ = ["AUTO", "AllocatorOptions"]
+
+#: ``prefill_checkpoint_alignment`` taken from the plan's vLLM target
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class AllocatorOptions:
+    """How a :class:`~.manager.HybridAllocator` caches and checkpoints.
+
+    - ``enable_prefix_caching``: off, nothing is cached and no state checkpoint is taken.
+    - ``hash_block_size``: tokens per prefix-cache hash unit; divides every group's block size
+      (vLLM's ``prefix_match_unit``; vLLM's default is the block size).
+    - ``checkpoint_policy``: ``align`` (vLLM 0.33's), ``align_every_block``, ``last``,
+      ``marconi``, ``periodic`` or ``hash_boundary`` (:mod:`.checkpoint`).
+    - ``max_model_len``: tokens a request may reach.
+    - ``partial_block_hits``: let attention hit inside a block (at hash-unit granularity) by
+      copying the reused tokens into a new block; pays off where state checkpoints are finer
+      than the attention block (``last``/``marconi`` with large blocks).
+    - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
+    - ``marconi_alpha``, ``marconi_flops`` (``marconi`` only): Marconi's weight of FLOPs saved
+      per byte against recency, and the FLOP model (``costmodel.StepCoster(model,
+      gpu).prefill_flops``; default: every token costs the same). ``eviction_window``: how many
+      of the oldest cached ids a pool's fallback (no cached state is a candidate) looks at.
+    - ``prefix_cache_retention_interval`` (``align`` only): vLLM's option: 0 keeps only the
+      replay boundary and junction states, ``R > 0`` also every multiple of ``R`` a step ends
+      on, ``None`` every block boundary a step ends on.
+    - ``prefill_checkpoint_alignment``: the token alignment at which the state layers' prefill
+      kernels export a checkpoint from inside a prefill (vLLM's
+      ``MambaSpec.prefill_checkpoint_alignment``), ``None`` when they cannot (the prefill is
+      split instead: vLLM 0.32's Gated DeltaNet, or any GPU without FlashInfer's GDN prefill),
+      1 for Mamba-2, the block size for vLLM 0.33's Gated DeltaNet under FlashInfer
+      (``lcm(hash_block_size, 64)`` with hits inside a block); ``"auto"``: the plan's vLLM
+      target's (:meth:`hybridkv.target.VllmRules.prefill_checkpoint_grid`).
+    - ``checkpoint_interval`` (``periodic`` / ``hash_boundary`` only, default 512): where those
+      keep states inside a prompt; a multiple of ``hash_block_size``.
+    - ``evict_unreachable``: when an eviction leaves cached entries no hit can use, evict them
+      too (:mod:`.reach`); ``False`` keeps them until they age out (vLLM's behaviour).
+    - ``marconi_across_groups`` (``marconi`` only): in a pool whose groups have ids of their own
+      (``two_level``), one evictor chooses the cached segment of least utility across groups;
+      ``False`` (an ablation) leaves it to each group's evictor.
+    """
+
+    enable_prefix_caching: bool = True
+    hash_block_size: int = 16
+    checkpoint_policy: str = "align"
+    max_model_len: int = 32768
+    partial_block_hits: bool = True
+    hash_algo: str = "sha256"
+    marconi_alpha: float = 1.0
+    marconi_flops: PrefillFlops | None = field(default=None, compare=False)
+    eviction_window: int = 32
+    prefix_cache_retention_interval: int | None = 0
+    prefill_checkpoint_alignment: int | str | None = AUTO
+    checkpoint_interval: int | None = None
+    evict_unreachable: bool = True
+    marconi_across_groups: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("hash_block_size", "max_model_len", "eviction_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.checkpoint_policy not in POLICY_CLASSES:
+            raise ConfigError(
+                f"checkpoint_policy must be one of {', '.join(POLICY_CLASSES)}, "
+                f"got {self.checkpoint_policy!r}"
+            )
+        if self.hash_algo not in HASH_ALGOS:
+            raise ConfigError(
+                f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
+            )
+        if not self.marconi_alpha >= 0:
+            raise ConfigError(f"marconi_alpha must be >= 0, got {self.marconi_alpha}")
+        a = self.prefill_checkpoint_alignment
+        bad_int = isinstance(a, bool) or not isinstance(a, int) or a < 1
+        if a != AUTO and a is not None and bad_int:
+            raise ConfigError(
+                f"prefill_checkpoint_alignment must be 'auto', None or an integer >= 1, got {a!r}"
+            )
+        r = self.prefix_cache_retention_interval
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise ConfigError(
+                f"prefix_cache_retention_interval must be None or an integer >= 0, got {r!r}"
+            )
+        try:
+            POLICY_CLASSES[self.checkpoint_policy].check_interval(
+                self.checkpoint_interval, self.hash_block_size
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def replace(self, **changes: Any) -> AllocatorOptions:
+        """A copy with ``changes`` (validated again); unknown names raise :class:`ConfigError`."""
+        unknown = sorted(set(changes) - set(self.names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown allocator option(s) {', '.join(unknown)}; the options are "
+                f"{', '.join(self.names())}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as plain values (``marconi_flops`` by its repr), for result files."""
+        out = {f: getattr(self, f) for f in self.names()}
+        if out["marconi_flops"] is not None:
+            out["marconi_flops"] = repr(out["marconi_flops"])
+        return out
+
+    def for_plan(self, plan: MemoryPlan) -> AllocatorOptions:
+        """These options checked against ``plan``, with ``"auto"`` resolved: the prefill
+        checkpoint alignment the plan's vLLM target exports at (Mamba-2 anywhere, Qwen's GDN
+        under FlashInfer on its grid, otherwise none: the prefill is split)."""
+        h = self.hash_block_size
+        for g in plan.groups:
+            if g.block_size % h:
+                raise ConfigError(
+                    f"group {g.group_id} block_size {g.block_size} is not a multiple of "
+                    f"hash_block_size {h}; pick a divisor of every block size"
+                )
+        if self.prefill_checkpoint_alignment != AUTO:
+            return self
+        grid = (
+            plan.vllm.prefill_checkpoint_grid(plan.state_groups[0].block_size, h)
+            if plan.vllm is not None and plan.state_groups
+            else None
+        )
+        return dataclasses.replace(self, prefill_checkpoint_alignment=grid)

@@ -1,0 +1,222 @@
+"""What a prefix hit can still reach: the walks over a :class:`~.prefix_cache.PrefixIndex`'s
+chains that the eviction cascade (:mod:`.cascade`), the byte breakdown (:mod:`.breakdown`) and
+Marconi's segments (:mod:`.marconi`) share.
+
+A group's cached hash units form a forest: each unit links to its parent (the unit before it in
+the prompts that cached it) and to its children (the units cached right after it). A hit at
+``P`` tokens needs, at ``P``, a state checkpoint in every state group, the KV of every token
+before ``P`` in every full-attention group (the unit ending at ``P`` is *rooted*: it and every
+unit before it are cached) and, in a sliding-window group, the window before ``P``. So:
+
+- a **segment** is the run of units above a state up to the previous state or branch point of
+  its chain: the KV that only this state makes reachable (:meth:`Reach.segment_above`);
+- a **subtree** is a unit and everything cached after it: what a gap at that unit cuts off
+  (:meth:`Reach.subtree`);
+- the **useful units** are those some hit could use as the cache stands
+  (:meth:`Reach.useful_units`).
+
+A unit's parent is known only while the unit is cached (:attr:`PrefixIndex.parent`), so a walk
+up a chain ends at the root or right after the first unit that is not cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from itertools import repeat
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .prefix_cache import PrefixIndex, UnitKey
+
+__all__ = ["SUBTREE_LIMIT", "Reach"]
+
+#: units a subtree walk collects at most (a guard against a runaway walk; the eviction cascade
+#: has always walked with this limit, and its results depend on it only past it)
+SUBTREE_LIMIT = 1 << 20
+
+
+class Reach:
+    """Chain walks over ``index``, which they read and never change."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+
+    def has_state(self, unit: bytes) -> bool:
+        """Some state group caches a checkpoint at ``unit`` (the index counts them: asking each
+        of 36 state groups' pools made evictions under periodic checkpoints crawl)."""
+        return unit in self.index.state_units
+
+    # ---- up a chain -------------------------------------------------------------------------
+    def segment_above(
+        self, gid: int, unit: bytes, stop: Callable[[bytes], bool], limit: int = -1
+    ) -> tuple[list[bytes], bytes | None]:
+        """The units before ``unit`` on its chain in ``gid``, nearest first, up to the previous
+        branch point or unit where ``stop`` holds (excluded, and returned second; None when
+        the walk ended at the root, after an uncached unit, or after ``limit`` units when
+        ``limit >= 0``). The last unit listed may be uncached: callers that want only cached
+        ones drop it."""
+        parent, children = self.index.parent, self.index.children
+        out: list[bytes] = []
+        x = unit
+        while len(out) != limit:
+            par = parent.get((gid, x))
+            if par is None:
+                break
+            if len(children.get((gid, par), ())) > 1 or stop(par):
+                return out, par
+            out.append(par)
+            x = par
+        return out, None
+
+    def path_up(self, gid: int, unit: bytes, n: int) -> list[bytes]:
+        """``unit`` and the units before it on its chain in ``gid``, ``n`` at most (fewer at the
+        root or after an uncached unit), nearest first."""
+        parent = self.index.parent
+        out: list[bytes] = []
+        x: bytes | None = unit
+        while x is not None and len(out) < n:
+            out.append(x)
+            x = parent.get((gid, x))
+        return out
+
+    def rooted(
+        self,
+        gid: int,
+        unit: bytes,
+        memo: dict[UnitKey, bool],
+        path: list[UnitKey] | None = None,
+    ) -> bool:
+        """``unit`` and every unit before it are cached in ``gid``. ``memo`` keeps the answer
+        for every unit walked, so that walks from many units of one tree each cost what they
+        add (iterative: chains are thousands of units long); ``path``, if given, gets the
+        units this call walked that ``memo`` did not know, nearest first."""
+        parent_of, known_of = self.index.parent.get, memo.get  # bound: the walk's inner loop
+        if path is None:
+            path = []
+        start = len(path)
+        k: UnitKey | None = (gid, unit)
+        result = True
+        while k is not None:
+            known = known_of(k)
+            if known is not None:
+                result = known
+                break
+            p = parent_of(k, k)  # k itself: a sentinel for "not cached"
+            if p is k:
+                result = False
+                break
+            path.append(k)
+            k = None if p is None else (gid, p)
+        memo.update(dict.fromkeys(path[start:], result))
+        return result
+
+    def window_cached(self, gid: int, unit: bytes, n: int) -> bool:
+        """``unit`` and the ``n - 1`` units before it are cached in ``gid`` (fewer from the
+        root): the window a sliding-window group needs before a hit."""
+        parent = self.index.parent
+        k: UnitKey | None = (gid, unit)
+        for _ in range(n):
+            if k is None:
+                return True
+            p = parent.get(k, k)
+            if p is k:
+                return False
+            k = None if p is None else (gid, p)
+        return True
+
+    # ---- down a chain -----------------------------------------------------------------------
+    def subtree(
+        self,
+        gid: int,
+        roots: Iterable[bytes],
+        stop: Callable[[bytes], bool] | None = None,
+        limit: int = SUBTREE_LIMIT,
+    ) -> list[bytes] | None:
+        """``roots`` and every unit cached after them in ``gid`` (depth first, ``limit`` at
+        most); None as soon as a unit satisfies ``stop`` (the walk gives up there instead of
+        collecting the rest)."""
+        out: list[bytes] = []
+        stack = list(roots)
+        children = self.index.children
+        while stack and len(out) < limit:
+            x = stack.pop()
+            if stop is not None and stop(x):
+                return None
+            out.append(x)
+            kids = children.get((gid, x))
+            if kids:
+                stack.extend(kids)
+        return out
+
+    def dead_segment(self, gid: int, unit: bytes) -> list[bytes]:
+        """The units of ``gid`` that no state serves once the state at ``unit`` is gone: none
+        if a state lies at or below ``unit``; else ``unit``'s subtree and the cached chain
+        above it up to the previous state or branch point (exclusive)."""
+        has_state = self.index.state_units.__contains__
+        # given up at the first state: with states every few hundred tokens (periodic),
+        # collecting whole subtrees first made this quadratic
+        seg = self.subtree(gid, [unit], stop=has_state)
+        if seg is None:
+            return []
+        above, _ = self.segment_above(gid, unit, has_state)
+        if above and (gid, above[-1]) not in self.index.parent:
+            above.pop()  # its KV is gone already
+        seg += above
+        return seg
+
+    # ---- everything ---------------------------------------------------------------------------
+    def useful_units(
+        self, full: list[int], window: list[tuple[int, int]], states: list[int]
+    ) -> set[UnitKey]:
+        """``(group, unit)`` pairs a hit could use: for state groups, units where every state
+        group has a checkpoint and the attention groups have the prefix (``window``:
+        ``(group, window tokens)``); for attention groups, the units on the prefix of such a
+        checkpoint (of any cached unit when the model has no state)."""
+        index, h = self.index, self.index.h
+        parent = index.parent
+        memo: dict[UnitKey, bool] = {}
+        spans = [(g, max(1, -(-(W - 1) // h))) for g, W in window]  # units of each window
+        useful: set[UnitKey] = set()
+        if not states:
+            for gid, unit in list(parent):
+                if gid in full and self.rooted(gid, unit, memo):
+                    useful.add((gid, unit))
+            for gid, n in spans:
+                for g, unit in list(parent):
+                    if g == gid and self.window_cached(gid, unit, n):
+                        useful.add((gid, unit))
+            return useful
+        walked: list[UnitKey] = []
+        # a unit with a checkpoint of every state group (the index counts them per unit): the
+        # set does not depend on the order the units are visited in
+        for u, count in index.state_units.items():
+            if count != len(states):
+                continue
+            if not all(self.window_cached(g, u, n) for g, n in spans):
+                continue
+            if len(full) == 1:
+                # the last test: every unit a rooted walk meets in the memo is marked already,
+                # so the units it walked are the ones to mark (one walk, not two)
+                walked.clear()
+                if not self.rooted(full[0], u, memo, walked):
+                    continue
+                useful.update(walked)
+            elif all(self.rooted(g, u, memo) for g in full):
+                for g in full:
+                    self._mark_prefix(g, u, useful)
+            else:
+                continue
+            useful.update(zip(states, repeat(u)))
+            for g, n in spans:
+                useful.update((g, x) for x in self.path_up(g, u, n) if (g, x) in parent)
+        return useful
+
+    def _mark_prefix(self, gid: int, unit: bytes, useful: set[UnitKey]) -> None:
+        """Add ``unit`` and the units before it (rooted: all cached) to ``useful``, stopping
+        where another state's walk got to: from there up, it marked them all."""
+        parent = self.index.parent
+        k: UnitKey | None = (gid, unit)
+        while k is not None and k not in useful:
+            useful.add(k)
+            p = parent[k]
+            k = None if p is None else (gid, p)

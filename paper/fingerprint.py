@@ -1,0 +1,158 @@
+"""Fingerprints of the paper's simulator and Marconi runs: ``python -m paper.fingerprint``.
+
+A refactor of the allocator must not change what it decides. This replays the runs the
+paper's simulator figures (:data:`paper.figures.SIM_TRACES` x layouts x
+:data:`paper.figures.SIM_POLICIES`) and the Marconi comparison (:func:`paper.marconi_gap`'s
+tasks) make, and hashes, per run, what they measured: for the simulator the steps, hits,
+preemptions, checkpoints and every request's TTFT; for a replay every request's hit, the
+checkpoints, evictions and the sampled byte breakdowns. Run it in a checkout of each commit and
+compare the two JSON files (``--compare before.json after.json`` lists the runs that differ).
+``--requests`` shrinks the runs (the paper's: 2,000 each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _digest(*parts: object) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            h.update(np.ascontiguousarray(part).tobytes())
+        else:
+            h.update(repr(part).encode())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def sim_tasks(n: int) -> list[tuple[int, str, str, str]]:
+    from . import figures
+
+    return [
+        (n, label, layout, policy)
+        for label, _, _ in figures.SIM_TRACES
+        for layout in figures._sim_layouts()
+        for policy in figures.SIM_POLICIES
+        if figures._sim_plan(layout) is not None
+    ]
+
+
+def sim_fingerprint(task: tuple[int, str, str, str]) -> tuple[str, dict]:
+    from . import figures
+
+    t0 = time.perf_counter()
+    r = figures._sim_run(task)
+    key = "sim " + " / ".join(map(str, task))
+    return key, {
+        "steps": r.steps,
+        "hit_tokens": r.hit_tokens,
+        "preemptions": r.preemptions,
+        "checkpoints": r.checkpoints,
+        "hash": _digest(
+            r.steps,
+            r.finished,
+            r.prompt_tokens,
+            r.hit_tokens,
+            r.shared_tokens,
+            r.preemptions,
+            r.peak_running,
+            r.checkpoints,
+            r.checkpoint_bytes,
+            r.ttft_s,
+            r.kv_bytes,
+            r.state_bytes,
+        ),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def marconi_tasks(n: int) -> list[tuple[str, int, str, str, int]]:
+    from .marconi_gap import CAPACITIES, LAYOUTS
+
+    tasks = []
+    for cap in CAPACITIES:
+        tasks += [(layout, cap, "marconi", "", n) for layout in LAYOUTS]
+        for layout in ("inflate", "two_level"):
+            tasks += [(layout, cap, "align", "", n), (layout, cap, "marconi", "no cascade", n)]
+        tasks.append(("two_level", cap, "marconi", "by group", n))
+    return tasks
+
+
+def marconi_fingerprint(task: tuple[str, int, str, str, int]) -> tuple[str, dict]:
+    from .marconi_gap import _gap_run
+
+    t0 = time.perf_counter()
+    r = _gap_run(task)
+    key = "replay " + " / ".join(map(str, task))
+    if isinstance(r, str):
+        return key, {"hash": _digest(r), "misfit": r}
+    return key, {
+        "hit_tokens": int(r.hits.sum()),
+        "checkpoints": r.checkpoints,
+        "evictions": r.evictions,
+        "hash": _digest(r.hits, r.checkpoints, r.evictions, r.samples, r.marconi_alpha),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def compare(before: Path, after: Path) -> int:
+    a, b = (json.loads(p.read_text())["runs"] for p in (before, after))
+    differ = [k for k in a if k in b and a[k]["hash"] != b[k]["hash"]]
+    missing = sorted(set(a) ^ set(b))
+    for k in differ:
+        print(f"differs: {k}: {a[k]} -> {b[k]}")
+    for k in missing:
+        print(f"only in one file: {k}")
+    same = len([k for k in a if k in b]) - len(differ)
+    print(f"{same} runs identical, {len(differ)} differ, {len(missing)} in one file only")
+    return 1 if differ or missing else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=2000, help="requests per run")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file to write")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes")
+    ap.add_argument("--only", choices=("sim", "replay"), default=None)
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    args = ap.parse_args(argv)
+    if args.compare:
+        return compare(*args.compare)
+    jobs = []
+    if args.only in (None, "sim"):
+        jobs += [(sim_fingerprint, t) for t in sim_tasks(args.requests)]
+    if args.only in (None, "replay"):
+        jobs += [(marconi_fingerprint, t) for t in marconi_tasks(args.requests)]
+    runs: dict[str, dict] = {}
+    if args.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(fn, t) for fn, t in jobs]
+            for f in futures:
+                key, value = f.result()
+                runs[key] = value
+                print(key, value, flush=True)
+    else:
+        for fn, t in jobs:
+            key, value = fn(t)
+            runs[key] = value
+            print(key, value, flush=True)
+    text = json.dumps({"requests": args.requests, "runs": runs}, indent=1, sort_keys=True)
+    if args.out:
+        args.out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
