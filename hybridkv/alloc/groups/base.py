@@ -10,6 +10,7 @@ each request's admission and allocation across the groups.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -39,7 +40,7 @@ class Admission:
     state_sources: dict[int, int] = field(default_factory=dict)
 
 
-class GroupManager:
+class GroupManager(ABC):
     """One KV cache group's blocks and hit rule (see the module docstring).
 
     ``ids``: where the group's ids come from; ``tables``: the block tables the kernels read
@@ -67,6 +68,8 @@ class GroupManager:
         self.group_id = group.group_id
         self.tables = tables
         self.block_size = group.block_size
+        #: the group's window as the plan gives it (0: none; :attr:`window` is what applies)
+        self.sliding_window = group.sliding_window or 0
         self.ids = ids
         self.index = index
         self.h = hash_block_size
@@ -84,15 +87,15 @@ class GroupManager:
         return self.ids.lookup((self.group_id, unit))
 
     # ---- hits -------------------------------------------------------------------------------
+    @abstractmethod
     def shrink_hit(self, hashes: list[bytes], limit: int, memo: dict[int, int]) -> int:
         """The longest hit ``<= limit`` this group serves (``memo``: per-lookup scratch space a
         group may keep results in while the coordinator iterates to its fixed point)."""
-        raise NotImplementedError
 
     # ---- admission and allocation -----------------------------------------------------------
+    @abstractmethod
     def admit(self, r: Request, hit: int, adm: Admission) -> None:
         """Fill ``r``'s block list from a prefix hit of ``hit`` tokens; add what it needs."""
-        raise NotImplementedError
 
     def blocks_needed(self, r: Request, total: int) -> int:
         """New ids ``r`` needs in this group to hold ``total`` tokens."""
@@ -100,6 +103,7 @@ class GroupManager:
 
     def skip_blocks(self, r: Request) -> None:
         """Free ``r``'s blocks that no later token reads (a sliding window's)."""
+        return  # every token stays in reach of full attention and of a state
 
     def fast_path_limit(self, r: Request, caching: bool) -> tuple[int, int]:
         """``(limit, work)``: ``r`` may grow below ``limit`` tokens without new ids here, and the

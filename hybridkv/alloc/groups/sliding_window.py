@@ -10,11 +10,7 @@ from typing import TYPE_CHECKING
 from .full_attention import FullAttentionManager
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...plan import KVCacheGroup
-    from ..block_pool import IdCache
-    from ..prefix_cache import PrefixIndex
     from ..request import Request
-    from ..tables import BlockTables
 
 __all__ = ["SlidingWindowManager"]
 
@@ -25,27 +21,14 @@ class SlidingWindowManager(FullAttentionManager):
     kinds = ("sliding_window",)
     needs_whole_prefix = False
 
-    def __init__(
-        self,
-        group: KVCacheGroup,
-        ids: IdCache,
-        tables: BlockTables,
-        index: PrefixIndex,
-        hash_block_size: int,
-        hit_step: int,
-    ) -> None:
-        super().__init__(group, ids, tables, index, hash_block_size, hit_step)
-        assert group.sliding_window, "a window group needs its window"
-        self._window = group.sliding_window
-
     @property
     def window(self) -> int:
-        return self._window
+        return self.sliding_window
 
     def shrink_hit(self, hashes: list[bytes], limit: int, memo: dict[int, int]) -> int:
         """Longest L <= ``limit`` (a multiple of the hit step) with the ``window - 1`` tokens
         before L cached. One lookup per block, then a scan over runs of cached blocks."""
-        B, s, W, step = self.block_size, self.units_per_block, self._window, self.hit_step
+        B, s, W, step = self.block_size, self.units_per_block, self.sliding_window, self.hit_step
         nb = limit // B
         run = [0] * (nb + 1)  # run[j]: cached full blocks ending just before block j
         for j in range(nb):
@@ -63,7 +46,7 @@ class SlidingWindowManager(FullAttentionManager):
         return 0
 
     def leading_null_blocks(self, hit: int, full: int) -> int:
-        return min(full, max(0, hit - self._window + 1) // self.block_size)
+        return min(full, max(0, hit - self.sliding_window + 1) // self.block_size)
 
     def skip_blocks(self, r: Request) -> None:
         """Blocks ending at or before the first token the next one attends to become null;
@@ -71,7 +54,7 @@ class SlidingWindowManager(FullAttentionManager):
         gid, B = self.group_id, self.block_size
         blocks = r.blocks[gid]
         lead = r.lead[gid]
-        end = min(max(0, r.num_alloc - self._window + 1) // B, len(blocks))
+        end = min(max(0, r.num_alloc - self.sliding_window + 1) // B, len(blocks))
         if end <= lead:
             return
         self.ids.free(blocks[lead:end])
@@ -81,5 +64,5 @@ class SlidingWindowManager(FullAttentionManager):
 
     def fast_path_limit(self, r: Request, caching: bool) -> tuple[int, int]:
         limit, work = super().fast_path_limit(r, caching)
-        window_limit = (r.lead[self.group_id] + 1) * self.block_size + self._window - 1
+        window_limit = (r.lead[self.group_id] + 1) * self.block_size + self.sliding_window - 1
         return min(limit, window_limit), work

@@ -261,24 +261,10 @@ class AlignPolicy(CheckpointPolicy):
     admission_probe = "junction"
     state_slots_per_request = 2
 
-    def __init__(
-        self,
-        name: str,
-        plan: MemoryPlan,
-        hash_block_size: int,
-        *,
-        retention_interval: int | None = 0,
-        prefill_checkpoint_alignment: int | None = None,
-        checkpoint_interval: int | None = None,
-        partial_block_hits: bool = True,
-    ) -> None:
-        super().__init__(
-            name,
-            plan,
-            hash_block_size,
-            checkpoint_interval=checkpoint_interval,
-            partial_block_hits=partial_block_hits,
-        )
+    def configure(self, plan: MemoryPlan) -> None:
+        retention_interval = self.retention_interval
+        prefill_checkpoint_alignment = self.export_alignment
+        hash_block_size = self.h
         scheduler = plan.scheduler_block_size if plan.groups else self.block
         if retention_interval is not None and (
             retention_interval < 0 or retention_interval % scheduler

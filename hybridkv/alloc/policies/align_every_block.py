@@ -9,11 +9,12 @@ block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .base import CheckpointPolicy, StateActions
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...plan import MemoryPlan
     from ..request import Request
 
 __all__ = ["AlignEveryBlock"]
@@ -24,8 +25,7 @@ class AlignEveryBlock(CheckpointPolicy):
 
     name = "align_every_block"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def configure(self, plan: MemoryPlan) -> None:
         self.step = self.block
 
     def _next_block(self, after: int) -> int:

@@ -131,7 +131,13 @@ class CheckpointPolicy:
     ) -> None:
         if name != self.name:
             raise ValueError(f"{type(self).__name__} is the {self.name!r} policy, not {name!r}")
-        self.check_interval(checkpoint_interval, hash_block_size)
+        #: the interval of the states kept inside prompts (0: the policy keeps none there)
+        self.interval = self.check_interval(checkpoint_interval, hash_block_size)
+        #: vLLM's ``prefix_cache_retention_interval`` and the backend's prefill checkpoint
+        #: alignment (None: it exports no states from inside a prefill), for the policies
+        #: that use them (:meth:`configure`)
+        self.retention_interval = retention_interval
+        self.export_alignment = prefill_checkpoint_alignment
         self.h = hash_block_size
         # every state group checkpoints at its block multiples; they share one size in every
         # layout, and the plan's granularity (their lcm) keeps them in step if they did not
@@ -146,6 +152,11 @@ class CheckpointPolicy:
         self.vllm: Any = None
         #: attention may hit inside a block (``AllocatorOptions.partial_block_hits``)
         self.partial_block_hits = partial_block_hits
+        self.configure(plan)
+
+    def configure(self, plan: MemoryPlan) -> None:
+        """What a policy sets up beyond the common state (the options are attributes by
+        then); raises ``ValueError`` for settings the plan rules out."""
 
     @property
     def promotes_tail(self) -> bool:

@@ -10,11 +10,12 @@ reach the next would leave the request with no end state.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .base import CheckpointPolicy, StateActions
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ...plan import MemoryPlan
     from ..request import Request
 
 __all__ = ["LastPolicy"]
@@ -25,8 +26,7 @@ class LastPolicy(CheckpointPolicy):
 
     name = "last"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def configure(self, plan: MemoryPlan) -> None:
         self.keeps_end_state = True
 
     def chunk_stops(self, r: Request) -> list[int]:

@@ -29,30 +29,12 @@ class PeriodicPolicy(LastPolicy):
 
     name = "periodic"
 
-    def __init__(
-        self,
-        name: str,
-        plan: MemoryPlan,
-        hash_block_size: int,
-        *,
-        retention_interval: int | None = 0,
-        prefill_checkpoint_alignment: int | None = None,
-        checkpoint_interval: int | None = None,
-        partial_block_hits: bool = True,
-    ) -> None:
-        super().__init__(
-            name,
-            plan,
-            hash_block_size,
-            checkpoint_interval=checkpoint_interval,
-            partial_block_hits=partial_block_hits,
-        )
-        n = self.check_interval(checkpoint_interval, hash_block_size)
-        #: the interval of the states kept inside prompts
-        self.interval = n
-        a = prefill_checkpoint_alignment
-        #: those states are exported from inside a prefill step (else chunks end at them)
-        self.exports_marks = a is not None and a >= 1 and n % a == 0
+    def configure(self, plan: MemoryPlan) -> None:
+        super().configure(plan)
+        a = self.export_alignment
+        #: the states inside prompts are exported from inside a prefill step (else chunks
+        #: end at them)
+        self.exports_marks = a is not None and a >= 1 and self.interval % a == 0
 
     @classmethod
     def check_interval(cls, interval: int | None, hash_block_size: int) -> int:
