@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # ---- configs and the measured default table ---------------------------------------------------
 
@@ -81,11 +82,14 @@ class PrefillConfig:
     block_n: int  # keys per tile, a power of two >= 16
     num_warps: int
     num_stages: int  # software-pipelining depth
+    # the Hopper path (sm_90+, 16-bit and hardware-fp8 caches): TMA boxes for tiles inside one
+    # page, block ids of multi-page tiles loaded a tile ahead, page math by shifts
+    hopper: bool = False
 
     def __str__(self) -> str:
         return (
             f"BLOCK_M={self.block_m},BLOCK_N={self.block_n},num_warps={self.num_warps},"
-            f"num_stages={self.num_stages}"
+            f"num_stages={self.num_stages}" + (",hopper" if self.hopper else "")
         )
 
 
@@ -103,7 +107,20 @@ CONFIGS: tuple[PrefillConfig, ...] = (
     PrefillConfig(64, 32, 8, 3),
     PrefillConfig(32, 16, 8, 3),
     PrefillConfig(32, 32, 8, 3),
+    # the Hopper path (TMA for tiles inside one page, multi-page ids a tile ahead): the sm_90
+    # tiles that compile without spills at head dim 128 (all) and 256 (128 x 32, x 16, 64 x 16)
+    # in ``python -m paper.compile_prefill_paths``; 64- and 128-key tiles for 16-token pages
+    PrefillConfig(128, 64, 8, 3, hopper=True),
+    PrefillConfig(128, 64, 8, 2, hopper=True),
+    PrefillConfig(128, 128, 8, 2, hopper=True),
+    PrefillConfig(128, 32, 8, 3, hopper=True),
+    PrefillConfig(64, 64, 4, 3, hopper=True),
+    PrefillConfig(64, 32, 4, 3, hopper=True),
+    PrefillConfig(64, 16, 4, 3, hopper=True),
+    PrefillConfig(128, 16, 8, 3, hopper=True),
 )
+#: the caches the Hopper path reads: 16-bit, and fp8 converted in hardware (sm_89+)
+_HOPPER_CACHES = ("16bit", "fp8")
 #: page segments are capped at the longest tile
 _MAX_BLOCK_N = max(c.block_n for c in CONFIGS)
 
@@ -426,6 +443,15 @@ _HOPPER_VERIFIED_SMALL_PAGES: dict[tuple[str, int], frozenset[PrefillConfig]] = 
 }
 
 
+#: Hopper-path configs the sm_90 rule admits that ptxas spills (``python -m
+#: paper.compile_prefill_paths``, 16- and 576-token pages, GQA 1 and 8): at head dim 256,
+#: 128 x 64 tiles on 2 stages (32-112 B) and 64 x 32 on 4 warps (20-44 B)
+_HOPPER_PATH_SPILLS: dict[tuple[str, int], frozenset[PrefillConfig]] = {
+    key: frozenset({_P(128, 64, 8, 2, hopper=True), _P(64, 32, 4, 3, hopper=True)})
+    for key in (("16bit", 256), ("fp8", 256))
+}
+
+
 def _width_class(head_dim: int) -> int:
     """The head-dim class the spill rules are measured for: 64 (and below), 128, 256."""
     return max(64, head_dim)
@@ -461,8 +487,19 @@ def config_fits(config: PrefillConfig, shape: PrefillShape) -> bool:
         # 32-key tiles and 32-row tiles spill 4-56 B where 16-key tiles of 64+ rows do not
         return False
     key = ("fp8" if shape.fp8 else shape.cache, _width_class(shape.head_dim))
+    if config.hopper:
+        if shape.arch < 90 or shape.cache not in _HOPPER_CACHES:
+            return False
+        if config in _HOPPER_PATH_SPILLS.get(key, ()):
+            return False
     verified = _HOPPER_VERIFIED_SMALL_PAGES.get(key, ())
-    if shape.arch >= 90 and shape.page_align <= 16 and shape.group == 8 and config in verified:
+    if (
+        not config.hopper
+        and shape.arch >= 90
+        and shape.page_align <= 16
+        and shape.group == 8
+        and config in verified
+    ):
         return True
     if shared_bytes(config, shape) > _SHARED_BYTES.get(shape.arch, _SHARED_FALLBACK):
         return False
@@ -500,6 +537,8 @@ def _prefill_kernel(
     q_ptr,  # [total_q, Hq, Dk]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, Dk], strided (uint8 bytes when FP8 == 2)
     v_cache_ptr,  # [num_blocks, block_size, Hkv, Dv], strided
+    k_desc,  # KV_TMA: a TensorDescriptor of k_cache, box [1, BLOCK_N, 1, BLOCK_DK]; else unused
+    v_desc,  # KV_TMA: likewise of v_cache, box [1, BLOCK_N, 1, BLOCK_DV]
     table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32, total KV length incl. the new tokens
     cu_q_ptr,  # [B + 1] int32
@@ -531,6 +570,9 @@ def _prefill_kernel(
     BLOCK_DV: tl.constexpr,
     PAGE_ALIGN: tl.constexpr,  # largest power of two dividing block_size (capped)
     FP8: tl.constexpr,  # 0: no fp8; 1: fp8 cache converted in hardware; 2: e4m3 bytes
+    IDS_AHEAD: tl.constexpr,  # multi-page tiles load the next tile's block ids one tile ahead
+    POW2_PAGES: tl.constexpr,  # block_size == PAGE_ALIGN: page math by shifts, no division
+    KV_TMA: tl.constexpr,  # one-page tiles come in by TMA through k_desc / v_desc
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -600,21 +642,25 @@ def _prefill_kernel(
     full_end = tile_lo
     if window <= 0:
         full_end = (ctx + q_first + 1) // BLOCK_N * BLOCK_N
-    seg_block = _first_block_id(p_table, tile_lo, hi, block_size, PAGES)
+    seg_block = _first_block_id(
+        p_table, tile_lo, hi, block_size, PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, BLOCK_N
+    )
     for tile in range(tile_lo, full_end, BLOCK_N):
         k, v, seg_block = _kv_tile(
-            p_k_head, p_v_head, p_table, seg_block, tile, lo, hi, block_size, stride_kc_block,
-            stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk,
-            offs_dv, m_dk, m_dv, q.dtype, False, FP8, BLOCK_N, PAGES,
+            p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table, seg_block, tile, lo, hi,
+            block_size, stride_kc_block, stride_kc_token, stride_vc_block, stride_vc_token,
+            offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk, m_dv, q.dtype, False, FP8, BLOCK_N,
+            PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, KV_TMA,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N]
         b_m, b_l, b_acc = _softmax_step(s, v, b_m, b_l, b_acc)
-    # seg_block now holds the id of the tile at full_end (loaded ahead by the last full tile)
+    # seg_block now holds the ids of the tile at full_end (loaded ahead by the last full tile)
     for tile in range(full_end, hi, BLOCK_N):
         k, v, seg_block = _kv_tile(
-            p_k_head, p_v_head, p_table, seg_block, tile, lo, hi, block_size, stride_kc_block,
-            stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk,
-            offs_dv, m_dk, m_dv, q.dtype, True, FP8, BLOCK_N, PAGES,
+            p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table, seg_block, tile, lo, hi,
+            block_size, stride_kc_block, stride_kc_token, stride_vc_block, stride_vc_token,
+            offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk, m_dv, q.dtype, True, FP8, BLOCK_N,
+            PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, KV_TMA,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N]
         offs_n = tile + tl.arange(0, BLOCK_N)
@@ -634,11 +680,37 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _first_block_id(p_table, tile, hi, block_size, PAGES: tl.constexpr):
-    """The block id a one-page tile starting at ``tile`` reads (0 past ``hi``); a tile of
-    several pages loads its ids per row in its own iteration, so it needs none."""
+def _page_of(pos, block_size, POW2_PAGES: tl.constexpr, PAGE_ALIGN: tl.constexpr):
+    """The block-table column of key ``pos`` and its slot in that page: shifts and masks when
+    pages are a power of two of at most 64 tokens (``block_size == PAGE_ALIGN``), else one
+    division."""
+    if POW2_PAGES:
+        return pos // PAGE_ALIGN, pos % PAGE_ALIGN
+    else:
+        return pos // block_size, pos % block_size
+
+
+@triton.jit
+def _first_block_id(
+    p_table,
+    tile,
+    hi,
+    block_size,
+    PAGES: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
+    POW2_PAGES: tl.constexpr,
+    PAGE_ALIGN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The block id(s) the first tile at ``tile`` reads (0 past ``hi``): a one-page tile's one
+    id; with ``IDS_AHEAD`` a multi-page tile's id per key ``[BLOCK_N]``; else nothing (a
+    multi-page tile then loads its ids in its own iteration)."""
     if PAGES == 1:
         return tl.load(p_table + tile // block_size, mask=tile < hi, other=0)
+    elif IDS_AHEAD:
+        pos = tile + tl.arange(0, BLOCK_N)
+        col, _ = _page_of(pos, block_size, POW2_PAGES, PAGE_ALIGN)
+        return tl.load(p_table + col, mask=pos < hi, other=0)
     else:
         return 0
 
@@ -647,8 +719,11 @@ def _first_block_id(p_table, tile, hi, block_size, PAGES: tl.constexpr):
 def _kv_tile(
     p_k_head,  # the KV head's base in each cache
     p_v_head,
+    k_desc,  # KV_TMA: descriptors of the whole caches [num_blocks, block_size, Hkv, D]
+    v_desc,
+    i_kvh,  # the KV head (the descriptors' third coordinate)
     p_table,  # the request's block table row
-    seg_block,  # a one-page tile's block id, loaded one iteration ahead
+    seg_block,  # the tile's block id(s), loaded one iteration ahead (see _first_block_id)
     tile,  # first key of the tile, a multiple of BLOCK_N
     lo,  # first key any query of the program sees (a window's start)
     hi,  # one past the last key any query of the program sees
@@ -668,33 +743,55 @@ def _kv_tile(
     FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGES: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
+    POW2_PAGES: tl.constexpr,
+    PAGE_ALIGN: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
-    """K and V of keys ``tile .. tile + BLOCK_N - 1`` in the dot's dtype, and the next
-    one-page tile's block id. A one-page tile is a 2-D box at one page address whose id was
-    loaded an iteration ahead; a tile of several pages loads one id per row in its own
-    iteration, which Triton's pipeliner (3.6 as well as 3.9) schedules stages ahead of the K/V
-    loads it feeds (ids spread from a per-page vector with a reshape, it leaves unpipelined in
-    3.6). Keys outside ``[lo, hi)`` read as zero (their pages may hold NaN)."""
+    """K and V of keys ``tile .. tile + BLOCK_N - 1`` in the dot's dtype, and the next tile's
+    block id(s). A one-page tile is a 2-D box at one page address whose id was loaded an
+    iteration ahead: a TMA copy with ``KV_TMA`` (the descriptor zero-fills past the head dim),
+    else pointer loads. A tile of several pages takes one id per key: loaded one tile ahead
+    with ``IDS_AHEAD`` (the Hopper path: the loads' latency hides behind a whole tile's MMAs
+    and nothing waits on them in the loop), else in its own iteration, which Triton's pipeliner
+    (3.6 as well as 3.9) schedules stages ahead of the K/V loads it feeds (ids spread from a
+    per-page vector with a reshape, it leaves unpipelined in 3.6). Keys outside ``[lo, hi)``
+    read as zero (their pages may hold NaN)."""
+    next_tile = tile + BLOCK_N
     if PAGES == 1:
         in_page = tile % block_size
-        p_k = p_k_head + (seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token)
-        p_v = p_v_head + (seg_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token)
-        p_k = p_k + offs_k_row
-        p_v = p_v + offs_v_row
-        next_tile = tile + BLOCK_N
+        if KV_TMA:
+            k = k_desc.load([seg_block, in_page, i_kvh, 0]).reshape(BLOCK_N, k_desc.block_shape[3])
+            v = v_desc.load([seg_block, in_page, i_kvh, 0]).reshape(BLOCK_N, v_desc.block_shape[3])
+        else:
+            p_k = p_k_head + (seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token)
+            p_v = p_v_head + (seg_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token)
+            p_k = p_k + offs_k_row
+            p_v = p_v + offs_v_row
         seg_block = tl.load(p_table + next_tile // block_size, mask=next_tile < hi, other=0)
     else:
         pos = tile + tl.arange(0, BLOCK_N)
-        if MASKED:
-            row_block = tl.load(p_table + pos // block_size, mask=pos < hi, other=0)
+        col, in_page = _page_of(pos, block_size, POW2_PAGES and IDS_AHEAD, PAGE_ALIGN)
+        if IDS_AHEAD:
+            row_block = seg_block
+            pos_next = next_tile + tl.arange(0, BLOCK_N)
+            col_next, _ = _page_of(pos_next, block_size, POW2_PAGES, PAGE_ALIGN)
+            seg_block = tl.load(p_table + col_next, mask=pos_next < hi, other=0)
+        elif MASKED:
+            row_block = tl.load(p_table + col, mask=pos < hi, other=0)
         else:
-            row_block = tl.load(p_table + pos // block_size)
-        in_page = pos % block_size
+            row_block = tl.load(p_table + col)
         k_rows = row_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token
         v_rows = row_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token
         p_k = p_k_head + k_rows[:, None] + offs_dk[None, :]
         p_v = p_v_head + v_rows[:, None] + offs_dv[None, :]
-    if MASKED:
+    if PAGES == 1 and KV_TMA:
+        if MASKED:  # a where, not a product: masked keys' pages may hold NaN
+            offs_n = tile + tl.arange(0, BLOCK_N)
+            m_n = (offs_n >= lo) & (offs_n < hi)
+            k = tl.where(m_n[:, None], k, 0.0)
+            v = tl.where(m_n[:, None], v, 0.0)
+    elif MASKED:
         offs_n = tile + tl.arange(0, BLOCK_N)
         m_n = (offs_n >= lo) & (offs_n < hi)
         k = tl.load(p_k, mask=m_n[:, None] & m_dk[None, :], other=0.0)
@@ -938,7 +1035,7 @@ def _autotuned_kernel():
     safe."""
     configs = [
         triton.Config(
-            {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n},
+            {"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "IDS_AHEAD": c.hopper},
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
@@ -960,7 +1057,8 @@ def _autotuned_kernel():
 
 
 def _config_of(c: triton.Config) -> PrefillConfig:
-    return PrefillConfig(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)
+    kw = c.kwargs
+    return PrefillConfig(kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages, kw["IDS_AHEAD"])
 
 
 def _prune_for_autotune(
@@ -1022,6 +1120,8 @@ class PrefillPlan:
     _k_tail: tuple[int, int, int] = field(init=False, repr=False)
     _v_tail: tuple[int, int, int] = field(init=False, repr=False)
     _meta: dict = field(init=False, repr=False)
+    _meta_tma: dict = field(init=False, repr=False)
+    _tma_planned: bool = field(init=False, repr=False)
     _launch_key: tuple = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -1034,8 +1134,12 @@ class PrefillPlan:
         put("_k_tail", (bs, hkv, self.head_dim_k))
         put("_v_tail", (bs, hkv, self.head_dim_v))
         c = self.config
-        meta = dict(self._constexprs, BLOCK_M=c.block_m, BLOCK_N=c.block_n)
+        meta = dict(self._constexprs, BLOCK_M=c.block_m, BLOCK_N=c.block_n, IDS_AHEAD=c.hopper)
         put("_meta", dict(meta, num_warps=c.num_warps, num_stages=c.num_stages))
+        put("_meta_tma", dict(self._meta, KV_TMA=True))
+        # TMA needs one page segment per tile (a box at one page address); decided per run
+        # by the layer's strides and base address
+        put("_tma_planned", c.hopper and self.shape.page_align >= c.block_n)
         # the plan's part of every launch's specialisation: its tensors' alignment, its
         # integers' classes, the constexprs and options
         tensors = (self.block_tables, self.seq_lens, self.cu_seqlens_q)
@@ -1106,8 +1210,16 @@ class PrefillPlan:
         if self.total_q == 0 or self.batch == 0:
             return out
         qs, os_ = q.stride(), out.stride()
+        k_desc, v_desc, meta = k_cache, v_cache, self._meta  # the pointer path: unused
+        tma = self._tma_planned and _tma_ready(k_cache) and _tma_ready(v_cache)
+        if tma:
+            c, dk, dv = self.config, self._constexprs["BLOCK_DK"], self._constexprs["BLOCK_DV"]
+            k_desc = TensorDescriptor.from_tensor(k_cache, [1, c.block_n, 1, dk])
+            v_desc = TensorDescriptor.from_tensor(v_cache, [1, c.block_n, 1, dv])
+            meta = self._meta_tma
         args = (
-            q, k_cache, v_cache, self.block_tables, self.seq_lens, self.cu_seqlens_q, k_scale,
+            q, k_cache, v_cache, k_desc, v_desc, self.block_tables, self.seq_lens,
+            self.cu_seqlens_q, k_scale,
             v_scale, out, self.scale, self.batch, self.block_size, self.sliding_window, qs[0],
             qs[1], os_[0], os_[1], self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0],
             vs[1], vs[2], self.shape.query, self.shape.context,
@@ -1127,10 +1239,25 @@ class PrefillPlan:
             key = (
                 self._launch_key, q.data_ptr() % 16, k_cache.data_ptr() % 16,
                 v_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
-                v_scale.data_ptr() % 16, qs, os_, ks, vs,
+                v_scale.data_ptr() % 16, qs, os_, ks, vs, tma,
             )  # fmt: skip
-            _prefill_launcher((*self.grid, 1), key, args, self._meta)
+            _prefill_launcher((*self.grid, 1), key, args, meta)
         return out
+
+
+def _tma_ready(cache: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address ``cache [num_blocks, block_size, Hkv, D]``: a
+    16-byte aligned base, strides of whole 16-byte units but the last (contiguous) one, and rows
+    of at least 16 bytes. Packed and head-major pages qualify; a view that starts or steps at
+    odd bytes takes the pointer path."""
+    item = cache.element_size()
+    strides = cache.stride()
+    return (
+        cache.data_ptr() % 16 == 0
+        and strides[3] == 1
+        and all(st * item % 16 == 0 for st in strides[:3])
+        and cache.shape[3] * item >= 16
+    )
 
 
 def _check_scale(scale: torch.Tensor | None, name: str) -> None:
@@ -1175,7 +1302,9 @@ def plan_prefill(
     can hold) only pick the config's sequence-length class. ``config`` overrides the table
     (:func:`choose_config`); ``autotune=True`` tunes over ``CONFIGS`` on the GPU instead, keyed
     by the shape class. ``validate`` (default: the ``HYBRIDKV_VALIDATE`` switch) checks the
-    module's contract (one sync; block ids need ``num_blocks``, the cache's).
+    module's contract (one sync; block ids need ``num_blocks``, the cache's). A config with
+    ``hopper=True`` (the Hopper path) needs a 16-bit or hardware-fp8 cache and, on a GPU,
+    sm_90+; the interpreter runs it anywhere (the tests).
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
@@ -1261,6 +1390,16 @@ def plan_prefill(
     else:
         if config not in CONFIGS:
             raise ValueError(f"{config} is not one of CONFIGS: {', '.join(map(str, CONFIGS))}")
+        if config.hopper and shape.cache not in _HOPPER_CACHES:
+            raise ValueError(
+                f"{config} takes the Hopper path, which reads 16-bit caches and fp8 converted "
+                f"in hardware, not {cache_dtype} ({shape.cache}); pick a config without hopper"
+            )
+        if config.hopper and device.type == "cuda" and shape.arch < 90:
+            raise ValueError(
+                f"{config} takes the Hopper path (TMA), which needs sm_90+; this GPU is "
+                f"sm_{shape.arch}: pick a config without hopper"
+            )
         source = "given"
     # request r owns tiles cu[r] // BLOCK_Q + r ...: at most total_q // BLOCK_Q + B of them
     tiles = total_q // tokens_per_tile(config.block_m, group) + batch
@@ -1295,6 +1434,8 @@ def plan_prefill(
             BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
             PAGE_ALIGN=shape.page_align,
             FP8={"fp8": 1, "fp8-bytes": 2}.get(shape.cache, 0),
+            POW2_PAGES=block_size == shape.page_align,  # read by the Hopper path only
+            KV_TMA=False,  # run turns it on where the layer's caches allow
         ),
     )
 

@@ -714,7 +714,7 @@ def _ptxas_verbose(ptx: str, arch: int, options: dict) -> dict:
 
 
 #: bump when the measurements change, so cached analyses are redone
-_ANALYSIS_VERSION = 2
+_ANALYSIS_VERSION = 3
 
 _SASS_INSN = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)[.\w]*")
 _SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -738,8 +738,9 @@ def sass_counts(sass: str) -> dict:
         m = _SASS_INSN.match(line)
         if not m:
             continue
-        insns.append(m.group(1))
-        if m.group(1) == "BRA" and (b := _SASS_BRA.search(line)) and b.group(1) in labels:
+        op = m.group(1)
+        insns.append("WARPGROUP.DEPBAR" if op == "WARPGROUP" and ".DEPBAR" in line else op)
+        if op == "BRA" and (b := _SASS_BRA.search(line)) and b.group(1) in labels:
             start = labels[b.group(1)]
             if start < len(insns) - 1:
                 loops.append((start, len(insns)))
@@ -752,6 +753,8 @@ def sass_counts(sass: str) -> dict:
             "ldg": ops.count("LDG"),
             "ldgsts": ops.count("LDGSTS"),
             "tma": ops.count("UTMALDG"),
+            # wgmma.wait_group: where a warpgroup stops until its asynchronous MMAs land
+            "mma_waits": ops.count("WARPGROUP.DEPBAR"),  # the one opcode kept with its suffix
             "int_ops": sum(op in _INT_OPS for op in ops),
             "insns": len(ops),
         }
@@ -776,7 +779,7 @@ def sass_counts(sass: str) -> dict:
     loop = count(insns[hot[0] : hot[1]]) if hot else None
     out = {f"sass_{k}": v for k, v in total.items()}
     out["sass_loops"] = len(loops)
-    for k in ("insns", "mma", "ldg", "ldgsts", "tma", "int_ops"):
+    for k in ("insns", "mma", "ldg", "ldgsts", "tma", "mma_waits", "int_ops"):
         out[f"loop_{k}"] = loop[k] if loop else None
     return out
 
