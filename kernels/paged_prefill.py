@@ -50,12 +50,17 @@ columns below ``cdiv(seq_lens[r], block_size)`` is in ``[0, num_blocks)``. Shape
 strides are always checked on the host. ``max_query_len`` and ``max_seq_len`` only choose the
 config: a wrong value costs speed, never correctness.
 
-Hopper: the ``[BLOCK_M, head_dim] x [head_dim, BLOCK_N]`` products have 64-128 rows, which is
-what wgmma wants; Triton emits it on sm_90 for these tiles when the operands sit in shared
-memory (the K/V tiles do; the packed Q tile is loaded once). TMA would pay off for the K/V
-segments (2-D boxes at a page address) by taking the per-thread address math and cp.async
-issue out of the loop; it needs device-side tensor descriptors, which are not used here yet.
-The shape class carries the architecture, so a Hopper kernel can be planned beside this one.
+Hopper path (configs with ``hopper=True``; sm_90+, 16-bit and hardware-fp8 caches): the same
+kernel with three changes. A tile inside one page (page segment >= ``BLOCK_N``) comes in by TMA:
+``run`` builds a host ``TensorDescriptor`` over the whole ``[num_blocks, block_size, Hkv, D]``
+cache per layer (box ``[1, BLOCK_N, 1, D]``; where a layer's strides or base are not whole
+16-byte units it takes the pointer path), so the loop has no per-key address math or cp.async
+issue. A tile of several pages loads its block ids one tile ahead, so nothing in the loop waits
+on them. Pages that are a power of two of at most 64 tokens map keys to pages by shifts. The
+compiled loop (``python -m paper.compile_prefill_paths``) keeps one wait on its asynchronous
+warpgroup MMAs an iteration. Triton's warp specialization is not used: Triton 3.6 does not
+partition this loop on sm_90 and 3.9's Hopper pass fails on a plain TMA matmul. No default
+table row picks the Hopper path until a GPU has timed it (the GPU suite's sweep tries it first).
 
 Standalone: imports only torch and triton, so the file can be copied into another project.
 """

@@ -11,6 +11,11 @@ tile; registers, spills and shared memory from ``ptxas -v`` and the compiled met
 
     python -m paper.compile_prefill_paths            # paper/results/compile-prefill-paths.*
     python -m paper.compile_prefill_paths --quick --out /tmp/pp   # bf16, GQA 8 only
+    PYTHONPATH=<triton 3.6 site> python -m paper.compile_prefill_paths --quick --suffix=-triton3.6
+
+The second form compiles with another Triton (the GPU image's 3.6, unpacked from its wheel with
+``pip download --no-deps triton==3.6.0``): its ptxas and passes differ, and so do spills and
+MMA waits (``paper/results/compile-prefill-paths-triton3.6.md``).
 
 The Hopper configs that spill here are ``_HOPPER_PATH_SPILLS`` of ``kernels/paged_prefill.py``;
 ``tests/kernel_tests/test_compile_prefill_paths.py`` checks the committed report against it.
@@ -145,18 +150,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="bf16, GQA 8 only")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=OUT, help="folder for the .json and .md")
+    ap.add_argument(
+        "--suffix",
+        default="",
+        help="appended to the file names (--suffix=-triton3.6: a run under another Triton)",
+    )
     args = ap.parse_args(argv)
     ck._require_compiled_mode()
     t0 = time.time()
     rows = run(args.quick, args.jobs)
     prov = ck.provenance(args.quick, time.time() - t0, (ARCH,))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "compile-prefill-paths"
-    stem.with_suffix(".json").write_text(
+    stem = f"compile-prefill-paths{args.suffix}"
+    (args.out / f"{stem}.json").write_text(
         json.dumps({"provenance": prov, "rows": rows}, indent=1, default=str) + "\n"
     )
-    stem.with_suffix(".md").write_text(markdown(rows, prov))
-    print(f"wrote {stem}.json and .md")
+    (args.out / f"{stem}.md").write_text(markdown(rows, prov))
+    print(f"wrote {args.out / stem}.json and .md")
     return 0
 
 

@@ -245,3 +245,96 @@ def test_every_plan_run_captures_in_a_cuda_graph():
     bad = [k for k, _wrapper, _plan, run, result in _cases(torch.device("cuda"))
            if not _graph_ok(run, result)]  # fmt: skip
     assert not bad, f"the graph's replay differs from eager: {bad}"
+
+
+# ---- the prefill's Hopper path -----------------------------------------------------------------
+
+
+def _hopper_configs() -> list:
+    from hybridkv_kernels.paged_prefill import CONFIGS
+
+    return [c for c in CONFIGS if c.hopper]
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Hopper path needs sm_90+")
+@pytest.mark.parametrize("layout", SYNTHETIC)
+@pytest.mark.parametrize(
+    "bs, hq, hkv, d",
+    [
+        pytest.param(16, 16, 2, 256, id="bs16-gqa8-d256"),
+        pytest.param(576, 16, 2, 256, id="bs576-gqa8-d256"),
+        pytest.param(64, 32, 8, 128, id="bs64-gqa4-d128"),
+    ],
+)
+def test_bf16_prefill_hopper_configs(layout, bs, hq, hkv, d):
+    """Every Hopper config that fits the class, on every cache layout, bf16, twice (the second
+    launch takes the direct launcher, TMA descriptors included): an extend after a long prefix
+    beside fresh prompts."""
+    from hybridkv_kernels.paged_prefill import config_fits, plan_prefill
+
+    lens, q_lens = [3000, 700, 64], [500, 700, 64]
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    backing, k_cache, v_cache = synthetic_caches(layout, num_blocks, bs, hkv, d, d, torch.bfloat16)
+    tables = _fill(k_cache, v_cache, lens, torch.bfloat16)
+    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
+    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16)
+    want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, seq, d**-0.5)
+    ran = 0
+    for config in _hopper_configs():
+        plan = plan_prefill(
+            tables, cu, seq, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+            cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16, scale=d**-0.5,
+            total_q=int(cu[-1]), max_query_len=max(q_lens), max_seq_len=max(lens),
+            config=config,
+        )  # fmt: skip
+        if not config_fits(config, plan.shape):
+            continue
+        for _ in range(2):
+            out = _nan(int(cu[-1]), hq, d)
+            _close(plan.run(q, k_cache, v_cache, out=out), want)
+        ran += 1
+    assert ran, "no Hopper config fits this class"
+
+
+@pytest.mark.skipif(not _sm90(), reason="the Hopper path needs sm_90+")
+@pytest.mark.parametrize("bs", [16, 64], ids=["bs16", "bs64-tma"])
+def test_fp8_prefill_hopper_and_cuda_graph(bs):
+    """An e4m3 cache on the Hopper path (TMA boxes of fp8 bytes on 64-token pages) against the
+    reference, and the same plan's run replayed from a CUDA graph."""
+    from hybridkv_kernels.paged_prefill import PrefillConfig, plan_prefill
+
+    hq, hkv, d, lens, q_lens = 16, 2, 128, [900, 64], [300, 64]
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    backing, k16, v16 = synthetic_caches("classic", num_blocks, bs, hkv, d, d, torch.float32)
+    tables = _fill(k16, v16, lens, torch.float32)
+    k32, v32 = _on_gpu(backing, k16, v16)
+    k8, v8 = k32.to(torch.float8_e4m3fn), v32.to(torch.float8_e4m3fn)
+    ks = torch.tensor([0.5], device="cuda")
+    vs = torch.tensor([0.25], device="cuda")
+    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16)
+    plan = plan_prefill(
+        tables, cu, seq, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+        cache_dtype=torch.float8_e4m3fn, q_dtype=torch.bfloat16, scale=d**-0.5,
+        total_q=int(cu[-1]), config=PrefillConfig(128, 64, 8, 3, hopper=True),
+    )  # fmt: skip
+    want = paged_prefill_attention_ref(q, k8, v8, tables, cu, seq, d**-0.5, k_scale=ks, v_scale=vs)
+    out = _nan(int(cu[-1]), hq, d)
+    _close(plan.run(q, k8, v8, ks, vs, out=out), want)
+    graph = torch.cuda.CUDAGraph()
+    out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        plan.run(q, k8, v8, ks, vs, out=out)
+    q.copy_(torch.randn_like(q))  # fresh inputs after capture: the replay must use them
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = paged_prefill_attention_ref(q, k8, v8, tables, cu, seq, d**-0.5, k_scale=ks, v_scale=vs)
+    _close(out, want)
