@@ -599,6 +599,54 @@ def cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import diagnose, prefix_trace
+
+    if args.layout_given:
+        raise ValueError("doctor checks vLLM's own layout; --layout does not apply to it")
+    stats = (args.prompt_len, args.shared_prefix)
+    if args.trace is not None and any(v is not None for v in stats):
+        raise ValueError(
+            "give the workload as --trace or as --prompt-len/--shared-prefix, not both"
+        )
+    if (args.prompt_len is None) != (args.shared_prefix is None):
+        raise ValueError("--prompt-len and --shared-prefix go together (prompt statistics)")
+    trace = None
+    if args.trace is not None:
+        trace = _load_trace(args)
+    elif args.prompt_len is not None:
+        trace = prefix_trace(args.prompt_len, args.shared_prefix, args.requests or 64)
+    runtime = dict(
+        tp_size=args.tp if args.tp is not None else 1,
+        kv_dtype=args.kv_dtype or "auto",
+        conv_dtype=args.conv_dtype or "auto",
+        ssm_dtype=args.ssm_dtype or "auto",
+        num_spec_tokens=args.num_spec_tokens or 0,
+    )
+    base = _load_model(args)  # reads the config once, prints its notes once
+    path = Path(args.model)
+
+    def load(**options) -> HybridModel:  # the same model with other runtime options
+        if path.suffix == ".json" or path.is_dir() or path.is_file():
+            return models.from_hf_config(path, **options)
+        return models.load(base.name, **options)
+
+    diagnosis = diagnose(
+        load,
+        runtime=runtime,
+        memory=_cache_memory(args),
+        max_num_seqs=args.max_num_seqs,
+        target=_target(args),
+        block_size=args.block_size,
+        trace=trace,
+    )
+    if args.json:
+        print(json.dumps(diagnosis.to_dict(), indent=2))
+    else:
+        print(diagnosis.text())
+    return 0
+
+
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     """Plan options. vLLM's own flag names work too (``-tp``, ``--kv-cache-dtype``, ...)."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="zoo name or path to a config.json")
@@ -782,6 +830,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="a progress bar (default: when stderr is a terminal)",
     )
     p.set_defaults(func=cmd_simulate, max_num_seqs=64)
+    p = sub.add_parser(
+        "doctor",
+        help="what vLLM's prefix cache does with this model (and your workload), and the "
+        "flags that change it",
+    )
+    _add_plan_options(p)
+    w = p.add_argument_group("workload (optional)")
+    w.add_argument(
+        "--trace",
+        default=None,
+        help="a .jsonl trace, 'mooncake', or a generated workload (multi_turn_chat, "
+        "shared_prefix, agentic, no_sharing)",
+    )
+    w.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"requests of the workload (default {DEFAULT_REQUESTS}; 64 with --prompt-len)",
+    )
+    w.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt")
+    w.add_argument(
+        "--shared-prefix", type=int, default=None, help="tokens every prompt starts with"
+    )
+    p.set_defaults(
+        func=cmd_doctor, time_scale=None, rate_scale=1.0, shared_length="blocks", seed=0,
+        layout_given=False,
+    )  # fmt: skip
     return parser
 
 

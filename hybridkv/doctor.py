@@ -1,0 +1,445 @@
+"""``hybridkv doctor``: what vLLM's prefix cache will do with a hybrid model, and what fixes it.
+
+Given what a user gives vLLM (a model, its cache dtypes, vLLM's flags) and, optionally, their
+workload, :func:`diagnose` answers with numbers: the attention block vLLM will use and the rule
+that made it; the shortest shared prefix that can hit; what align mode's checkpoints serve of
+the workload; what ``max_model_len`` does to caching; the capacity fp8 KV really buys; how many
+requests fit. Then the vLLM flags that change each finding, each with the block size, token
+capacity and (given a workload) the hit rate the allocator predicts for it, and hybridkv's own
+layout beside them.
+
+Hit rates come from :func:`hybridkv.replay.replay`: the workload's requests one at a time on the
+plan's memory, with vLLM's allocator rules (align checkpoints, hash unit = block unless
+``--prefix-match-unit``, unreachable entries kept as vLLM keeps them). They are token hit rates
+(prompt tokens served from cache over prompt tokens), the number vLLM's
+``prefix_cache_hit_rate`` metric reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .alloc import AllocatorOptions
+from .layouts import make_plan
+from .models.model import HybridModel
+from .plan import MemoryPlan
+from .target import VllmTarget
+from .traces import Request, Trace
+from .traces.reuse import infinite_cache_hits
+
+__all__ = ["DOCTOR_SCHEMA", "Diagnosis", "Finding", "Remedy", "diagnose", "prefix_trace"]
+
+#: version of :meth:`Diagnosis.to_dict`'s layout (bumped when a key changes meaning)
+DOCTOR_SCHEMA = 1
+
+#: vLLM 0.33's ``--prefix-match-unit`` value the remedy tries (PR #46384's example)
+PREFIX_MATCH_UNIT = 16
+
+#: a model loader: the same model with other runtime options (``kv_dtype``, ``ssm_dtype``, ...)
+Loader = Callable[..., HybridModel]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One answer: ``key`` names the question, ``severity`` is ``ok``, ``note`` or ``problem``,
+    ``text`` says it with numbers, ``data`` holds the numbers."""
+
+    key: str
+    severity: str
+    text: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A change of vLLM flags (or hybridkv's layout) and what it predicts."""
+
+    key: str
+    flags: tuple[str, ...]
+    why: str
+    block_size: int
+    token_capacity: int
+    hit_rate: float | None  # None: no workload given
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    model: str
+    vllm_version: str
+    block_size: int
+    block_size_rule: str
+    prefix_caching: bool
+    mamba_cache_mode: str
+    workload: dict[str, Any] | None
+    findings: tuple[Finding, ...]
+    remedies: tuple[Remedy, ...]
+
+    def finding(self, key: str) -> Finding | None:
+        return next((f for f in self.findings if f.key == key), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["schema"] = DOCTOR_SCHEMA
+        return out
+
+    def text(self) -> str:
+        mark = {"ok": "ok     ", "note": "note   ", "problem": "PROBLEM"}
+        lines = [
+            f"hybridkv doctor: {self.model} on vLLM {self.vllm_version} (prefix caching "
+            f"{'on' if self.prefix_caching else 'off'}, mamba_cache_mode="
+            f"{self.mamba_cache_mode})"
+        ]
+        if self.workload:
+            w = self.workload
+            lines.append(
+                f"workload: {w['name']}, {w['requests']:,} requests, mean prompt "
+                f"{w['mean_prompt']:,.0f} tokens, {100 * w['shared_fraction']:.1f}% of prompt "
+                "tokens repeat an earlier prompt's start"
+            )
+        lines.append("")
+        lines.extend(f"{mark[f.severity]} {f.text}" for f in self.findings)
+        if self.remedies:
+            lines += ["", "what changes it (predicted by hybridkv's allocator):"]
+            for r in self.remedies:
+                hit = "" if r.hit_rate is None else f", hit rate {100 * r.hit_rate:.1f}%"
+                lines.append(
+                    f"  {' '.join(r.flags) or '(as given)':<44} block {r.block_size:>5}, "
+                    f"{r.token_capacity:>10,} tokens{hit}"
+                )
+                lines.append(f"      {r.why}")
+        return "\n".join(lines)
+
+
+def prefix_trace(
+    prompt_len: int, shared_prefix: int, num_requests: int = 64, output_len: int = 16
+) -> Trace:
+    """``num_requests`` prompts of ``prompt_len`` tokens whose first ``shared_prefix`` tokens are
+    the same (a system prompt) and the rest unique: the workload of a user who gives only those
+    two numbers."""
+    if prompt_len < 1:
+        raise ValueError(f"--prompt-len must be >= 1, got {prompt_len}")
+    if not 0 <= shared_prefix <= prompt_len:
+        raise ValueError(
+            f"--shared-prefix must be in [0, --prompt-len={prompt_len}], got {shared_prefix}"
+        )
+    if num_requests < 1:
+        raise ValueError(f"the workload needs at least one request, got {num_requests}")
+    rng = np.random.default_rng(0)
+    common = rng.integers(1, 50_000, shared_prefix, dtype=np.int32)
+    requests = []
+    for i in range(num_requests):
+        own = rng.integers(1, 50_000, prompt_len - shared_prefix, dtype=np.int32)
+        requests.append(
+            Request(
+                request_id=i,
+                arrival_s=float(i),
+                prompt=np.concatenate([common, own]),
+                output_length=output_len,
+                output_ids=rng.integers(1, 50_000, output_len, dtype=np.int32),
+                prefix_group=0,
+                shared_prefix_length=shared_prefix if i else 0,
+            )
+        )
+    params = {"prompt_len": prompt_len, "shared_prefix": shared_prefix, "requests": num_requests}
+    return Trace("prompt statistics", tuple(requests), params)
+
+
+def _vllm_options(plan: MemoryPlan, hash_unit: int | None = None) -> AllocatorOptions:
+    """The allocator as vLLM runs it on ``plan``: align checkpoints, hits in whole blocks (or
+    ``--prefix-match-unit`` tokens), entries no hit can reach kept until they age out."""
+    on = plan.vllm is None or plan.vllm.enable_prefix_caching
+    unit = hash_unit or plan.block_size
+    return AllocatorOptions(
+        enable_prefix_caching=on,
+        hash_block_size=unit,
+        checkpoint_policy="align",
+        partial_block_hits=unit < plan.block_size,
+        evict_unreachable=False,
+    )
+
+
+def _hit_rate(plan: MemoryPlan, trace: Trace | None, options: AllocatorOptions) -> float | None:
+    from .replay import replay
+
+    if trace is None:
+        return None
+    if not options.enable_prefix_caching:
+        return 0.0
+    result = replay(plan, trace, options)
+    return float(result.hits.sum() / max(1, result.prompts.sum()))
+
+
+def _workload(trace: Trace) -> dict[str, Any]:
+    prompts = trace.prompt_lengths()
+    shared = infinite_cache_hits(trace, 1)
+    return {
+        "name": trace.name,
+        "requests": len(trace),
+        "mean_prompt": float(prompts.mean()),
+        "min_prompt": int(prompts.min()),
+        "shared_fraction": float(shared.sum() / max(1, prompts.sum())),
+        "mean_request": float(np.mean([len(r.prompt) + r.output_length for r in trace.requests])),
+    }
+
+
+def diagnose(
+    load: Loader,
+    *,
+    runtime: dict[str, Any],
+    memory: int,
+    max_num_seqs: int,
+    target: VllmTarget,
+    block_size: int | None = None,
+    trace: Trace | None = None,
+) -> Diagnosis:
+    """Diagnose ``load(**runtime)`` under vLLM ``target`` with ``memory`` bytes of cache per rank
+    (``runtime``: the loader's options as the user set them: ``kv_dtype``, ``ssm_dtype``, ...;
+    ``block_size``: vLLM's ``--block-size``; ``trace``: the workload, if any)."""
+
+    def plan_for(**change: Any) -> tuple[HybridModel, MemoryPlan]:
+        model = load(**{**runtime, **{k: v for k, v in change.items() if k != "target"}})
+        plan = make_plan(
+            model, "inflate", memory=memory, max_num_seqs=max_num_seqs,
+            block_size=block_size, target=change.get("target", target),
+        )  # fmt: skip
+        return model, plan
+
+    model, plan = plan_for()
+    rules = plan.vllm
+    if rules is None or not rules.is_hybrid:
+        raise ValueError(
+            f"{model.name} has no recurrent-state layer next to its attention: vLLM's hybrid "
+            "block alignment does not apply, and there is nothing for the doctor to check"
+        )
+    big = plan.block_size
+    findings = [
+        Finding(
+            "block_size",
+            "note" if big > 64 else "ok",
+            f"vLLM {target.version} will use {big}-token attention blocks: {plan.block_size_rule}",
+            {"block_size": big, "rule": plan.block_size_rule},
+        )
+    ]
+    findings += _cache_findings(plan, trace, target)
+    findings.append(_fp8_finding(model, plan, plan_for, runtime))
+    findings.append(_concurrency_finding(plan, trace, max_num_seqs))
+    remedies = _remedies(model, plan, plan_for, runtime, trace, target)
+    return Diagnosis(
+        model=model.name,
+        vllm_version=target.version,
+        block_size=big,
+        block_size_rule=plan.block_size_rule,
+        prefix_caching=rules.enable_prefix_caching,
+        mamba_cache_mode=rules.mamba_cache_mode,
+        workload=_workload(trace) if trace is not None else None,
+        findings=tuple(findings),
+        remedies=tuple(remedies),
+    )
+
+
+def _cache_findings(plan: MemoryPlan, trace: Trace | None, target: VllmTarget) -> list[Finding]:
+    rules, big = plan.vllm, plan.block_size
+    if not rules.enable_prefix_caching:
+        return [
+            Finding(
+                "prefix_caching",
+                "note",
+                "prefix caching is off: no prompt is served from cache (vLLM keeps one state "
+                f"per request for {rules.max_model_len or 'max_model_len'} tokens)",
+            )
+        ]
+    out = [
+        Finding(
+            "min_hit",
+            "note",
+            f"no prefix hit is possible for a shared prefix shorter than {big} tokens: vLLM "
+            f"caches whole {big}-token blocks and keeps Mamba states only at block boundaries "
+            f"(nothing in its logs or metrics names this minimum)",
+            {"min_shared_tokens": big},
+        )
+    ]
+    mml = target.max_model_len
+    if mml is not None and mml < big:
+        out.append(
+            Finding(
+                "max_model_len",
+                "problem",
+                f"--max-model-len {mml} is below the {big}-token block: no request ever fills "
+                "a block, so prefix caching can never hit (vLLM #48401)",
+                {"max_model_len": mml, "block_size": big},
+            )
+        )
+    if trace is not None:
+        w = _workload(trace)
+        shared = infinite_cache_hits(trace, 1).sum()
+        whole = infinite_cache_hits(trace, big).sum()
+        prompts = max(1, int(trace.prompt_lengths().sum()))
+        align = _hit_rate(plan, trace, _vllm_options(plan))
+        every = _hit_rate(
+            plan, trace, _vllm_options(plan).replace(prefix_cache_retention_interval=None)
+        )
+        severity = "problem" if align == 0 and shared > 0 else ("note" if align < 0.5 else "ok")
+        out.append(
+            Finding(
+                "align_checkpoint",
+                severity,
+                f"of the workload's prompt tokens, {100 * shared / prompts:.1f}% repeat an "
+                f"earlier prompt's start, {100 * whole / prompts:.1f}% in whole {big}-token "
+                f"blocks; vLLM's align mode (the states it keeps at block boundaries) serves "
+                f"{100 * align:.1f}%, a state kept at every block boundary would serve "
+                f"{100 * every:.1f}%",
+                {
+                    "shared_fraction": shared / prompts,
+                    "whole_block_fraction": whole / prompts,
+                    "align_hit_rate": align,
+                    "every_block_hit_rate": every,
+                    "prompts_below_block": int((trace.prompt_lengths() < big).sum()),
+                    "min_prompt": w["min_prompt"],
+                },
+            )
+        )
+    return out
+
+
+def _fp8_finding(
+    model: HybridModel, plan: MemoryPlan, plan_for: Callable, runtime: dict[str, Any]
+) -> Finding:
+    is_fp8 = model.kv_dtype.startswith("float8")
+    other_dtype = "auto" if is_fp8 else "fp8"
+    _, other = plan_for(kv_dtype=other_dtype)
+    fp8, wide = (plan, other) if is_fp8 else (other, plan)
+    ratio = fp8.capacity.token_capacity / max(1, wide.capacity.token_capacity)
+    versus = (
+        "about what attention-only models get (2.00x)"
+        if ratio >= 1.95
+        else "where attention-only models get 2.00x (vLLM #55196)"
+    )
+    return Finding(
+        "fp8",
+        "note" if ratio < 1.95 else "ok",
+        f"fp8 KV buys {ratio:.2f}x token capacity here ({wide.capacity.token_capacity:,} -> "
+        f"{fp8.capacity.token_capacity:,} tokens), {versus}; the block grows "
+        f"{wide.block_size} -> {fp8.block_size} tokens to hold the same state page, so each "
+        "hit needs twice the shared prefix",
+        {
+            "capacity_ratio": ratio,
+            "block_size_bf16": wide.block_size,
+            "block_size_fp8": fp8.block_size,
+        },
+    )
+
+
+def _concurrency_finding(plan: MemoryPlan, trace: Trace | None, max_num_seqs: int) -> Finding:
+    cap, big = plan.capacity, plan.block_size
+    blocks = cap.token_capacity // big
+    if trace is None:
+        return Finding(
+            "concurrency",
+            "note",
+            f"the cache holds {cap.token_capacity:,} tokens in {blocks:,} blocks of {big}; "
+            f"a request takes whole blocks, so a 1,000-token request holds "
+            f"{-(-1000 // big) * big:,} tokens",
+            {"token_capacity": cap.token_capacity, "blocks": blocks},
+        )
+    mean = _workload(trace)["mean_request"]
+    held = -(-round(mean) // big) * big
+    fits = min(max_num_seqs, cap.token_capacity // max(1, held))
+    return Finding(
+        "concurrency",
+        "problem" if fits < max_num_seqs // 4 else "note",
+        f"{fits:,} requests of the workload's mean length ({mean:,.0f} tokens) fit at once "
+        f"(--max-num-seqs {max_num_seqs}): each holds {held:,} tokens in whole {big}-token "
+        f"blocks, {100 * (held - mean) / held:.0f}% of it padding",
+        {"concurrent_requests": fits, "tokens_held": held, "token_capacity": cap.token_capacity},
+    )
+
+
+def _remedies(
+    model: HybridModel,
+    plan: MemoryPlan,
+    plan_for: Callable,
+    runtime: dict[str, Any],
+    trace: Trace | None,
+    target: VllmTarget,
+) -> list[Remedy]:
+    def remedy(key: str, flags: tuple[str, ...], why: str, p: MemoryPlan, opts) -> Remedy:
+        return Remedy(key, flags, why, p.block_size, p.capacity.token_capacity,
+                      _hit_rate(p, trace, opts))  # fmt: skip
+
+    out = [remedy("as_given", (), "the flags as given", plan, _vllm_options(plan))]
+    if target.version == "0.33" and plan.vllm.enable_prefix_caching:
+        out.append(
+            remedy(
+                "prefix_match_unit",
+                ("--prefix-match-unit", str(PREFIX_MATCH_UNIT)),
+                f"hits at {PREFIX_MATCH_UNIT}-token granularity inside a block (vLLM 0.33, "
+                "PR #46384); the block stays as large",
+                plan,
+                _vllm_options(plan, PREFIX_MATCH_UNIT),
+            )
+        )
+    if model.ssm_dtype == "float32":
+        _, half = plan_for(ssm_dtype="bfloat16")
+        out.append(
+            remedy(
+                "ssm_dtype",
+                ("--mamba-ssm-cache-dtype", "bfloat16"),
+                "a bf16 recurrent state halves the state page, and with it the block (check "
+                "the model's accuracy with it)",
+                half,
+                _vllm_options(half),
+            )
+        )
+    mml = target.max_model_len
+    if mml is not None and mml < plan.block_size:
+        longer = dataclasses.replace(target, max_model_len=plan.block_size * 2)
+        _, p = plan_for(target=longer)
+        out.append(
+            remedy(
+                "max_model_len",
+                ("--max-model-len", str(plan.block_size * 2)),
+                "a request must be able to fill a block for any hit",
+                p,
+                _vllm_options(p),
+            )
+        )
+    out.append(_hybridkv_remedy(model, plan, trace))
+    return out
+
+
+def _hybridkv_remedy(model: HybridModel, plan: MemoryPlan, trace: Trace | None) -> Remedy:
+    """hybridkv's per_group layout: 16-token attention blocks in their own pool, states in
+    theirs, a state checkpoint at the end of every prompt."""
+    p = make_plan(
+        model,
+        "per_group",
+        memory=plan.config.memory_bytes,
+        max_num_seqs=plan.config.max_num_seqs,
+        cache_state_slots=plan.config.max_num_seqs,
+        target=plan.vllm.target,
+    )
+    # a state at each prompt's end (multi-turn chats), or every 64 tokens inside prompts
+    # (system prompts shared by prompts that then differ): the better on the workload
+    base = AllocatorOptions(hash_block_size=p.block_size)
+    tried = [
+        ("last", base.replace(checkpoint_policy="last")),
+        ("periodic 64", base.replace(checkpoint_policy="periodic", checkpoint_interval=64)),
+    ]
+    rates = [(_hit_rate(p, trace, opts), name) for name, opts in tried]
+    rate, name = max(rates, key=lambda rn: -1.0 if rn[0] is None else rn[0])
+    return Remedy(
+        "hybridkv",
+        ("hybridkv layout per_group", f"--policy {name.split()[0]}")
+        + (("--checkpoint-interval", "64") if name.startswith("periodic") else ()),
+        f"{p.block_size}-token attention blocks and a separate state pool, states kept "
+        f"{'at each prompt end' if name == 'last' else 'every 64 tokens of a prompt'}; "
+        "hybridkv's allocator, not a vLLM flag",
+        p.block_size,
+        p.capacity.token_capacity,
+        rate,
+    )

@@ -1,0 +1,134 @@
+"""``hybridkv doctor`` reproduces what vLLM users reported, from the reports' configurations.
+
+Each case gives the doctor what the reporter gave vLLM (the model, its state dtype, the GDN
+prefill backend of their vLLM, the prompt statistics) and checks the block size and the hit
+rate the report observed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridkv import models
+from hybridkv.cli import main
+from hybridkv.doctor import diagnose, prefix_trace
+from hybridkv.target import VllmTarget
+
+GIB = 2**30
+# vLLM before FlashInfer's GDN prefill (the reports' 0.19-0.2x): the Triton backend, kernel
+# alignment 16; Qwen3.5 configs declare a float32 SSM state (mamba_ssm_dtype)
+OLD_QWEN = dict(ssm_dtype="float32")
+TRITON = VllmTarget(gdn_prefill_backend="triton")
+
+
+def _doctor(name, *, runtime=None, target=TRITON, trace=None, memory=40 * GIB, seqs=64):
+    return diagnose(
+        lambda **o: models.load(name, **o),
+        runtime=runtime or {},
+        memory=memory,
+        max_num_seqs=seqs,
+        target=target,
+        trace=trace,
+    )
+
+
+def _as_given(d):
+    return next(r for r in d.remedies if r.key == "as_given")
+
+
+@pytest.mark.parametrize(
+    "model, runtime, block",
+    [
+        pytest.param("qwen3.5-4b", OLD_QWEN, 528, id="vllm-40696-qwen3.5-4b"),
+        pytest.param("qwen3.5-35b-a3b", OLD_QWEN, 1056, id="vllm-42317-qwen3.6-35b-a3b"),
+        pytest.param("qwen3.5-27b", OLD_QWEN, 784, id="vllm-47430-qwen3.6-27b"),
+        pytest.param("nemotron-3-nano-30b-a3b", {}, 2096, id="vllm-53749-nemotron-30b-a3b"),
+    ],
+)
+def test_reported_block_sizes_and_zero_hits_below_one_block(model, runtime, block):
+    """The reported block size comes out, the minimum shared prefix is named, and prompts that
+    share everything but are one block short hit 0% (as the reports observed)."""
+    trace = prefix_trace(block - 16, block - 16, num_requests=16)
+    d = _doctor(model, runtime=runtime, trace=trace)
+    assert d.block_size == block
+    assert d.finding("min_hit").data["min_shared_tokens"] == block
+    assert f"shorter than {block} tokens" in d.finding("min_hit").text
+    assert _as_given(d).hit_rate == 0.0
+    assert d.finding("align_checkpoint").severity == "problem"
+
+
+def test_vllm_40696_a_prompt_just_over_the_block_hits():
+    """#40696: 552-token prompts hit ~95% on the 528-token block: every repeat serves one
+    block, 528 of 552 tokens (63 of 64 requests repeat the first)."""
+    d = _doctor("qwen3.5-4b", runtime=OLD_QWEN, trace=prefix_trace(552, 552, 64))
+    assert _as_given(d).hit_rate == pytest.approx(63 * 528 / (64 * 552))
+
+
+def test_vllm_48401_max_model_len_below_the_block():
+    """#48401: a max_model_len below the block: prefix caching can never hit, the doctor says
+    so and offers a max_model_len that lets a request fill a block."""
+    target = VllmTarget(max_model_len=2048)
+    d = _doctor("nemotron-3-nano-30b-a3b", target=target, trace=prefix_trace(2000, 1900, 16))
+    f = d.finding("max_model_len")
+    assert f is not None and f.severity == "problem"
+    assert f.data == {"max_model_len": 2048, "block_size": 2096}
+    assert _as_given(d).hit_rate == 0.0
+    fix = next(r for r in d.remedies if r.key == "max_model_len")
+    assert fix.flags == ("--max-model-len", str(2 * 2096))
+
+
+def test_remedies_predict_what_the_flags_change():
+    """A bf16 SSM state halves Qwen3.5-4B's block (528 -> 272), so 450 shared tokens of a
+    500-token prompt hit at 272; hybridkv's per_group layout keeps states every 64 tokens and
+    serves 448 of them."""
+    d = _doctor("qwen3.5-4b", runtime=OLD_QWEN, trace=prefix_trace(500, 450, 64))
+    by = {r.key: r for r in d.remedies}
+    assert by["as_given"].hit_rate == 0.0
+    assert by["ssm_dtype"].block_size == 272
+    assert by["ssm_dtype"].hit_rate == pytest.approx(63 * 272 / (64 * 500))
+    assert by["hybridkv"].block_size == 16
+    assert by["hybridkv"].hit_rate == pytest.approx(63 * 448 / (64 * 500))
+    # without a workload, no hit rate is claimed
+    bare = _doctor("qwen3.5-4b", runtime=OLD_QWEN)
+    assert all(r.hit_rate is None for r in bare.remedies)
+    assert bare.finding("align_checkpoint") is None
+
+
+def test_fp8_capacity_is_measured_on_the_plans():
+    d = _doctor("qwen3.5-4b", runtime=OLD_QWEN)
+    f = d.finding("fp8")
+    assert f.data["block_size_bf16"] == 528 and f.data["block_size_fp8"] == 1056
+    assert 1.0 <= f.data["capacity_ratio"] <= 2.2
+    assert f"{f.data['capacity_ratio']:.2f}x" in f.text
+
+
+def test_cli_doctor_json_and_text(capsys):
+    args = [
+        "doctor", "--model", "qwen3.5-4b", "--mamba-ssm-cache-dtype", "float32",
+        "--gdn-prefill-backend", "triton", "--prompt-len", "500", "--shared-prefix", "450",
+        "--requests", "8", "--max-num-seqs", "64",
+    ]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema"] == 1 and out["block_size"] == 528
+    assert {f["key"] for f in out["findings"]} >= {"block_size", "min_hit", "fp8"}
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "528-token attention blocks" in text and "--mamba-ssm-cache-dtype bfloat16" in text
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt-len", "500"], "--prompt-len and --shared-prefix go together"),
+        (
+            ["--trace", "shared_prefix", "--prompt-len", "5", "--shared-prefix", "1"],
+            "not both",
+        ),
+        (["--prompt-len", "500", "--shared-prefix", "600"], "--shared-prefix must be in"),
+    ],
+)
+def test_cli_doctor_refuses_contradictory_workloads(extra, message, capsys):
+    assert main(["doctor", "--model", "qwen3.5-4b", *extra]) == 2
+    assert message in capsys.readouterr().err
