@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from . import __version__, models
 from .alloc import AllocatorOptions, ConfigError
@@ -15,7 +16,7 @@ from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
 from .target import GPU_FAMILIES, VLLM_VERSIONS, VllmTarget
-from .units import format_bytes, parse_bytes
+from .units import decimal_unit_note, format_bytes, parse_bytes
 
 DEFAULT_MODEL = "qwen3-next-80b-a3b"
 DEFAULT_MEMORY = "40GiB"
@@ -100,7 +101,28 @@ def _cache_memory(args: argparse.Namespace) -> int:
     """Bytes for the cache on each rank: ``--gpu-memory`` itself, or vLLM's
     ``--gpu-memory-utilization`` x the GPU's memory less what the model takes before the cache."""
     util = args.gpu_memory_utilization
+    for flag, value in (
+        ("--gpu-memory", args.gpu_memory),
+        ("--gpu-total-memory", args.gpu_total_memory),
+        ("--model-memory", args.model_memory),
+    ):
+        if value is not None and (note := decimal_unit_note(value)):
+            print(f"hybridkv: note: {flag} {note}", file=sys.stderr)
     if util is None:
+        unused = [
+            flag
+            for flag, value in (
+                ("--model-memory", args.model_memory),
+                ("--gpu-total-memory", args.gpu_total_memory),
+            )
+            if value is not None
+        ]
+        if unused:
+            raise ValueError(
+                f"{' and '.join(unused)}: used only with --gpu-memory-utilization (the cache is "
+                "then utilization x GPU memory - model memory); add it, or give the cache's "
+                "bytes with --gpu-memory alone"
+            )
         return parse_bytes(args.gpu_memory or DEFAULT_MEMORY)
     if args.gpu_memory is not None:
         raise ValueError(
@@ -228,7 +250,20 @@ def _describe(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def _check_pack_size(args: argparse.Namespace) -> None:
+    if str(args.pack_size) != "auto" and args.layout != "pack":
+        raise ValueError(
+            f"--pack-size {args.pack_size} applies to --layout pack only, not {args.layout!r}; "
+            "drop it or use --layout pack"
+        )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.json and args.format == "vllm":
+        raise ValueError(
+            "--json prints hybridkv's plan and --format vllm vLLM's KVCacheConfig: pick one"
+        )
+    _check_pack_size(args)
     model = _load_model(args)
     plan = _plan(model, args.layout, args)
     fmt = "json" if args.json else args.format
@@ -320,6 +355,10 @@ def _load_trace(args: argparse.Namespace):
 
     name = args.trace
     path = Path(name)
+    if args.requests is not None and args.requests < 1:
+        raise ValueError(f"--requests must be at least 1, got {args.requests}")
+    if path.is_dir():
+        raise ValueError(f"--trace {name!r} is a folder; give a .jsonl file inside it")
     if name == "mooncake" or path.suffix == ".jsonl" or path.is_file():
         options = dict(
             limit=args.requests,
@@ -458,6 +497,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from . import traces
     from .sim import SimConfig, simulate
 
+    _check_pack_size(args)
     model = _load_model(args)
     trace = _load_trace(args)
     plan = _plan(model, args.layout, args)
@@ -566,8 +606,14 @@ def cmd_advise(args: argparse.Namespace) -> int:
             "errors": advice.errors,
         }
         print(json.dumps(out, indent=2))
-        return 0
+        return 0 if advice.results else 1
     memory = format_bytes(_cache_memory(args))
+    if not advice.results:  # nothing ran: say why, and fail
+        reasons = "; ".join(f"{r['config']}: {r['error']}" for r in advice.errors[:5])
+        raise ValueError(
+            f"no configuration fits {model.name} in {memory} for this workload ({reasons}); "
+            "give the cache more memory or lower --max-num-seqs"
+        )
     print(f"{model.name}  memory={memory}")
     print(_trace_line(_trace_info(trace)))
     good = advice.results
@@ -759,13 +805,24 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a two-line error instead of the whole usage: what is wrong, and where the
+    help is. A value that starts with '-' (``--gpu-memory -1GiB``) reads as a flag to argparse;
+    say so."""
+
+    def error(self, message: str) -> NoReturn:
+        if "expected one argument" in message:
+            message += " (a value starting with '-' must be written --flag=value)"
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hybridkv",
         description="Memory layouts for the KV cache and recurrent state of hybrid LLMs.",
     )
     parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("models", help="list the model zoo")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
@@ -865,6 +922,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except UnicodeDecodeError:  # before ValueError, whose subclass it is
+        where = getattr(args, "trace", None) or getattr(args, "model", None)
+        print(
+            f"hybridkv: error: {where} is not a text file (UTF-8 JSON / JSONL expected)",
+            file=sys.stderr,
+        )
+        return 2
     except (ValueError, KeyError) as exc:
         msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"hybridkv: error: {msg}", file=sys.stderr)
@@ -872,6 +936,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"hybridkv: error: no such file: {exc.filename or exc}", file=sys.stderr)
         return 2
+    except IsADirectoryError as exc:
+        print(f"hybridkv: error: {exc.filename} is a folder, not a file", file=sys.stderr)
+        return 2
+
     except BrokenPipeError:
         # output piped into e.g. `head`, which closed it: stop quietly, as Unix tools do
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -179,7 +179,7 @@ def test_max_model_len_and_mamba_cache_mode(capsys):
             ["plan", "--gpu-memory-utilization", "0.9"], "--gpu-total-memory", id="no-gpu-size"
         ),
         pytest.param(
-            ["plan", "--gpu-memory-utilization", "0.1", "--gpu", "h100", "--model-memory", "9GB"],
+            ["plan", "--gpu-memory-utilization", "0.1", "--gpu", "h100", "--model-memory", "9GiB"],
             "leaves nothing",
             id="utilization-too-low",
         ),
@@ -239,3 +239,57 @@ def test_output_piped_into_head_is_not_a_traceback():
     assert consumer.returncode == 0
     assert producer.returncode == 0
     assert b"Traceback" not in err
+
+
+# ---- a CLI that never misleads: flags that cannot act are errors, units are said -------------
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--model-memory", "10GiB"], "used only with --gpu-memory-utilization"),
+        (["plan", "--gpu-total-memory", "80GiB"], "used only with --gpu-memory-utilization"),
+        (["plan", "--pack-size", "3"], "applies to --layout pack only, not 'inflate'"),
+        (["plan", "--json", "--format", "vllm"], "pick one"),
+        (["simulate", "--trace", "shared_prefix", "--requests", "0"], "at least 1, got 0"),
+        (
+            ["simulate", "--trace", "shared_prefix", "--layout", "per_group", "--pack-size", "2"],
+            "applies to --layout pack only",
+        ),
+    ],
+)
+def test_flags_that_cannot_act_are_errors(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_decimal_units_are_read_and_said(capsys):
+    """``40G`` is 40 x 10^9 bytes (as ``40GB``), said on stderr; ``40Gi`` is 40 GiB."""
+    assert main(["plan", "--gpu-memory", "40G", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"]["memory_bytes"] == 40 * 10**9
+    assert "'40G' read as 40 x 10^9 bytes = 37.25 GiB" in captured.err
+    assert main(["plan", "--gpu-memory", "40Gi", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"]["memory_bytes"] == 40 * 2**30
+    assert "read as" not in captured.err
+
+
+def test_bad_files_and_values_give_one_line_errors(tmp_path, capsys):
+    binary = tmp_path / "trace.jsonl"
+    binary.write_bytes(bytes(range(256)) * 4)
+    assert main(["simulate", "--trace", str(binary)]) == 2
+    assert f"{binary} is not a text file" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--gpu-memory", "-1GiB"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--flag=value" in err and len(err.strip().splitlines()) == 2
+
+
+def test_max_model_len_below_the_block_is_noted(capsys):
+    assert main(["plan", "--model", "qwen3.5-4b", "--max-model-len", "100"]) == 0
+    assert "max_model_len 100 is below the 576-token block" in capsys.readouterr().out

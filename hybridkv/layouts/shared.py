@@ -191,6 +191,15 @@ def plan_shared(
             f"block size raised from {requested} to {block_size} tokens so that one page "
             f"holds the largest layer state ({vllm_state} B)"
         )
+    if (
+        rules.enable_prefix_caching
+        and rules.max_model_len is not None
+        and rules.max_model_len < block_size
+    ):
+        notes.append(
+            f"max_model_len {rules.max_model_len} is below the {block_size}-token block: no "
+            "request ever fills a block, so prefix caching can never hit (vLLM #48401)"
+        )
     if max_state > page:  # only possible for a model without attention layers
         page = max_state
     if max_state and page > max_state:
