@@ -20,16 +20,28 @@ from .units import decimal_unit_note, format_bytes, parse_bytes
 
 DEFAULT_MODEL = "qwen3-next-80b-a3b"
 DEFAULT_MEMORY = "40GiB"
-#: ``--gpu`` presets: (memory in bytes from the vendor's datasheet, GPU family whose backends
-#: decide vLLM's kernel alignments). The driver reports a little less than the datasheet; pass
-#: --gpu-total-memory with ``torch.cuda.mem_get_info()[1]`` for vLLM's exact figure.
+#: ``--gpu`` presets: (the memory the device reports, in bytes; the GPU family whose backends
+#: decide vLLM's kernel alignments). vLLM sizes ``--gpu-memory-utilization`` against the total
+#: that ``torch.cuda.mem_get_info()`` reports, which is less than the datasheet's GB; how each
+#: figure was obtained is in ``GPU_MEMORY_SOURCES``. ``--gpu-total-memory`` overrides it.
 GPU_PRESETS: dict[str, tuple[int, str]] = {
-    "h100": (80 * 10**9, "hopper"),
-    "h200": (141 * 10**9, "hopper"),
+    "h100": (81_559 * 2**20, "hopper"),
+    "h200": (150_109_880_320, "hopper"),
     "h20": (96 * 10**9, "hopper"),
     "a100-80gb": (80 * 10**9, "ampere"),
     "a100-40gb": (40 * 10**9, "ampere"),
     "l40s": (48 * 10**9, "ampere"),
+}
+#: where each preset's bytes come from ("measured": read on such a device; else not measured)
+GPU_MEMORY_SOURCES: dict[str, str] = {
+    "h100": "measured: nvidia-smi's total on an H100 80GB HBM3 (81,559 MiB); torch reports a "
+    "little less, not measured here",
+    "h200": "measured: torch.cuda.get_device_properties(0).total_memory on the H200 of the GPU "
+    "suite runs, 2026-11-26 (139.80 GiB)",
+    "h20": "not measured: datasheet 96 GB",
+    "a100-80gb": "not measured: datasheet 80 GB",
+    "a100-40gb": "not measured: datasheet 40 GB",
+    "l40s": "not measured: datasheet 48 GB",
 }
 
 
@@ -135,6 +147,11 @@ def _cache_memory(args: argparse.Namespace) -> int:
         total = parse_bytes(args.gpu_total_memory)
     elif args.gpu in GPU_PRESETS:
         total = GPU_PRESETS[args.gpu][0]
+        print(
+            f"hybridkv: note: --gpu {args.gpu}: {total:,} B of GPU memory "
+            f"({GPU_MEMORY_SOURCES[args.gpu]}); --gpu-total-memory overrides it",
+            file=sys.stderr,
+        )
     else:
         raise ValueError(
             "--gpu-memory-utilization needs the GPU's memory: --gpu with one of "

@@ -788,7 +788,15 @@ def device_meta(device: torch.device, copy_bw: float) -> dict:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        meta.update(sms=props.multi_processor_count, capability=f"{props.major}.{props.minor}")
+        free, total = torch.cuda.mem_get_info(device)
+        # what vLLM sizes --gpu-memory-utilization against (hybridkv's --gpu presets use it)
+        meta.update(
+            sms=props.multi_processor_count,
+            capability=f"{props.major}.{props.minor}",
+            total_memory_bytes=props.total_memory,
+            mem_get_info_total_bytes=total,
+            mem_get_info_free_bytes=free,
+        )
     return meta
 
 

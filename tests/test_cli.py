@@ -134,7 +134,8 @@ def test_vllm_flag_names_match_hybridkv_flags(capsys):
 def test_gpu_memory_utilization(capsys):
     base = ["--model", "qwen3.5-4b", "--gpu-memory-utilization", "0.9"]
     plan = _plan_json([*base, "--gpu", "h100", "--model-memory", "10GB"], capsys)
-    assert plan["config"]["memory_bytes"] == int(0.9 * 80e9) - 10 * 10**9
+    # the H100 preset is the 81,559 MiB the device reports, not the datasheet's 80 GB
+    assert plan["config"]["memory_bytes"] == int(0.9 * 81_559 * 2**20) - 10 * 10**9
     plan = _plan_json([*base, "--gpu-total-memory", "100GiB"], capsys)
     assert plan["config"]["memory_bytes"] == int(0.9 * 100 * 2**30)
     assert plan["vllm"]["gpu"] == "hopper"
@@ -202,8 +203,10 @@ def test_max_model_len_and_mamba_cache_mode(capsys):
 )
 def test_errors_are_one_clear_line(argv, message, capsys):
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("hybridkv: error:") and message in err
+    err = capsys.readouterr().err.strip().splitlines()
+    # notes (how a unit or a preset was read) may come first; the error is one line
+    assert all(line.startswith("hybridkv: note:") for line in err[:-1]), err
+    assert err[-1].startswith("hybridkv: error:") and message in err[-1]
 
 
 def test_plan_format_vllm_is_a_kv_cache_config(capsys):
@@ -293,3 +296,15 @@ def test_bad_files_and_values_give_one_line_errors(tmp_path, capsys):
 def test_max_model_len_below_the_block_is_noted(capsys):
     assert main(["plan", "--model", "qwen3.5-4b", "--max-model-len", "100"]) == 0
     assert "max_model_len 100 is below the 576-token block" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gpu, total", [("h200", 150_109_880_320), ("h100", 81_559 * 2**20)])
+def test_gpu_presets_are_the_reported_totals(gpu, total, capsys):
+    """vLLM sizes --gpu-memory-utilization against what the device reports, not the datasheet:
+    an H200 reports 150,109,880,320 B (139.80 GiB), not 141e9; where the figure comes from is
+    said."""
+    argv = ["plan", "--gpu", gpu, "--gpu-memory-utilization", "0.9", "--model-memory", "20GiB"]
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["config"]["memory_bytes"] == int(0.9 * total) - 20 * 2**30
+    assert f"--gpu {gpu}: {total:,} B" in captured.err and "measured:" in captured.err
