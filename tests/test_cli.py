@@ -308,3 +308,16 @@ def test_gpu_presets_are_the_reported_totals(gpu, total, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out)["config"]["memory_bytes"] == int(0.9 * total) - 20 * 2**30
     assert f"--gpu {gpu}: {total:,} B" in captured.err and "measured:" in captured.err
+
+
+def test_the_cli_does_not_import_torch():
+    """plan, compare, doctor and --version need no tensors: the CLI starts without torch (about
+    2 s of the ~3 s a call took when it imported it)."""
+    code = (
+        "import sys; from hybridkv.cli import main; "
+        "main(['plan', '--model', 'qwen3.5-4b', '--json']); "
+        "main(['doctor', '--model', 'qwen3.5-4b', '--json']); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

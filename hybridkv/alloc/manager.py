@@ -41,9 +41,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..plan import MemoryPlan
 from .block_pool import IdCache, Pool
@@ -69,6 +67,9 @@ from .prefix_cache import PrefixIndex
 from .request import INF as _INF
 from .request import Request
 from .tables import BlockTables
+
+if TYPE_CHECKING:  # torch is imported where tensors are built, not by the CLI
+    import torch
 
 __all__ = ["HitInfo", "HybridAllocator"]
 

@@ -8,9 +8,12 @@ the tables for a batch is one gather per group, not a Python loop over every blo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported where tensors are built, not by the CLI
+    import torch
 
 __all__ = ["BlockTables"]
 
@@ -97,6 +100,8 @@ class BlockTables:
         self.lens[g, row] = n
 
     def gather(self, rows: Sequence[int]) -> list[torch.Tensor]:
+        import torch  # here only: the CLI and the simulator never build tensors
+
         """One int32 tensor per group, 0-padded: ``[len(rows), max blocks among them]``, or
         ``[len(rows), fixed width]`` for the fixed-width groups."""
         idx = np.asarray(rows, dtype=np.intp)
