@@ -915,16 +915,6 @@ def test_supported_families_are_dispatchable():
             id="not-hybrid",
         ),
         pytest.param(
-            {k: v for k, v in NEMOTRON_H_8B.items() if k != "mamba_num_heads"},
-            "config for model_type 'nemotron_h' has no 'mamba_num_heads'",
-            id="missing-key",
-        ),
-        pytest.param(
-            {k: v for k, v in QWEN35_4B["text_config"].items() if k != "linear_num_value_heads"},
-            "config for model_type 'qwen3_5_text' has no 'linear_num_value_heads'",
-            id="missing-gdn-key",
-        ),
-        pytest.param(
             {k: v for k, v in QWEN3_NEXT.items() if k != "full_attention_interval"},
             "has no 'full_attention_interval'",
             id="no-layer-pattern",
@@ -996,6 +986,31 @@ def test_malformed_configs(config, message):
         models.from_hf_config(config)
 
 
+@pytest.mark.parametrize(
+    "config, field, cls",
+    [
+        pytest.param(NEMOTRON_H_8B, "mamba_num_heads", "NemotronHConfig", id="nemotron-h"),
+        pytest.param(
+            QWEN35_4B["text_config"], "linear_num_value_heads", "Qwen3_5TextConfig", id="qwen3.5"
+        ),
+    ],
+)
+def test_missing_sizes_take_transformers_defaults(config, field, cls):
+    """A field left out of a hand-written config takes what transformers' config class for the
+    model type sets it to (as transformers and vLLM load it), said among the model's doubts."""
+    transformers = pytest.importorskip("transformers")
+    stripped = {k: v for k, v in config.items() if k != field}
+    want = getattr(transformers.CONFIG_MAPPING[config["model_type"]](), field)
+    model = models.from_hf_config(stripped)
+    assert f"{field} missing: {want!r}, the default of transformers' {cls}" in model.doubts
+
+
+def test_misspelt_model_type_names_the_closest():
+    bad = {**NEMOTRON_H_8B, "model_type": "nemotronh"}
+    with pytest.raises(ValueError, match="did you mean 'nemotron_h'"):
+        models.from_hf_config(bad)
+
+
 def test_bad_config_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -1007,3 +1022,24 @@ def test_bad_config_file(tmp_path):
         models.from_hf_config(tmp_path / "list.json")
     with pytest.raises(ValueError, match=r"a path to config\.json"):
         models.from_hf_config(42)
+
+
+def test_hand_written_qwen3_next_config_plans_like_the_full_one():
+    """Issue: a Qwen3-Next config.json without ``head_dim`` planned at 1,088 tokens where the full
+    config gives 576, and without ``num_key_value_heads`` padded states 91%. transformers'
+    Qwen3NextConfig fills them (256, 2), and so does the reader now."""
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from hybridkv.layouts import make_plan
+
+    path = Path(__file__).parent / "data" / "hf_configs" / "qwen3-next-80b-a3b.json"
+    full = json.loads(path.read_text())
+    hand = {k: v for k, v in full.items() if k not in ("head_dim", "num_key_value_heads")}
+    want = make_plan(models.from_hf_config(full), "inflate", memory="40GiB")
+    model = models.from_hf_config(hand)
+    got = make_plan(model, "inflate", memory="40GiB")
+    assert got.block_size == want.block_size == 576
+    assert got.capacity.token_capacity == want.capacity.token_capacity
+    assert "head_dim missing: 256" in model.doubts
+    assert "num_key_value_heads missing: 2" in model.doubts

@@ -13,6 +13,7 @@ serves the family, else ``transformers``' cache shapes.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -28,6 +29,24 @@ _MISSING: Any = object()
 # "mamba" -> "linear_attention" when it saves a config; both spellings are read.
 _ATTENTION = {"attention", "full_attention"}
 _MAMBA = {"mamba", "linear_attention"}
+
+
+def _transformers_config(model_type: str, data: dict[str, Any]) -> Any:
+    """transformers' config object for ``model_type`` built from ``data`` (its ``__init__``
+    fills the defaults, derived ones included), or None when transformers is not installed, has
+    no class for the type, or refuses the fields."""
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        return None
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return None
+    try:
+        return cls(**{k: v for k, v in data.items() if k not in ("model_type", "architectures")})
+    except Exception:  # a config transformers would refuse: keep the reader's own fallbacks
+        return None
 
 
 def _kind_of(value: Any) -> str:
@@ -73,7 +92,30 @@ class _Config:
         for key in keys:
             if self.data.get(key) is not None:
                 return key, self.data[key]
+        for key in keys:  # a hand-written config may leave out what transformers defaults
+            value = self._transformers_default(key)
+            if value is not None:
+                return key, value
         return None, _MISSING
+
+    def _transformers_default(self, key: str) -> Any:
+        """What transformers' config class for this model type sets ``key`` to, given the
+        fields present (``Qwen3NextConfig`` fills ``head_dim`` 256 and
+        ``num_key_value_heads`` 2); None without transformers, for a nested object, or when
+        the class does not set it. Noted among the model's doubts."""
+        if self.prefix or key in self.data:  # nested, or present but null: not a default
+            return None
+        if not hasattr(self, "_hf_defaults"):
+            self._hf_defaults = _transformers_config(self.model_type, self.data)
+        cfg = self._hf_defaults
+        value = getattr(cfg, key, None) if cfg is not None else None
+        # sizes only: a default layer pattern or dtype belongs to another model than this one
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        note = f"{key} missing: {value!r}, the default of transformers' {type(cfg).__name__}"
+        if note not in self.doubts:
+            self.doubts.append(note)
+        return value
 
     def _absent(self, keys: Sequence[str], expected: str) -> ValueError:
         names = " or ".join(repr(self.prefix + k) for k in keys)
@@ -1017,11 +1059,18 @@ def _model_type(outer: dict[str, Any], inner: dict[str, Any]) -> str:
     for candidate in (inner.get("model_type"), outer.get("model_type")):
         if isinstance(candidate, str) and candidate.lower() in FAMILIES:
             return candidate.lower()
+    given = inner.get("model_type") or outer.get("model_type")
+    known = ", ".join(sorted(FAMILIES))
+    if isinstance(given, str):  # a misspelt type is an error, even where architectures name one
+        close = difflib.get_close_matches(given.lower(), list(FAMILIES), n=3, cutoff=0.75)
+        if close:
+            raise ValueError(
+                f"model_type {given!r} is not a model type hybridkv reads; did you mean "
+                f"{' or '.join(repr(c) for c in close)}? (supported: {known})"
+            )
     for arch in archs:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]
-    given = inner.get("model_type") or outer.get("model_type")
-    known = ", ".join(sorted(FAMILIES))
     raise ValueError(
         f"model_type {given!r} (architectures {outer.get('architectures')}) is not a "
         f"supported hybrid family; supported model types: {known}"
