@@ -477,7 +477,7 @@ def _add_trace_options(p: argparse.ArgumentParser, default: str) -> None:
         "shared hash blocks, or (continuation) all of an earlier prompt it extends, as a chat's "
         "next turn",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of a generated workload")
 
 
 #: the allocator's options (:class:`~hybridkv.alloc.AllocatorOptions` names) ``simulate`` has
@@ -665,8 +665,19 @@ def cmd_advise(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import diagnose, prefix_trace
 
-    if args.layout_given:
-        raise ValueError("doctor checks vLLM's own layout; --layout does not apply to it")
+    unused = [
+        flag
+        for flag, value, default in (
+            ("--pack-size", str(args.pack_size), "auto"),
+            ("--state-slots-per-seq", args.state_slots_per_seq, 1),
+            ("--cache-state-slots", args.cache_state_slots, 0),
+        )
+        if value != default
+    ]
+    if unused:
+        raise ValueError(
+            f"{', '.join(unused)}: doctor checks vLLM's own layout, which these do not change"
+        )
     stats = (args.prompt_len, args.shared_prefix)
     if args.trace is not None and any(v is not None for v in stats):
         raise ValueError(
@@ -734,27 +745,36 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "graphs); default 0, so the cache is an upper bound",
     )
     par = p.add_argument_group("model runtime (hybridkv names, vLLM names)")
-    par.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, default=None, dest="tp")
+    par.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        dest="tp",
+        help="tensor-parallel size; the plan is one rank's (default 1)",
+    )
     par.add_argument(
         "--kv-dtype",
         "--kv-cache-dtype",
         default=None,
         dest="kv_dtype",
-        help="KV cache dtype: auto, bfloat16, fp8, ...",
+        help="KV cache dtype: auto, bfloat16, fp8, ... (default auto: the model's dtype)",
     )
     par.add_argument(
         "--conv-dtype",
         "--mamba-cache-dtype",
         default=None,
         dest="conv_dtype",
-        help="conv-state dtype (vLLM's --mamba-cache-dtype)",
+        help="conv-state dtype (vLLM's --mamba-cache-dtype; default auto: the model's dtype)",
     )
     par.add_argument(
         "--ssm-dtype",
         "--mamba-ssm-cache-dtype",
         default=None,
         dest="ssm_dtype",
-        help="SSM-state dtype (vLLM's --mamba-ssm-cache-dtype)",
+        help="SSM-state dtype (vLLM's --mamba-ssm-cache-dtype; default auto: what the config "
+        "declares, else the conv dtype)",
     )
     par.add_argument(
         "--num-spec-tokens",
@@ -762,7 +782,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         dest="num_spec_tokens",
-        help="speculative tokens",
+        help="speculative tokens per step; they lengthen the conv state (default 0)",
     )
     tgt = p.add_argument_group("vLLM target (whose rules the shared-pool layouts follow)")
     tgt.add_argument(
@@ -778,7 +798,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="vLLM's prefix caching (default: vLLM's, on for hybrid models); on puts the "
         "Mamba cache in align mode",
     )
-    tgt.add_argument("--mamba-cache-mode", choices=("none", "align"), default=None)
+    tgt.add_argument(
+        "--mamba-cache-mode",
+        choices=("none", "align"),
+        default=None,
+        help="vLLM's Mamba cache mode (default: align with prefix caching, else none)",
+    )
     tgt.add_argument(
         "--gpu",
         default=None,
@@ -786,7 +811,11 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="GPU preset or family; decides backends and kernel alignments (default h100)",
     )
     tgt.add_argument(
-        "--gdn-prefill-backend", choices=("auto", "flashinfer", "triton"), default="auto"
+        "--gdn-prefill-backend",
+        choices=("auto", "flashinfer", "triton"),
+        default="auto",
+        help="vLLM's Gated DeltaNet prefill kernels; FlashInfer's export states every 64 tokens, "
+        "which aligns the block to 64 (auto: FlashInfer on Hopper with vLLM 0.33)",
     )
     tgt.add_argument(
         "--max-model-len",
@@ -794,7 +823,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="vLLM's --max-model-len (the Mamba block size without prefix caching)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="requests vLLM runs at once, each holding a state slot (vLLM's flag)",
+    )
     p.add_argument(
         "--block-size",
         type=int,
@@ -841,11 +875,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hybridkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("models", help="list the model zoo")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_models)
     p = sub.add_parser("plan", help="one memory plan")
     _add_plan_options(p)
-    p.add_argument("--layout", default="inflate", choices=LAYOUTS)
+    p.add_argument("--layout", default="inflate", choices=LAYOUTS, help="memory layout")
     p.add_argument(
         "--format",
         default="text",
@@ -877,7 +911,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_options(p, "mooncake")
     from .alloc import ALL_POLICIES
 
-    p.add_argument("--layout", default="inflate", choices=LAYOUTS)
+    p.add_argument("--layout", default="inflate", choices=LAYOUTS, help="memory layout")
     p.add_argument(
         "--policy",
         default="align",
@@ -928,10 +962,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--shared-prefix", type=int, default=None, help="tokens every prompt starts with"
     )
     p.set_defaults(
-        func=cmd_doctor, time_scale=None, rate_scale=1.0, shared_length="blocks", seed=0,
-        layout_given=False,
+        func=cmd_doctor, time_scale=None, rate_scale=1.0, shared_length="blocks", seed=0
     )  # fmt: skip
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append ``(default: X)`` to every option's help that does not say its default already,
+    per command (``--max-num-seqs`` is 256 for plan and 64 for simulate)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+            continue
+        if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+            continue
+        default = action.default
+        if default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+            continue
+        action.help += " (default: %(default)s)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

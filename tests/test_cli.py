@@ -321,3 +321,32 @@ def test_the_cli_does_not_import_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_every_flag_has_help_and_its_default():
+    """Every option of every command has help; where it has a default, its help says it, per
+    command (--max-num-seqs is 256 for plan and doctor, 64 for simulate and advise)."""
+    import argparse
+
+    from hybridkv.cli import build_parser
+
+    parser = build_parser()
+    commands = next(
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
+                continue
+            assert action.help, f"{name} {action.option_strings[0]} has no help"
+            if action.default not in (None, False):
+                assert "default" in action.help, f"{name} {action.option_strings[0]}"
+        text = sub.format_help()
+        if "--max-num-seqs" in text:
+            want = 64 if name in ("simulate", "advise") else 256
+            assert f"(default: {want})" in " ".join(text.split()), name
+
+
+def test_doctor_refuses_layout_flags_it_cannot_use(capsys):
+    assert main(["doctor", "--model", "qwen3.5-4b", "--pack-size", "2"]) == 2
+    assert "--pack-size: doctor checks vLLM's own layout" in capsys.readouterr().err
