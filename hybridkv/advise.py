@@ -22,7 +22,7 @@ from .target import VllmTarget
 from .traces import Trace
 
 #: the ranking key's columns, in order (smaller TTFT first, then larger throughput and hits)
-RANKED_BY = ("ttft_p50_ms", "throughput_tok_s", "hit_rate")
+RANKED_BY = ("ttft_p50_ms", "throughput_tok_s", "token_hit_rate")
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def candidate_options(
 
 
 def _key(row: dict) -> tuple[float, float, float]:
-    return (row["ttft_p50_ms"], -row["throughput_tok_s"], -row["hit_rate"])
+    return (row["ttft_p50_ms"], -row["throughput_tok_s"], -row["token_hit_rate"])
 
 
 def advise(
@@ -181,8 +181,8 @@ def advise(
                 "pack_size": plan.pack_size if cand.layout == "pack" else None,
                 "state_slots_per_seq": plan.config.state_slots_per_seq,
                 "cache_state_slots": plan.config.cache_state_slots,
-                "capacity_pct": round(100 * plan.capacity.fraction_of_ideal, 2),
-                "hit_rate": s["token_hit_rate"],
+                "capacity_fraction": round(plan.capacity.fraction_of_ideal, 4),
+                "token_hit_rate": s["token_hit_rate"],
                 "ttft_p50_ms": s["ttft_p50_ms"],
                 "ttft_p90_ms": s["ttft_p90_ms"],
                 "throughput_tok_s": s["throughput_tok_s"],

@@ -19,6 +19,9 @@ from .target import GPU_FAMILIES, VLLM_VERSIONS, VllmTarget
 from .units import decimal_unit_note, format_bytes, parse_bytes
 
 DEFAULT_MODEL = "qwen3-next-80b-a3b"
+#: version of every command's ``--json`` object (README, "JSON output"); bumped when a key
+#: changes meaning or goes away
+JSON_SCHEMA = 1
 DEFAULT_MEMORY = "40GiB"
 #: ``--gpu`` presets: (the memory the device reports, in bytes; the GPU family whose backends
 #: decide vLLM's kernel alignments). vLLM sizes ``--gpu-memory-utilization`` against the total
@@ -43,6 +46,12 @@ GPU_MEMORY_SOURCES: dict[str, str] = {
     "a100-40gb": "not measured: datasheet 40 GB",
     "l40s": "not measured: datasheet 48 GB",
 }
+
+
+def _print_json(command: str, payload: dict) -> None:
+    """Every ``--json`` object: the schema version and the command first, then the payload
+    (numbers stay numbers; rates and capacities are fractions)."""
+    print(json.dumps({"schema": JSON_SCHEMA, "command": command, **payload}, indent=2))
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
@@ -184,7 +193,7 @@ def cmd_models(args: argparse.Namespace) -> int:
             }
         )
     if args.json:  # numbers stay numbers (bytes, TP 1, the model's own dtypes)
-        print(json.dumps(rows, indent=2))
+        _print_json("models", {"models": rows})
         return 0
     for row in rows:
         row["kv_per_token"] = format_bytes(row["kv_bytes_per_token"])
@@ -285,7 +294,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = _plan(model, args.layout, args)
     fmt = "json" if args.json else args.format
     if fmt == "json":
-        print(plan.to_json(indent=2))
+        _print_json("plan", plan.to_dict())
     elif fmt == "vllm":
         from .vllm_export import kv_cache_config
 
@@ -311,11 +320,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ValueError(errors[0]["error"])
     if args.json:
         out = {"config": _run_config(model, args), "layouts": rows, "errors": errors}
-        print(json.dumps(out, indent=2))
+        _print_json("compare", out)
         return 0
     for row in rows:
         row["token_capacity"] = f"{row['token_capacity']:,}"
-        row["pct_of_ideal"] = f"{row['pct_of_ideal']:.2f}%"
+        row["capacity_fraction"] = f"{100 * row['capacity_fraction']:.2f}%"
         row["padding"] = format_bytes(row["padding_bytes"])
         row["unusable"] = format_bytes(row["unusable_bytes"])
     print(
@@ -331,7 +340,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 ("layout", "layout"),
                 ("block_size", "block"),
                 ("token_capacity", "token capacity"),
-                ("pct_of_ideal", "% of ideal"),
+                ("capacity_fraction", "% of ideal"),
                 ("padding", "padding"),
                 ("unusable", "unusable"),
                 ("groups", "groups"),
@@ -545,7 +554,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             hash_block_size=unit,
         )
         out = {"config": config_info, "trace": info, "result": summary, "bounds": bounds}
-        print(json.dumps(out, indent=2))
+        _print_json("simulate", out)
         return 0
     print(_trace_line(info))
     interval = f" every {args.checkpoint_interval}" if args.checkpoint_interval else ""
@@ -622,7 +631,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
             "results": advice.results,
             "errors": advice.errors,
         }
-        print(json.dumps(out, indent=2))
+        _print_json("advise", out)
         return 0 if advice.results else 1
     memory = format_bytes(_cache_memory(args))
     if not advice.results:  # nothing ran: say why, and fail
@@ -633,12 +642,19 @@ def cmd_advise(args: argparse.Namespace) -> int:
         )
     print(f"{model.name}  memory={memory}")
     print(_trace_line(_trace_info(trace)))
-    good = advice.results
+    good = [
+        {
+            **r,
+            "capacity_fraction": f"{100 * r['capacity_fraction']:.2f}",
+            "token_hit_rate": f"{100 * r['token_hit_rate']:.1f}",
+        }
+        for r in advice.results
+    ]
     cols = [
         ("config", "configuration"),
         ("block_size", "block"),
-        ("capacity_pct", "capacity %"),
-        ("hit_rate", "hit rate"),
+        ("capacity_fraction", "capacity %"),
+        ("token_hit_rate", "hit rate %"),
         ("ttft_p50_ms", "TTFT p50 ms"),
         ("ttft_p90_ms", "TTFT p90 ms"),
         ("throughput_tok_s", "tok/s"),
@@ -715,7 +731,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         trace=trace,
     )
     if args.json:
-        print(json.dumps(diagnosis.to_dict(), indent=2))
+        _print_json("doctor", diagnosis.to_dict())
     else:
         print(diagnosis.text())
     return 0

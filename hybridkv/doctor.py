@@ -32,10 +32,7 @@ from .target import VllmTarget
 from .traces import Request, Trace
 from .traces.reuse import infinite_cache_hits
 
-__all__ = ["DOCTOR_SCHEMA", "Diagnosis", "Finding", "Remedy", "diagnose", "prefix_trace"]
-
-#: version of :meth:`Diagnosis.to_dict`'s layout (bumped when a key changes meaning)
-DOCTOR_SCHEMA = 1
+__all__ = ["Diagnosis", "Finding", "Remedy", "diagnose", "prefix_trace"]
 
 #: vLLM 0.33's ``--prefix-match-unit`` value the remedy tries (PR #46384's example)
 PREFIX_MATCH_UNIT = 16
@@ -64,7 +61,7 @@ class Remedy:
     why: str
     block_size: int
     token_capacity: int
-    hit_rate: float | None  # None: no workload given
+    token_hit_rate: float | None  # None: no workload given
 
 
 @dataclass(frozen=True)
@@ -83,9 +80,7 @@ class Diagnosis:
         return next((f for f in self.findings if f.key == key), None)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["schema"] = DOCTOR_SCHEMA
-        return out
+        return dataclasses.asdict(self)
 
     def text(self) -> str:
         mark = {"ok": "ok     ", "note": "note   ", "problem": "PROBLEM"}
@@ -106,7 +101,8 @@ class Diagnosis:
         if self.remedies:
             lines += ["", "what changes it (predicted by hybridkv's allocator):"]
             for r in self.remedies:
-                hit = "" if r.hit_rate is None else f", hit rate {100 * r.hit_rate:.1f}%"
+                rate = r.token_hit_rate
+                hit = "" if rate is None else f", hit rate {100 * rate:.1f}%"
                 lines.append(
                     f"  {' '.join(r.flags) or '(as given)':<44} block {r.block_size:>5}, "
                     f"{r.token_capacity:>10,} tokens{hit}"
@@ -296,8 +292,8 @@ def _cache_findings(plan: MemoryPlan, trace: Trace | None, target: VllmTarget) -
                 {
                     "shared_fraction": shared / prompts,
                     "whole_block_fraction": whole / prompts,
-                    "align_hit_rate": align,
-                    "every_block_hit_rate": every,
+                    "align_token_hit_rate": align,
+                    "every_block_token_hit_rate": every,
                     "prompts_below_block": int((trace.prompt_lengths() < big).sum()),
                     "min_prompt": w["min_prompt"],
                 },

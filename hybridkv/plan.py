@@ -599,18 +599,19 @@ class MemoryPlan:
             "groups": len(self.groups),
             "tensors": len(self.tensors),
             "token_capacity": cap.token_capacity,
-            "pct_of_ideal": 100.0 * cap.fraction_of_ideal,
+            "capacity_fraction": cap.fraction_of_ideal,
             "padding_bytes": cap.padding_bytes,
             "unusable_bytes": cap.unusable_bytes,
-            "padding_pct": 100.0 * cap.padding_bytes / max(1, self.config.memory_bytes),
+            "padding_fraction": cap.padding_bytes / max(1, self.config.memory_bytes),
         }
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("extra", None)
-        d["config"]["target"] = self.config.target.to_dict()
+        # the CLI's vocabulary (README, "JSON output"): vllm_target, capacity_fraction
+        d["config"]["vllm_target"] = d["config"].pop("target") and self.config.target.to_dict()
         d["vllm"] = self.vllm.to_dict() if self.vllm is not None else None
-        d["capacity"]["fraction_of_ideal"] = self.capacity.fraction_of_ideal
+        d["capacity"]["capacity_fraction"] = self.capacity.fraction_of_ideal
         return d
 
     def to_json(self, **kwargs: Any) -> str:

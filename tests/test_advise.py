@@ -93,8 +93,8 @@ def test_ties_are_reported(capsys):
     tied = [
         r["config"]
         for r in advice.results
-        if (r["ttft_p50_ms"], r["throughput_tok_s"], r["hit_rate"])
-        == (first["ttft_p50_ms"], first["throughput_tok_s"], first["hit_rate"])
+        if (r["ttft_p50_ms"], r["throughput_tok_s"], r["token_hit_rate"])
+        == (first["ttft_p50_ms"], first["throughput_tok_s"], first["token_hit_rate"])
     ]
     assert len(tied) > 1 and advice.ties == tied
     assert main([*BASE[:-1], "--trace", "no_sharing"]) == 0

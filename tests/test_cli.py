@@ -24,7 +24,9 @@ def test_bare_compare_runs_on_the_default(capsys):
 
 def test_models_lists_the_zoo(capsys):
     assert main(["models", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    assert out["schema"] == 1 and out["command"] == "models"
+    rows = out["models"]
     assert len(rows) >= 15
     assert {"qwen3-next-80b-a3b", "qwen3.5-4b"} <= {r["name"] for r in rows}
     # machine-readable: numbers and booleans, not formatted strings
@@ -68,7 +70,7 @@ def test_plan_json_has_placements(capsys):
     assert plan["vllm"]["resolved"]["mamba_cache_mode"] == "align"
     assert plan["block_size_rule"].startswith("vLLM 0.33")
     assert plan["kv_placements"] and plan["state_placements"]
-    assert 0 < plan["capacity"]["fraction_of_ideal"] <= 1
+    assert 0 < plan["capacity"]["capacity_fraction"] <= 1
     assert main([*argv, "--gpu-memory", "60GiB", "--json", "--no-enable-prefix-caching"]) == 0
     assert json.loads(capsys.readouterr().out)["block_size"] == 2096
 

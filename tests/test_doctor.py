@@ -54,7 +54,7 @@ def test_reported_block_sizes_and_zero_hits_below_one_block(model, runtime, bloc
     assert d.block_size == block
     assert d.finding("min_hit").data["min_shared_tokens"] == block
     assert f"shorter than {block} tokens" in d.finding("min_hit").text
-    assert _as_given(d).hit_rate == 0.0
+    assert _as_given(d).token_hit_rate == 0.0
     assert d.finding("align_checkpoint").severity == "problem"
 
 
@@ -62,7 +62,7 @@ def test_vllm_40696_a_prompt_just_over_the_block_hits():
     """#40696: 552-token prompts hit ~95% on the 528-token block: every repeat serves one
     block, 528 of 552 tokens (63 of 64 requests repeat the first)."""
     d = _doctor("qwen3.5-4b", runtime=OLD_QWEN, trace=prefix_trace(552, 552, 64))
-    assert _as_given(d).hit_rate == pytest.approx(63 * 528 / (64 * 552))
+    assert _as_given(d).token_hit_rate == pytest.approx(63 * 528 / (64 * 552))
 
 
 def test_vllm_48401_max_model_len_below_the_block():
@@ -73,7 +73,7 @@ def test_vllm_48401_max_model_len_below_the_block():
     f = d.finding("max_model_len")
     assert f is not None and f.severity == "problem"
     assert f.data == {"max_model_len": 2048, "block_size": 2096}
-    assert _as_given(d).hit_rate == 0.0
+    assert _as_given(d).token_hit_rate == 0.0
     fix = next(r for r in d.remedies if r.key == "max_model_len")
     assert fix.flags == ("--max-model-len", str(2 * 2096))
 
@@ -84,14 +84,14 @@ def test_remedies_predict_what_the_flags_change():
     serves 448 of them."""
     d = _doctor("qwen3.5-4b", runtime=OLD_QWEN, trace=prefix_trace(500, 450, 64))
     by = {r.key: r for r in d.remedies}
-    assert by["as_given"].hit_rate == 0.0
+    assert by["as_given"].token_hit_rate == 0.0
     assert by["ssm_dtype"].block_size == 272
-    assert by["ssm_dtype"].hit_rate == pytest.approx(63 * 272 / (64 * 500))
+    assert by["ssm_dtype"].token_hit_rate == pytest.approx(63 * 272 / (64 * 500))
     assert by["hybridkv"].block_size == 16
-    assert by["hybridkv"].hit_rate == pytest.approx(63 * 448 / (64 * 500))
+    assert by["hybridkv"].token_hit_rate == pytest.approx(63 * 448 / (64 * 500))
     # without a workload, no hit rate is claimed
     bare = _doctor("qwen3.5-4b", runtime=OLD_QWEN)
-    assert all(r.hit_rate is None for r in bare.remedies)
+    assert all(r.token_hit_rate is None for r in bare.remedies)
     assert bare.finding("align_checkpoint") is None
 
 

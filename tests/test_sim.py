@@ -66,7 +66,7 @@ def test_advise_ranks_and_reports_what_does_not_fit(capsys):
     assert all("error" not in r for r in ok)
     assert got["recommended"] == ok[0]["config"]
     assert {r["config"].rsplit(" ", 1)[1] for r in ok + errors} == {"align", "last", "marconi"}
-    keys = [(r["ttft_p50_ms"], -r["throughput_tok_s"], -r["hit_rate"]) for r in ok]
+    keys = [(r["ttft_p50_ms"], -r["throughput_tok_s"], -r["token_hit_rate"]) for r in ok]
     assert keys == sorted(keys)
     assert main(argv) == 0
     assert "recommended:" in capsys.readouterr().out
