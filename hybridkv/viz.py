@@ -165,12 +165,14 @@ def draw_unit(ax: Axes, m: UnitMap, *, title: str | None = None) -> None:
     )
 
 
-def _legend_handles():
+def _legend_handles(parts: set[str] | None = None):
+    """Legend entries for the kinds of bytes drawn (all kinds when ``parts`` is None)."""
     from matplotlib.patches import Patch
 
     return [
         Patch(facecolor=c, hatch="//" if k == "padding" else None, edgecolor="white", label=k)
         for k, c in PART_COLORS.items()
+        if parts is None or k in parts
     ]
 
 
@@ -180,16 +182,21 @@ def memory_map_figure(plans: dict[str, MemoryPlan], *, model_label: str = "") ->
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(plans), 2, figsize=(11, 1.9 * len(plans) + 0.8), squeeze=False)
+    drawn: set[str] = set()  # the legend lists only kinds this model's maps contain
     for (name, plan), row in zip(plans.items(), axes):
         attn = plan.attention_groups[0].group_id
         state = plan.state_groups[0].group_id if plan.state_groups else None
-        draw_unit(row[0], unit_map(plan, attn))
+        maps = [(row[0], unit_map(plan, attn))]
         if state is None:
             row[1].axis("off")
         else:
-            draw_unit(row[1], unit_map(plan, state))
+            maps.append((row[1], unit_map(plan, state)))
+        for ax, m in maps:
+            draw_unit(ax, m)
+            drawn |= set(m.bytes_by_part())
         row[0].set_ylabel(name, fontsize=9)
-    fig.legend(handles=_legend_handles(), loc="lower center", ncol=len(PART_COLORS), fontsize=8)
+    handles = _legend_handles(drawn)
+    fig.legend(handles=handles, loc="lower center", ncol=max(1, len(handles)), fontsize=8)
     fig.suptitle(
         "Memory map of one allocation unit per layout"
         + (f" ({model_label})" if model_label else "")

@@ -214,6 +214,7 @@ def _pack_summary(facts: list) -> str:
 def capacity(ctx: Context) -> list[Path]:
     deps = _study(ctx)
     grid = np.full((len(deps), len(data.LAYOUT_ORDER)), np.nan)
+    packs: dict[tuple[int, int], int] = {}  # the pack size auto chose, per cell
     rows = []
     for i, d in enumerate(deps):
         for j, layout in enumerate(data.LAYOUT_ORDER):
@@ -221,6 +222,8 @@ def capacity(ctx: Context) -> list[Path]:
             if p is None:
                 continue
             grid[i, j] = 100 * p.capacity.fraction_of_ideal
+            if layout == "pack":
+                packs[i, j] = p.pack_size
             rows.append(
                 {
                     "deployment": d.label,
@@ -235,14 +238,25 @@ def capacity(ctx: Context) -> list[Path]:
     im = ax.imshow(grid, cmap="viridis", vmin=float(finite.min()), vmax=100, aspect="auto")
     for i in range(grid.shape[0]):
         for j in range(grid.shape[1]):
-            text = "n/a" if np.isnan(grid[i, j]) else f"{grid[i, j]:.1f}"
-            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="white")
+            v = grid[i, j]
+            text = "n/a" if np.isnan(v) else f"{v:.1f}"
+            if (i, j) in packs:
+                text += f" ({packs[i, j]})"
+            # dark text on the light (yellow-green) end of viridis, white on the dark end
+            r, g, b, _ = im.cmap(im.norm(v)) if np.isfinite(v) else (0, 0, 0, 1)
+            light = 0.299 * r + 0.587 * g + 0.114 * b > 0.5
+            ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                    color="black" if light else "white")  # fmt: skip
     ax.set_xticks(range(len(data.LAYOUT_ORDER)))
-    ax.set_xticklabels(data.LAYOUT_ORDER)
+    ax.set_xticklabels(["pack(N)" if x == "pack" else x for x in data.LAYOUT_ORDER])
     ax.set_yticks(range(len(deps)))
     ax.set_yticklabels([d.label for d in deps], fontsize=8)
     ax.grid(False)
-    ax.set_title("Token capacity, % of ideal (40 GiB/rank, 256 running requests' states)")
+    ax.set_title(
+        "Token capacity, % of ideal (40 GiB/rank, 256 running requests' states);\n"
+        "pack(N): N attention layers a page, as auto picks it (in brackets)",
+        fontsize=9,
+    )
     fig.colorbar(im, ax=ax, label="% of ideal token capacity")
     table = markdown_table(
         rows,
