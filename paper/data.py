@@ -344,3 +344,14 @@ def markdown_table(rows: list[dict[str, str]], columns: list[tuple[str, str]]) -
     rule = "| " + " | ".join("---" for _ in columns) + " |"
     body = ["| " + " | ".join(str(r[k]) for k, _ in columns) + " |" for r in rows]
     return "\n".join([head, rule, *body])
+
+
+def mark_bars(ax, xs: list[float], ys: list[float], missing: list[float] = ()) -> None:
+    """Say what a bar chart cannot show: a bar of height 0 gets a "0" over its slot, a run that
+    was not made an "n/a", so neither reads as a bar left out."""
+    top = ax.get_ylim()[1]
+    for x, y in zip(xs, ys):
+        if y == 0:
+            ax.text(x, 0.01 * top, "0", ha="center", va="bottom", fontsize=6)
+    for x in missing:
+        ax.text(x, 0.01 * top, "n/a", ha="center", va="bottom", fontsize=6, rotation=90)

@@ -1056,6 +1056,7 @@ def sim_hit_rate(ctx: Context) -> list[Path]:
     rows = []
     for ax, (label, _, _) in zip(np.atleast_1d(axes), SIM_TRACES):
         shared = None
+        marks = []
         for j, policy in enumerate(SIM_POLICIES):
             xs, ys = [], []
             for i, layout in enumerate(layouts):
@@ -1084,11 +1085,14 @@ def sim_hit_rate(ctx: Context) -> list[Path]:
                 edgecolor="black",
                 linewidth=0.4,
             )
+            marks.append((xs, ys))
         if shared is not None:
             ax.axhline(shared, ls="--", color="gray", lw=1)
         ax.set_xticks(range(len(layouts)))
         ax.set_xticklabels(layouts, rotation=25, ha="right", fontsize=8)
         ax.set_ylim(0, 100)
+        for xs, ys in marks:  # a 0% run gets a "0", so it does not read as one left out
+            data.mark_bars(ax, xs, ys)
         ax.set_title(f"{label} ({_sim_requests(ctx):,} requests)", fontsize=9)
     np.atleast_1d(axes)[0].set_ylabel("prompt tokens served from the prefix cache (%)")
     handles = [

@@ -129,8 +129,9 @@ def real_trace(ctx: Context) -> list[Path]:
         shown = [
             x for x in layouts if any(r["layout"] == x and r["reading"] == reading for r in rows)
         ]
+        marks = []  # (xs, ys, missing) per policy, drawn once the y range is set
         for j, (label, _, _) in enumerate(policies):
-            xs, ys = [], []
+            xs, ys, missing = [], [], []
             for i, layout in enumerate(shown):
                 hit = next(
                     (
@@ -140,10 +141,14 @@ def real_trace(ctx: Context) -> list[Path]:
                     ),
                     None,
                 )
+                x = i + (j - (len(policies) - 1) / 2) * width
                 if hit is not None:
-                    xs.append(i + (j - (len(policies) - 1) / 2) * width)
+                    xs.append(x)
                     ys.append(hit)
+                else:
+                    missing.append(x)
             ax.bar(xs, ys, width, color=cmap(j), label=label)
+            marks.append((ax, xs, ys, missing))
         b = bounds[reading]
         ax.axhline(
             b["same_memory"], color="k", ls=":", lw=1.2, label="attention-only, same memory (LRU)"
@@ -155,13 +160,20 @@ def real_trace(ctx: Context) -> list[Path]:
             fontsize=9,
         )
     top = max([r["hit"] for r in rows] + [b["same_memory"] for b in bounds.values()])
-    axes[0].set_ylim(0, 1.3 * top)
+    axes[0].set_ylim(0, 1.15 * top)
+    for ax, xs, ys, missing in marks:
+        data.mark_bars(ax, xs, ys, missing)
     axes[0].set_ylabel("prompt tokens served from the cache (%)")
-    axes[-1].legend(fontsize=7, loc="upper right")
+    # one legend below both panels, where it hides no bar
+    handles, labels = np.atleast_1d(axes)[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
     fig.suptitle(
         f"Mooncake synthetic trace, first {n} requests, arrivals x{1 / RATE_SCALE:.0f} apart: "
-        f"{dep.label}, {dep.memory / data.GiB:.0f} GiB per rank"
+        f"{dep.label}, {dep.memory / data.GiB:.0f} GiB per rank",
+        fontsize=10,
     )
+    # room above the panel titles for the suptitle, below the panels for the legend
+    fig.tight_layout(rect=(0, 0.13, 1, 0.95))
     png = ctx.save(fig, "real_trace")
 
     cols = [
