@@ -960,7 +960,16 @@ _SIM_RUNS: dict[tuple, object] = {}
 
 
 def _sim_requests(ctx: Context) -> int:
-    return 200 if ctx.small else 2000
+    return 60 if ctx.small else 2000
+
+
+#: ``--small`` (a smoke run, minutes) simulates vLLM's align and the end-state policy only:
+#: align_every_block takes a prefill step per block on the 16-token layouts, marconi tunes
+SMALL_SIM_POLICIES = ("align", "last")
+
+
+def _sim_policies(ctx: Context) -> tuple[str, ...]:
+    return SMALL_SIM_POLICIES if ctx.small else SIM_POLICIES
 
 
 @cache
@@ -1011,7 +1020,7 @@ def _sim_prefetch(ctx: Context) -> None:
         (ctx.small, label, layout, policy)
         for label, _, _ in SIM_TRACES
         for layout in _sim_layouts()
-        for policy in SIM_POLICIES
+        for policy in _sim_policies(ctx)
         if (ctx.small, label, layout, policy) not in _SIM_RUNS and _sim_plan(layout) is not None
     ]
     results = ctx.map(_sim_run, [(_sim_requests(ctx), *key[1:]) for key in todo])
@@ -1052,17 +1061,18 @@ def sim_hit_rate(ctx: Context) -> list[Path]:
     _sim_prefetch(ctx)
     layouts = _sim_layouts()
     fig, axes = plt.subplots(1, len(SIM_TRACES), figsize=(6.2 * len(SIM_TRACES), 4), sharey=True)
-    width = 0.8 / len(SIM_POLICIES)
+    policies = _sim_policies(ctx)
+    width = 0.8 / len(policies)
     rows = []
     for ax, (label, _, _) in zip(np.atleast_1d(axes), SIM_TRACES):
         shared = None
         marks = []
-        for j, policy in enumerate(SIM_POLICIES):
+        for j, policy in enumerate(policies):
             xs, ys = [], []
             for i, layout in enumerate(layouts):
                 p, r = _sim(ctx, label, layout, policy)
                 shared = 100 * r.shared_tokens / max(1, r.prompt_tokens)
-                xs.append(i + (j - (len(SIM_POLICIES) - 1) / 2) * width)
+                xs.append(i + (j - (len(policies) - 1) / 2) * width)
                 ys.append(100 * r.token_hit_rate)
                 rows.append(
                     {
@@ -1097,7 +1107,7 @@ def sim_hit_rate(ctx: Context) -> list[Path]:
     np.atleast_1d(axes)[0].set_ylabel("prompt tokens served from the prefix cache (%)")
     handles = [
         Patch(facecolor="white", edgecolor="black", hatch=POLICY_HATCH[p], label=f"{p} policy")
-        for p in SIM_POLICIES
+        for p in policies
     ]
     handles.append(Line2D([], [], ls="--", color="gray", label="prompt tokens shared at all"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
@@ -1171,7 +1181,7 @@ def sim_ttft(ctx: Context) -> list[Path]:
     for col, (label, _, _) in enumerate(SIM_TRACES):
         p50, p90, tput = [], [], []
         for layout in layouts:
-            for pol in SIM_POLICIES:
+            for pol in _sim_policies(ctx):
                 _, r = _sim(ctx, label, layout, pol)
                 s = r.summary()
                 rows.append(
@@ -1354,7 +1364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--small",
         action="store_true",
-        help=f"fast subset (for tests); written to {SMALL_OUT.name}/ unless --out says otherwise",
+        help="a smoke run (about 1.5 min with --jobs 2 on 2 cores; the tests run it); "
+        f"written to {SMALL_OUT.name}/ unless --out says otherwise",
     )
     parser.add_argument(
         "--out",

@@ -297,7 +297,7 @@ if __name__ == "__main__":
 
 # ---- the figure ----------------------------------------------------------------------------
 def _figure_runs(small: bool) -> tuple[int, tuple[int, ...]]:
-    return (200, (CAPACITIES[0],)) if small else (NUM_REQUESTS, CAPACITIES)
+    return (80, (CAPACITIES[0],)) if small else (NUM_REQUESTS, CAPACITIES)
 
 
 #: the ablations the table runs beside each policy: allocator options switched off

@@ -42,7 +42,7 @@ HASH_UNIT = 16  # the simulator's hash unit: hits at any 16-token boundary
 
 
 def _requests(ctx: Context) -> int:
-    return 80 if ctx.small else 2000
+    return 60 if ctx.small else 2000
 
 
 @cache
