@@ -50,7 +50,8 @@ def test_simulate_json(capsys, policy):
     )
     assert code == 0
     got = json.loads(out)
-    assert set(got) == {"config", "trace", "result", "bounds"}
+    assert set(got) == {"schema", "command", "config", "trace", "result", "bounds"}
+    assert got["schema"] == 1 and got["command"] == "simulate"
     assert got["config"]["policy"] == policy and got["config"]["checkpoint_interval"] == 1024
     assert got["trace"]["shared_length"] == "continuation"
     assert got["trace"]["time_scale"] == 1e-3 and got["trace"]["requests"] == 25
@@ -90,7 +91,7 @@ def test_advise_header_states_the_trace(capsys):
         ),
         (["--trace", "missing.jsonl"], "no such file: missing.jsonl"),
         (["--trace", "mooncake", "--rate-scale", "0"], "rate_scale must be a finite number > 0"),
-        (["--trace", "mooncake", "--requests", "0"], "limit must be a positive number"),
+        (["--trace", "mooncake", "--requests", "0"], "--requests must be at least 1, got 0"),
         (
             ["--trace", "mooncake", "--policy", "last", "--checkpoint-interval", "512"],
             "checkpoint_interval applies to the periodic and hash_boundary",
