@@ -66,17 +66,27 @@ def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _load_model(args: argparse.Namespace) -> HybridModel:
-    options = dict(
+def _runtime(args: argparse.Namespace) -> dict:
+    """The model's runtime options as the flags set them (``HybridModel.configure``'s names)."""
+    return dict(
         tp_size=args.tp if args.tp is not None else 1,
         kv_dtype=args.kv_dtype or "auto",
         conv_dtype=args.conv_dtype or "auto",
         ssm_dtype=args.ssm_dtype or "auto",
         num_spec_tokens=args.num_spec_tokens or 0,
     )
+
+
+def _is_config_path(model: str) -> bool:
+    """A config file under any name (config.json, my-model.cfg) or a folder holding one."""
+    path = Path(model)
+    return path.suffix == ".json" or path.is_dir() or path.is_file()
+
+
+def _load_model(args: argparse.Namespace) -> HybridModel:
+    options = _runtime(args)
     path = Path(args.model)
-    # a config file under any name (config.json, my-model.cfg) or a folder holding one
-    if path.suffix == ".json" or path.is_dir() or path.is_file():
+    if _is_config_path(args.model):
         model = models.from_hf_config(path, **options)
         if model.doubts:  # what the reader had to assume (e.g. bf16 weights): say it
             print(f"hybridkv: note: {model.name}: {model.doubts}", file=sys.stderr)
@@ -706,19 +716,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         trace = _load_trace(args)
     elif args.prompt_len is not None:
         trace = prefix_trace(args.prompt_len, args.shared_prefix, args.requests or 64)
-    runtime = dict(
-        tp_size=args.tp if args.tp is not None else 1,
-        kv_dtype=args.kv_dtype or "auto",
-        conv_dtype=args.conv_dtype or "auto",
-        ssm_dtype=args.ssm_dtype or "auto",
-        num_spec_tokens=args.num_spec_tokens or 0,
-    )
+    runtime = _runtime(args)
     base = _load_model(args)  # reads the config once, prints its notes once
-    path = Path(args.model)
 
     def load(**options) -> HybridModel:  # the same model with other runtime options
-        if path.suffix == ".json" or path.is_dir() or path.is_file():
-            return models.from_hf_config(path, **options)
+        if _is_config_path(args.model):
+            return models.from_hf_config(Path(args.model), **options)
         return models.load(base.name, **options)
 
     diagnosis = diagnose(

@@ -221,10 +221,13 @@ def diagnose(
             {"block_size": big, "rule": plan.block_size_rule},
         )
     ]
-    findings += _cache_findings(plan, trace, target)
+    # each computed once: the workload's statistics and the replay of the flags as given
+    workload = _workload(trace) if trace is not None else None
+    as_given = _hit_rate(plan, trace, _vllm_options(plan))
+    findings += _cache_findings(plan, trace, target, workload, as_given)
     findings.append(_fp8_finding(model, plan, plan_for, runtime))
-    findings.append(_concurrency_finding(plan, trace, max_num_seqs))
-    remedies = _remedies(model, plan, plan_for, runtime, trace, target)
+    findings.append(_concurrency_finding(plan, workload, max_num_seqs))
+    remedies = _remedies(model, plan, plan_for, runtime, trace, target, as_given)
     return Diagnosis(
         model=model.name,
         vllm_version=target.version,
@@ -232,13 +235,19 @@ def diagnose(
         block_size_rule=plan.block_size_rule,
         prefix_caching=rules.enable_prefix_caching,
         mamba_cache_mode=rules.mamba_cache_mode,
-        workload=_workload(trace) if trace is not None else None,
+        workload=workload,
         findings=tuple(findings),
         remedies=tuple(remedies),
     )
 
 
-def _cache_findings(plan: MemoryPlan, trace: Trace | None, target: VllmTarget) -> list[Finding]:
+def _cache_findings(
+    plan: MemoryPlan,
+    trace: Trace | None,
+    target: VllmTarget,
+    w: dict[str, Any] | None,
+    align: float | None,
+) -> list[Finding]:
     rules, big = plan.vllm, plan.block_size
     if not rules.enable_prefix_caching:
         return [
@@ -271,11 +280,9 @@ def _cache_findings(plan: MemoryPlan, trace: Trace | None, target: VllmTarget) -
             )
         )
     if trace is not None:
-        w = _workload(trace)
-        shared = infinite_cache_hits(trace, 1).sum()
         whole = infinite_cache_hits(trace, big).sum()
         prompts = max(1, int(trace.prompt_lengths().sum()))
-        align = _hit_rate(plan, trace, _vllm_options(plan))
+        shared = w["shared_fraction"] * prompts
         every = _hit_rate(
             plan, trace, _vllm_options(plan).replace(prefix_cache_retention_interval=None)
         )
@@ -330,10 +337,12 @@ def _fp8_finding(
     )
 
 
-def _concurrency_finding(plan: MemoryPlan, trace: Trace | None, max_num_seqs: int) -> Finding:
+def _concurrency_finding(
+    plan: MemoryPlan, workload: dict[str, Any] | None, max_num_seqs: int
+) -> Finding:
     cap, big = plan.capacity, plan.block_size
     blocks = cap.token_capacity // big
-    if trace is None:
+    if workload is None:
         return Finding(
             "concurrency",
             "note",
@@ -342,7 +351,7 @@ def _concurrency_finding(plan: MemoryPlan, trace: Trace | None, max_num_seqs: in
             f"{-(-1000 // big) * big:,} tokens",
             {"token_capacity": cap.token_capacity, "blocks": blocks},
         )
-    mean = _workload(trace)["mean_request"]
+    mean = workload["mean_request"]
     held = -(-round(mean) // big) * big
     fits = min(max_num_seqs, cap.token_capacity // max(1, held))
     return Finding(
@@ -362,12 +371,16 @@ def _remedies(
     runtime: dict[str, Any],
     trace: Trace | None,
     target: VllmTarget,
+    as_given: float | None,
 ) -> list[Remedy]:
     def remedy(key: str, flags: tuple[str, ...], why: str, p: MemoryPlan, opts) -> Remedy:
         return Remedy(key, flags, why, p.block_size, p.capacity.token_capacity,
                       _hit_rate(p, trace, opts))  # fmt: skip
 
-    out = [remedy("as_given", (), "the flags as given", plan, _vllm_options(plan))]
+    out = [
+        Remedy("as_given", (), "the flags as given", plan.block_size,
+               plan.capacity.token_capacity, as_given)
+    ]  # fmt: skip
     if target.version == "0.33" and plan.vllm.enable_prefix_caching:
         out.append(
             remedy(
