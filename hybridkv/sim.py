@@ -199,12 +199,13 @@ class SimResult:
         }
 
 
-def _output_id(req, i: int) -> int:
-    """The ``i``-th generated token (0-based): the trace's when known, else an id no prompt
-    contains, unique per request."""
-    if req.output_ids is not None and i < len(req.output_ids):
-        return int(req.output_ids[i])
-    return 1_000_000_000 + req.request_id * 65_536 + i
+def _output_ids(req) -> list[int]:
+    """The request's generated tokens: the trace's where known, else ids no prompt contains,
+    unique per request."""
+    n = int(req.output_length)
+    known = [] if req.output_ids is None else np.asarray(req.output_ids[:n], np.int64).tolist()
+    base = 1_000_000_000 + req.request_id * 65_536
+    return known + list(range(base + len(known), base + n))
 
 
 class RooflineClock:
@@ -224,7 +225,7 @@ class RooflineClock:
                 out.num_decode, out.decode_context_total, out.decode_contexts
             )
         self.t += dt
-        return [seq.script(len(seq.outputs)) for seq in out.sampling]
+        return [seq.script[len(seq.outputs)] for seq in out.sampling]
 
     def checkpoint(self, copies: list[tuple[int, int, int]]) -> None:
         pass
@@ -307,7 +308,7 @@ def simulate(
                     req.prompt,
                     int(req.output_length),
                     arrival=arrive,
-                    script=functools.partial(_output_id, req),
+                    script=_output_ids(req),
                 )
             )
         if not sched.has_work():

@@ -235,6 +235,13 @@ def test_parking_needs_a_script():
         sched.add(Seq("x", [1, 2, 3], 2))
 
 
+def test_a_script_shorter_than_the_outputs_is_refused():
+    # a parked decoder takes its tokens as one slice of the script: a short one would hand the
+    # allocator fewer tokens than the steps it decoded
+    with pytest.raises(ValueError, match="lists 1 output tokens, fewer than max_new_tokens=2"):
+        Seq("x", [1, 2, 3], 2, script=[5])
+
+
 def test_max_num_seqs_and_fifo_admission():
     sched = _sched(max_num_seqs=2)
     ex = _Tokens()

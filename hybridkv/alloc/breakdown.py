@@ -40,7 +40,7 @@ from .reach import Reach
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import MemoryPlan
     from .block_pool import IdCache, Pool
-    from .prefix_cache import PrefixIndex, UnitKey
+    from .prefix_cache import PrefixIndex
 
 __all__ = ["CATEGORIES", "BreakdownSource", "MemoryBreakdown", "memory_breakdown"]
 
@@ -169,6 +169,8 @@ def _cached(
     (a pack layout's 36 state groups make them most of the index): the sums are the same."""
     index, groups = alloc.index, alloc.plan.groups
     useful = _useful_units(alloc)
+    no_units: set[bytes] = set()
+    useful_of = [useful.get(g.group_id, no_units) for g in groups]
     refs = [alloc.pool[g.group_id].ref for g in groups]  # refcounts: held entries are live
     # a KV entry of n units holds kv_bytes[gid] * n // block[gid] bytes of data
     kv_bytes = [data_bytes[g.group_id] * index.h for g in groups]
@@ -177,21 +179,22 @@ def _cached(
     # free state entries per group: all, and those a hit could use
     states, states_ok = [0] * len(groups), [0] * len(groups)
     state_positions: set[bytes] = set()
-    for key, entry in index.entries.items():
-        gid = key[0]  # type: ignore[index]
-        if refs[gid][entry.block_id]:
+    # the pass over every entry: keys and entries unpacked in the loop header (it runs once
+    # per cached block, tens of thousands of times per breakdown)
+    for (gid, _), (block_id, _, units, is_state) in index.entries.items():
+        if refs[gid][block_id]:
             continue  # held: counted as live
-        units = entry.units
-        if entry.is_state:
+        if is_state:
             u = units[0]
             state_positions.add(u)
             states[gid] += 1
-            if (gid, u) in useful:
+            if u in useful_of[gid]:
                 states_ok[gid] += 1
             continue
         data = kv_bytes[gid] * len(units) // block[gid]
         # the first unit nearly always answers (useful prefixes are closed upwards)
-        if (gid, units[0]) in useful or any((gid, u) in useful for u in units):
+        ok = useful_of[gid]
+        if units[0] in ok or not ok.isdisjoint(units):
             kv_ok += data
         else:
             kv_bad += data
@@ -213,8 +216,8 @@ def _cached(
     out["cached_states"] = len(state_positions)
 
 
-def _useful_units(alloc: BreakdownSource) -> set[UnitKey]:
-    """``(group, unit)`` pairs a hit could use (:meth:`.reach.Reach.useful_units`)."""
+def _useful_units(alloc: BreakdownSource) -> dict[int, set[bytes]]:
+    """Group -> the units of it a hit could use (:meth:`.reach.Reach.useful_units`)."""
     groups = alloc.plan.groups
     full = [g.group_id for g in groups if not g.is_state and not g.sliding_window]
     window = [

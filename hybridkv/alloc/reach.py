@@ -22,7 +22,6 @@ up a chain ends at the root or right after the first unit that is not cached.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import repeat
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,56 +166,84 @@ class Reach:
     # ---- everything ---------------------------------------------------------------------------
     def useful_units(
         self, full: list[int], window: list[tuple[int, int]], states: list[int]
-    ) -> set[UnitKey]:
-        """``(group, unit)`` pairs a hit could use: for state groups, units where every state
+    ) -> dict[int, set[bytes]]:
+        """Group -> the units of it a hit could use: for state groups, units where every state
         group has a checkpoint and the attention groups have the prefix (``window``:
         ``(group, window tokens)``); for attention groups, the units on the prefix of such a
-        checkpoint (of any cached unit when the model has no state)."""
+        checkpoint (of any cached unit when the model has no state). Per group, so that the
+        byte breakdown's pass over every entry asks a set of hashes, not of fresh tuples."""
         index, h = self.index, self.index.h
         parent = index.parent
-        memo: dict[UnitKey, bool] = {}
         spans = [(g, max(1, -(-(W - 1) // h))) for g, W in window]  # units of each window
-        useful: set[UnitKey] = set()
+        useful: dict[int, set[bytes]] = {g: set() for g in (*full, *(g for g, _ in window))}
+        useful.update((g, set()) for g in states)
         if not states:
+            memo: dict[UnitKey, bool] = {}
             for gid, unit in list(parent):
                 if gid in full and self.rooted(gid, unit, memo):
-                    useful.add((gid, unit))
+                    useful[gid].add(unit)
             for gid, n in spans:
                 for g, unit in list(parent):
                     if g == gid and self.window_cached(gid, unit, n):
-                        useful.add((gid, unit))
+                        useful[gid].add(unit)
             return useful
-        walked: list[UnitKey] = []
-        # a unit with a checkpoint of every state group (the index counts them per unit): the
-        # set does not depend on the order the units are visited in
+        # one memo per full group, keyed by unit: the walks below visit every cached unit
+        memos: dict[int, dict[bytes, bool]] = {g: {} for g in full}
+        # units with a checkpoint of every state group (the index counts them per unit): the
+        # result does not depend on the order they are visited in
+        num_states = len(states)
         for u, count in index.state_units.items():
-            if count != len(states):
+            if count != num_states:
                 continue
-            if not all(self.window_cached(g, u, n) for g, n in spans):
+            if spans and not all(self.window_cached(g, u, n) for g, n in spans):
                 continue
             if len(full) == 1:
                 # the last test: every unit a rooted walk meets in the memo is marked already,
                 # so the units it walked are the ones to mark (one walk, not two)
-                walked.clear()
-                if not self.rooted(full[0], u, memo, walked):
+                g = full[0]
+                walked = self._rooted_walk(g, u, memos[g])
+                if walked is None:
                     continue
-                useful.update(walked)
-            elif all(self.rooted(g, u, memo) for g in full):
+                useful[g].update(walked)
+            elif all(self._rooted_walk(g, u, memos[g]) is not None for g in full):
                 for g in full:
-                    self._mark_prefix(g, u, useful)
+                    self._mark_prefix(g, u, useful[g])
             else:
                 continue
-            useful.update(zip(states, repeat(u)))
+            for g in states:
+                useful[g].add(u)
             for g, n in spans:
-                useful.update((g, x) for x in self.path_up(g, u, n) if (g, x) in parent)
+                useful[g].update(x for x in self.path_up(g, u, n) if (g, x) in parent)
         return useful
 
-    def _mark_prefix(self, gid: int, unit: bytes, useful: set[UnitKey]) -> None:
-        """Add ``unit`` and the units before it (rooted: all cached) to ``useful``, stopping
-        where another state's walk got to: from there up, it marked them all."""
+    def _rooted_walk(self, gid: int, unit: bytes, memo: dict[bytes, bool]) -> list[bytes] | None:
+        """:meth:`rooted` for one group with a memo keyed by unit: the units this call walked
+        that ``memo`` did not know (nearest first) when ``unit`` is rooted, else None."""
+        parent_of, known_of = self.index.parent.get, memo.get  # bound: the inner loop
+        path: list[bytes] = []
+        x: bytes | None = unit
+        result = True
+        while x is not None:
+            known = known_of(x)
+            if known is not None:
+                result = known
+                break
+            k = (gid, x)
+            p = parent_of(k, k)  # k itself: a sentinel for "not cached"
+            if p is k:
+                result = False
+                break
+            path.append(x)
+            x = p
+        memo.update(dict.fromkeys(path, result))
+        return path if result else None
+
+    def _mark_prefix(self, gid: int, unit: bytes, useful: set[bytes]) -> None:
+        """Add ``unit`` and the units before it (rooted: all cached) to ``useful`` (the
+        group's), stopping where another state's walk got to: from there up, it marked them
+        all."""
         parent = self.index.parent
-        k: UnitKey | None = (gid, unit)
-        while k is not None and k not in useful:
-            useful.add(k)
-            p = parent[k]
-            k = None if p is None else (gid, p)
+        x: bytes | None = unit
+        while x is not None and x not in useful:
+            useful.add(x)
+            x = parent[(gid, x)]
