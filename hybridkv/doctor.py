@@ -312,29 +312,73 @@ def _cache_findings(
 def _fp8_finding(
     model: HybridModel, plan: MemoryPlan, plan_for: Callable, runtime: dict[str, Any]
 ) -> Finding:
+    """What fp8 KV buys: the pool's token slots (about 2x: vLLM doubles the block to fill the
+    same state page) and what vLLM's start-up log will say, which counts each request's state
+    blocks too and so shows less (vLLM #55196's 1.00-1.84x)."""
     is_fp8 = model.kv_dtype.startswith("float8")
     other_dtype = "auto" if is_fp8 else "fp8"
-    _, other = plan_for(kv_dtype=other_dtype)
-    fp8, wide = (plan, other) if is_fp8 else (other, plan)
+    other_model, other = plan_for(kv_dtype=other_dtype)
+    (fp8, fp8_model), (wide, wide_model) = (
+        ((plan, model), (other, other_model)) if is_fp8 else ((other, other_model), (plan, model))
+    )
     ratio = fp8.capacity.token_capacity / max(1, wide.capacity.token_capacity)
     versus = (
         "about what attention-only models get (2.00x)"
         if ratio >= 1.95
         else "where attention-only models get 2.00x (vLLM #55196)"
     )
-    return Finding(
-        "fp8",
-        "note" if ratio < 1.95 else "ok",
+    text = (
         f"fp8 KV buys {ratio:.2f}x token capacity here ({wide.capacity.token_capacity:,} -> "
         f"{fp8.capacity.token_capacity:,} tokens), {versus}; the block grows "
         f"{wide.block_size} -> {fp8.block_size} tokens to hold the same state page, so each "
-        "hit needs twice the shared prefix",
-        {
-            "capacity_ratio": ratio,
-            "block_size_bf16": wide.block_size,
-            "block_size_fp8": fp8.block_size,
-        },
+        "hit needs twice the shared prefix"
     )
+    data: dict[str, Any] = {
+        "capacity_ratio": ratio,
+        "block_size_bf16": wide.block_size,
+        "block_size_fp8": fp8.block_size,
+    }
+    logged = _logged_capacities(wide, wide_model, fp8, fp8_model)
+    severity = "note" if ratio < 1.95 else "ok"
+    if logged is not None:
+        before, after = logged
+        logged_ratio = after.tokens / max(1, before.tokens)
+        text += (
+            f". vLLM's start-up log will show {logged_ratio:.2f}x (GPU KV cache size "
+            f"{before.tokens:,} -> {after.tokens:,} tokens, maximum concurrency at "
+            f"{before.max_model_len:,} tokens {before.max_concurrency:.2f}x -> "
+            f"{after.max_concurrency:.2f}x): it counts a max_model_len request's "
+            f"{before.state_blocks_per_request} state blocks beside its "
+            f"{before.attention_blocks_per_request} -> {after.attention_blocks_per_request} "
+            "attention blocks, and fp8 does not shrink states"
+        )
+        if logged_ratio < 1.95:
+            text += " (vLLM #55196); a longer --max-model-len logs closer to 2x"
+            severity = "note"
+        data.update(
+            logged_ratio=logged_ratio,
+            logged_tokens_bf16=before.tokens,
+            logged_tokens_fp8=after.tokens,
+            logged_max_concurrency_bf16=before.max_concurrency,
+            logged_max_concurrency_fp8=after.max_concurrency,
+            max_model_len=before.max_model_len,
+            state_blocks_per_request=before.state_blocks_per_request,
+        )
+    return Finding("fp8", severity, text, data)
+
+
+def _logged_capacities(
+    wide: MemoryPlan, wide_model: HybridModel, fp8: MemoryPlan, fp8_model: HybridModel
+) -> tuple[Any, Any] | None:
+    """vLLM's logged capacity of both plans, or None where it cannot be computed (a family vLLM
+    does not serve, a sliding-window group, no max_model_len): the finding then says only the
+    token slots."""
+    from .vllm_export import logged_capacity
+
+    try:
+        return logged_capacity(wide, wide_model), logged_capacity(fp8, fp8_model)
+    except ValueError:
+        return None
 
 
 def _concurrency_finding(

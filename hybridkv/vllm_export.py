@@ -67,6 +67,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import canonical_dtype, dtype_bytes
@@ -101,9 +102,11 @@ __all__ = [
     "FIELDS",
     "VLLM_FAMILIES",
     "VLLM_VERSION",
+    "LoggedCapacity",
     "VllmFamily",
     "kv_cache_config",
     "layer_names",
+    "logged_capacity",
     "vllm_disagreements",
     "vllm_family",
     "vllm_objects",
@@ -598,6 +601,67 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
         "hisparse_shared_host_pool": False,
         "kv_tp_replicas": replicas,
     }
+
+
+@dataclass(frozen=True)
+class LoggedCapacity:
+    """What vLLM 0.33 logs at start-up for a plan: ``GPU KV cache size: {tokens} tokens,
+    Maximum concurrency for {max_model_len} tokens per request: {max_concurrency}x``
+    (``update_kv_cache_capacity`` in ``vllm/v1/core/kv_cache_utils.py``).
+
+    ``blocks_per_request``: the blocks one request at ``max_model_len`` takes from the shared
+    pool, summed over the groups (``get_max_concurrency_for_kv_cache_config``): every attention
+    group ``cdiv(max_model_len, block_size)``, every Mamba group its state blocks (``2 +
+    speculative + prefill-checkpoint`` in ``align`` mode, ``1 + speculative`` otherwise:
+    ``MambaSpec.max_memory_usage_bytes``). So the logged tokens are not the pool's token slots:
+    a model with many state groups and a short ``max_model_len`` logs far fewer."""
+
+    tokens: int
+    max_concurrency: float
+    blocks_per_request: int
+    attention_blocks_per_request: int
+    state_blocks_per_request: int
+    max_model_len: int
+    num_blocks: int
+
+
+def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:
+    """:class:`LoggedCapacity` of ``plan`` (exportable: see :func:`kv_cache_config`) at the
+    ``max_model_len`` its vLLM rules resolved. Raises ``ValueError`` for a sliding-window group:
+    vLLM sizes those by its in-flight tokens (``max_in_flight_tokens``: the scheduler's batch
+    times the steps in flight), which a plan does not know."""
+    config = kv_cache_config(plan, model)
+    rules = plan.vllm
+    assert rules is not None  # kv_cache_config refuses a plan without vLLM rules
+    max_len = rules.max_model_len
+    if not max_len:
+        raise ValueError(
+            f"{plan.model_name}: no max_model_len (neither --max-model-len nor the model's "
+            "max_position_embeddings): vLLM's logged capacity is per max_model_len request"
+        )
+    attention = state = 0
+    for group in config["kv_cache_groups"]:
+        spec = group["kv_cache_spec"]
+        if spec["kind"] == "MambaSpec":
+            state += rules.state_blocks_per_request
+        elif spec["kind"] in ("FullAttentionSpec", "MLAAttentionSpec"):
+            attention += -(-max_len // spec["block_size"])
+        else:
+            raise ValueError(
+                f"{plan.model_name}: a {spec['kind']} group's blocks per request depend on "
+                "vLLM's in-flight tokens, which the plan does not model"
+            )
+    per_request = attention + state
+    concurrency = config["num_blocks"] / per_request
+    return LoggedCapacity(
+        tokens=int(concurrency * max_len),
+        max_concurrency=concurrency,
+        blocks_per_request=per_request,
+        attention_blocks_per_request=attention,
+        state_blocks_per_request=state,
+        max_model_len=max_len,
+        num_blocks=config["num_blocks"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,6 +103,51 @@ def test_fp8_capacity_is_measured_on_the_plans():
     assert f"{f.data['capacity_ratio']:.2f}x" in f.text
 
 
+@pytest.mark.parametrize(
+    "max_model_len, low, high",
+    [
+        # a request no longer than one fp8 block takes one attention block either way: 1.00x
+        # (the pages differ by a few bytes, so the block counts by a fraction of a percent)
+        pytest.param(2048, 1.0, 1.005, id="max-model-len-2048"),
+        pytest.param(32768, 1.3, 1.5, id="max-model-len-32k"),
+        # the model's own 262,144 tokens: 126 -> 63 attention blocks beside 12 state blocks
+        pytest.param(None, 1.8, 1.9, id="max-model-len-default"),
+    ],
+)
+def test_vllm_55196_fp8_logs_less_than_twice_the_capacity(max_model_len, low, high):
+    # vLLM #55196: fp8 KV gives 1.00-1.84x the logged capacity on hybrids. The pool's token
+    # slots double; the log counts each max_model_len request's state blocks as well
+    target = VllmTarget(max_model_len=max_model_len)
+    f = _doctor("nemotron-3-nano-30b-a3b", target=target).finding("fp8")
+    assert f.data["capacity_ratio"] == pytest.approx(2.0, abs=0.01)
+    assert low <= f.data["logged_ratio"] <= high
+    assert f"{f.data['logged_ratio']:.2f}x" in f.text and "#55196" in f.text
+    assert f.severity == "note"
+
+
+def test_logged_capacity_follows_vllms_formula():
+    # get_kv_cache_capacity in vLLM 0.33, by hand: num_blocks / (attention groups x
+    # cdiv(max_model_len, block) + state groups x state blocks) x max_model_len
+    from hybridkv.layouts import make_plan
+    from hybridkv.vllm_export import kv_cache_config, logged_capacity
+
+    model = models.load("qwen3-next-80b-a3b")
+    plan = make_plan(
+        model, "inflate", memory=40 * GIB, max_num_seqs=64,
+        target=VllmTarget(max_model_len=10_000),
+    )  # fmt: skip
+    got = logged_capacity(plan, model)
+    config = kv_cache_config(plan, model)
+    kinds = [g["kv_cache_spec"]["kind"] for g in config["kv_cache_groups"]]
+    # 12 attention layers and 36 Gated DeltaNet layers: one attention group, three state
+    # groups; align mode on Hopper keeps 2 + 1 prefill-checkpoint state blocks per group
+    assert sorted(kinds) == ["FullAttentionSpec"] + ["MambaSpec"] * 3
+    per_request = -(-10_000 // plan.block_size) + 3 * 3
+    assert got.blocks_per_request == per_request
+    assert got.tokens == int(config["num_blocks"] / per_request * 10_000)
+    assert got.max_concurrency == pytest.approx(config["num_blocks"] / per_request)
+
+
 def test_cli_doctor_json_and_text(capsys):
     args = [
         "doctor", "--model", "qwen3.5-4b", "--mamba-ssm-cache-dtype", "float32",
