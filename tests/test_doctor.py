@@ -66,16 +66,37 @@ def test_vllm_40696_a_prompt_just_over_the_block_hits():
 
 
 def test_vllm_48401_max_model_len_below_the_block():
-    """#48401: a max_model_len below the block: prefix caching can never hit, the doctor says
-    so and offers a max_model_len that lets a request fill a block."""
+    """#48401: NemotronH's 8,320-token block (Nemotron-3-Super with an fp8 KV cache) under
+    max_model_len 4096: 0 hits, however much the prompts share; the doctor says so and offers a
+    max_model_len that lets a request fill a block, where the same prompts hit."""
+    target = VllmTarget(max_model_len=4096)
+    trace = prefix_trace(4000, 3900, 16)
+    d = _doctor("nemotron-3-super-120b-a12b", runtime={"kv_dtype": "fp8"}, target=target,
+                trace=trace)  # fmt: skip
+    assert d.block_size == 8320
+    f = d.finding("max_model_len")
+    assert f is not None and f.severity == "problem"
+    assert f.data == {"max_model_len": 4096, "block_size": 8320}
+    assert _as_given(d).token_hit_rate == 0.0
+    fix = next(r for r in d.remedies if r.key == "max_model_len")
+    assert fix.flags == ("--max-model-len", str(2 * 8320))
+    # the fix alone does not make 4,000-token prompts hit: they are still shorter than a block
+    assert fix.token_hit_rate == 0.0
+    longer = prefix_trace(9000, 8500, 16)  # prompts that can fill a block once allowed
+    d = _doctor("nemotron-3-super-120b-a12b", runtime={"kv_dtype": "fp8"},
+                target=VllmTarget(max_model_len=16384), trace=longer)  # fmt: skip
+    assert d.finding("max_model_len") is None
+    assert _as_given(d).token_hit_rate == pytest.approx(15 * 8320 / (16 * 9000))
+
+
+def test_vllm_48401_smaller_block_same_finding():
+    """The same finding on Nemotron-3-Nano's 2,096-token block (bf16 KV)."""
     target = VllmTarget(max_model_len=2048)
     d = _doctor("nemotron-3-nano-30b-a3b", target=target, trace=prefix_trace(2000, 1900, 16))
     f = d.finding("max_model_len")
     assert f is not None and f.severity == "problem"
     assert f.data == {"max_model_len": 2048, "block_size": 2096}
     assert _as_given(d).token_hit_rate == 0.0
-    fix = next(r for r in d.remedies if r.key == "max_model_len")
-    assert fix.flags == ("--max-model-len", str(2 * 2096))
 
 
 def test_remedies_predict_what_the_flags_change():
