@@ -515,7 +515,8 @@ def _allocator_options(
     ``min(16, block size)``), checked against ``plan``. A bad value is a ``ValueError`` that
     names the flag and value given, then what is wrong and what would fix it."""
     values = {name: getattr(args, dest) for name, dest in ALLOCATOR_FLAGS.items()}
-    values["hash_block_size"] = values["hash_block_size"] or min(16, plan.block_size)
+    if values["hash_block_size"] is None:  # 0 or less is the options' error, not the default
+        values["hash_block_size"] = min(16, plan.block_size)
     try:
         options = base.replace(**values)
         options.for_plan(plan)  # the checks that need the plan (the hash unit divides blocks)

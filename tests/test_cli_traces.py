@@ -96,6 +96,11 @@ def test_advise_header_states_the_trace(capsys):
             ["--trace", "mooncake", "--policy", "last", "--checkpoint-interval", "512"],
             "checkpoint_interval applies to the periodic and hash_boundary",
         ),
+        # 0 is not "the default": the default is the flag left out
+        (
+            ["--trace", "mooncake", "--hash-block-size", "0"],
+            "--hash-block-size 0: hash_block_size must be an integer >= 1, got 0",
+        ),
     ],
     ids=[
         "unknown-name",
@@ -105,6 +110,7 @@ def test_advise_header_states_the_trace(capsys):
         "zero-rate",
         "zero-requests",
         "interval-on-last",
+        "zero-hash-unit",
     ],
 )
 def test_errors(capsys, argv, message):

@@ -44,8 +44,8 @@ class MaxLengthExceeded(AllocatorError):
         super().__init__(
             f"request {req_id!r} would reach {length} tokens > max_model_len={max_len}; "
             "finish or truncate the request, or give the allocator a larger max_model_len "
-            "(HybridAllocator(max_model_len=...), SimConfig.max_model_len; vLLM's "
-            "--max-model-len)"
+            "(AllocatorOptions(max_model_len=...), which HybridAllocator, "
+            "SimConfig(allocator=...) and the engine take; vLLM's --max-model-len)"
         )
 
 
