@@ -27,6 +27,7 @@ Two interfaces, so that the allocator never asks which kind of pool it holds:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from itertools import islice
@@ -43,7 +44,7 @@ HeldIds = Callable[[int], list[int]]
 __all__ = ["BlockPool", "CacheKey", "Evictor", "HeldIds", "IdCache", "OnEvict", "Pool"]
 
 
-class IdCache:
+class IdCache(ABC):
     """What :class:`BlockPool` and a two-level pool's group view share: reference counts, the
     LRU of cached free ids with its optional evictor, and the key <-> id cache map. Subclasses
     set ``name``, ``ref``, ``_plain``, ``_lru``, ``_key_to_id``, ``_id_to_key``, ``on_evict``,
@@ -76,6 +77,7 @@ class IdCache:
     def _list(self, bid: int) -> None:
         """The evictor chose ``bid``, free and cached (:meth:`evictable`): make sure it is in the
         LRU (a two-level view's id may be on an idle page, which is reactivated)."""
+        return None  # a pool's cached free ids are always listed
 
     def _drop_key(self, bid: int) -> None:
         key = self._id_to_key.pop(bid)
@@ -147,12 +149,13 @@ class IdCache:
         """The free ids listed as plain and as cached (LRU order), copied (for checks)."""
         return list(self._plain), list(self._lru)
 
-    def allocate_one(self) -> int:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
+    @abstractmethod
+    def allocate_one(self) -> int:
+        """One id, free or evicted; raises :class:`PoolExhausted` when there is none."""
 
-    def allocate_some(self, n: int) -> list[int]:  # pragma: no cover - every subclass
+    @abstractmethod
+    def allocate_some(self, n: int) -> list[int]:
         """Up to ``n`` ids, as many as are free or evictable (best effort: a checkpoint)."""
-        raise NotImplementedError
 
 
 class Pool(Protocol):
