@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from .alloc import AllocatorOptions, HybridAllocator, MemoryBreakdown
+from .alloc import AllocatorOptions, HitInfo, HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
 from .alloc.marconi import tokens_as_flops
 from .alloc.policies import policy_class
@@ -60,6 +60,9 @@ class ReplayResult:
     #: ``marconi``'s alpha at the end, and after which request it was tuned (None: fixed)
     marconi_alpha: float | None = None
     alpha_tuned_at: int | None = None
+    #: per request, the prefix the attention groups alone held at its lookup
+    #: (``HitInfo.num_kv_cached_tokens``): ``kv_hits - hits`` is what missing states cost it
+    kv_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def token_hit_rate(self) -> float:
@@ -157,13 +160,15 @@ def replay(
 
     alloc = make()
     hits = np.zeros(len(reqs), dtype=np.int64)
+    kv_hits = np.zeros(len(reqs), dtype=np.int64)
     samples: list[MemoryBreakdown] = []
     sample_at: list[int] = []
     tuned_at: int | None = None
     window: int | None = None  # requests seen when alpha is tuned
     bar = tqdm(total=len(reqs), desc=f"replay {plan.layout}", disable=not progress)
     for i, req in enumerate(reqs):
-        hits[i] = serve(alloc, req, index=i)
+        info = _serve(alloc, req, i)
+        hits[i], kv_hits[i] = info.num_cached_tokens, info.num_kv_cached_tokens
         bar.update()
         if auto and tuned_at is None:
             if window is None and _evictions(alloc):
@@ -190,6 +195,7 @@ def replay(
         evictions=_evictions(alloc),
         marconi_alpha=alloc.marconi_alpha,
         alpha_tuned_at=tuned_at,
+        kv_hits=kv_hits,
     )
 
 
@@ -230,6 +236,11 @@ def serve(alloc: HybridAllocator, req: Request, *, index: int | None = None) -> 
     """Run one request alone on ``alloc``, from prefix lookup to free; returns its cached
     (hit) prompt tokens. ``index`` names it in errors (default: its request id)."""
     i = req.request_id if index is None else index
+    return _serve(alloc, req, i).num_cached_tokens
+
+
+def _serve(alloc: HybridAllocator, req: Request, i: Any) -> HitInfo:
+    """:func:`serve`, returning the allocator's whole answer at admission."""
     prompt = req.prompt.tolist()
     rid = req.request_id
     hit = alloc.add_request(rid, prompt)
@@ -244,7 +255,7 @@ def serve(alloc: HybridAllocator, req: Request, *, index: int | None = None) -> 
         done += n
     _decode(alloc, req, i)
     alloc.free(rid)
-    return hit.num_cached_tokens
+    return hit
 
 
 def _step(alloc: HybridAllocator, rid: Any, n: int, i: int, length: int) -> None:

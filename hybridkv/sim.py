@@ -156,6 +156,11 @@ class SimResult:
     #: ``breakdown_every`` memory samples, at the times in ``breakdown_t_s``
     breakdown: tuple[MemoryBreakdown, ...] = ()
     breakdown_t_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: per request (trace order), at its first admission: prompt tokens served from the cache,
+    #: and the prefix the attention groups alone held (``HitInfo.num_kv_cached_tokens``, capped
+    #: at the prompt): ``request_kv_hits - request_hits`` is what missing states cost it
+    request_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    request_kv_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def breakdown_mean(self) -> dict[str, float]:
         """Mean bytes per breakdown field over the run's breakdown samples."""
@@ -278,6 +283,8 @@ def simulate(
     steps = peak = output_tokens = 0
     prompt_tokens = hit_tokens = shared_tokens = 0
     saved_flops = 0.0
+    request_hits = np.zeros(len(reqs), dtype=np.int64)
+    request_kv_hits = np.zeros(len(reqs), dtype=np.int64)
     ttft: list[float] = []
     samples: list[tuple[int, float, int, int]] = []  # (step, time, kv bytes, state bytes)
     breakdowns: list[tuple[int, float, MemoryBreakdown]] = []
@@ -330,6 +337,8 @@ def simulate(
         for seq in out.admitted:
             if len(seq.hits) == 1:  # first admission: what the trace's prompt got
                 got = min(seq.hits[0].num_cached_tokens, seq.prompt_len)
+                request_hits[seq.rid] = got
+                request_kv_hits[seq.rid] = min(seq.hits[0].num_kv_cached_tokens, seq.prompt_len)
                 prompt_tokens += seq.prompt_len
                 hit_tokens += got
                 if got:
@@ -371,6 +380,8 @@ def simulate(
         breakdown_t_s=np.asarray([x[1] for x in breakdowns], dtype=np.float64),
         checkpoints=alloc.num_checkpoints,
         checkpoint_bytes=alloc.num_checkpoint_ids * _state_id_bytes(plan),
+        request_hits=request_hits,
+        request_kv_hits=request_kv_hits,
     )
 
 

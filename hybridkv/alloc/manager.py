@@ -87,6 +87,10 @@ class HitInfo:
     num_cached_tokens: int
     state_copies: list[tuple[int, int, int]] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int, int]] = field(default_factory=list)
+    #: the prefix the attention groups alone held (the hit the same cached KV would give a
+    #: model without state layers); ``num_cached_tokens`` is at most this, the difference is
+    #: what missing state checkpoints cost this request
+    num_kv_cached_tokens: int = 0
 
 
 class HybridAllocator:
@@ -132,6 +136,10 @@ class HybridAllocator:
         )
         self._state = [m.group_id for m in self.coordinator.states]
         self._probe_rules = self.coordinator.probe_rules(self.policy.admission_probe)
+        # the attention-only hit every admission reports: the probe's when it is the same
+        # groups (marconi), else one more search over the attention groups
+        attention = self.coordinator.attention_rules if self._state else []
+        self._kv_rules = [] if attention == self._probe_rules else attention
         #: the policy's eviction bookkeeping (``marconi``'s scorer), None: the pools' LRU
         self._eviction = self.policy.install_eviction(self.index, plan, self._pools, self.pool, o)
         self.reqs: dict[Any, Request] = {}
@@ -243,9 +251,10 @@ class HybridAllocator:
         tokens = token_array(prompt_token_ids)
         extra = encode_extra_keys(extra_keys if lora_id is None else (extra_keys, lora_id))
         r = Request(req_id, tokens, extra, lora_id, [], len(self.groups))
-        hit, probe_hit = self._look_up(r)
+        hit, probe_hit, kv_hit = self._look_up(r)
         self.policy.admitted(r, hit, probe_hit)  # marconi's branch point, align's junction
         info = self._take_hit(r, hit)
+        info.num_kv_cached_tokens = kv_hit
         if num_prompt_tokens is not None:
             r.nprompt = max(1, min(n, num_prompt_tokens))
         r.row = self.tables.add_row()
@@ -261,18 +270,24 @@ class HybridAllocator:
             self._cascade.settle()
         return info
 
-    def _look_up(self, r: Request) -> tuple[int, int]:
-        """Hash ``r``'s prompt and find its hit, and the hit of the policy's admission probe."""
+    def _look_up(self, r: Request) -> tuple[int, int, int]:
+        """Hash ``r``'s prompt and find its hit, the hit of the policy's admission probe, and
+        the hit of the attention groups alone (``HitInfo.num_kv_cached_tokens``)."""
         if not self.caching:
-            return 0, 0
+            return 0, 0, 0
         n, h = len(r.tokens), self.h
         hashes = r.hashes
         extend_unit_hashes(hashes, r.tokens, n, h, r.extra, self.hash_fn)
-        hit = probe_hit = 0
+        hit = probe_hit = kv_hit = 0
         if n > 1 and self.index.entries:
-            hit = self.coordinator.longest_hit(hashes, n - 1)
+            longest = self.coordinator.longest_hit
+            hit = longest(hashes, n - 1)
             if self._probe_rules:
-                probe_hit = self.coordinator.longest_hit(hashes, n - 1, self._probe_rules)
+                probe_hit = longest(hashes, n - 1, self._probe_rules)
+            if self._kv_rules:
+                kv_hit = longest(hashes, n - 1, self._kv_rules)
+            else:
+                kv_hit = probe_hit if self._probe_rules else hit
         self.num_queries += 1
         self.num_query_tokens += n
         self.num_hit_tokens += hit
@@ -280,7 +295,7 @@ class HybridAllocator:
             self._eviction.tick()
             if hit:
                 self._eviction.accessed(hashes[hit // h - 1])
-        return hit, probe_hit
+        return hit, probe_hit, kv_hit
 
     def _take_hit(self, r: Request, hit: int) -> HitInfo:
         """Give ``r`` the cached blocks of its hit and the new ids every group needs (all or

@@ -24,11 +24,13 @@ from .jsonl import (
 )
 from .request import Request, Trace
 from .reuse import (
+    ReferenceGap,
     block_hit_tokens,
     hashed_shared_prefix,
     hit_fraction,
     infinite_cache_hits,
     lru_cache_hits,
+    reference_gap,
 )
 from .synthetic import (
     VOCAB_SIZE,
@@ -46,6 +48,7 @@ __all__ = [
     "VOCAB_SIZE",
     "WORKLOADS",
     "LogNormal",
+    "ReferenceGap",
     "Request",
     "Trace",
     "agentic",
@@ -60,6 +63,7 @@ __all__ = [
     "multi_turn_chat",
     "no_sharing",
     "poisson_arrivals",
+    "reference_gap",
     "save_jsonl",
     "shared_prefix",
     "synthetic_tokens",

@@ -12,12 +12,16 @@ Two bounds for a cache with ``block_size``-token blocks and unlimited memory:
 
 These ignore eviction, memory and scheduling: they are what block granularity alone costs. A
 cache simulator gives the numbers under a memory budget; :func:`lru_cache_hits` is the
-attention-only reference for one: the same blocks in an LRU cache of a given size.
+attention-only reference for one: the same blocks in an LRU cache of a given size, and
+:func:`reference_gap` splits what a hybrid cache misses of it into tokens lost to missing states
+and to missing KV.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -25,11 +29,13 @@ import numpy as np
 from .request import Trace
 
 __all__ = [
+    "ReferenceGap",
     "block_hit_tokens",
     "hashed_shared_prefix",
     "hit_fraction",
     "infinite_cache_hits",
     "lru_cache_hits",
+    "reference_gap",
 ]
 
 Mode = Literal["full", "align"]
@@ -128,3 +134,59 @@ def lru_cache_hits(trace: Trace, block_size: int, capacity_tokens: int) -> np.nd
                         cache.popitem(last=False)
         out[i] = matched * block_size
     return out
+
+
+@dataclass(frozen=True)
+class ReferenceGap:
+    """Where a hybrid cache's hits part from an attention-only reference's (e.g.
+    :func:`lru_cache_hits` of the same memory), in prompt tokens, from per-request arrays:
+
+    - ``served``: tokens the hybrid cache served;
+    - ``lost_to_state``: tokens the reference served and the hybrid cache still held the KV of,
+      but no state checkpoint let a hit reach (``min(reference, kv) - hit``);
+    - ``lost_to_kv``: tokens the reference served whose KV the hybrid cache no longer held
+      (``reference - max(kv, hit)``);
+    - ``beyond``: tokens the hybrid cache served past the reference (``hit - reference``).
+
+    Per request ``served + lost_to_state + lost_to_kv - beyond = reference``; the counts are
+    of requests that lost anything to each cause."""
+
+    reference: int
+    served: int
+    lost_to_state: int
+    lost_to_kv: int
+    beyond: int
+    requests_losing_to_state: int
+    requests_losing_to_kv: int
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def reference_gap(hits: np.ndarray, kv_hits: np.ndarray, reference: np.ndarray) -> ReferenceGap:
+    """:class:`ReferenceGap` of per-request ``hits`` (a run's served prompt tokens),
+    ``kv_hits`` (the prefix its attention groups held at the lookup, ``>= hits``) and
+    ``reference`` (the attention-only reference's hits), all in trace order."""
+    hits, kv_hits, reference = (np.asarray(a, dtype=np.int64) for a in (hits, kv_hits, reference))
+    if not hits.shape == kv_hits.shape == reference.shape or hits.ndim != 1:
+        raise ValueError(
+            "hits, kv_hits and reference must be 1-D arrays of one length (one entry per "
+            f"request), got shapes {hits.shape}, {kv_hits.shape}, {reference.shape}"
+        )
+    if np.any(kv_hits < hits):
+        i = int(np.argmax(kv_hits < hits))
+        raise ValueError(
+            f"request {i}: kv_hits {kv_hits[i]} < hits {hits[i]}; the attention groups' prefix "
+            "bounds every hit (pass HitInfo.num_kv_cached_tokens, not another run's)"
+        )
+    to_state = np.maximum(0, np.minimum(reference, kv_hits) - hits)
+    to_kv = np.maximum(0, reference - np.maximum(kv_hits, hits))
+    return ReferenceGap(
+        reference=int(reference.sum()),
+        served=int(hits.sum()),
+        lost_to_state=int(to_state.sum()),
+        lost_to_kv=int(to_kv.sum()),
+        beyond=int(np.maximum(0, hits - reference).sum()),
+        requests_losing_to_state=int(np.count_nonzero(to_state)),
+        requests_losing_to_kv=int(np.count_nonzero(to_kv)),
+    )

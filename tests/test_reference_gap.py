@@ -1,0 +1,97 @@
+"""Where a hybrid cache's hits part from attention's: ``HitInfo.num_kv_cached_tokens`` (the
+prefix the attention groups alone hold at a lookup), the per-request arrays the simulator and
+replay record from it, and :func:`hybridkv.traces.reference_gap`'s split of a reference's hits
+into tokens served, lost to missing states and lost to missing KV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv import models, traces
+from hybridkv.doctor import prefix_trace
+from hybridkv.layouts import make_plan
+from hybridkv.replay import replay
+from hybridkv.sim import SimConfig, simulate
+
+MODEL = "qwen3-next-80b-a3b"
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_plan(models.load(MODEL), "per_group", memory="40GiB", max_num_seqs=16)
+
+
+def test_a_state_kept_only_at_the_end_loses_the_shared_prefix(plan):
+    # eight 1,000-token prompts sharing 900 tokens: every later one finds the KV of the 896
+    # tokens of whole 16-token units, but under `last` no state sits at 896 (each request keeps
+    # its end), so nothing is served; `align` keeps the junction's state for the third on
+    trace = prefix_trace(1000, 900, 8)
+    last = replay(plan, trace, checkpoint_policy="last")
+    assert last.hits.tolist() == [0] * 8
+    assert last.kv_hits.tolist() == [0] + [896] * 7
+    align = replay(plan, trace, checkpoint_policy="align")
+    assert align.kv_hits.tolist() == [0] + [896] * 7
+    assert align.hits.tolist() == [0, 0] + [896] * 6
+    gap = traces.reference_gap(last.hits, last.kv_hits, align.kv_hits)
+    assert (gap.served, gap.lost_to_state, gap.lost_to_kv) == (0, 7 * 896, 0)
+    assert gap.requests_losing_to_state == 7
+
+
+def test_the_simulator_records_both_per_request(plan):
+    trace = traces.multi_turn_chat(60, seed=3)
+    r = simulate(plan, models.load(MODEL), trace, SimConfig(checkpoint_policy="last"))
+    assert r.request_hits.shape == r.request_kv_hits.shape == (len(trace),)
+    assert int(r.request_hits.sum()) == r.hit_tokens
+    assert np.all(r.request_kv_hits >= r.request_hits)
+    assert np.all(r.request_kv_hits <= trace.prompt_lengths())
+    # multi-turn chat resends whole conversations: the KV is there far more often than states
+    assert r.request_kv_hits.sum() > r.request_hits.sum() > 0
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 5000), st.integers(0, 5000), st.integers(0, 5000)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_the_split_adds_up_to_the_reference(rows):
+    hits = np.array([a for a, _, _ in rows])
+    kv = hits + np.array([b for _, b, _ in rows])  # the attention prefix bounds every hit
+    reference = np.array([c for _, _, c in rows])
+    gap = traces.reference_gap(hits, kv, reference)
+    assert gap.served + gap.lost_to_state + gap.lost_to_kv - gap.beyond == gap.reference
+    assert min(gap.lost_to_state, gap.lost_to_kv, gap.beyond) >= 0
+    assert gap.requests_losing_to_state <= len(rows)
+
+
+@pytest.mark.parametrize(
+    ("hits", "kv", "reference", "message"),
+    [
+        ([1, 2], [1, 2], [1], "one length"),
+        ([5], [3], [9], "request 0: kv_hits 3 < hits 5"),
+    ],
+    ids=["lengths", "kv-below-hit"],
+)
+def test_bad_arrays_are_refused(hits, kv, reference, message):
+    with pytest.raises(ValueError, match=message):
+        traces.reference_gap(np.array(hits), np.array(kv), np.array(reference))
+
+
+def test_paper_reference_gap_writes_its_table(tmp_path):
+    import json
+
+    from paper import reference_gap
+
+    args = ["--requests", "60", "--layouts", "two_level", "--policies", "last", "periodic 512"]
+    assert reference_gap.main([*args, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "reference-gap.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["last", "periodic 512"]
+    for r in rows:
+        total = r["served"] + r["lost_to_state"] + r["lost_to_kv"] - r["beyond"]
+        assert total == r["reference"] > 0
+    text = (tmp_path / "reference-gap.md").read_text()
+    assert "| two_level | 16 | last |" in text and "commit `" in text
