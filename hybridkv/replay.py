@@ -17,6 +17,7 @@ and stops.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from .traces import Request, Trace
 __all__ = [
     "MARCONI_ALPHAS",
     "REPLAY_OPTIONS",
+    "AlphaTuner",
     "ReplayResult",
     "replay",
     "serve",
@@ -148,8 +150,6 @@ def replay(
         options = options.replace(marconi_alpha=marconi_alpha)
     elif auto:
         options = options.replace(marconi_alpha=0.0)  # Marconi's tuner starts at 0
-    if bootstrap_multiplier < 1:
-        raise ValueError(f"bootstrap_multiplier must be >= 1, got {bootstrap_multiplier}")
     # every request of the trace fits its length: only the plan's memory may refuse one
     options = options.replace(
         max_model_len=max((len(r.prompt) + r.output_length for r in reqs), default=1)
@@ -159,25 +159,26 @@ def replay(
         return HybridAllocator(plan, options)
 
     alloc = make()
+    tuner = None
+    if auto:
+        tuner = AlphaTuner(
+            make,
+            grid=alpha_grid,
+            bootstrap_multiplier=bootstrap_multiplier,
+            tuning_last=tuning_last,
+            flops=_flops(options),
+        )
     hits = np.zeros(len(reqs), dtype=np.int64)
     kv_hits = np.zeros(len(reqs), dtype=np.int64)
     samples: list[MemoryBreakdown] = []
     sample_at: list[int] = []
-    tuned_at: int | None = None
-    window: int | None = None  # requests seen when alpha is tuned
     bar = tqdm(total=len(reqs), desc=f"replay {plan.layout}", disable=not progress)
     for i, req in enumerate(reqs):
         info = _serve(alloc, req, i)
         hits[i], kv_hits[i] = info.num_cached_tokens, info.num_kv_cached_tokens
         bar.update()
-        if auto and tuned_at is None:
-            if window is None and _evictions(alloc):
-                window = bootstrap_multiplier * (i + 1)
-            if window is not None and i + 1 == window:
-                alloc.marconi_alpha = tune_marconi_alpha(
-                    make, reqs[:window], alpha_grid, tuning_last, flops=_flops(options)
-                )
-                tuned_at = i
+        if tuner is not None:
+            tuner.observe(alloc, req)
         if sample_every and (i + 1) % sample_every == 0:
             samples.append(alloc.memory_breakdown())
             sample_at.append(i)
@@ -194,7 +195,7 @@ def replay(
         checkpoints=stats["checkpoints"],
         evictions=_evictions(alloc),
         marconi_alpha=alloc.marconi_alpha,
-        alpha_tuned_at=tuned_at,
+        alpha_tuned_at=tuner.tuned_at[0] - 1 if tuner is not None and tuner.tuned_at else None,
         kv_hits=kv_hits,
     )
 
@@ -205,6 +206,62 @@ def _evictions(alloc: HybridAllocator) -> int:
 
 def _flops(options: AllocatorOptions) -> Callable[[int, int], float]:
     return options.marconi_flops or tokens_as_flops
+
+
+class AlphaTuner:
+    """Marconi's online tuning of ``marconi``'s alpha, fed the requests a cache has served (in
+    the order they finished) and the allocator serving them.
+
+    Until the first eviction nothing is tuned (the allocator starts at Marconi's 0). Once
+    ``bootstrap_multiplier`` times as many requests as had finished at the first eviction have
+    finished (the *window*), the last window of them is replayed from an empty cache with each
+    alpha of ``grid`` (:func:`tune_marconi_alpha`, made by ``make``) and the best is set on the
+    allocator. With ``retune`` it tunes again after every further window, on the last window, so
+    alpha follows a workload that drifts; without, once (Marconi's simulator, :func:`replay`).
+    ``tuned_at``: the finished-request counts at which it tuned."""
+
+    def __init__(
+        self,
+        make: Callable[[], HybridAllocator],
+        *,
+        grid: Sequence[float] = MARCONI_ALPHAS,
+        bootstrap_multiplier: int = 5,
+        tuning_last: int = 500,
+        retune: bool = False,
+        flops: Callable[[int, int], float] = tokens_as_flops,
+    ) -> None:
+        if bootstrap_multiplier < 1:
+            raise ValueError(f"bootstrap_multiplier must be >= 1, got {bootstrap_multiplier}")
+        if not grid:
+            raise ValueError("alpha_grid is empty; give at least one value")
+        self.make, self.grid, self.flops = make, tuple(grid), flops
+        self.bootstrap_multiplier, self.tuning_last, self.retune = (
+            bootstrap_multiplier, tuning_last, retune,
+        )  # fmt: skip
+        self.count = 0
+        self.window: int | None = None
+        self.tuned_at: list[int] = []
+        self._seen: deque[Request] = deque()
+
+    def observe(self, alloc: HybridAllocator, req: Request) -> None:
+        """``req`` finished on ``alloc`` (with its answer's ``output_ids``): tune if it is time."""
+        self.count += 1
+        self._seen.append(req)
+        if self.window is None:
+            if not _evictions(alloc):
+                return
+            self.window = self.bootstrap_multiplier * self.count
+        while len(self._seen) > self.window:  # only the last window is ever replayed
+            self._seen.popleft()
+        last = self.tuned_at[-1] if self.tuned_at else None
+        due = self.count >= self.window if last is None else (
+            self.retune and self.count - last >= self.window
+        )  # fmt: skip
+        if due:
+            alloc.marconi_alpha = tune_marconi_alpha(
+                self.make, list(self._seen), self.grid, self.tuning_last, flops=self.flops
+            )
+            self.tuned_at.append(self.count)
 
 
 def tune_marconi_alpha(

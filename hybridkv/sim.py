@@ -49,6 +49,7 @@ from tqdm import tqdm  # a text bar: in a notebook tqdm.auto would want ipywidge
 
 from .alloc import AllocatorOptions, HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
+from .alloc.marconi import tokens_as_flops
 from .costmodel import GPU, H100_SXM, ParamCount, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -100,7 +101,12 @@ class SimConfig:
     interval doubles (every other sample is dropped), so long runs keep at most that many. Every
     ``breakdown_every``-th sample also records the pool's full byte breakdown
     (:func:`hybridkv.alloc.memory_breakdown`: live, cached and reachable or not, owned but
-    empty, padding, free; one pass over the cache index, hence not every sample; 0: never)."""
+    empty, padding, free; one pass over the cache index, hence not every sample; 0: never).
+
+    ``tune_marconi_alpha`` (``marconi`` only): tune the policy's alpha online as Marconi's
+    system does (:class:`hybridkv.replay.AlphaTuner` with ``retune``: from 0 until the first
+    eviction, then on the last window of finished requests, again after every window), instead
+    of the options' fixed ``marconi_alpha``."""
 
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # most prompt tokens of one request per step (0: any)
@@ -112,6 +118,7 @@ class SimConfig:
     #: the model's parameters for the roofline (default: the zoo's count for the model)
     params: ParamCount | None = None
     allocator: AllocatorOptions = SIM_ALLOCATOR
+    tune_marconi_alpha: bool = False
 
     def __getattr__(self, name: str) -> Any:
         # called only when no field has the name: the allocator's options read as they did
@@ -161,6 +168,10 @@ class SimResult:
     #: at the prompt): ``request_kv_hits - request_hits`` is what missing states cost it
     request_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     request_kv_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    #: ``marconi``'s alpha at the end (None for other policies) and, when it was tuned online
+    #: (``SimConfig.tune_marconi_alpha``), the finished-request counts at which it was
+    marconi_alpha: float | None = None
+    alpha_tuned_at: tuple[int, ...] = ()
 
     def breakdown_mean(self) -> dict[str, float]:
         """Mean bytes per breakdown field over the run's breakdown samples."""
@@ -264,6 +275,7 @@ def simulate(
         # marconi weighs the FLOPs a state saves by the same cost model as the clock
         options = options.replace(marconi_flops=coster.prefill_flops)
     alloc = HybridAllocator(plan, options)
+    tuner = _alpha_tuner(plan, options, alloc) if config.tune_marconi_alpha else None
     # sliding-window layers: the decode cost needs every context, not just their sum
     sched = Scheduler(alloc, scheduler_config(plan, config), contexts=bool(coster.windows))
     clock = RooflineClock(coster)
@@ -349,6 +361,13 @@ def simulate(
                 ttft.append(clock.t - seq.arrival)
         for seq in out.finished:
             finish_time[seq.rid] = clock.t
+            if tuner is not None:  # what it sent and got, as the shadow replays resend it
+                done = dataclasses.replace(
+                    reqs[seq.rid],
+                    output_ids=np.asarray(seq.outputs, dtype=np.int64),
+                    output_length=len(seq.outputs),
+                )
+                tuner.observe(alloc, done)
             bar.update(1)
             for child in children.get(seq.rid, ()):
                 c = reqs[child]
@@ -382,6 +401,25 @@ def simulate(
         checkpoint_bytes=alloc.num_checkpoint_ids * _state_id_bytes(plan),
         request_hits=request_hits,
         request_kv_hits=request_kv_hits,
+        marconi_alpha=alloc.marconi_alpha,
+        alpha_tuned_at=tuple(tuner.tuned_at) if tuner is not None else (),
+    )
+
+
+def _alpha_tuner(plan: MemoryPlan, options: AllocatorOptions, alloc: HybridAllocator):
+    """The online tuner of ``SimConfig.tune_marconi_alpha``; ``alloc`` starts at alpha 0."""
+    from .replay import AlphaTuner
+
+    if alloc.marconi_alpha is None:
+        raise ValueError(
+            f"tune_marconi_alpha is for checkpoint_policy='marconi', not "
+            f"{options.checkpoint_policy!r}"
+        )
+    alloc.marconi_alpha = 0.0  # Marconi's tuner starts at 0
+    return AlphaTuner(
+        lambda: HybridAllocator(plan, options),
+        retune=True,
+        flops=options.marconi_flops or tokens_as_flops,
     )
 
 

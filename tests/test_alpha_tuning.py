@@ -1,0 +1,111 @@
+"""Marconi's alpha tuned online (:class:`hybridkv.replay.AlphaTuner`): when it tunes (after the
+bootstrap window, again after every window with ``retune``), that :func:`~hybridkv.replay.replay`
+keeps tuning once, and the simulator's ``SimConfig.tune_marconi_alpha``."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridkv import models, traces
+from hybridkv.alloc import HybridAllocator
+from hybridkv.layouts import make_plan
+from hybridkv.replay import MARCONI_ALPHAS, AlphaTuner, replay
+from hybridkv.sim import SimConfig, simulate
+
+MODEL = "qwen3.5-4b"
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = models.load(MODEL)
+    # small enough to evict early: the simulator tunes once, after 85 finished requests
+    plan = make_plan(model, "two_level", memory="1.5GiB", max_num_seqs=16)
+    return model, plan, traces.multi_turn_chat(150, seed=0)
+
+
+class _Evictions:
+    """An allocator stand-in whose pool reports evictions from the ``n``-th observed request on,
+    and records the alphas set on it."""
+
+    def __init__(self, first_eviction: int) -> None:
+        self.first, self.seen, self.alphas = first_eviction, 0, []
+
+    def stats(self):
+        self.seen += 1
+        return {"pools": {"p": {"evictions": int(self.seen >= self.first)}}}
+
+    @property
+    def marconi_alpha(self):
+        return self.alphas[-1] if self.alphas else 0.0
+
+    @marconi_alpha.setter
+    def marconi_alpha(self, alpha):
+        self.alphas.append(alpha)
+
+
+@pytest.mark.parametrize("retune, expected", [(False, [15]), (True, [15, 30, 45])])
+def test_tunes_after_the_bootstrap_window_and_then_every_window(monkeypatch, retune, expected):
+    # first eviction seen at the 3rd request, multiplier 5: a window of 15 requests
+    replayed: list[list[int]] = []
+
+    def fake_tune(make, requests, grid, last, *, flops):
+        replayed.append([r.request_id for r in requests])
+        return 0.3
+
+    monkeypatch.setattr("hybridkv.replay.tune_marconi_alpha", fake_tune)
+    alloc = _Evictions(first_eviction=3)
+    tuner = AlphaTuner(lambda: None, retune=retune)
+    for r in traces.multi_turn_chat(50, seed=1).requests:
+        tuner.observe(alloc, r)
+    assert tuner.window == 15 and tuner.tuned_at == expected
+    assert alloc.alphas == [0.3] * len(expected)
+    # each tuning replays the last window of finished requests, in the order they finished
+    assert replayed == [list(range(n - 15, n)) for n in expected]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"bootstrap_multiplier": 0}, "bootstrap_multiplier must be >= 1"), ({"grid": ()}, "empty")],
+)
+def test_bad_tuner_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AlphaTuner(lambda: None, **kwargs)
+
+
+def test_replay_tunes_once(small):
+    _, plan, trace = small
+    r = replay(plan, trace)
+    assert r.alpha_tuned_at is not None
+    assert any(r.marconi_alpha == pytest.approx(a) for a in MARCONI_ALPHAS)
+
+
+def test_the_simulator_tunes_online(small):
+    model, plan, trace = small
+    fixed = simulate(plan, model, trace, SimConfig(checkpoint_policy="marconi"))
+    assert fixed.marconi_alpha == 1.0 and fixed.alpha_tuned_at == ()
+    tuned = simulate(
+        plan, model, trace, SimConfig(checkpoint_policy="marconi", tune_marconi_alpha=True)
+    )
+    assert len(tuned.alpha_tuned_at) >= 1
+    window = tuned.alpha_tuned_at[0]
+    assert all(b - a >= window for a, b in zip(tuned.alpha_tuned_at, tuned.alpha_tuned_at[1:]))
+    assert 0.0 <= tuned.marconi_alpha <= 2.0
+
+
+def test_tuning_needs_marconi(small):
+    model, plan, trace = small
+    with pytest.raises(ValueError, match="tune_marconi_alpha is for checkpoint_policy='marconi'"):
+        simulate(plan, model, trace, SimConfig(checkpoint_policy="last", tune_marconi_alpha=True))
+
+
+def test_the_shadow_allocator_is_fresh(small):
+    # the tuner replays on new allocators: the served one's cache is not touched by a tuning
+    _, plan, _ = small
+    made: list[HybridAllocator] = []
+
+    def make():
+        made.append(HybridAllocator(plan, checkpoint_policy="marconi"))
+        return made[-1]
+
+    a, b = make(), make()
+    assert a is not b and len(a.index) == len(b.index) == 0
