@@ -109,3 +109,17 @@ def test_the_shadow_allocator_is_fresh(small):
 
     a, b = make(), make()
     assert a is not b and len(a.index) == len(b.index) == 0
+
+
+def test_paper_alpha_online_writes_its_table(tmp_path):
+    import json
+
+    from paper import alpha_online
+
+    assert alpha_online.main(["--requests", "40", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "alpha-online.json").read_text())["rows"]
+    assert [(r["layout"], r["setting"]) for r in rows] == [
+        (layout, label) for layout in alpha_online.LAYOUTS for label, _ in alpha_online.SETTINGS
+    ]
+    assert [r["alpha_end"] for r in rows[:2]] == [1.0, 0.0]
+    assert "| two_level | tuned online |" in (tmp_path / "alpha-online.md").read_text()

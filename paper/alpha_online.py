@@ -1,0 +1,110 @@
+"""Marconi's alpha fixed or tuned online, in the simulator (batched serving, not one request at
+a time): ``python -m paper.alpha_online [--requests 600] [--out paper/results]``.
+
+Multi-turn chat (``traces.multi_turn_chat(n, seed=0)``) on Qwen3.5-4B with 3 GiB of cache and
+16 running requests at most (small enough that the cache evicts within a few hundred requests),
+``marconi`` with alpha fixed at 1.0 (the allocator's default), fixed at 0.0 (Marconi's tuner's
+start) and tuned online (``SimConfig.tune_marconi_alpha``), on two_level and inflate. Records
+token hit rate, TTFT, the alpha at the end, when it was tuned, and the wall time. Writes
+``alpha-online.json`` and ``alpha-online.md`` (date, machine, commit)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from hybridkv import models, traces
+from hybridkv.layouts import make_plan
+
+from .bench_sim import _commit, _versions
+
+RESULTS = Path(__file__).parent / "results"
+MODEL, MEMORY, MAX_NUM_SEQS = "qwen3.5-4b", "3GiB", 16
+LAYOUTS = ("two_level", "inflate")
+#: (label, alpha or None for tuned online)
+SETTINGS = (("alpha 1.0", 1.0), ("alpha 0.0", 0.0), ("tuned online", None))
+
+
+def measure(n: int) -> list[dict]:
+    from hybridkv.sim import SimConfig, simulate
+
+    model = models.load(MODEL)
+    trace = traces.multi_turn_chat(n, seed=0)
+    rows = []
+    for layout in LAYOUTS:
+        plan = make_plan(model, layout, memory=MEMORY, max_num_seqs=MAX_NUM_SEQS)
+        for label, alpha in SETTINGS:
+            if alpha is None:
+                config = SimConfig(checkpoint_policy="marconi", tune_marconi_alpha=True)
+            else:
+                config = SimConfig(checkpoint_policy="marconi", marconi_alpha=alpha)
+            t0 = time.perf_counter()
+            r = simulate(plan, model, trace, config)
+            s = r.summary()
+            rows.append({
+                "layout": layout, "setting": label, "token_hit_rate": r.token_hit_rate,
+                "ttft_p50_ms": s["ttft_p50_ms"], "ttft_p90_ms": s["ttft_p90_ms"],
+                "alpha_end": r.marconi_alpha, "tuned_at": list(r.alpha_tuned_at),
+                "wall_s": round(time.perf_counter() - t0, 1),
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
+def table(rows: list[dict], meta: dict) -> str:
+    out = [
+        "# marconi's alpha: fixed or tuned online, in the simulator",
+        "",
+        f"{meta['what']}. Measured {meta['date']} on {meta['machine']} ({meta['cpus']} CPUs, "
+        "other jobs running: wall times are comparable within this table only), commit "
+        f"`{meta['commit'][:12]}`; `python -m paper.alpha_online {' '.join(meta['argv'])}`.",
+        "",
+        "| layout | alpha | token hit rate | TTFT p50 / p90 (ms) | alpha at the end | "
+        "tuned after (finished requests) | wall (s) |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        tuned = ", ".join(map(str, r["tuned_at"])) or "-"
+        out.append(
+            f"| {r['layout']} | {r['setting']} | {100 * r['token_hit_rate']:.1f}% | "
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f} | {r['alpha_end']:.1f} | {tuned} | "
+            f"{r['wall_s']:.1f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m paper.alpha_online", description=__doc__)
+    ap.add_argument("--requests", type=int, default=600, help="(default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="(default: paper/results)")
+    args = ap.parse_args(argv)
+    if args.requests < 1:
+        ap.error(f"--requests must be at least 1, got {args.requests}")
+    rows = measure(args.requests)
+    meta = {
+        "what": f"multi_turn_chat({args.requests}, seed=0), {MODEL}, {MEMORY} of cache, "
+        f"max_num_seqs={MAX_NUM_SEQS}, checkpoint_policy marconi",
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "versions": _versions(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "alpha-online.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
+    )
+    (args.out / "alpha-online.md").write_text(table(rows, meta))
+    print(f"wrote {args.out / 'alpha-online.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
