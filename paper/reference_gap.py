@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     dep = real_trace.DEPLOYMENT
     meta = {
         "what": f"{args.requests} requests of {real_trace.TRACE.name} (arrivals x"
-        f"{1 / real_trace.RATE_SCALE:.0f} apart), {dep.model}, {dep.memory} of cache",
+        f"{1 / real_trace.RATE_SCALE:.0f} apart), {dep.model}, {dep.memory / 2**30:g} GiB of "
+        "cache",
         "machine": platform.platform(),
         "cpus": __import__("os").cpu_count(),
         "versions": _versions(),
