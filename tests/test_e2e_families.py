@@ -1,7 +1,8 @@
 """End to end for every hybrid family beyond Bamba and Qwen3-Next (tests/test_e2e.py): tiny
 random Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, RecurrentGemma and
 Kimi-Linear served by :class:`hybridkv.e2e.engine.Engine` out of every layout's plan, against
-the same model run by transformers alone, MiniMax included (its own MiniMaxCache).
+the same model run by transformers alone, MiniMax included (its own MiniMaxCache); the families
+of ``REFUSED`` (GraniteSWA's attention sinks) refused with the reason.
 
 Every engine run poisons its cache memory with NaN (the null block included), so a read of
 anything nothing wrote (a stale slot, a page past a request's length, a block a sliding window
@@ -219,8 +220,19 @@ def test_qwen3_5_keeps_its_ssm_state_in_fp32():
         assert torch.equal(back, held), part
 
 
-def test_no_family_is_refused():
-    assert not REFUSED and not states.REFUSED
+@pytest.mark.parametrize("name", REFUSED)
+def test_refused_families_say_what_is_missing_and_what_is_served(name):
+    """A family the engine cannot serve is refused before anything runs, with an Unservable
+    (a NotImplementedError) that says what the engine lacks for it and what it serves; the
+    plan itself is fine (its formulas are checked in tests/test_hf_cache_bytes.py)."""
+    cfg = TINY_CONFIGS[name]()
+    plan = make_tiny_plan(cfg, "per_group")
+    with pytest.raises(states.Unservable, match="cannot be served by the engine") as err:
+        Engine(_model(name), plan)
+    message = str(err.value)
+    assert "the engine serves softmax attention" in message and "mamba2" in message
+    if name in ("granite_swa", "granitemoe_swa"):
+        assert "learnable per-head sinks" in message and "'sinks'" in message
 
 
 def test_an_unwired_state_kind_is_refused_with_its_name(monkeypatch):
@@ -230,6 +242,6 @@ def test_an_unwired_state_kind_is_refused_with_its_name(monkeypatch):
     cfg = TINY_CONFIGS["falcon_h1"]()
     model = torch.nn.Module()
     model.config = cfg
-    with pytest.raises(NotImplementedError, match="cannot be served") as err:
+    with pytest.raises(states.Unservable, match="cannot be served") as err:
         Engine(model, make_tiny_plan(cfg, "per_group"))
     assert "no StateFormat for 'mamba2' layers (wired: " in str(err.value)

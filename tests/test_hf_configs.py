@@ -215,6 +215,8 @@ DEFAULT_KINDS = {
     "mamba": {"mamba1"},
     "falcon_mamba": {"mamba1"},
     "mamba2": {"mamba2"},
+    "granite_swa": {"full_attention", "sliding_window"},
+    "granitemoe_swa": {"full_attention", "sliding_window"},
 }
 # families transformers does not ship (remote-code formats), read from their own configs
 NOT_IN_TRANSFORMERS = {"minimax_text_01", "minimax_m1"}
@@ -414,6 +416,54 @@ def test_olmo_hybrid_defaults_and_vllm_head_size():
     # too few layers for one every 4th: the last becomes attention, as in transformers
     tiny = models.from_hf_config({**config, "num_hidden_layers": 2})
     assert [layer.index for layer in tiny.attention_layers] == [1]
+
+
+@pytest.mark.parametrize(
+    "cls, arch",
+    [
+        ("GraniteSWAConfig", "GraniteSWAForCausalLM"),
+        ("GraniteMoeSWAConfig", "GraniteMoeSWAForCausalLM"),
+    ],
+)
+def test_granite_swa_reads_every_size_field(cls, arch):
+    """A config saved by transformers' class: layer_types (full and sliding), window, heads,
+    KV heads, head_dim when given (LlamaAttention takes it) else hidden // heads; the
+    architecture alone names the family; transformers' every-4th rule without layer_types."""
+    transformers = pytest.importorskip("transformers")
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    saved = getattr(transformers, cls)(
+        hidden_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        sliding_window=256,
+        layer_types=types,
+        dtype="bfloat16",
+    ).to_dict()
+    model = models.from_hf_config(saved)
+    assert model.family == saved["model_type"] and model.dtype == "bfloat16"
+    assert [layer.index for layer in model.layers] == [0, 1, 2, 3]
+    full = [layer.spec for layer in model.layers if layer.spec.kind == "full_attention"]
+    window = [layer.spec for layer in model.layers if layer.spec.kind == "sliding_window"]
+    assert [layer.index for layer in model.layers if layer.spec.kind == "sliding_window"] == [1, 2]
+    for spec in full + window:
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_dim) == (16, 4, 64)
+    assert {spec.sliding_window for spec in window} == {256}
+    assert not model.doubts  # every field given
+    # a head_dim in the config is what transformers' attention uses
+    assert models.from_hf_config({**saved, "head_dim": 128}).layers[0].spec.head_dim == 128
+    by_arch = _without(saved, "model_type") | {"architectures": [arch]}
+    assert _layers(models.from_hf_config(by_arch)) == _layers(model)
+    # no layer_types: transformers' rule, layer i full iff i % 4 == 0
+    ruled = models.from_hf_config({**_without(saved, "layer_types"), "num_hidden_layers": 8})
+    assert [layer.index for layer in ruled.layers if layer.spec.kind == "full_attention"] == [0, 4]
+    # a missing window or KV head count takes the class default, said among the doubts
+    bare = models.from_hf_config(_without(saved, "sliding_window", "num_key_value_heads"))
+    assert {layer.spec.sliding_window for layer in bare.layers[1:3]} == {128}
+    assert "sliding_window missing: 128" in bare.doubts
+    assert "num_key_value_heads missing" in bare.doubts
+    with pytest.raises(ValueError, match=r"layer_types\[1\] is 'mamba'"):
+        models.from_hf_config({**saved, "layer_types": ["full_attention", "mamba", *types[2:]]})
 
 
 def test_bailing_hybrid_reads_both_saved_forms():

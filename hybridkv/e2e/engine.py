@@ -41,7 +41,9 @@ multi-token forward from a state in transformers, so the engine steps them token
 (:mod:`.states`). MiniMax (lightning attention) keeps its state in its own ``MiniMaxCache``,
 which its forward insists on: the engine builds each forward's cache with
 :func:`.states.cache_factory`. A plan with a layer kind no :class:`~.states.StateFormat` wires
-is refused with a NotImplementedError naming it (:func:`.states.check_wired`).
+is refused with a :class:`~.states.Unservable` (a NotImplementedError) naming it and what is
+served (:func:`.states.check_wired`), as is a model whose attention has learnable sinks
+(GraniteSWA), which the paged kernels do not apply (:func:`.states.check_servable`).
 
 Private transformers fields: only ``config._attn_implementation``, saved, set and restored by
 :meth:`Engine._paged_attention` so that the same model still runs stock attention outside the
@@ -70,7 +72,7 @@ from .states import (
     Packed,
     StateFormat,
     cache_factory,
-    check_wired,
+    check_servable,
     install_stepwise,
     install_varlen,
 )
@@ -161,7 +163,7 @@ class Engine:
         on_step: Callable[[StepOutput], None] | None = None,
         **overrides: Any,
     ) -> None:
-        check_wired(plan)  # NotImplementedError with the reason for a refused family
+        check_servable(model, plan)  # Unservable, with the reason, for a refused family
         attn.register()
         self.model = model
         self.config = model.config

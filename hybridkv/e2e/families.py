@@ -4,7 +4,8 @@ one end-to-end run takes seconds on a CPU under the Triton interpreter.
 
 :data:`TINY_CONFIGS` maps a family name to its config factory; :data:`SERVED` lists the families
 :class:`~hybridkv.e2e.engine.Engine` serves, :data:`REFUSED` the others (the engine raises
-NotImplementedError for them, with the reason of :data:`hybridkv.e2e.states.REFUSED`).
+:class:`~hybridkv.e2e.states.Unservable` for them, with the reason of
+:data:`hybridkv.e2e.states.REFUSED` or :data:`~hybridkv.e2e.states.REFUSED_ATTENTION`).
 Every Mamba config keeps its chunk size at 32: transformers' torch scan pads a prefill to a
 multiple of it, and the default 256 would make every short prefill a 256-token one. Zamba2,
 LFM2 and RecurrentGemma untie their output embedding: tied and randomly initialised, their
@@ -250,6 +251,45 @@ def tiny_kimi_linear_config():
     )
 
 
+def tiny_granite_swa_config():
+    """GraniteSWA: full attention, then two sliding-window layers (window 16), all with
+    learnable attention sinks (refused by the engine: :data:`REFUSED`)."""
+    from transformers import GraniteSWAConfig
+
+    return GraniteSWAConfig(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_granitemoe_swa_config():
+    """GraniteMoeSWA: sliding-window attention (window 16), then full attention; a 4-expert
+    MoE (top 2); attention sinks as GraniteSWA."""
+    from transformers import GraniteMoeSWAConfig
+
+    return GraniteMoeSWAConfig(
+        **_COMMON,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "bamba": tiny_bamba_config,
     "qwen3_next": tiny_qwen3_next_config,
@@ -263,6 +303,9 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "recurrent_gemma": tiny_recurrent_gemma_config,
     "minimax": tiny_minimax_config,
     "kimi_linear": tiny_kimi_linear_config,
+    "granite_swa": tiny_granite_swa_config,
+    "granitemoe_swa": tiny_granitemoe_swa_config,
 }
-REFUSED: tuple[str, ...] = ()  # every family is served (MiniMax since its MiniMaxCache)
+#: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): attention sinks
+REFUSED: tuple[str, ...] = ("granite_swa", "granitemoe_swa")
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

@@ -78,7 +78,9 @@ __all__ = [
     "REFUSED",
     "Packed",
     "StateFormat",
+    "Unservable",
     "cache_factory",
+    "check_servable",
     "check_wired",
     "install_stepwise",
     "install_varlen",
@@ -99,10 +101,25 @@ MIXER_PATHS = (
     "self_attn",
 )
 
-#: layer kinds (of the plan's state and KV placements) the engine cannot serve, and why (none
-#: today: every kind the zoo's transformers families have is wired; :func:`refusal` also names
-#: kinds with no :class:`StateFormat`)
+#: layer kinds (of the plan's state and KV placements) the engine cannot serve, and why
+#: (:func:`refusal` also names kinds with no :class:`StateFormat`)
 REFUSED: dict[str, str] = {}
+
+#: attention features of a model's modules that the paged kernels do not compute: the
+#: attribute (a parameter of the attention module) and why it cannot be served
+REFUSED_ATTENTION: dict[str, str] = {
+    "sinks": (
+        "its attention has learnable per-head sinks (GraniteSWA / GraniteMoeSWA: each head's "
+        "output scaled by sigmoid(logsumexp(scores) - sink), an extra softmax logit), which "
+        "the paged prefill and decode kernels do not apply"
+    ),
+}
+
+
+class Unservable(NotImplementedError):
+    """A model or plan the engine refuses before anything runs; the message names what the
+    engine lacks for it and what it serves. A NotImplementedError: the model is valid, the
+    engine has no kernel or state hand-over for part of it."""
 
 
 @dataclass(frozen=True)
@@ -237,14 +254,38 @@ def refusal(kind: str) -> str | None:
     return f"no StateFormat for {kind!r} layers (wired: {', '.join(FORMATS)})"
 
 
+def _served() -> str:
+    return (
+        "the engine serves softmax attention (full, sliding-window, MLA) without sinks and the "
+        f"state kinds {', '.join(FORMATS)}"
+    )
+
+
 def check_wired(plan: Any) -> None:
-    """NotImplementedError naming every refused layer kind of ``plan`` and why."""
+    """:class:`Unservable` naming every refused layer kind of ``plan``, why, and what the
+    engine serves."""
     kinds = [p.kind for p in (*plan.kv_placements, *plan.state_placements)]
     refused = dict.fromkeys(k for k in kinds if k in REFUSED)
     refused |= dict.fromkeys(k for k in kinds[len(plan.kv_placements) :] if k not in FORMATS)
     if refused:
         reasons = "; ".join(f"{k} layers: {refusal(k)}" for k in refused)
-        raise NotImplementedError(f"{plan.model_name} cannot be served by the engine: {reasons}")
+        raise Unservable(
+            f"{plan.model_name} cannot be served by the engine: {reasons} ({_served()})"
+        )
+
+
+def check_servable(model: torch.nn.Module, plan: Any) -> None:
+    """:func:`check_wired`, then :class:`Unservable` if the model's attention modules have a
+    feature of :data:`REFUSED_ATTENTION` (checked on the modules, not the plan: the cache of
+    such a layer is ordinary K/V, only its attention differs)."""
+    check_wired(plan)
+    for name, module in model.named_modules():
+        for attr, why in REFUSED_ATTENTION.items():
+            if isinstance(getattr(module, attr, None), torch.Tensor):
+                raise Unservable(
+                    f"{plan.model_name} cannot be served by the engine: {why} "
+                    f"({type(module).__name__} {name!r} has {attr!r}; {_served()})"
+                )
 
 
 def _stepping() -> bool:

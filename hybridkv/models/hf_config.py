@@ -675,6 +675,32 @@ def _lfm3(c: _Config) -> list[dict[str, Any]]:
     return mixers
 
 
+def _granite_swa(c: _Config) -> list[dict[str, Any]]:
+    """GraniteSWA and GraniteMoeSWA (Granite-SWASH): every layer attention, full or over a
+    sliding window (``layer_types``, else transformers' rule: layer i is full iff
+    ``i % 4 == 0``). transformers' attention (``LlamaAttention``) takes ``head_dim`` when the
+    config sets it, else ``hidden_size // num_attention_heads``; an absent window or KV head
+    count takes the config class's default (window 128; GraniteSWAConfig 4 KV heads,
+    GraniteMoeSWAConfig one per query head), said among the doubts. The learnable per-head
+    attention sinks are weights, not cache: the KV cache is plain GQA K and V."""
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        c.num_layers(types)
+    else:
+        n = c.num_layers()
+        types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    # _split's second list is the sliding layers here (no layer holds a recurrent state)
+    full, window = _split(c, types, attention={"full_attention"}, state={"sliding_attention"})
+    mixers = []
+    if full:
+        mixers.append(c.attention(full))
+    if window:
+        mixers.append(
+            c.attention(window, kind="sliding_window", sliding_window=c.integer("sliding_window"))
+        )
+    return mixers
+
+
 def _minimax(c: _Config) -> list[dict[str, Any]]:
     """MiniMax-Text-01 / M1: ``attn_type_list`` (0 lightning, 1 softmax) in the original
     configs, ``layer_types`` in transformers' ``minimax`` port."""
@@ -912,6 +938,8 @@ FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "lfm2": _lfm2,
     "lfm2_moe": _lfm2,
     "lfm3": _lfm3,
+    "granite_swa": _granite_swa,
+    "granitemoe_swa": _granite_swa,
     "minimax_text_01": _minimax,
     "minimax_m1": _minimax,
     "minimax": _minimax,
@@ -946,6 +974,8 @@ ARCHITECTURES: dict[str, str] = {
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
     "Lfm3ForCausalLM": "lfm3",
+    "GraniteSWAForCausalLM": "granite_swa",
+    "GraniteMoeSWAForCausalLM": "granitemoe_swa",
     "MiniMaxText01ForCausalLM": "minimax_text_01",
     "MiniMaxM1ForCausalLM": "minimax_m1",
     "MiniMaxForCausalLM": "minimax",
