@@ -29,6 +29,7 @@ __all__ = [
     "Mamba1Spec",
     "Mamba2Spec",
     "RGLRUSpec",
+    "RWKV4Spec",
     "ShortConvSpec",
     "SlidingWindowSpec",
     "StateSpec",
@@ -467,6 +468,54 @@ class RGLRUSpec(StateSpec):
         return (self._conv(width, self.conv_kernel), StateTensor("ssm", (width,), self.ssm_dtype))
 
 
+@dataclass(frozen=True, kw_only=True)
+class RWKV4Spec(StateSpec):
+    """RWKV-4 (transformers' ``RwkvForCausalLM``): per layer, two token-shift vectors and the
+    WKV recurrence's numerator, denominator and running maximum.
+
+    transformers keeps the whole model's state as five ``[batch, hidden_size, num_layers]``
+    tensors (``RwkvModel.forward``): 0 the channel-mix (feed-forward) shift and 1 the time-mix
+    (attention) shift, in the model dtype; 2-4 the WKV ``num``, ``den`` and ``max`` states, in
+    float32 whatever the model dtype (``max`` starts at -1e30, which overflows float16). Per
+    layer and request that is:
+
+    - ``shift``: ``(2, hidden_size)`` in ``conv_dtype`` (the previous token's normed hidden
+      state before each mixer: a causal conv of kernel 2, so one column; no speculative rows,
+      no engine serves RWKV speculatively);
+    - ``wkv``: ``(attention_hidden_size / tp, 3)`` in ``ssm_dtype`` (num, den, max per channel,
+      the layout of transformers' CUDA kernel state).
+
+    TP split rule (no engine shards RWKV; this is the rule a column-parallel port would follow):
+    the WKV recurrence is per channel, so its channels split across ranks with the
+    key / value / receptance projections; the shift vectors feed those column-parallel
+    projections, whose every rank needs the whole previous hidden state, so each rank keeps
+    both shifts whole (replicated). transformers sizes all five tensors by ``hidden_size``, so it
+    runs only configs with ``attention_hidden_size == hidden_size``; the spec keeps the two
+    apart as the layer's weights do.
+    """
+
+    kind: ClassVar[str] = "rwkv4"
+
+    hidden_size: int
+    attention_hidden_size: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "hidden_size", "attention_hidden_size")
+        _divide(
+            self.attention_hidden_size,
+            self.tp_size,
+            "attention_hidden_size",
+            "use a TP size that divides it",
+        )
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        return (
+            StateTensor("shift", (2, self.hidden_size), self.conv_dtype),
+            StateTensor("wkv", (self.attention_hidden_size // self.tp_size, 3), self.ssm_dtype),
+        )
+
+
 SPEC_KINDS: dict[str, type[LayerSpec]] = {
     cls.kind: cls
     for cls in (
@@ -480,6 +529,7 @@ SPEC_KINDS: dict[str, type[LayerSpec]] = {
         LinearAttentionSpec,
         ShortConvSpec,
         RGLRUSpec,
+        RWKV4Spec,
     )
 }
 

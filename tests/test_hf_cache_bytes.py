@@ -60,15 +60,42 @@ def test_granite_swa_kv_bytes_match_transformers_cache(name, dtype):
         assert held.keys.dtype == DTYPES[dtype]
 
 
-@pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rwkv_state_bytes_match_transformers_state(dtype):
+    """transformers' RWKV state is five ``[batch, hidden, layers]`` tensors: the two token
+    shifts in the model dtype, the WKV num / den / max in float32. Layer by layer that is the
+    spec's ``shift`` (2 x hidden, conv dtype) and ``wkv`` (channels x 3, float32 by default)."""
+    cfg = TINY_CONFIGS["rwkv"]()
+    with torch.no_grad():
+        state = _model("rwkv", dtype)(_ids(), use_cache=True).state
+    assert len(state) == 5
+    hybrid = hybrid_model_for(cfg, dtype)
+    assert hybrid.layer_kinds == {"rwkv4": cfg.num_hidden_layers}
+    for layer in hybrid.layers:
+        held = [s[:, :, layer.index] for s in state]
+        tensors = {t.name: t for t in layer.spec.state_tensors()}
+        shift, wkv = tensors["shift"], tensors["wkv"]
+        assert {str(t.dtype) for t in held[:2]} == {f"torch.{shift.dtype}"} == {str(DTYPES[dtype])}
+        assert {str(t.dtype) for t in held[2:]} == {f"torch.{wkv.dtype}"} == {"torch.float32"}
+        assert sum(t.numel() for t in held[:2]) == BATCH * shift.numel
+        assert sum(t.numel() for t in held[2:]) == BATCH * wkv.numel
+        assert sum(t.nbytes for t in held) == BATCH * layer.spec.state_bytes
+
+
+@pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa", "rwkv"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_granite_swa_plans_in_every_layout(name, layout):
-    """Every layout plans the tiny model and transformers' default one (24 / 32 layers, one
-    full layer in four); the sliding groups carry the window."""
+def test_new_families_plan_in_every_layout(name, layout):
+    """Every layout plans the tiny model and transformers' default one (GraniteSWA: one full
+    layer in four; RWKV: 32 layers of state, no attention); sliding groups carry the window,
+    and every cache layer is placed."""
     plan = make_tiny_plan(TINY_CONFIGS[name](), layout)
     windows = {g.sliding_window for g in plan.groups if g.kind == "sliding_window"}
-    assert windows == {16}
+    assert windows == ({16} if "granite" in name else set())
     full = models.from_hf_config(transformers.AutoConfig.for_model(name).to_dict())
     big = make_plan(full, layout, memory="8GiB", max_num_seqs=64)
-    assert big.capacity.token_capacity > 0
-    assert {g.sliding_window for g in big.groups if g.kind == "sliding_window"} == {128}
+    placed = {p.layer for p in (*big.kv_placements, *big.state_placements)}
+    assert placed == {layer.name for layer in full.layers}
+    if full.attention_layers:
+        assert big.capacity.token_capacity > 0
+        windows = {g.sliding_window for g in big.groups if g.kind == "sliding_window"}
+        assert windows == {128}

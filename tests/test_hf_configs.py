@@ -217,6 +217,7 @@ DEFAULT_KINDS = {
     "mamba2": {"mamba2"},
     "granite_swa": {"full_attention", "sliding_window"},
     "granitemoe_swa": {"full_attention", "sliding_window"},
+    "rwkv": {"rwkv4"},
 }
 # families transformers does not ship (remote-code formats), read from their own configs
 NOT_IN_TRANSFORMERS = {"minimax_text_01", "minimax_m1"}
@@ -464,6 +465,34 @@ def test_granite_swa_reads_every_size_field(cls, arch):
     assert "num_key_value_heads missing" in bare.doubts
     with pytest.raises(ValueError, match=r"layer_types\[1\] is 'mamba'"):
         models.from_hf_config({**saved, "layer_types": ["full_attention", "mamba", *types[2:]]})
+
+
+def test_rwkv_reads_every_size_field():
+    """RWKV-4 from transformers' RwkvConfig: every layer a state of hidden_size shifts and
+    attention_hidden_size WKV channels (default hidden_size); no attention, no position limit
+    (context_length is the training length); the architecture alone names the family."""
+    transformers = pytest.importorskip("transformers")
+    saved = transformers.RwkvConfig(
+        hidden_size=1024, attention_hidden_size=1024, num_hidden_layers=24, dtype="float16"
+    ).to_dict()
+    model = models.from_hf_config(saved)
+    assert model.family == "rwkv" and model.dtype == "float16"
+    assert model.layer_kinds == {"rwkv4": 24} and not model.attention_layers
+    spec = model.state_layers[0].spec
+    assert (spec.hidden_size, spec.attention_hidden_size) == (1024, 1024)
+    assert (spec.conv_dtype, spec.ssm_dtype) == ("float16", "float32")
+    assert model.max_position_embeddings is None and not model.doubts
+    by_arch = _without(saved, "model_type") | {"architectures": ["RwkvForCausalLM"]}
+    assert _layers(models.from_hf_config(by_arch)) == _layers(model)
+    bare = models.from_hf_config(_without(saved, "attention_hidden_size"))
+    assert _layers(bare) == _layers(model)
+    wide = models.from_hf_config({**saved, "attention_hidden_size": 2048})
+    assert wide.state_layers[0].spec.attention_hidden_size == 2048
+    assert "transformers sizes its RWKV state by hidden_size" in wide.doubts
+    # a hand-written config without a layer count takes RwkvConfig's, said among the doubts
+    short = models.from_hf_config({"model_type": "rwkv", "hidden_size": 1024})
+    assert short.layer_kinds == {"rwkv4": 32}
+    assert "num_hidden_layers missing: 32, the default of transformers' RwkvConfig" in short.doubts
 
 
 def test_bailing_hybrid_reads_both_saved_forms():

@@ -28,10 +28,16 @@ def _layers(model: HybridModel) -> list[tuple[str, object]]:
 # ---- the zoo ------------------------------------------------------------------------------------
 
 
+# kinds of families whose released config.json the zoo does not have verbatim (no zoo entry is
+# written from memory); their formulas are checked against transformers in
+# tests/test_hf_cache_bytes.py
+NOT_IN_ZOO = {"rwkv4"}
+
+
 def test_zoo_is_large_and_covers_every_kind():
     assert len(ZOO) >= 15
     kinds = {layer.spec.kind for name in ZOO for layer in models.load(name).layers}
-    assert kinds == set(SPEC_KINDS)
+    assert kinds == set(SPEC_KINDS) - NOT_IN_ZOO
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from hybridkv.specs import (
     Mamba2Spec,
     MLASpec,
     RGLRUSpec,
+    RWKV4Spec,
     ShortConvSpec,
     SlidingWindowSpec,
     StateTensor,
@@ -283,6 +284,7 @@ SPECS = [
     LinearAttentionSpec(num_heads=64, head_dim=128),
     ShortConvSpec(conv_dim=2048, conv_kernel=3),
     RGLRUSpec(lru_width=2560, conv_kernel=4),
+    RWKV4Spec(hidden_size=768, attention_hidden_size=768),
 ]
 
 
@@ -383,6 +385,11 @@ def test_spec_dict_round_trip(spec):
             id="rglru-width",
         ),
         pytest.param(
+            lambda: RWKV4Spec(hidden_size=768, attention_hidden_size=768, tp_size=5),
+            "attention_hidden_size=768; use a TP size that divides it",
+            id="rwkv4-channels",
+        ),
+        pytest.param(
             lambda: GatedDeltaNetSpec(
                 num_k_heads=16,
                 num_v_heads=32,
@@ -474,3 +481,35 @@ def test_bad_specs_say_what_to_change(build, message):
 def test_configure_errors_say_what_to_change(name, options, message):
     with pytest.raises(ValueError, match=message):
         models.load(name, **options)
+
+
+def test_rwkv4_state_by_hand():
+    """RWKV-4 with hidden 768: two token-shift vectors of 768 in bf16 = 2 * 768 * 2 = 3,072 B
+    and the WKV num / den / max of 768 channels in fp32 = 768 * 3 * 4 = 9,216 B, 12,288 B per
+    layer. TP 2 splits the WKV channels (384 * 3 * 4 = 4,608 B) and replicates the shifts
+    (3,072 B): 7,680 B per rank."""
+    spec = RWKV4Spec(hidden_size=768, attention_hidden_size=768, ssm_dtype="float32")
+    assert [(t.name, t.shape, t.dtype) for t in spec.state_tensors()] == [
+        ("shift", (2, 768), "bfloat16"),
+        ("wkv", (768, 3), "float32"),
+    ]
+    assert spec.state_bytes == 12_288
+    assert (
+        RWKV4Spec(
+            hidden_size=768, attention_hidden_size=768, ssm_dtype="float32", tp_size=2
+        ).state_bytes
+        == 7_680
+    )
+    # a model read from a config keeps the WKV state in float32 unless told otherwise
+    model = models.from_hf_config(
+        {
+            "model_type": "rwkv",
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "torch_dtype": "bfloat16",
+        }
+    )
+    assert model.layer_kinds == {"rwkv4": 12} and model.state_bytes_per_seq == 12 * 12_288
+    assert models.from_hf_config(
+        {"model_type": "rwkv", "hidden_size": 768, "num_hidden_layers": 12}, ssm_dtype="bf16"
+    ).state_bytes_per_seq == 12 * (3_072 + 768 * 3 * 2)

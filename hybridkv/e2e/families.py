@@ -290,6 +290,21 @@ def tiny_granitemoe_swa_config():
     )
 
 
+def tiny_rwkv_config():
+    """RWKV-4: two layers of time-mix (WKV) and channel-mix (refused by the engine:
+    :data:`REFUSED`)."""
+    from transformers import RwkvConfig
+
+    return RwkvConfig(
+        vocab_size=128,
+        hidden_size=64,
+        attention_hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        context_length=512,
+    )
+
+
 TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "bamba": tiny_bamba_config,
     "qwen3_next": tiny_qwen3_next_config,
@@ -305,7 +320,9 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "kimi_linear": tiny_kimi_linear_config,
     "granite_swa": tiny_granite_swa_config,
     "granitemoe_swa": tiny_granitemoe_swa_config,
+    "rwkv": tiny_rwkv_config,
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): attention sinks
-REFUSED: tuple[str, ...] = ("granite_swa", "granitemoe_swa")
+#: (GraniteSWA), a state no StateFormat hands over (RWKV)
+REFUSED: tuple[str, ...] = ("granite_swa", "granitemoe_swa", "rwkv")
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

@@ -103,7 +103,14 @@ MIXER_PATHS = (
 
 #: layer kinds (of the plan's state and KV placements) the engine cannot serve, and why
 #: (:func:`refusal` also names kinds with no :class:`StateFormat`)
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {
+    "rwkv4": (
+        "RWKV-4 keeps no cache object: RwkvModel takes and returns a `state` list of five "
+        "[batch, hidden, layers] tensors, read and written by two modules per layer (time-mix "
+        "and channel-mix token shifts, the WKV num / den / max), and no StateFormat hands a "
+        "model-level state argument over"
+    ),
+}
 
 #: attention features of a model's modules that the paged kernels do not compute: the
 #: attribute (a parameter of the attention module) and why it cannot be served

@@ -922,6 +922,32 @@ def _recurrent_gemma(c: _Config) -> list[dict[str, Any]]:
     return mixers
 
 
+def _rwkv(c: _Config) -> list[dict[str, Any]]:
+    """RWKV-4 (transformers' ``RwkvForCausalLM``): every layer keeps a recurrent state, no
+    attention. ``attention_hidden_size`` (the WKV channels) defaults to ``hidden_size`` as in
+    transformers' RwkvConfig; ``context_length`` is only the training length (an RNN has no
+    position limit), so it is not read as ``max_position_embeddings``."""
+    n = c.num_layers()
+    hidden = c.integer("hidden_size")
+    channels = c.integer("attention_hidden_size", default=None)
+    if channels is None:
+        channels = hidden
+    elif channels != hidden:
+        c.doubts.append(
+            f"attention_hidden_size {channels} != hidden_size {hidden}: transformers sizes its "
+            "RWKV state by hidden_size and runs only equal ones; the WKV state is read at "
+            "attention_hidden_size channels, as the layer's weights have"
+        )
+    return [
+        {
+            "kind": "rwkv4",
+            "hidden_size": hidden,
+            "attention_hidden_size": channels,
+            "layers": list(range(n)),
+        }
+    ]
+
+
 FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "qwen3_next": _qwen_gdn,
     "qwen3_5": _qwen_gdn,
@@ -950,6 +976,7 @@ FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "mamba": _mamba_only,
     "falcon_mamba": _mamba_only,
     "mamba2": _mamba2_only,
+    "rwkv": _rwkv,
 }
 
 #: ``architectures`` entries -> model type, for configs without a (known) ``model_type``.
@@ -986,6 +1013,7 @@ ARCHITECTURES: dict[str, str] = {
     "MambaForCausalLM": "mamba",
     "FalconMambaForCausalLM": "falcon_mamba",
     "Mamba2ForCausalLM": "mamba2",
+    "RwkvForCausalLM": "rwkv",
 }
 
 

@@ -13,6 +13,7 @@ from ..specs import (
     KDASpec,
     LayerSpec,
     RGLRUSpec,
+    RWKV4Spec,
     StateSpec,
     spec_from_dict,
     with_runtime,
@@ -159,7 +160,8 @@ class HybridModel:
         - ``conv_dtype`` (``--mamba-cache-dtype``): ``auto`` is the model dtype.
         - ``ssm_dtype`` (``--mamba-ssm-cache-dtype``): ``auto`` is the dtype the config declares
           (Qwen3.5's ``mamba_ssm_dtype``, Nemotron's ``mamba_ssm_cache_dtype``), else the conv
-          dtype; KDA and RG-LRU recurrent states default to float32, as their engines keep them.
+          dtype; KDA, RG-LRU and RWKV-4 WKV recurrent states default to float32, as their
+          engines keep them (transformers' RWKV keeps num / den / max in float32).
         """
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
@@ -171,7 +173,7 @@ class HybridModel:
         for layer in self.layers:
             spec = layer.spec
             layer_ssm = ssm
-            if ssm_auto and isinstance(spec, (KDASpec, RGLRUSpec)):
+            if ssm_auto and isinstance(spec, (KDASpec, RGLRUSpec, RWKV4Spec)):
                 layer_ssm = "float32"
             try:
                 new_spec = with_runtime(
