@@ -26,6 +26,7 @@ __all__ = [
     "LayerSpec",
     "LinearAttentionSpec",
     "MLASpec",
+    "MLSTMSpec",
     "Mamba1Spec",
     "Mamba2Spec",
     "RGLRUSpec",
@@ -516,6 +517,48 @@ class RWKV4Spec(StateSpec):
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class MLSTMSpec(StateSpec):
+    """xLSTM's mLSTM cell (transformers' ``xLSTMForCausalLM``, the xLSTM-7B architecture): a
+    matrix memory per head, its normaliser and its max-state, no conv state.
+
+    transformers' ``xLSTMCache.rnn_state[layer]`` is ``(C, n, m)``, shaped
+    ``[batch, num_heads, qk_head_dim, v_head_dim]``, ``[batch, num_heads, qk_head_dim]`` and
+    ``[batch, num_heads, 1]``, all three in the cache's dtype (the model's, as
+    ``xLSTMModel.forward`` builds it; the kernels compute in the config's
+    ``inference_state_dtype`` and the result is copied into the cache). Per layer and request:
+
+    - ``C``: ``(num_heads / tp, qk_head_dim, v_head_dim)``;
+    - ``n``: ``(num_heads / tp, qk_head_dim)``;
+    - ``m``: ``(num_heads / tp, 1)``;
+
+    all in ``ssm_dtype`` (``auto``: the model dtype, as transformers keeps them).
+
+    TP split rule: the cell is independent per head (q, k, v, the gates and the multi-head norm
+    are per head), so heads split across ranks as attention heads do; ``num_heads`` must be
+    divisible by the TP size.
+    """
+
+    kind: ClassVar[str] = "mlstm"
+
+    num_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "num_heads", "qk_head_dim", "v_head_dim")
+        _divide(self.num_heads, self.tp_size, "mLSTM num_heads", "use a TP size that divides it")
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        heads = self.num_heads // self.tp_size
+        return (
+            StateTensor("C", (heads, self.qk_head_dim, self.v_head_dim), self.ssm_dtype),
+            StateTensor("n", (heads, self.qk_head_dim), self.ssm_dtype),
+            StateTensor("m", (heads, 1), self.ssm_dtype),
+        )
+
+
 SPEC_KINDS: dict[str, type[LayerSpec]] = {
     cls.kind: cls
     for cls in (
@@ -530,6 +573,7 @@ SPEC_KINDS: dict[str, type[LayerSpec]] = {
         ShortConvSpec,
         RGLRUSpec,
         RWKV4Spec,
+        MLSTMSpec,
     )
 }
 

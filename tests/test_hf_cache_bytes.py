@@ -82,12 +82,34 @@ def test_rwkv_state_bytes_match_transformers_state(dtype):
         assert sum(t.nbytes for t in held) == BATCH * layer.spec.state_bytes
 
 
-@pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa", "rwkv"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_xlstm_state_bytes_match_transformers_cache(dtype):
+    """transformers' ``xLSTMCache.rnn_state[layer]`` is ``(C, n, m)`` in the model dtype: the
+    spec's ``C``, ``n`` and ``m``, shape for shape (batch aside) and byte for byte, with the
+    state dtype auto (the model dtype)."""
+    cfg = TINY_CONFIGS["xlstm"]()
+    with torch.no_grad():
+        cache = _model("xlstm", dtype)(_ids(), use_cache=True).cache
+    hybrid = hybrid_model_for(cfg, dtype)
+    assert (
+        hybrid.layer_kinds == {"mlstm": cfg.num_hidden_layers} == {"mlstm": len(cache.rnn_state)}
+    )
+    for layer in hybrid.layers:
+        held = cache.rnn_state[layer.index]
+        tensors = layer.spec.state_tensors()
+        assert [t.name for t in tensors] == ["C", "n", "m"]
+        for t, h in zip(tensors, held, strict=True):
+            assert (BATCH, *t.shape) == tuple(h.shape), t.name
+            assert f"torch.{t.dtype}" == str(h.dtype) == str(DTYPES[dtype]), t.name
+        assert sum(h.nbytes for h in held) == BATCH * layer.spec.state_bytes
+
+
+@pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa", "rwkv", "xlstm"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_new_families_plan_in_every_layout(name, layout):
     """Every layout plans the tiny model and transformers' default one (GraniteSWA: one full
-    layer in four; RWKV: 32 layers of state, no attention); sliding groups carry the window,
-    and every cache layer is placed."""
+    layer in four; RWKV and xLSTM: 32 layers of state, no attention); sliding groups carry the
+    window, and every cache layer is placed."""
     plan = make_tiny_plan(TINY_CONFIGS[name](), layout)
     windows = {g.sliding_window for g in plan.groups if g.kind == "sliding_window"}
     assert windows == ({16} if "granite" in name else set())

@@ -218,6 +218,7 @@ DEFAULT_KINDS = {
     "granite_swa": {"full_attention", "sliding_window"},
     "granitemoe_swa": {"full_attention", "sliding_window"},
     "rwkv": {"rwkv4"},
+    "xlstm": {"mlstm"},
 }
 # families transformers does not ship (remote-code formats), read from their own configs
 NOT_IN_TRANSFORMERS = {"minimax_text_01", "minimax_m1"}
@@ -493,6 +494,54 @@ def test_rwkv_reads_every_size_field():
     short = models.from_hf_config({"model_type": "rwkv", "hidden_size": 1024})
     assert short.layer_kinds == {"rwkv4": 32}
     assert "num_hidden_layers missing: 32, the default of transformers' RwkvConfig" in short.doubts
+
+
+def test_xlstm_reads_every_size_field():
+    """xLSTM from transformers' xLSTMConfig: num_blocks mLSTM blocks of num_heads heads, head
+    dims as its cache sizes them (hidden * factor rounded up to 64, over the heads); the
+    architecture alone names the family; the two layer-count and width spellings."""
+    transformers = pytest.importorskip("transformers")
+    saved = transformers.xLSTMConfig(
+        hidden_size=2048,
+        num_hidden_layers=24,
+        num_heads=4,
+        qk_dim_factor=0.5,
+        v_dim_factor=1.0,
+        dtype="float32",
+    ).to_dict()
+    model = models.from_hf_config(saved)
+    assert model.family == "xlstm" and model.layer_kinds == {"mlstm": 24}
+    spec = model.state_layers[0].spec
+    cfg = transformers.xLSTMConfig(**_without(saved, "model_type", "architectures"))
+    assert (
+        (spec.num_heads, spec.qk_head_dim, spec.v_head_dim)
+        == (
+            cfg.num_heads,
+            cfg.qk_head_dim,
+            cfg.v_head_dim,
+        )
+        == (4, 256, 512)
+    )
+    assert spec.ssm_dtype == "float32" and not model.doubts
+    by_arch = _without(saved, "model_type") | {"architectures": ["xLSTMForCausalLM"]}
+    assert _layers(models.from_hf_config(by_arch)) == _layers(model)
+    # the released spelling: num_blocks and embedding_dim only
+    released = _without(saved, "num_hidden_layers", "hidden_size") | {
+        "num_blocks": 24,
+        "embedding_dim": 2048,
+    }
+    assert _layers(models.from_hf_config(released)) == _layers(model)
+    # a bf16 model: transformers' cache keeps the states in bf16, computed in float32
+    bf16 = models.from_hf_config({**saved, "dtype": "bfloat16"})
+    assert bf16.state_layers[0].spec.ssm_dtype == "bfloat16"
+    assert "inference_state_dtype (float32)" in bf16.doubts
+    odd = models.from_hf_config({**saved, "qk_dim_factor": 0.3})
+    assert odd.state_layers[0].spec.qk_head_dim == 640 // 4  # 614.4 rounded up to 640
+    assert "not a multiple of 64" in odd.doubts
+    with pytest.raises(ValueError, match="num_heads=3 does not divide qk_dim=1024"):
+        models.from_hf_config({**saved, "num_heads": 3})
+    with pytest.raises(ValueError, match="'v_dim_factor' must be a positive number"):
+        models.from_hf_config({**saved, "v_dim_factor": "one"})
 
 
 def test_bailing_hybrid_reads_both_saved_forms():

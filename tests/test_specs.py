@@ -21,6 +21,7 @@ from hybridkv.specs import (
     Mamba1Spec,
     Mamba2Spec,
     MLASpec,
+    MLSTMSpec,
     RGLRUSpec,
     RWKV4Spec,
     ShortConvSpec,
@@ -285,6 +286,7 @@ SPECS = [
     ShortConvSpec(conv_dim=2048, conv_kernel=3),
     RGLRUSpec(lru_width=2560, conv_kernel=4),
     RWKV4Spec(hidden_size=768, attention_hidden_size=768),
+    MLSTMSpec(num_heads=8, qk_head_dim=256, v_head_dim=512),
 ]
 
 
@@ -388,6 +390,11 @@ def test_spec_dict_round_trip(spec):
             lambda: RWKV4Spec(hidden_size=768, attention_hidden_size=768, tp_size=5),
             "attention_hidden_size=768; use a TP size that divides it",
             id="rwkv4-channels",
+        ),
+        pytest.param(
+            lambda: MLSTMSpec(num_heads=8, qk_head_dim=256, v_head_dim=512, tp_size=3),
+            "mLSTM num_heads=8; use a TP size that divides it",
+            id="mlstm-heads",
         ),
         pytest.param(
             lambda: GatedDeltaNetSpec(
@@ -513,3 +520,33 @@ def test_rwkv4_state_by_hand():
     assert models.from_hf_config(
         {"model_type": "rwkv", "hidden_size": 768, "num_hidden_layers": 12}, ssm_dtype="bf16"
     ).state_bytes_per_seq == 12 * (3_072 + 768 * 3 * 2)
+
+
+def test_mlstm_state_by_hand():
+    """xLSTM's mLSTM cell with 8 heads, qk head 256, v head 512 (hidden 4096 with transformers'
+    default factors 0.5 and 1.0): C 8 * 256 * 512 = 1,048,576, n 8 * 256 = 2,048, m 8 elements,
+    1,050,632 in all; 2,101,264 B in bf16, 4,202,528 B in fp32. TP 2 halves the heads:
+    525,316 elements, 1,050,632 B in bf16."""
+    spec = MLSTMSpec(num_heads=8, qk_head_dim=256, v_head_dim=512)
+    assert [(t.name, t.shape, t.dtype) for t in spec.state_tensors()] == [
+        ("C", (8, 256, 512), "bfloat16"),
+        ("n", (8, 256), "bfloat16"),
+        ("m", (8, 1), "bfloat16"),
+    ]
+    assert spec.state_bytes == 2_101_264
+    assert MLSTMSpec(
+        num_heads=8, qk_head_dim=256, v_head_dim=512, ssm_dtype="fp32"
+    ).state_bytes == (4_202_528)
+    assert MLSTMSpec(num_heads=8, qk_head_dim=256, v_head_dim=512, tp_size=2).state_bytes == (
+        1_050_632
+    )
+    model = models.from_hf_config(
+        {
+            "model_type": "xlstm",
+            "num_blocks": 32,
+            "embedding_dim": 4096,
+            "num_heads": 8,
+            "torch_dtype": "bfloat16",
+        }
+    )
+    assert model.layer_kinds == {"mlstm": 32} and model.state_bytes_per_seq == 32 * 2_101_264

@@ -305,6 +305,22 @@ def tiny_rwkv_config():
     )
 
 
+def tiny_xlstm_config():
+    """xLSTM: two mLSTM blocks of 4 heads (qk head 16, v head 32; hidden 128, the smallest
+    width whose qk dimension is a multiple of 64, which transformers' cache needs), chunk 16
+    (refused by the engine: :data:`REFUSED`)."""
+    from transformers import xLSTMConfig
+
+    return xLSTMConfig(
+        vocab_size=128,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_heads=4,
+        chunk_size=16,
+        max_inference_chunksize=512,
+    )
+
+
 TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "bamba": tiny_bamba_config,
     "qwen3_next": tiny_qwen3_next_config,
@@ -321,8 +337,9 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "granite_swa": tiny_granite_swa_config,
     "granitemoe_swa": tiny_granitemoe_swa_config,
     "rwkv": tiny_rwkv_config,
+    "xlstm": tiny_xlstm_config,
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): attention sinks
-#: (GraniteSWA), a state no StateFormat hands over (RWKV)
-REFUSED: tuple[str, ...] = ("granite_swa", "granitemoe_swa", "rwkv")
+#: (GraniteSWA), a state no StateFormat hands over (RWKV, xLSTM)
+REFUSED: tuple[str, ...] = ("granite_swa", "granitemoe_swa", "rwkv", "xlstm")
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

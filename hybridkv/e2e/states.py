@@ -110,6 +110,11 @@ REFUSED: dict[str, str] = {
         "and channel-mix token shifts, the WKV num / den / max), and no StateFormat hands a "
         "model-level state argument over"
     ),
+    "mlstm": (
+        "xLSTM keeps its state in its own xLSTMCache (rnn_state[layer] = (C, n, m), built for "
+        "a fixed batch size), which no StateFormat hands over, and its mLSTM blocks take no "
+        "packed (varlen) input"
+    ),
 }
 
 #: attention features of a model's modules that the paged kernels do not compute: the

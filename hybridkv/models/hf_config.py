@@ -948,6 +948,65 @@ def _rwkv(c: _Config) -> list[dict[str, Any]]:
     ]
 
 
+def _xlstm(c: _Config) -> list[dict[str, Any]]:
+    """xLSTM (transformers' ``xLSTMForCausalLM``, the xLSTM-7B architecture): an mLSTM cell in
+    every block, no attention, no conv state. Blocks: ``num_blocks`` (what the model builds),
+    else ``num_hidden_layers``; width: ``hidden_size``, else ``embedding_dim``. Head dims are
+    transformers' ``xLSTMConfig.qk_head_dim`` / ``v_head_dim``, which size its cache:
+    ``round_up(hidden * factor, 64) // num_heads`` (factors default 0.5 and 1.0)."""
+    if c.has("num_blocks"):
+        n = c.integer("num_blocks")
+        layers = c.integer("num_hidden_layers", default=n)
+        if layers != n:
+            c.doubts.append(
+                f"num_blocks {n} != num_hidden_layers {layers}: the model builds num_blocks "
+                "blocks (transformers' xLSTMCache holds num_hidden_layers states)"
+            )
+        c.n = n
+    else:
+        n = c.num_layers()
+    hidden = c.integer("hidden_size", "embedding_dim")
+    heads = c.integer("num_heads")
+    dims = []
+    for key, default in (("qk_dim_factor", 0.5), ("v_dim_factor", 1.0)):
+        factor = c.get(key, default=default, expected="a positive number")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise c._wrong(key, factor, "a positive number")
+        dim = int(
+            ((hidden * factor + 63) // 64) * 64
+        )  # transformers' round_up_to_next_multiple_of
+        if dim % heads:
+            raise c.error(
+                f"num_heads={heads} does not divide {key[:-7]}={dim} (hidden_size * {key} "
+                "rounded up to a multiple of 64, as transformers' xLSTMConfig sizes it)"
+            )
+        if int(hidden * factor) != dim:
+            c.doubts.append(
+                f"hidden_size * {key} = {hidden * factor} is not a multiple of 64: transformers' "
+                f"cache rounds it to {dim} but its mLSTM layer uses {int(hidden * factor)}, so "
+                "transformers cannot run this config with a cache; the cache's size is read"
+            )
+        dims.append(dim // heads)
+    # parse_hf_config assumes bfloat16 for a config that declares no dtype
+    dtype = c.data.get("torch_dtype") or c.data.get("dtype") or "bfloat16"
+    state_dtype = c.data.get("inference_state_dtype") or "float32"
+    if isinstance(dtype, str) and dtype != state_dtype:
+        c.doubts.append(
+            f"the mLSTM kernels compute C, n, m in inference_state_dtype ({state_dtype}) and "
+            f"transformers' xLSTMCache keeps them in the model dtype ({dtype}), as read here; "
+            f"--ssm-dtype {state_dtype} keeps them as computed"
+        )
+    return [
+        {
+            "kind": "mlstm",
+            "num_heads": heads,
+            "qk_head_dim": dims[0],
+            "v_head_dim": dims[1],
+            "layers": list(range(n)),
+        }
+    ]
+
+
 FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "qwen3_next": _qwen_gdn,
     "qwen3_5": _qwen_gdn,
@@ -977,6 +1036,7 @@ FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "falcon_mamba": _mamba_only,
     "mamba2": _mamba2_only,
     "rwkv": _rwkv,
+    "xlstm": _xlstm,
 }
 
 #: ``architectures`` entries -> model type, for configs without a (known) ``model_type``.
@@ -1014,6 +1074,7 @@ ARCHITECTURES: dict[str, str] = {
     "FalconMambaForCausalLM": "falcon_mamba",
     "Mamba2ForCausalLM": "mamba2",
     "RwkvForCausalLM": "rwkv",
+    "xLSTMForCausalLM": "xlstm",
 }
 
 
