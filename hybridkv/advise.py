@@ -9,12 +9,14 @@ rows equal to it on all three are reported as ties (the order among them means n
 
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
 from .alloc import POLICIES, AllocatorOptions
 from .alloc.policies import policy_class
+from .executors import Executor, LocalExecutor
 from .layouts import make_plan
 from .models.model import HybridModel
 from .sim import SimConfig, simulate
@@ -114,6 +116,72 @@ def _key(row: dict) -> tuple[float, float, float]:
     return (row["ttft_p50_ms"], -row["throughput_tok_s"], -row["token_hit_rate"])
 
 
+@dataclass(frozen=True)
+class _Sweep:
+    """What every candidate's run shares (sent to each worker once): the model, the workload
+    and the deployment it is planned for."""
+
+    model: HybridModel
+    trace: Trace
+    memory: int | str
+    max_num_seqs: int
+    config: SimConfig
+    pins: Pins
+    target: VllmTarget | None
+
+
+def _run_candidate(sweep: _Sweep, cand: Candidate) -> dict:
+    """One candidate planned and simulated: its result row, or ``{"config", "error"}`` when it
+    does not fit or cannot run (module level, so an executor can run it in a worker)."""
+    model, pins, max_num_seqs = sweep.model, sweep.pins, sweep.max_num_seqs
+    slots = pins.state_slots_per_seq
+    cached = pins.cache_state_slots
+    try:
+        plan = make_plan(
+            model,
+            cand.layout,
+            memory=sweep.memory,
+            max_num_seqs=max_num_seqs,
+            block_size=cand.block_size,
+            pack_size=cand.pack_size,
+            state_slots_per_seq=(
+                slots if slots is not None else policy_class(cand.policy).state_slots_per_request
+            ),
+            cache_state_slots=cached
+            if cached is not None
+            else (max_num_seqs if cand.layout == "per_group" else 0),
+            target=sweep.target,
+        )
+    except ValueError as exc:
+        return {"config": cand.label, "error": str(exc)}
+    config = sweep.config
+    sim_config = SimConfig(
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        gpu=config.gpu,
+        allocator=candidate_options(config.allocator, cand, plan.block_size),
+    )
+    try:
+        result = simulate(plan, model, sweep.trace, sim_config)
+    except (RuntimeError, ValueError) as exc:
+        return {"config": cand.label, "error": str(exc)}
+    s = result.summary()
+    return {
+        "config": cand.label,
+        "layout": cand.layout,
+        "policy": cand.policy,
+        "block_size": plan.block_size,
+        "pack_size": plan.pack_size if cand.layout == "pack" else None,
+        "state_slots_per_seq": plan.config.state_slots_per_seq,
+        "cache_state_slots": plan.config.cache_state_slots,
+        "capacity_fraction": round(plan.capacity.fraction_of_ideal, 4),
+        "token_hit_rate": s["token_hit_rate"],
+        "ttft_p50_ms": s["ttft_p50_ms"],
+        "ttft_p90_ms": s["ttft_p90_ms"],
+        "throughput_tok_s": s["throughput_tok_s"],
+        "preemptions": s["preemptions"],
+    }
+
+
 def advise(
     model: HybridModel,
     trace: Trace,
@@ -124,71 +192,29 @@ def advise(
     pins: Pins | None = None,
     target: VllmTarget | None = None,
     progress: bool = False,
+    executor: Executor | None = None,
 ) -> Advice:
     """Simulate every candidate and rank them (see the module docstring). ``progress``: one bar
-    over the candidates, naming the one being simulated. ``target``: the vLLM whose rules the
-    shared-pool layouts follow (default vLLM 0.33's). ``config``: its
-    ``max_num_batched_tokens``, ``gpu`` and allocator options apply to every candidate, but for
-    what the advisor picks per candidate (:func:`candidate_options`)."""
-    config = config or SimConfig()
-    pins = pins or Pins()
+    over the candidates, naming the one being simulated (awaited, when they run side by side).
+    ``target``: the vLLM whose rules the shared-pool layouts follow (default vLLM 0.33's).
+    ``config``: its ``max_num_batched_tokens``, ``gpu`` and allocator options apply to every
+    candidate, but for what the advisor picks per candidate (:func:`candidate_options`).
+    ``executor``: where the candidates' runs execute (:mod:`hybridkv.executors`: worker
+    processes, Ray; default this process); the advice does not depend on it."""
+    sweep = _Sweep(
+        model, trace, memory, max_num_seqs, config or SimConfig(), pins or Pins(), target
+    )
+    cands = candidates(model, sweep.pins)
     results: list[dict] = []
     errors: list[dict] = []
-    cands = candidates(model, pins)
-    bar = tqdm(cands, desc="advise", unit="config", disable=not progress, leave=False)
-    for cand in bar:
-        bar.set_postfix_str(cand.label, refresh=False)
-        slots = pins.state_slots_per_seq
-        cached = pins.cache_state_slots
-        try:
-            plan = make_plan(
-                model,
-                cand.layout,
-                memory=memory,
-                max_num_seqs=max_num_seqs,
-                block_size=cand.block_size,
-                pack_size=cand.pack_size,
-                state_slots_per_seq=(
-                    slots
-                    if slots is not None
-                    else policy_class(cand.policy).state_slots_per_request
-                ),
-                cache_state_slots=cached
-                if cached is not None
-                else (max_num_seqs if cand.layout == "per_group" else 0),
-                target=target,
-            )
-        except ValueError as exc:
-            errors.append({"config": cand.label, "error": str(exc)})
-            continue
-        sim_config = SimConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            gpu=config.gpu,
-            allocator=candidate_options(config.allocator, cand, plan.block_size),
-        )
-        try:
-            result = simulate(plan, model, trace, sim_config)
-        except (RuntimeError, ValueError) as exc:
-            errors.append({"config": cand.label, "error": str(exc)})
-            continue
-        s = result.summary()
-        results.append(
-            {
-                "config": cand.label,
-                "layout": cand.layout,
-                "policy": cand.policy,
-                "block_size": plan.block_size,
-                "pack_size": plan.pack_size if cand.layout == "pack" else None,
-                "state_slots_per_seq": plan.config.state_slots_per_seq,
-                "cache_state_slots": plan.config.cache_state_slots,
-                "capacity_fraction": round(plan.capacity.fraction_of_ideal, 4),
-                "token_hit_rate": s["token_hit_rate"],
-                "ttft_p50_ms": s["ttft_p50_ms"],
-                "ttft_p90_ms": s["ttft_p90_ms"],
-                "throughput_tok_s": s["throughput_tok_s"],
-                "preemptions": s["preemptions"],
-            }
-        )
+    bar = tqdm(total=len(cands), desc="advise", unit="config", disable=not progress, leave=False)
+    rows = (executor or LocalExecutor()).imap(_run_candidate, cands, shared=sweep)
+    with closing(rows):
+        for cand in cands:
+            bar.set_postfix_str(cand.label, refresh=False)
+            row = next(rows)  # in this process, the run itself: the bar names the one running
+            (errors if "error" in row else results).append(row)
+            bar.update()
     bar.close()
     results.sort(key=_key)
     ties = [r["config"] for r in results if _key(r) == _key(results[0])] if results else []

@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from . import __version__, models
 from .alloc import AllocatorOptions, ConfigError
+from .executors import ExecutorUnavailable, add_executor_arguments, executor_options
 from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -608,7 +609,9 @@ def _show_progress(args: argparse.Namespace) -> bool:
 
 def cmd_advise(args: argparse.Namespace) -> int:
     from .advise import RANKED_BY, Pins, advise
+    from .executors import open_executor
 
+    executor = open_executor(executor_options(args))  # a missing Ray is said before any work
     model = _load_model(args)
     trace = _load_trace(args)
     pack = args.pack_size
@@ -623,15 +626,17 @@ def cmd_advise(args: argparse.Namespace) -> int:
         state_slots_per_seq=args.state_slots_per_seq,
         cache_state_slots=args.cache_state_slots,
     )
-    advice = advise(
-        model,
-        trace,
-        memory=_cache_memory(args),
-        max_num_seqs=args.max_num_seqs,
-        pins=pins,
-        target=_target(args),
-        progress=_show_progress(args),
-    )
+    with executor:
+        advice = advise(
+            model,
+            trace,
+            memory=_cache_memory(args),
+            max_num_seqs=args.max_num_seqs,
+            pins=pins,
+            target=_target(args),
+            progress=_show_progress(args),
+            executor=executor,
+        )
     if args.json:
         out = {
             "config": _run_config(model, args),
@@ -919,6 +924,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="one progress bar over the configurations (default: when stderr is a terminal)",
     )
+    add_executor_arguments(p, "the configurations' simulations")
     # advise's own choices unless pinned (see hybridkv.advise.Pins)
     p.set_defaults(
         func=cmd_advise, max_num_seqs=64, state_slots_per_seq=None, cache_state_slots=None
@@ -1022,6 +1028,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except FileNotFoundError as exc:
         print(f"hybridkv: error: no such file: {exc.filename or exc}", file=sys.stderr)
+        return 2
+    except ExecutorUnavailable as exc:
+        print(f"hybridkv: error: {exc}", file=sys.stderr)
         return 2
     except IsADirectoryError as exc:
         print(f"hybridkv: error: {exc.filename} is a folder, not a file", file=sys.stderr)

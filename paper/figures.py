@@ -1,12 +1,15 @@
 """Every figure and table of the paper, one function each, and the command that makes them.
 
     python -m paper.figures [--small] [--out DIR] [--only NAME ...] [--list]
+                            [--jobs N] [--executor {local,ray}]
 
 Figures go to ``paper/figures`` (the committed ones). ``--small`` runs a fast subset (three
 models, short traces) for the tests and writes to ``paper/figures-small`` (git-ignored), so it
 never overwrites the committed figures with small-run numbers. Figures that cannot be made (a
 GPU results file that is not committed, a model missing from the zoo) are skipped with the
-reason printed and written to ``MANIFEST.md``; they never draw placeholder numbers.
+reason printed and written to ``MANIFEST.md``; they never draw placeholder numbers. The
+figures' independent simulator runs go to ``--jobs`` local processes or, with ``--executor
+ray``, to Ray (``RAY_ADDRESS``'s cluster or a local one); the files do not depend on where.
 """
 
 from __future__ import annotations
@@ -28,10 +31,16 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from hybridkv import costmodel, traces, viz
+from hybridkv.executors import (
+    ExecutorUnavailable,
+    add_executor_arguments,
+    executor_options,
+    open_executor,
+)
 
 from . import data
 from .data import Deployment, GiB, available, layout_label, markdown_table, plan
-from .registry import FIGURES, Context, Skip, register, run
+from .registry import FIGURES, PACKAGES, Context, Skip, register, run
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: the committed figures, and where ``--small`` runs go unless told otherwise (git-ignored)
@@ -1014,14 +1023,20 @@ def _sim_run(task: tuple[int, str, str, str]):
     return simulate(_sim_plan(layout), model, trace, config)
 
 
-def _sim_prefetch(ctx: Context) -> None:
-    """Make every simulator run the figures draw that is not made yet, side by side."""
+def _sim_prefetch(ctx: Context, runs: Sequence[tuple[str, str, str]] | None = None) -> None:
+    """Make the simulator runs ``runs`` (``(workload, layout, policy)``; default: every one the
+    figures draw) that are not made yet, side by side."""
+    if runs is None:
+        runs = [
+            (label, layout, policy)
+            for label, _, _ in SIM_TRACES
+            for layout in _sim_layouts()
+            for policy in _sim_policies(ctx)
+        ]
     todo = [
-        (ctx.small, label, layout, policy)
-        for label, _, _ in SIM_TRACES
-        for layout in _sim_layouts()
-        for policy in _sim_policies(ctx)
-        if (ctx.small, label, layout, policy) not in _SIM_RUNS and _sim_plan(layout) is not None
+        (ctx.small, *wanted)
+        for wanted in runs
+        if (ctx.small, *wanted) not in _SIM_RUNS and _sim_plan(wanted[1]) is not None
     ]
     results = ctx.map(_sim_run, [(_sim_requests(ctx), *key[1:]) for key in todo])
     for key, result in zip(todo, results):
@@ -1299,6 +1314,7 @@ SIM_MEMORY_LAYOUTS = ("inflate", "per_group", "two_level")
 def sim_memory(ctx: Context) -> list[Path]:
     _sim_available()
     label, policy = SIM_TRACES[0][0], "align"
+    _sim_prefetch(ctx, [(label, layout, policy) for layout in SIM_MEMORY_LAYOUTS])
     fig, axes = plt.subplots(
         1, len(SIM_MEMORY_LAYOUTS), figsize=(4.6 * len(SIM_MEMORY_LAYOUTS), 3.6), sharey=True
     )
@@ -1381,27 +1397,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="one progress bar over the figures (default: when stderr is a terminal)",
     )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="make only these figures")
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        metavar="N",
-        help="worker processes a figure may spread its independent simulator runs over "
-        "(default 1; the results do not depend on it)",
-    )
+    add_executor_arguments(parser, "a figure's independent simulator runs")
     parser.add_argument("--list", action="store_true", help="list the figures and exit")
     args = parser.parse_args(argv)
     if args.list:
         for f in FIGURES.values():
             print(f"{f.name:<22} {f.message}")
         return 0
-    if args.jobs < 1:
-        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    options = executor_options(args, PACKAGES, parser)
     out = args.out or (SMALL_OUT if args.small else OUT)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     try:
-        run(Context(out, small=args.small, jobs=args.jobs), args.only, progress=progress)
-    except ValueError as exc:
+        with open_executor(options) as executor:
+            ctx = Context(out, small=args.small, jobs=args.jobs or 1, executor=executor)
+            run(ctx, args.only, progress=progress)
+    except (ValueError, ExecutorUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"written to {out}")
@@ -1409,4 +1419,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m paper.figures` runs this file as __main__; main() is the one of the module
+    # imported by name, so the functions the figures map are paper.figures.*, which a worker
+    # (a Ray one too) imports by that name, and not __main__.*, which only a spawned one can
+    from paper.figures import main as _main
+
+    sys.exit(_main())

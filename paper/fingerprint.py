@@ -17,9 +17,20 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from hybridkv.executors import (
+    ExecutorUnavailable,
+    add_executor_arguments,
+    executor_options,
+    open_executor,
+)
+
+from .registry import PACKAGES
 
 
 def _digest(*parts: object) -> str:
@@ -116,36 +127,45 @@ def compare(before: Path, after: Path) -> int:
     return 1 if differ or missing else 0
 
 
+def _fingerprint(job: tuple[Callable[[Any], tuple[str, dict]], Any]) -> tuple[str, dict]:
+    """``(fingerprint function, task)`` -> its ``(key, record)`` (module level, so an executor
+    can run it in a worker)."""
+    fn, task = job
+    return fn(task)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=2000, help="requests per run")
-    ap.add_argument("--out", type=Path, default=None, help="JSON file to write")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes")
-    ap.add_argument("--only", choices=("sim", "replay"), default=None)
-    ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
+    ap.add_argument("--requests", type=int, default=2000, help="requests per run (default 2000)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file to write (default: print)")
+    add_executor_arguments(ap, "the runs")
+    ap.add_argument(
+        "--only", choices=("sim", "replay"), default=None, help="one kind of run (default both)"
+    )
+    ap.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("BEFORE", "AFTER"),
+        help="list the runs two fingerprint files disagree on, and run nothing",
+    )
     args = ap.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
-    jobs = []
+    options = executor_options(args, PACKAGES, ap)
+    jobs: list[tuple[Callable[[Any], tuple[str, dict]], Any]] = []
     if args.only in (None, "sim"):
         jobs += [(sim_fingerprint, t) for t in sim_tasks(args.requests)]
     if args.only in (None, "replay"):
         jobs += [(marconi_fingerprint, t) for t in marconi_tasks(args.requests)]
     runs: dict[str, dict] = {}
-    if args.jobs > 1:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(fn, t) for fn, t in jobs]
-            for f in futures:
-                key, value = f.result()
+    try:
+        with open_executor(options) as executor:
+            for key, value in executor.imap(_fingerprint, jobs):
                 runs[key] = value
                 print(key, value, flush=True)
-    else:
-        for fn, t in jobs:
-            key, value = fn(t)
-            runs[key] = value
-            print(key, value, flush=True)
+    except ExecutorUnavailable as exc:
+        ap.error(str(exc))
     text = json.dumps({"requests": args.requests, "runs": runs}, indent=1, sort_keys=True)
     if args.out:
         args.out.write_text(text + "\n")
@@ -155,4 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # the module imported by name runs, so the runs it maps are paper.fingerprint.*, which a
+    # worker (a Ray one too) imports by that name (see paper.figures)
+    from paper.fingerprint import main as _main
+
+    sys.exit(_main())

@@ -38,11 +38,19 @@ from hybridkv import traces
 from hybridkv.alloc import AllocatorOptions
 from hybridkv.alloc.policies import policy_class
 from hybridkv.costmodel import H100_SXM, ParamCount, StepCoster
+from hybridkv.executors import (
+    Executor,
+    ExecutorUnavailable,
+    LocalExecutor,
+    add_executor_arguments,
+    executor_options,
+    open_executor,
+)
 from hybridkv.layouts import make_plan
 from hybridkv.models.model import HybridModel
 from hybridkv.replay import replay
 
-from .registry import Context, register
+from .registry import PACKAGES, Context, register
 
 RESULTS = Path(__file__).parent / "results" / "marconi-peer.json"
 #: the cache sizes compared (bytes): Marconi's artifact sweeps 1-10 GB for chat traces
@@ -236,11 +244,24 @@ def _commit(path: Path) -> str | None:
         return None
 
 
-def measure_peer(checkout: Path, commit: str | None = None, n: int = NUM_REQUESTS) -> dict:
-    """Every peer policy at every capacity; the record written to :data:`RESULTS`."""
+def _peer_run(task: tuple[Path, int, str, int]) -> dict[str, Any]:
+    """``(checkout, capacity, policy, requests)`` -> :func:`run_peer` (module level, so an
+    executor can run it in a worker; the checkout must be at the same path there)."""
+    return run_peer(*task)
+
+
+def measure_peer(
+    checkout: Path,
+    commit: str | None = None,
+    n: int = NUM_REQUESTS,
+    executor: Executor | None = None,
+) -> dict:
+    """Every peer policy at every capacity, side by side on ``executor`` (default: one after
+    the other here); the record written to :data:`RESULTS`."""
     import numpy as np
 
-    runs = [run_peer(checkout, c, p, n) for c in CAPACITIES for p in PEER_POLICIES]
+    tasks = [(checkout.resolve(), c, p, n) for c in CAPACITIES for p in PEER_POLICIES]
+    runs = (executor or LocalExecutor()).map(_peer_run, tasks)
     return {
         "what": "Marconi's trace-driven simulator on hybridkv's multi_turn_chat "
         f"({n} requests, seed 0), one request at a time",
@@ -277,13 +298,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peer", type=Path, help="a checkout of ruipeterpan/marconi to measure")
     ap.add_argument("--peer-commit", help="its commit, when the checkout has no .git")
-    ap.add_argument("--requests", type=int, default=NUM_REQUESTS)
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=NUM_REQUESTS,
+        help=f"requests of the chat trace (default {NUM_REQUESTS})",
+    )
+    add_executor_arguments(
+        ap, "the peer's runs (on Ray, the checkout must be at the same path on every node)"
+    )
     args = ap.parse_args(argv)
     if args.peer is None:
         ap.error("--peer PATH is required (the figure itself is made by paper.figures)")
     if not (args.peer / "radix_cache_hybrid.py").exists():
         ap.error(f"{args.peer} is not a Marconi checkout (no radix_cache_hybrid.py)")
-    data = measure_peer(args.peer, args.peer_commit, args.requests)
+    try:
+        with open_executor(executor_options(args, PACKAGES, ap)) as executor:
+            data = measure_peer(args.peer, args.peer_commit, args.requests, executor)
+    except ExecutorUnavailable as exc:
+        ap.error(str(exc))
     RESULTS.write_text(json.dumps(data, indent=1) + "\n")
     for run in data["runs"]:
         print(f"{run['capacity'] / 1e9:5.1f} GB  {run['policy']:<26} {run['token_hit_rate']:.2%}")
@@ -292,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # the module imported by name runs, so the peer runs it maps are paper.marconi_gap.*,
+    # which a worker (a Ray one too) imports by that name (see paper.figures)
+    from paper.marconi_gap import main as _main
+
+    raise SystemExit(_main())
 
 
 # ---- the figure ----------------------------------------------------------------------------

@@ -12,10 +12,9 @@ on the same software give byte-identical files. Nothing random is drawn without 
 
 from __future__ import annotations
 
-import multiprocessing
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from tqdm import tqdm
 
-__all__ = ["FIGURES", "Context", "Figure", "Outcome", "Skip", "register", "run"]
+from hybridkv.executors import Executor, LocalExecutor
+
+__all__ = ["FIGURES", "PACKAGES", "Context", "Figure", "Outcome", "Skip", "register", "run"]
+
+#: the packages the figures' runs execute: what a Ray cluster's nodes are sent
+#: (:class:`hybridkv.executors.ExecutorOptions`), since ``paper`` is not installed with hybridkv
+PACKAGES = ("hybridkv", "paper")
 
 _RC = {
     "figure.dpi": 100,
@@ -47,8 +52,10 @@ class Skip(Exception):
 
 @dataclass(frozen=True)
 class Context:
-    """Where figures go and how big the runs are (``small``: a fast subset for tests), and how
-    many processes a figure may spread its independent runs over (``jobs``, :meth:`map`).
+    """Where figures go and how big the runs are (``small``: a fast subset for tests), and where
+    a figure's independent runs execute (:meth:`map`): ``executor`` (a
+    :class:`hybridkv.executors.Executor`: a process pool, Ray), else ``jobs`` local worker
+    processes.
 
     A figure whose point depends on its numbers states it with :meth:`summary`, computed from
     the data it drew; the manifest then shows that instead of the registered message, so no
@@ -58,6 +65,7 @@ class Context:
     small: bool = False
     jobs: int = 1
     summaries: dict[str, str] = field(default_factory=dict, compare=False)
+    executor: Executor | None = field(default=None, compare=False)
 
     def summary(self, name: str, text: str) -> str:
         """Record the summary of figure ``name``, computed from its data; returns it."""
@@ -65,16 +73,10 @@ class Context:
         return text
 
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-        """``[fn(x) for x in items]``, over up to ``jobs`` worker processes when ``jobs > 1``
-        (``fn`` must be a module-level function and ``items`` picklable). The runs are
-        deterministic, so the results do not depend on ``jobs``; workers are spawned, not
-        forked, so nothing the parent holds (threads, open files) leaks into them."""
-        items = list(items)
-        if self.jobs <= 1 or len(items) <= 1:
-            return [fn(x) for x in items]
-        spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(min(self.jobs, len(items)), mp_context=spawn) as pool:
-            return list(pool.map(fn, items))
+        """``[fn(x) for x in items]``, on :attr:`executor`, or over up to ``jobs`` spawned
+        worker processes when ``jobs > 1`` (``fn`` must be a module-level function and
+        ``items`` picklable). The runs are deterministic, so the results depend on neither."""
+        return (self.executor or LocalExecutor(self.jobs)).map(fn, items)
 
     def save(self, fig: Any, name: str) -> Path:
         """Save a matplotlib figure as ``name.png`` deterministically and close it."""
@@ -111,11 +113,21 @@ class Outcome:
 FIGURES: dict[str, Figure] = {}
 
 
+def _origin(fn: Callable) -> tuple[str, str]:
+    """Where ``fn`` is defined: its module's import name (also for a module run as
+    ``python -m``, which is ``__main__``, or ``__mp_main__`` in a spawned worker) and its name."""
+    module = sys.modules.get(fn.__module__)
+    spec = getattr(module, "__spec__", None)
+    return (spec.name if spec is not None else fn.__module__), fn.__qualname__
+
+
 def register(name: str, message: str) -> Callable:
-    """Decorator: add a figure function to :data:`FIGURES` under ``name``."""
+    """Decorator: add a figure function to :data:`FIGURES` under ``name``. A module run as
+    ``python -m paper.figures`` and then imported by name registers its figures twice; the
+    second, importable one replaces the first (in place, so the order stays)."""
 
     def wrap(fn: Callable[[Context], Sequence[Path]]) -> Callable[[Context], Sequence[Path]]:
-        if name in FIGURES:
+        if name in FIGURES and _origin(FIGURES[name].fn) != _origin(fn):
             raise ValueError(f"figure {name!r} registered twice")
         FIGURES[name] = Figure(name, fn, message)
         return fn
