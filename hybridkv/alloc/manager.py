@@ -71,6 +71,8 @@ from .tables import BlockTables
 if TYPE_CHECKING:  # torch is imported where tensors are built, not by the CLI
     import torch
 
+    from .groups.base import GroupManager
+
 __all__ = ["HitInfo", "HybridAllocator"]
 
 _FREED_MEMORY = 65536  # freed request ids remembered to tell a double free from a typo
@@ -136,10 +138,7 @@ class HybridAllocator:
         )
         self._state = [m.group_id for m in self.coordinator.states]
         self._probe_rules = self.coordinator.probe_rules(self.policy.admission_probe)
-        # the attention-only hit every admission reports: the probe's when it is the same
-        # groups (marconi), else one more search over the attention groups
-        attention = self.coordinator.attention_rules if self._state else []
-        self._kv_rules = [] if attention == self._probe_rules else attention
+        self._kv_rules = self._attention_only_rules()
         #: the policy's eviction bookkeeping (``marconi``'s scorer), None: the pools' LRU
         self._eviction = self.policy.install_eviction(self.index, plan, self._pools, self.pool, o)
         self.reqs: dict[Any, Request] = {}
@@ -269,6 +268,13 @@ class HybridAllocator:
         if self._cascade.pending:
             self._cascade.settle()
         return info
+
+    def _attention_only_rules(self) -> list[GroupManager]:
+        """The groups of the attention-only hit every admission reports; none when the policy's
+        probe searches the same groups (``marconi``: its probe's hit is reused) or when there
+        is no state group (the hit itself is attention's)."""
+        attention = self.coordinator.attention_rules if self._state else []
+        return [] if attention == self._probe_rules else attention
 
     def _look_up(self, r: Request) -> tuple[int, int, int]:
         """Hash ``r``'s prompt and find its hit, the hit of the policy's admission probe, and
