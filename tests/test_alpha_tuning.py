@@ -9,7 +9,7 @@ import pytest
 from hybridkv import models, traces
 from hybridkv.alloc import HybridAllocator
 from hybridkv.layouts import make_plan
-from hybridkv.replay import MARCONI_ALPHAS, AlphaTuner, replay
+from hybridkv.replay import AlphaTuner, replay
 from hybridkv.sim import SimConfig, simulate
 
 MODEL = "qwen3.5-4b"
@@ -74,9 +74,9 @@ def test_bad_tuner_options(kwargs, message):
 
 def test_replay_tunes_once(small):
     _, plan, trace = small
-    r = replay(plan, trace)
-    assert r.alpha_tuned_at is not None
-    assert any(r.marconi_alpha == pytest.approx(a) for a in MARCONI_ALPHAS)
+    # a grid of two (Marconi's has 21: the same rule, a tenth of the replays)
+    r = replay(plan, trace, alpha_grid=(0.0, 1.5))
+    assert r.alpha_tuned_at is not None and r.marconi_alpha in (0.0, 1.5)
 
 
 def test_the_simulator_tunes_online(small):
