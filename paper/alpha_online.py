@@ -11,10 +11,6 @@ token hit rate, TTFT, the alpha at the end, when it was tuned, and the wall time
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -22,7 +18,7 @@ from pathlib import Path
 from hybridkv import models, traces
 from hybridkv.layouts import make_plan
 
-from .bench_sim import _commit, _versions
+from .provenance import run_meta, write_results
 
 RESULTS = Path(__file__).parent / "results"
 MODEL, MEMORY, MAX_NUM_SEQS = "qwen3.5-4b", "3GiB", 16
@@ -87,22 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 1:
         ap.error(f"--requests must be at least 1, got {args.requests}")
     rows = measure(args.requests)
-    meta = {
-        "what": f"multi_turn_chat({args.requests}, seed=0), {MODEL}, {MEMORY} of cache, "
+    meta = run_meta(
+        f"multi_turn_chat({args.requests}, seed=0), {MODEL}, {MEMORY} of cache, "
         f"max_num_seqs={MAX_NUM_SEQS}, checkpoint_policy marconi",
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
-        "versions": _versions(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "argv": sys.argv[1:] if argv is None else argv,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "alpha-online.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
+        argv,
     )
-    (args.out / "alpha-online.md").write_text(table(rows, meta))
-    print(f"wrote {args.out / 'alpha-online.md'}")
+    path = write_results(args.out, "alpha-online", meta, rows, table(rows, meta))
+    print(f"wrote {path}")
     return 0
 
 

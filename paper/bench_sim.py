@@ -14,47 +14,20 @@ one's file as ``sim-cpu-before.json``: the table then shows both.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 from hybridkv import models, traces
 from hybridkv.alloc.policies import policy_class
 from hybridkv.layouts import LAYOUTS, make_plan
 from hybridkv.sim import SimConfig, simulate
 
+from .provenance import run_meta
+
 RESULTS = Path(__file__).parent / "results"
 MODEL = "qwen3-next-80b-a3b"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parents[1],
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "numpy": np.__version__}
-    for mod in ("torch", "tqdm"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except ImportError:  # pragma: no cover
-            out[mod] = "absent"
-    return out
 
 
 def bench(num_requests: int, layouts: list[str], policies: list[str], progress: bool) -> list:
@@ -106,17 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress", action="store_true", help="tqdm bar per run")
     args = parser.parse_args(argv)
     rows = bench(args.requests, args.layouts, args.policies, args.progress)
-    meta = {
-        "what": f"simulate() wall time, multi_turn_chat({args.requests}, seed=0), {MODEL}, "
+    meta = run_meta(
+        f"simulate() wall time, multi_turn_chat({args.requests}, seed=0), {MODEL}, "
         "40 GiB, max_num_seqs=256, H100 roofline",
-        "machine": platform.platform(),
-        "processor": platform.processor(),
-        "cpus": os.cpu_count(),
-        "versions": _versions(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "argv": sys.argv[1:] if argv is None else argv,
-    }
+        argv,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "sim-cpu.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

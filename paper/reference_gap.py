@@ -12,9 +12,6 @@ served, lost to a missing state (the KV was there) and lost to missing KV. Write
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -22,7 +19,7 @@ from pathlib import Path
 from hybridkv import traces
 
 from . import data, real_trace
-from .bench_sim import _commit, _versions
+from .provenance import run_meta, write_results
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUTS = ("inflate", "two_level", real_trace.PER_GROUP_CACHED)
@@ -126,23 +123,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{real_trace.TRACE} is not in this installation")
     rows = measure(args.requests, tuple(args.layouts), tuple(args.policies))
     dep = real_trace.DEPLOYMENT
-    meta = {
-        "what": f"{args.requests} requests of {real_trace.TRACE.name} (arrivals x"
+    meta = run_meta(
+        f"{args.requests} requests of {real_trace.TRACE.name} (arrivals x"
         f"{1 / real_trace.RATE_SCALE:.0f} apart), {dep.model}, {dep.memory / 2**30:g} GiB of "
         "cache",
-        "machine": platform.platform(),
-        "cpus": __import__("os").cpu_count(),
-        "versions": _versions(),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
-        "argv": sys.argv[1:] if argv is None else argv,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "reference-gap.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
+        argv,
     )
-    (args.out / "reference-gap.md").write_text(table(rows, meta))
-    print(f"wrote {args.out / 'reference-gap.md'}")
+    path = write_results(args.out, "reference-gap", meta, rows, table(rows, meta))
+    print(f"wrote {path}")
     return 0
 
 
