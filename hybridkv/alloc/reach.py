@@ -78,37 +78,6 @@ class Reach:
             x = parent.get((gid, x))
         return out
 
-    def rooted(
-        self,
-        gid: int,
-        unit: bytes,
-        memo: dict[UnitKey, bool],
-        path: list[UnitKey] | None = None,
-    ) -> bool:
-        """``unit`` and every unit before it are cached in ``gid``. ``memo`` keeps the answer
-        for every unit walked, so that walks from many units of one tree each cost what they
-        add (iterative: chains are thousands of units long); ``path``, if given, gets the
-        units this call walked that ``memo`` did not know, nearest first."""
-        parent_of, known_of = self.index.parent.get, memo.get  # bound: the walk's inner loop
-        if path is None:
-            path = []
-        start = len(path)
-        k: UnitKey | None = (gid, unit)
-        result = True
-        while k is not None:
-            known = known_of(k)
-            if known is not None:
-                result = known
-                break
-            p = parent_of(k, k)  # k itself: a sentinel for "not cached"
-            if p is k:
-                result = False
-                break
-            path.append(k)
-            k = None if p is None else (gid, p)
-        memo.update(dict.fromkeys(path[start:], result))
-        return result
-
     def window_cached(self, gid: int, unit: bytes, n: int) -> bool:
         """``unit`` and the ``n - 1`` units before it are cached in ``gid`` (fewer from the
         root): the window a sliding-window group needs before a hit."""
@@ -177,18 +146,17 @@ class Reach:
         spans = [(g, max(1, -(-(W - 1) // h))) for g, W in window]  # units of each window
         useful: dict[int, set[bytes]] = {g: set() for g in (*full, *(g for g, _ in window))}
         useful.update((g, set()) for g in states)
+        # one memo per full group, keyed by unit: the walks below visit every cached unit
+        memos: dict[int, dict[bytes, bool]] = {g: {} for g in full}
         if not states:
-            memo: dict[UnitKey, bool] = {}
             for gid, unit in list(parent):
-                if gid in full and self.rooted(gid, unit, memo):
+                if gid in memos and self.rooted(gid, unit, memos[gid]) is not None:
                     useful[gid].add(unit)
             for gid, n in spans:
                 for g, unit in list(parent):
                     if g == gid and self.window_cached(gid, unit, n):
                         useful[gid].add(unit)
             return useful
-        # one memo per full group, keyed by unit: the walks below visit every cached unit
-        memos: dict[int, dict[bytes, bool]] = {g: {} for g in full}
         # units with a checkpoint of every state group (the index counts them per unit): the
         # result does not depend on the order they are visited in
         num_states = len(states)
@@ -201,11 +169,11 @@ class Reach:
                 # the last test: every unit a rooted walk meets in the memo is marked already,
                 # so the units it walked are the ones to mark (one walk, not two)
                 g = full[0]
-                walked = self._rooted_walk(g, u, memos[g])
+                walked = self.rooted(g, u, memos[g])
                 if walked is None:
                     continue
                 useful[g].update(walked)
-            elif all(self._rooted_walk(g, u, memos[g]) is not None for g in full):
+            elif all(self.rooted(g, u, memos[g]) is not None for g in full):
                 for g in full:
                     self._mark_prefix(g, u, useful[g])
             else:
@@ -216,9 +184,12 @@ class Reach:
                 useful[g].update(x for x in self.path_up(g, u, n) if (g, x) in parent)
         return useful
 
-    def _rooted_walk(self, gid: int, unit: bytes, memo: dict[bytes, bool]) -> list[bytes] | None:
-        """:meth:`rooted` for one group with a memo keyed by unit: the units this call walked
-        that ``memo`` did not know (nearest first) when ``unit`` is rooted, else None."""
+    def rooted(self, gid: int, unit: bytes, memo: dict[bytes, bool]) -> list[bytes] | None:
+        """Whether ``unit`` and every unit before it are cached in ``gid`` (*rooted*): the units
+        this call walked that ``memo`` did not know (nearest first) when it is, else None.
+        ``memo`` (one per group, keyed by unit) keeps the answer for every unit walked, so
+        walks from many units of one tree each cost what they add (iterative: chains are
+        thousands of units long)."""
         parent_of, known_of = self.index.parent.get, memo.get  # bound: the inner loop
         path: list[bytes] = []
         x: bytes | None = unit
