@@ -293,7 +293,7 @@ def simulate(
     ready: list[tuple[float, int, int]] = [(a, i, rid) for i, (a, rid) in enumerate(roots)]
     pushed = len(ready)
     steps = peak = output_tokens = 0
-    prompt_tokens = hit_tokens = shared_tokens = 0
+    prompt_tokens = shared_tokens = 0
     saved_flops = 0.0
     request_hits = np.zeros(len(reqs), dtype=np.int64)
     request_kv_hits = np.zeros(len(reqs), dtype=np.int64)
@@ -352,7 +352,6 @@ def simulate(
                 request_hits[seq.rid] = got
                 request_kv_hits[seq.rid] = min(seq.hits[0].num_kv_cached_tokens, seq.prompt_len)
                 prompt_tokens += seq.prompt_len
-                hit_tokens += got
                 if got:
                     saved_flops += coster.prefill_flops(got)
                 shared_tokens += reqs[seq.rid].shared_prefix_length or 0
@@ -381,7 +380,7 @@ def simulate(
         num_requests=len(reqs),
         finished=len(finish_time),
         prompt_tokens=prompt_tokens,
-        hit_tokens=hit_tokens,
+        hit_tokens=int(request_hits.sum()),  # each request's first admission
         shared_tokens=shared_tokens,
         preemptions=sched.num_preemptions,
         peak_running=peak,
