@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from .plan import MemoryPlan
 from .target import VllmTarget
 from .traces import Request, Trace
 from .traces.reuse import infinite_cache_hits
+
+if TYPE_CHECKING:  # the export module is imported when a diagnosis needs it
+    from .vllm_export import LoggedCapacity
 
 __all__ = ["Diagnosis", "Finding", "Remedy", "diagnose", "prefix_trace"]
 
@@ -369,7 +372,7 @@ def _fp8_finding(
 
 def _logged_capacities(
     wide: MemoryPlan, wide_model: HybridModel, fp8: MemoryPlan, fp8_model: HybridModel
-) -> tuple[Any, Any] | None:
+) -> tuple[LoggedCapacity, LoggedCapacity] | None:
     """vLLM's logged capacity of both plans, or None where it cannot be computed (a family vLLM
     does not serve, a sliding-window group, no max_model_len): the finding then says only the
     token slots."""
