@@ -33,7 +33,7 @@ import numpy as np
 from .dtypes import canonical_dtype, dtype_bytes
 from .models.model import HybridModel, ParamCount
 from .plan import MemoryPlan
-from .specs import FullAttentionSpec, MLASpec, SlidingWindowSpec
+from .specs import FullAttentionSpec, IndexerSpec, MLASpec, SlidingWindowSpec
 
 __all__ = [
     "GPU",
@@ -144,10 +144,14 @@ def _context_sum(new: int, cached: int, window: int | None) -> int:
 def _attention_terms(model: HybridModel) -> tuple[tuple[int, int | None], ...]:
     """(FLOPs per context token, sliding window or None) of every attention layer on one rank,
     in layer order: ``QK^T`` and ``PV`` are ``2 * heads * (head_dim + head_dim_v)``; absorbed MLA
-    scores over the latent and takes values over its rank-r part."""
+    scores over the latent and takes values over its rank-r part. A sparse-attention indexer's
+    keys add no term: the spec does not carry the indexer's query heads, and its layer's
+    attention (top-k tokens only) is counted dense over the whole context, an upper bound."""
     terms = []
     for layer in model.attention_layers:
         spec = layer.spec
+        if isinstance(spec, IndexerSpec):
+            continue
         if isinstance(spec, MLASpec):
             heads = spec.num_heads // spec.tp_size
             terms.append((2 * heads * (spec.latent_dim + spec.kv_lora_rank), None))

@@ -22,6 +22,7 @@ __all__ = [
     "AttentionSpec",
     "FullAttentionSpec",
     "GatedDeltaNetSpec",
+    "IndexerSpec",
     "KDASpec",
     "LayerSpec",
     "LinearAttentionSpec",
@@ -29,6 +30,7 @@ __all__ = [
     "MLSTMSpec",
     "Mamba1Spec",
     "Mamba2Spec",
+    "PLEConvSpec",
     "RGLRUSpec",
     "RWKV4Spec",
     "ShortConvSpec",
@@ -45,13 +47,12 @@ def _divide(total: int, tp: int, what: str, hint: str) -> int:
     return total // tp
 
 
-def _positive(spec: Any, *names: str) -> None:
+def _positive(spec: Any, *names: str, minimum: int = 1) -> None:
     for name in names:
         value = getattr(spec, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(
-                f"{type(spec).__name__}.{name} must be a positive integer, got {value!r}"
-            )
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise ValueError(f"{type(spec).__name__}.{name} must be {what}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +61,10 @@ class LayerSpec:
 
     kind: ClassVar[str] = ""
     is_attention: ClassVar[bool] = False
+    #: the cache layer's name in a model is ``layers.{i}.{suffix}``: ``attn`` for attention,
+    #: ``mixer`` for a state, unless the spec names its own (a second cache of the same decoder
+    #: layer: an indexer's keys beside the latent, a PLE conv beside the GDN state)
+    suffix: ClassVar[str] = ""
 
     tp_size: int = 1
 
@@ -180,7 +185,9 @@ class MLASpec(AttentionSpec):
     """Multi-head latent attention: one latent of ``kv_lora_rank + qk_rope_head_dim`` per token.
 
     The latent is shared by all heads, so every TP rank keeps the whole of it; kernels need
-    blocks that are multiples of 64 tokens (vLLM's MLA alignment).
+    blocks that are multiples of 64 tokens (vLLM's MLA alignment). ``qk_rope_head_dim`` may be
+    0: GLM-5-Next's MLA is NoPE (transformers' Glm5NextTextConfig refuses any rope width), its
+    cache the ``kv_lora_rank`` latent alone.
     """
 
     kind: ClassVar[str] = "mla"
@@ -191,7 +198,8 @@ class MLASpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive(self, "num_heads", "kv_lora_rank", "qk_rope_head_dim")
+        _positive(self, "num_heads", "kv_lora_rank")
+        _positive(self, "qk_rope_head_dim", minimum=0)
         _divide(self.num_heads, self.tp_size, "num_heads", "use a TP size that divides the heads")
 
     @property
@@ -201,6 +209,72 @@ class MLASpec(AttentionSpec):
     @property
     def bytes_per_token(self) -> int:
         return self.latent_dim * dtype_bytes(self.kv_dtype)
+
+    @property
+    def kernel_alignment(self) -> int:
+        return 64
+
+
+#: elements of an fp8 indexer key that share one float32 scale (vLLM 0.33's
+#: ``DeepseekV32IndexerCache``: ``head_dim + head_dim // quant_block_size * 4`` uint8 per token,
+#: ``quant_block_size = 128``)
+INDEXER_FP8_BLOCK = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexerSpec(AttentionSpec):
+    """A sparse-attention indexer's key cache (DeepSeek-V3.2's DSA, GLM-5-Next, Qwen4-Exp's QSA):
+    one single-head key of ``index_head_dim`` per token, which the indexer scores to pick the
+    top-k tokens (or k-pools of tokens) whose latent / K-V the attention then reads. It grows
+    with every token like attention, so it is a per-token kind beside the layer's latent or K/V
+    (its own cache layer ``layers.{i}.indexer``).
+
+    Per token and TP rank, in ``kv_dtype``:
+
+    - a 2- or 4-byte dtype (the model's; transformers' layout): ``index_head_dim +
+      side_channels`` elements. transformers' ``DynamicIndexedLayer.indexer_keys`` is
+      ``[batch, tokens, row]`` in the model dtype; Qwen4-Exp's row is the raw key
+      (``side_channels = 0``), GLM-5-Next's the key, its k-pool gate score (``index_head_dim``)
+      and a validity flag (1), which transformers re-pools at every step
+      (``side_channels = index_head_dim + 1``).
+    - an fp8 dtype (vLLM's layout): the key as fp8 with one float32 scale per
+      :data:`INDEXER_FP8_BLOCK` elements, ``index_head_dim + 4 * ceil(index_head_dim / 128)``
+      bytes (132 for a head of 128: vLLM 0.33's ``DeepseekV32IndexerCache``, an
+      ``MLAAttentionSpec`` of head size 132 in uint8); side channels, if any, in bfloat16 (vLLM
+      keeps GLM-5-Next's gate scores in bfloat16).
+
+    Not modelled: vLLM 0.33 stores GLM-5-Next's and Qwen4-Exp's indexer keys k-pool-compressed
+    (one entry per ``index_kpool`` / ``indexer_compress_ratio`` tokens, ``tokens_per_state``)
+    plus a per-request ring of the open pool's raw keys (``CircularBufferSpec``).
+
+    TP split rule: none; the key has a single head, every rank keeps it whole (vLLM: "no tensor
+    parallel, just replicated", ``max_tp_shards=1``). Kernel alignment 64 tokens: DeepGEMM's
+    paged MQA-logits kernel reads 64-token pages (vLLM's ``DeepseekV32IndexerBackend``).
+    """
+
+    kind: ClassVar[str] = "indexer"
+    suffix: ClassVar[str] = "indexer"
+
+    index_head_dim: int
+    side_channels: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "index_head_dim")
+        _positive(self, "side_channels", minimum=0)
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one token's row in a 2- or 4-byte dtype (key and side channels)."""
+        return self.index_head_dim + self.side_channels
+
+    @property
+    def bytes_per_token(self) -> int:
+        size = dtype_bytes(self.kv_dtype)
+        if size > 1:
+            return self.row_elements * size
+        scales = 4 * -(-self.index_head_dim // INDEXER_FP8_BLOCK)
+        return self.index_head_dim + scales + 2 * self.side_channels
 
     @property
     def kernel_alignment(self) -> int:
@@ -559,12 +633,52 @@ class MLSTMSpec(StateSpec):
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class PLEConvSpec(StateSpec):
+    """Qwen4-Exp's Per-Layer Embedding (PLE) module: a dilated depthwise causal conv over
+    ``conv_dim = hc_count * hidden_size`` channels (its hyper-connection streams), kernel
+    ``conv_kernel``, dilation ``dilation`` (transformers and vLLM: ``ngram_size``). Its state
+    is the last ``(conv_kernel - 1) * dilation`` inputs (the span the dilated kernel reaches
+    back), plus speculative rows, in ``conv_dtype``: vLLM 0.33's
+    ``get_ple_mamba_state_shape_from_config`` (a short-conv state of kernel
+    ``(conv_kernel - 1) * dilation + 1``, ``tp_world_size=1``), transformers'
+    ``conv_states[1]`` of ``short_conv_state_len`` columns. A PLE layer is also a GDN layer; the
+    PLE state is a second state of it (``layers.{i}.ple``), as vLLM keeps it in its own
+    ``MambaSpec``.
+
+    TP split rule: none; vLLM sizes it at ``tp_world_size=1`` (``tp_replicated=True``), every
+    rank keeps it whole. Not a state here: transformers' ``conv_states[2]``, the last
+    ``ngram_size - 1`` token ids (int64) the n-gram hash reads; vLLM rebuilds them at every step
+    from the request's tokens (``Qwen4ExpModelState.ngram_context``), which are not cache.
+    """
+
+    kind: ClassVar[str] = "ple_conv"
+    suffix: ClassVar[str] = "ple"
+
+    conv_dim: int
+    conv_kernel: int
+    dilation: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "conv_dim", "conv_kernel", "dilation")
+
+    @property
+    def span(self) -> int:
+        """Inputs the dilated kernel reaches back: ``(conv_kernel - 1) * dilation``."""
+        return (self.conv_kernel - 1) * self.dilation
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        return (self._conv(self.conv_dim, self.span + 1),)
+
+
 SPEC_KINDS: dict[str, type[LayerSpec]] = {
     cls.kind: cls
     for cls in (
         FullAttentionSpec,
         SlidingWindowSpec,
         MLASpec,
+        IndexerSpec,
         Mamba1Spec,
         Mamba2Spec,
         GatedDeltaNetSpec,
@@ -574,6 +688,7 @@ SPEC_KINDS: dict[str, type[LayerSpec]] = {
         RGLRUSpec,
         RWKV4Spec,
         MLSTMSpec,
+        PLEConvSpec,
     )
 }
 

@@ -16,12 +16,14 @@ from hybridkv.specs import (
     SPEC_KINDS,
     FullAttentionSpec,
     GatedDeltaNetSpec,
+    IndexerSpec,
     KDASpec,
     LinearAttentionSpec,
     Mamba1Spec,
     Mamba2Spec,
     MLASpec,
     MLSTMSpec,
+    PLEConvSpec,
     RGLRUSpec,
     RWKV4Spec,
     ShortConvSpec,
@@ -287,6 +289,8 @@ SPECS = [
     RGLRUSpec(lru_width=2560, conv_kernel=4),
     RWKV4Spec(hidden_size=768, attention_hidden_size=768),
     MLSTMSpec(num_heads=8, qk_head_dim=256, v_head_dim=512),
+    IndexerSpec(index_head_dim=128, side_channels=129),
+    PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=3),
 ]
 
 
@@ -365,6 +369,26 @@ def test_spec_dict_round_trip(spec):
             lambda: MLASpec(num_heads=32, kv_lora_rank=512, qk_rope_head_dim=64, tp_size=3),
             "use a TP size that divides the heads",
             id="mla-heads",
+        ),
+        pytest.param(
+            lambda: MLASpec(num_heads=32, kv_lora_rank=512, qk_rope_head_dim=-1),
+            r"MLASpec.qk_rope_head_dim must be an integer >= 0, got -1",
+            id="mla-rope",
+        ),
+        pytest.param(
+            lambda: IndexerSpec(index_head_dim=0),
+            r"IndexerSpec.index_head_dim must be a positive integer, got 0",
+            id="indexer-dim",
+        ),
+        pytest.param(
+            lambda: IndexerSpec(index_head_dim=128, side_channels=-1),
+            r"IndexerSpec.side_channels must be an integer >= 0, got -1",
+            id="indexer-side",
+        ),
+        pytest.param(
+            lambda: PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=0),
+            r"PLEConvSpec.dilation must be a positive integer, got 0",
+            id="ple-dilation",
         ),
         pytest.param(
             lambda: KDASpec(num_heads=32, head_dim=128, conv_kernel=4, tp_size=3),
@@ -550,3 +574,65 @@ def test_mlstm_state_by_hand():
         }
     )
     assert model.layer_kinds == {"mlstm": 32} and model.state_bytes_per_seq == 32 * 2_101_264
+
+
+def test_nope_mla_latent_by_hand():
+    """GLM-5-Next's MLA has no rope part (qk_rope_head_dim 0): the latent is kv_lora_rank 512
+    alone, 512 * 2 = 1,024 B per token in bf16, 512 B in fp8, whatever the TP size."""
+    spec = MLASpec(num_heads=64, kv_lora_rank=512, qk_rope_head_dim=0)
+    assert spec.latent_dim == 512 and spec.bytes_per_token == 1_024
+    assert (
+        MLASpec(num_heads=64, kv_lora_rank=512, qk_rope_head_dim=0, kv_dtype="fp8").bytes_per_token
+        == 512
+    )
+    assert (
+        MLASpec(num_heads=64, kv_lora_rank=512, qk_rope_head_dim=0, tp_size=8).bytes_per_token
+        == 1_024
+    )
+
+
+def test_indexer_keys_by_hand():
+    """An indexer key of 128: Qwen4-Exp's raw key in bf16 is 128 * 2 = 256 B per token;
+    GLM-5-Next's transformers row (key 128, k-pool gate 128, validity flag 1) is
+    257 * 2 = 514 B in bf16 and 257 * 4 = 1,028 B in fp32. In fp8 (vLLM's DeepSeek-V3.2 layout)
+    the key is 128 fp8 bytes and one fp32 scale per 128 elements, 128 + 4 = 132 B; a head of 64
+    still takes one scale (64 + 4 = 68 B), one of 256 two (256 + 8 = 264 B); GLM-5-Next's side
+    channels stay bf16 (132 + 129 * 2 = 390 B). One key head: every TP rank keeps it whole.
+    Kernels read 64-token pages."""
+    assert IndexerSpec(index_head_dim=128).bytes_per_token == 256
+    glm = IndexerSpec(index_head_dim=128, side_channels=129)
+    assert glm.row_elements == 257 and glm.bytes_per_token == 514
+    assert (
+        IndexerSpec(index_head_dim=128, side_channels=129, kv_dtype="fp32").bytes_per_token
+        == 1_028
+    )
+    assert IndexerSpec(index_head_dim=128, kv_dtype="fp8").bytes_per_token == 132
+    assert IndexerSpec(index_head_dim=64, kv_dtype="fp8").bytes_per_token == 68
+    assert IndexerSpec(index_head_dim=256, kv_dtype="fp8_e5m2").bytes_per_token == 264
+    assert (
+        IndexerSpec(index_head_dim=128, side_channels=129, kv_dtype="fp8").bytes_per_token == 390
+    )
+    assert IndexerSpec(index_head_dim=128, tp_size=8).bytes_per_token == 256
+    assert glm.kernel_alignment == 64 and glm.page_bytes(64) == 64 * 514
+
+
+def test_ple_conv_state_by_hand():
+    """Qwen4-Exp's PLE conv over hc_count 4 x hidden 2048 = 8,192 channels, kernel 4, dilation
+    3 (ngram_size) reaches (4 - 1) * 3 = 9 inputs back: 9 * 8,192 * 2 = 147,456 B in bf16,
+    294,912 B in fp32; 2 speculative tokens add 2 rows (11 * 8,192 * 2 = 180,224 B); TP 4 keeps
+    it whole (vLLM sizes it at tp_world_size=1)."""
+    spec = PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=3)
+    assert spec.span == 9
+    assert [(t.name, t.shape, t.dtype) for t in spec.state_tensors()] == [
+        ("conv", (9, 8192), "bfloat16")
+    ]
+    assert spec.state_bytes == 147_456
+    assert (
+        PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=3, conv_dtype="fp32").state_bytes
+        == 294_912
+    )
+    assert (
+        PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=3, num_spec_tokens=2).state_bytes
+        == 180_224
+    )
+    assert PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=3, tp_size=4).state_bytes == 147_456

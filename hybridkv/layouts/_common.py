@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..dtypes import dtype_bytes
 from ..models.model import CacheLayer, HybridModel
 from ..plan import Capacity, PlanConfig, StateComponent, StatePlacement
-from ..specs import AttentionSpec, MLASpec, SlidingWindowSpec, StateSpec
+from ..specs import AttentionSpec, IndexerSpec, MLASpec, SlidingWindowSpec, StateSpec
 from ..units import format_bytes
 
 DEFAULT_BLOCK_SIZE = 16
@@ -25,6 +25,13 @@ def round_up(a: int, b: int) -> int:
 
 
 def attention_kind(spec: AttentionSpec) -> str:
+    """The group kind of an attention spec. A sparse-attention indexer's keys are a per-token
+    kind of their own (``indexer``): a separate bucket, so their own group(s) beside the latent
+    or K/V groups, with their own (smaller) pages; in a shared pool their pages are the pool's
+    page size like every other group's (vLLM's uniform page), in their own pool their natural
+    size."""
+    if isinstance(spec, IndexerSpec):
+        return "indexer"
     if isinstance(spec, MLASpec):
         return "mla"
     if isinstance(spec, SlidingWindowSpec):

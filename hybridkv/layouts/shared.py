@@ -31,7 +31,7 @@ from ..plan import (
     StatePlacement,
     TensorPlan,
 )
-from ..specs import FullAttentionSpec, MLASpec
+from ..specs import FullAttentionSpec, IndexerSpec, MLASpec
 from ._common import (
     Bucket,
     buckets,
@@ -67,6 +67,30 @@ def _kv_placement(
     """
     spec = layer.spec
     ds = dtype_bytes(spec.kv_dtype)  # type: ignore[attr-defined]
+    if isinstance(spec, IndexerSpec):
+        # one row per token, like a latent: in a 2- / 4-byte dtype the key and its side channels
+        # (elements of kv_dtype); in fp8 the row is bytes (fp8 key, fp32 scales, bf16 side
+        # channels), as vLLM views its indexer cache as uint8
+        row = spec.bytes_per_token // ds
+        return KVPlacement(
+            layer=layer.name,
+            layer_index=layer.index,
+            kind=spec.kind,
+            group_id=group_id,
+            tensor=tensor,
+            dtype=spec.kv_dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_kv_heads=1,
+            head_dim=row,
+            head_dim_v=None,
+            k_offset=page_offset,
+            v_offset=None,
+            block_stride=block_stride,
+            token_stride=spec.bytes_per_token,
+            head_stride=spec.bytes_per_token,
+            pack_index=pack_index,
+        )
     if isinstance(spec, MLASpec):
         return KVPlacement(
             layer=layer.name,

@@ -55,7 +55,10 @@ class CacheLayer:
     """One cache-holding mixer: ``name`` is unique in the model, ``index`` is the decoder layer.
 
     A decoder layer may hold two mixers (Falcon-H1 runs attention and Mamba-2 in parallel; Zamba2
-    adds a shared attention block to some Mamba layers), hence names rather than indices.
+    adds a shared attention block to some Mamba layers), or two caches of one mixer (GLM-5-Next's
+    latent and its indexer's keys, ``layers.{i}.attn`` and ``layers.{i}.indexer``; Qwen4-Exp's GDN
+    state and its PLE conv, ``layers.{i}.mixer`` and ``layers.{i}.ple``), hence names rather
+    than indices.
     """
 
     name: str
@@ -249,7 +252,7 @@ class HybridModel:
             spec = spec_from_dict(
                 mixer, kv_dtype=dtype, conv_dtype=dtype, ssm_dtype=declared or dtype
             )
-            suffix = "attn" if isinstance(spec, AttentionSpec) else "mixer"
+            suffix = spec.suffix or ("attn" if isinstance(spec, AttentionSpec) else "mixer")
             for i in indices:
                 if not 0 <= i < n:
                     raise ValueError(

@@ -1,6 +1,7 @@
-"""Full attention and MLA groups (:class:`FullAttentionManager`): every token's KV is kept, so a
-hit needs every block before it cached (downward closed), and with partial hits a prefix of the
-block holding the hit point (served by copying those tokens into a new block)."""
+"""Full attention, MLA and sparse-attention indexer groups (:class:`FullAttentionManager`): every
+token's KV (or indexer key) is kept, so a hit needs every block before it cached (downward
+closed), and with partial hits a prefix of the block holding the hit point (served by copying
+those tokens into a new block)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ __all__ = ["FullAttentionManager"]
 
 
 class FullAttentionManager(GroupManager):
-    """See the module docstring; MLA is full attention with its own (latent) page."""
+    """See the module docstring; MLA is full attention with its own (latent) page, an indexer's
+    keys likewise (every token's key is kept and read to pick the top-k)."""
 
-    kinds = ("full_attention", "mla")
+    kinds = ("full_attention", "mla", "indexer")
     needs_whole_prefix = True
 
     def shrink_hit(self, hashes: list[bytes], limit: int, memo: dict[int, int]) -> int:
