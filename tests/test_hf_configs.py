@@ -219,6 +219,12 @@ DEFAULT_KINDS = {
     "granitemoe_swa": {"full_attention", "sliding_window"},
     "rwkv": {"rwkv4"},
     "xlstm": {"mlstm"},
+    # GLM-5-Next: KDA, and NoPE MLA with its DSA indexer on every 4th layer
+    "glm5_next": {"mla", "indexer", "kda"},
+    "glm5_next_text": {"mla", "indexer", "kda"},
+    # Qwen4ExpTextConfig() sets no indexer_* fields and no PLE layers
+    "qwen4_exp": {"full_attention", "gated_deltanet"},
+    "qwen4_exp_text": {"full_attention", "gated_deltanet"},
 }
 # families transformers does not ship (remote-code formats), read from their own configs
 NOT_IN_TRANSFORMERS = {"minimax_text_01", "minimax_m1"}
@@ -542,6 +548,148 @@ def test_xlstm_reads_every_size_field():
         models.from_hf_config({**saved, "num_heads": 3})
     with pytest.raises(ValueError, match="'v_dim_factor' must be a positive number"):
         models.from_hf_config({**saved, "v_dim_factor": "one"})
+
+
+_GLM5_TEXT = dict(
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=256,
+    q_lora_rank=512,
+    index_head_dim=64,
+    index_n_heads=8,
+    index_topk=512,
+    index_kpool=8,
+    linear_num_heads=16,
+    linear_head_dim=64,
+    linear_conv_kernel_dim=4,
+    dtype="bfloat16",
+)
+
+
+def test_glm5_next_reads_every_size_field():
+    """GLM-5-Next saved by transformers (the multimodal wrapper, text under text_config):
+    layer i indexed iff i % 4 == 3 (NoPE MLA of kv_lora_rank, a DSA indexer row of key + k-pool
+    gate + flag), KDA elsewhere; a flat text-only config (GLM-5.3-Flash's form) and the
+    architecture alone read the same; ``shared`` indexer layers keep no indexer cache."""
+    transformers = pytest.importorskip("transformers")
+    saved = transformers.Glm5NextConfig(text_config=_GLM5_TEXT).to_dict()
+    model = models.from_hf_config(saved)
+    assert model.family == "glm5_next_text" and model.dtype == "bfloat16"
+    assert model.layer_kinds == {"kda": 6, "mla": 2, "indexer": 2}
+    by_kind = {
+        k: [layer for layer in model.layers if layer.spec.kind == k]
+        for k in ("mla", "indexer", "kda")
+    }
+    assert [layer.index for layer in by_kind["mla"]] == [3, 7]
+    assert [layer.name for layer in by_kind["indexer"]] == ["layers.3.indexer", "layers.7.indexer"]
+    mla, indexer, kda = (by_kind[k][0].spec for k in ("mla", "indexer", "kda"))
+    assert (mla.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim) == (16, 256, 0)
+    assert (indexer.index_head_dim, indexer.side_channels) == (64, 65)
+    assert (kda.num_heads, kda.head_dim, kda.conv_kernel, kda.ssm_dtype) == (16, 64, 4, "float32")
+    assert "indexer cache read in transformers' layout" in model.doubts
+    assert "missing" not in model.doubts  # every size given
+    flat = {"model_type": "glm5_next", **saved["text_config"]}
+    assert _layers(models.from_hf_config(flat)) == _layers(model)
+    by_arch = _without(saved, "model_type") | {
+        "architectures": ["Glm5NextForConditionalGeneration"]
+    }
+    by_arch["text_config"] = _without(saved["text_config"], "model_type")
+    assert _layers(models.from_hf_config(by_arch)) == _layers(model)
+    # transformers' indexer_types rule: index_topk_freq 8, offset 0 -> only layer 7 runs one
+    cfg = transformers.Glm5NextTextConfig(
+        **_GLM5_TEXT, index_topk_freq=8, index_skip_topk_offset=0
+    )
+    ruled = {"model_type": "glm5_next", **_without(_GLM5_TEXT, "dtype")}
+    ruled |= {"index_topk_freq": 8, "index_skip_topk_offset": 0}
+    indexed = [i for i, t in enumerate(cfg.layer_types) if t == "indexed_attention"]
+    full = [i for i in indexed if cfg.indexer_types[i] == "full"]
+    read = models.from_hf_config(ruled)
+    assert [layer.index for layer in read.layers if layer.spec.kind == "indexer"] == full == [7]
+    pattern = models.from_hf_config({**ruled, "index_topk_pattern": "FFFSFFFF"})
+    assert [layer.index for layer in pattern.layers if layer.spec.kind == "indexer"] == [7]
+    # absent sizes take Glm5NextTextConfig's defaults, said among the doubts
+    bare = models.from_hf_config(_without(flat, "kv_lora_rank", "index_head_dim"))
+    assert {layer.spec.kv_lora_rank for layer in bare.layers if layer.spec.kind == "mla"} == {512}
+    assert (
+        "kv_lora_rank missing: 512, the default of transformers' Glm5NextTextConfig" in bare.doubts
+    )
+    assert "index_head_dim missing: 128" in bare.doubts
+    with pytest.raises(ValueError, match=r"'indexer_types\[2\]' must be 'full' or 'shared'"):
+        models.from_hf_config({**flat, "indexer_types": ["full", "full", "both", *["full"] * 5]})
+    with pytest.raises(ValueError, match="indexer_types has 3 entries but num_hidden_layers is 8"):
+        models.from_hf_config({**flat, "indexer_types": ["full"] * 3})
+
+
+_QWEN4_TEXT = dict(
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    hc_count=4,
+    ple_layer_ids=[1, 2, 6],
+    ple_conv_kernel_size=4,
+    ngram_size=3,
+    indexer_n_heads=16,
+    indexer_kv_heads=1,
+    indexer_head_dim=128,
+    indexer_budget=2048,
+    indexer_compress_ratio=16,
+    eos_token_id=2,
+    dtype="bfloat16",
+)
+
+
+def test_qwen4_exp_reads_every_size_field():
+    """Qwen4-Exp saved by transformers: every 4th layer gated GQA with a QSA indexer key of
+    indexer_head_dim per token, GDN elsewhere; the GDN layers of ple_layer_ids (1-based) also
+    keep a PLE conv over hc_count * hidden channels, kernel ple_conv_kernel_size, dilation
+    ngram_size; its SSM dtype follows vLLM's Qwen3.5 rule (mamba_ssm_dtype)."""
+    transformers = pytest.importorskip("transformers")
+    saved = transformers.Qwen4ExpTextConfig(**_QWEN4_TEXT).to_dict()
+    model = models.from_hf_config(saved)
+    assert model.family == "qwen4_exp_text"
+    assert model.layer_kinds == {
+        "gated_deltanet": 6,
+        "ple_conv": 3,
+        "full_attention": 2,
+        "indexer": 2,
+    }
+    names = [layer.name for layer in model.layers]
+    assert names[:4] == ["layers.0.mixer", "layers.0.ple", "layers.1.mixer", "layers.1.ple"]
+    assert "layers.3.attn" in names and "layers.3.indexer" in names and "layers.5.ple" in names
+    spec = {layer.spec.kind: layer.spec for layer in model.layers}
+    attn, indexer, ple = spec["full_attention"], spec["indexer"], spec["ple_conv"]
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (16, 2, 128)
+    assert (indexer.index_head_dim, indexer.side_channels) == (128, 0)
+    assert (ple.conv_dim, ple.conv_kernel, ple.dilation) == (4 * 2048, 4, 3)
+    assert spec["gated_deltanet"].ssm_dtype == "bfloat16"  # vLLM: auto is the conv dtype
+    assert "missing" not in model.doubts
+    wrapped = transformers.Qwen4ExpConfig(text_config=_QWEN4_TEXT).to_dict()
+    assert _layers(models.from_hf_config(wrapped)) == _layers(model)
+    fp32 = models.from_hf_config({**saved, "mamba_ssm_dtype": "float32"})
+    assert fp32.ssm_dtype_declared == "float32"
+    assert {
+        layer.spec.ssm_dtype for layer in fp32.state_layers if layer.spec.kind == "gated_deltanet"
+    } == {"float32"}
+    # no indexer fields: no indexer cache, said among the doubts
+    plain = models.from_hf_config(_without(saved, "indexer_head_dim"))
+    assert "indexer" not in plain.layer_kinds and "no indexer_head_dim" in plain.doubts
+    # absent sizes take Qwen4ExpTextConfig's defaults
+    bare = models.from_hf_config(_without(saved, "ple_conv_kernel_size", "hc_count"))
+    assert (
+        "ple_conv_kernel_size missing: 4" in bare.doubts and "hc_count missing: 4" in bare.doubts
+    )
+    with pytest.raises(ValueError, match=r"ple_layer_ids \[4\] are not linear_attention layers"):
+        models.from_hf_config({**saved, "ple_layer_ids": [1, 4]})
+    with pytest.raises(ValueError, match="indexer_kv_heads is 2"):
+        models.from_hf_config({**saved, "indexer_kv_heads": 2})
 
 
 def test_bailing_hybrid_reads_both_saved_forms():

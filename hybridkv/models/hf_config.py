@@ -81,6 +81,9 @@ class _Config:
         self.prefix = prefix  # "linear_attn_config." for a nested object
         self.n: int | None = None  # decoder layers, set by num_layers()
         self.doubts: list[str] = []  # what the reader had to assume, for the model's doubts
+        #: the transformers model type whose config class gives absent sizes their defaults
+        #: (a reader sets the text config's type where the outer class wraps it)
+        self.defaults_type = model_type
 
     def error(self, message: str) -> ValueError:
         return ValueError(f"config for model_type {self.model_type!r}: {message}")
@@ -106,7 +109,7 @@ class _Config:
         if self.prefix or key in self.data:  # nested, or present but null: not a default
             return None
         if not hasattr(self, "_hf_defaults"):
-            self._hf_defaults = _transformers_config(self.model_type, self.data)
+            self._hf_defaults = _transformers_config(self.defaults_type, self.data)
         cfg = self._hf_defaults
         value = getattr(cfg, key, None) if cfg is not None else None
         # sizes only: a default layer pattern or dtype belongs to another model than this one
@@ -779,6 +782,170 @@ def _kimi_linear(c: _Config) -> list[dict[str, Any]]:
     return mixers
 
 
+def _glm5_next(c: _Config) -> list[dict[str, Any]]:
+    """GLM-5-Next (transformers' ``glm5_next``; GLM-5.3-Flash): ``indexed_attention`` layers are
+    NoPE MLA (the ``kv_lora_rank`` latent, ``qk_rope_head_dim`` 0) with a DSA indexer, the
+    others KDA ``linear_attention`` (``layer_types``, else transformers' rule: layer i is
+    indexed iff ``i % 4 == 3``; ``full_attention`` reads as indexed, as transformers renames
+    it). An indexed layer whose ``indexer_types`` entry is ``shared`` reuses the previous full
+    layer's top-k and keeps no indexer cache; absent, ``indexer_types`` follows transformers'
+    ``index_topk_pattern`` / ``index_topk_freq`` / ``index_skip_topk_offset`` rule (every layer
+    ``full`` by default). Each full indexer keeps transformers' per-token row: its key
+    (``index_head_dim``), the k-pool gate score (``index_head_dim``) and a validity flag.
+    Absent sizes take Glm5NextTextConfig's defaults, said among the doubts."""
+    c.defaults_type = "glm5_next_text"
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        n = c.num_layers(types)
+    else:
+        n = c.num_layers()
+        types = ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+    indexed, kda = _split(
+        c,
+        types,
+        attention={"indexed_attention", "full_attention"},
+        state={"linear_attention"},
+    )
+    modes = _indexer_types(c, n)
+    full = [i for i in indexed if modes[i] == "full"]
+    mixers: list[dict[str, Any]] = []
+    if indexed:
+        mixers.append(
+            {
+                "kind": "mla",
+                "num_heads": c.integer("num_attention_heads"),
+                "kv_lora_rank": c.integer("kv_lora_rank"),
+                # transformers: 0 (NoPE), and Glm5NextTextConfig refuses any other
+                "qk_rope_head_dim": c.integer("qk_rope_head_dim", default=0, minimum=0),
+                "layers": indexed,
+            }
+        )
+    if full:
+        dim = c.integer("index_head_dim")
+        mixers.append(
+            {"kind": "indexer", "index_head_dim": dim, "side_channels": dim + 1, "layers": full}
+        )
+        c.doubts.append(
+            "indexer cache read in transformers' layout (per token: key, k-pool gate score and "
+            "a validity flag in the model dtype); vLLM 0.33 keeps one fp8 k-pool key "
+            "(index_head_dim + 4 B) per index_kpool tokens and a per-request bf16 ring of the "
+            "open pool's keys and gate scores, which hybridkv does not model"
+        )
+    if kda:
+        lin = c.mapping("linear_attn_config")
+        sub = _Config(lin, c.model_type, prefix="linear_attn_config.")
+        mixers.append(
+            {
+                "kind": "kda",
+                "num_heads": sub.integer("num_heads", default=None)
+                or c.integer("linear_num_heads"),
+                "head_dim": sub.integer("head_dim", default=None) or c.integer("linear_head_dim"),
+                "conv_kernel": sub.integer("short_conv_kernel_size", default=None)
+                or c.integer("linear_conv_kernel_dim"),
+                "layers": kda,
+            }
+        )
+    return mixers
+
+
+def _indexer_types(c: _Config, n: int) -> list[str]:
+    """GLM-5-Next's per-layer indexer mode, ``full`` or ``shared``: ``indexer_types``, else
+    ``index_topk_pattern`` (``F`` / ``S`` characters or a list), else transformers' rule from
+    ``index_topk_freq`` (default 1) and ``index_skip_topk_offset`` (default 2): layer i is full
+    iff ``max(i - offset + 1, 0) % freq == 0``."""
+    if c.has("indexer_types") or c.has("index_topk_pattern"):
+        key = "indexer_types" if c.has("indexer_types") else "index_topk_pattern"
+        value = c.data[key]
+        if isinstance(value, str):
+            bad = sorted(set(value) - {"F", "S"})
+            if bad:
+                raise c.error(f"{key} has characters {bad}; expected F (full) or S (shared)")
+            modes = ["full" if ch == "F" else "shared" for ch in value]
+        else:
+            modes = c.sequence(key, expected="a list of 'full' / 'shared'")
+            for i, mode in enumerate(modes):
+                if mode not in ("full", "shared"):
+                    raise c._wrong(f"{key}[{i}]", mode, "'full' or 'shared'")
+        if len(modes) != n:
+            raise c.error(f"{key} has {len(modes)} entries but num_hidden_layers is {n}")
+        return list(modes)
+    freq = max(c.integer("index_topk_freq", default=1), 1)
+    offset = c.integer("index_skip_topk_offset", default=2, minimum=0)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+
+
+def _qwen4_exp(c: _Config) -> list[dict[str, Any]]:
+    """Qwen4-Exp (transformers' ``qwen4_exp``): ``indexed_attention`` layers are gated GQA
+    (K and V of ``head_dim``) with a QSA indexer keeping one raw key of ``indexer_head_dim`` per
+    token; the others Gated DeltaNet (``layer_types``, else every ``full_attention_interval``-th
+    layer indexed, default 4). The GDN layers listed (1-based) in ``ple_layer_ids`` also run a
+    Per-Layer Embedding module whose dilated conv keeps a second state over
+    ``hc_count * hidden_size`` channels (kernel ``ple_conv_kernel_size``, dilation
+    ``ngram_size``). Absent sizes take Qwen4ExpTextConfig's defaults, said among the doubts."""
+    c.defaults_type = "qwen4_exp_text"
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        n = c.num_layers(types)
+    else:
+        n = c.num_layers()
+        interval = c.integer("full_attention_interval", default=4)
+        types = [
+            "linear_attention" if (i + 1) % interval else "indexed_attention" for i in range(n)
+        ]
+    attn, gdn = _split(
+        c, types, attention={"indexed_attention", "full_attention"}, state={"linear_attention"}
+    )
+    mixers: list[dict[str, Any]] = []
+    if attn:
+        mixers.append(c.attention(attn))
+        if c.has("indexer_head_dim"):
+            kv_heads = c.integer("indexer_kv_heads", default=1)
+            if kv_heads != 1:
+                raise c.error(
+                    f"indexer_kv_heads is {kv_heads}; Qwen4-Exp's QSA indexer keeps one key head "
+                    "(transformers' Qwen4ExpTextConfig requires 1)"
+                )
+            mixers.append(
+                {
+                    "kind": "indexer",
+                    "index_head_dim": c.integer("indexer_head_dim"),
+                    "layers": attn,
+                }
+            )
+            c.doubts.append(
+                "indexer cache read in transformers' layout (one raw key per token in the model "
+                "dtype); vLLM 0.33 keeps one compressed key per indexer_compress_ratio tokens "
+                "and a per-request ring of the open group's raw keys, which hybridkv does not "
+                "model"
+            )
+        else:
+            c.doubts.append(
+                "no indexer_head_dim: read without a QSA indexer cache (transformers' "
+                "Qwen4ExpTextAttention needs the indexer_* fields to build at all)"
+            )
+    if gdn:
+        mixers.append(_gdn(c, gdn))
+    ple = sorted(set(c.integers("ple_layer_ids", default=[], minimum=1)))
+    if ple:
+        _check_indices(c, "ple_layer_ids (1-based)", [i - 1 for i in ple], n)
+        not_gdn = [i for i in ple if i - 1 not in set(gdn)]
+        if not_gdn:
+            raise c.error(
+                f"ple_layer_ids {not_gdn} are not linear_attention layers; Qwen4-Exp runs PLE "
+                "only on Gated DeltaNet layers"
+            )
+        mixers.append(
+            {
+                "kind": "ple_conv",
+                "conv_dim": c.integer("hc_count") * c.integer("hidden_size"),
+                "conv_kernel": c.integer("ple_conv_kernel_size"),
+                "dilation": c.integer("ngram_size"),
+                "layers": [i - 1 for i in ple],
+            }
+        )
+    return mixers
+
+
 def _bailing_hybrid(c: _Config) -> list[dict[str, Any]]:
     """Bailing hybrid (Ling): MLA on the last layer of every ``layer_group_size`` group, KDA
     elsewhere (``layer_types`` when given). As transformers' BailingHybridConfig, KDA heads are
@@ -1030,6 +1197,10 @@ FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "minimax": _minimax,
     "kimi_linear": _kimi_linear,
     "bailing_hybrid": _bailing_hybrid,
+    "glm5_next": _glm5_next,
+    "glm5_next_text": _glm5_next,
+    "qwen4_exp": _qwen4_exp,
+    "qwen4_exp_text": _qwen4_exp,
     "olmo_hybrid": _olmo_hybrid,
     "recurrent_gemma": _recurrent_gemma,
     "mamba": _mamba_only,
@@ -1068,6 +1239,10 @@ ARCHITECTURES: dict[str, str] = {
     "MiniMaxForCausalLM": "minimax",
     "KimiLinearForCausalLM": "kimi_linear",
     "BailingHybridForCausalLM": "bailing_hybrid",
+    "Glm5NextForConditionalGeneration": "glm5_next",
+    "Glm5NextForCausalLM": "glm5_next",
+    "Qwen4ExpForConditionalGeneration": "qwen4_exp",
+    "Qwen4ExpForCausalLM": "qwen4_exp_text",
     "OlmoHybridForCausalLM": "olmo_hybrid",
     "RecurrentGemmaForCausalLM": "recurrent_gemma",
     "MambaForCausalLM": "mamba",
@@ -1101,8 +1276,19 @@ _QWEN35_SSM_ARCHS = {
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration",
     "Qwen3_5MoeForCausalLM",
+    # Qwen4ExpForConditionalGenerationConfig subclasses Qwen3.5's ("the Qwen3.5 hybrid-cache
+    # contract"), Qwen4ExpForCausalLMConfig that one
+    "Qwen4ExpForConditionalGeneration",
+    "Qwen4ExpForCausalLM",
 }
-_QWEN35_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+_QWEN35_TYPES = {
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen4_exp",
+    "qwen4_exp_text",
+}
 
 
 def _ssm_dtype_rule(outer: dict[str, Any], model_type: str) -> str | None:
