@@ -2,7 +2,8 @@
 random Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, RecurrentGemma and
 Kimi-Linear served by :class:`hybridkv.e2e.engine.Engine` out of every layout's plan, against
 the same model run by transformers alone, MiniMax included (its own MiniMaxCache); the families
-of ``REFUSED`` (GraniteSWA's attention sinks, RWKV's and xLSTM's states) refused with the reason.
+of ``REFUSED`` (GraniteSWA's attention sinks, RWKV's and xLSTM's states, GLM-5-Next's and
+Qwen4-Exp's sparse-attention indexers and Qwen4-Exp's PLE conv) refused with the reason.
 
 Every engine run poisons its cache memory with NaN (the null block included), so a read of
 anything nothing wrote (a stale slot, a page past a request's length, a block a sliding window
@@ -237,6 +238,11 @@ def test_refused_families_say_what_is_missing_and_what_is_served(name):
         assert "rwkv4 layers: RWKV-4 keeps no cache object" in message
     if name == "xlstm":
         assert "mlstm layers: xLSTM keeps its state in its own xLSTMCache" in message
+    if name in ("glm5_next", "qwen4_exp"):
+        assert "indexer layers: a sparse-attention indexer" in message
+        assert "no token-index list" in message
+    if name == "qwen4_exp":
+        assert "ple_conv layers: Qwen4-Exp's Per-Layer Embedding" in message
 
 
 def test_an_unwired_state_kind_is_refused_with_its_name(monkeypatch):

@@ -1,5 +1,6 @@
 """The byte formulas of the families added from transformers (GraniteSWA, GraniteMoeSWA, RWKV,
-xLSTM) against what transformers' own cache or state holds after a forward of a tiny
+xLSTM, GLM-5-Next, Qwen4-Exp) against what transformers' own cache or state holds after a forward
+of a tiny
 randomly initialised model of the family, in float32 and bfloat16; and every such family
 planned through every layout, at its tiny size and at transformers' default size.
 
@@ -104,20 +105,135 @@ def test_xlstm_state_bytes_match_transformers_cache(dtype):
         assert sum(h.nbytes for h in held) == BATCH * layer.spec.state_bytes
 
 
-@pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa", "rwkv", "xlstm"])
+def _cache_of(name: str, dtype: str):
+    """transformers' DynamicCache after a forward of the tiny model of ``name``."""
+    cfg = TINY_CONFIGS[name]()
+    cache = transformers.DynamicCache(config=cfg.get_text_config())
+    with torch.no_grad():
+        _model(name, dtype)(input_ids=_ids(), cache=cache, use_cache=True)
+    return cfg.get_text_config(), cache
+
+
+def _conv_columns(held: torch.Tensor, spec) -> None:
+    """transformers keeps a conv state as ``[batch, channels, kernel]``: the whole kernel
+    window, one column more than the ``kernel - 1`` the spec (and vLLM) keeps, which the next
+    token's conv never reads; the rest is the spec's conv, channel for channel."""
+    (conv,) = [t for t in spec.state_tensors() if t.name == "conv"]
+    rows, channels = conv.shape
+    assert tuple(held.shape) == (BATCH, channels, rows + 1)
+    assert f"torch.{conv.dtype}" == str(held.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_glm5_next_cache_bytes_match_transformers_cache(dtype):
+    """GLM-5-Next: an indexed layer's DynamicIndexedLayer keeps the NoPE latent
+    (``keys`` [batch, 1, tokens, kv_lora_rank], ``values`` of width 0: the rope part) and, on a
+    ``full`` indexer layer, ``indexer_keys`` [batch, tokens, key + gate + flag]: per token and
+    request exactly the MLA and indexer specs' bytes; the ``shared`` layer keeps no indexer
+    keys. A KDA layer keeps the fp32 recurrent state whole and its conv state with one extra
+    column (:func:`_conv_columns`)."""
+    cfg, cache = _cache_of("glm5_next", dtype)
+    hybrid = hybrid_model_for(TINY_CONFIGS["glm5_next"](), dtype)
+    assert hybrid.layer_kinds == {"kda": 2, "mla": 2, "indexer": 1}
+    for layer in hybrid.layers:
+        held, spec = cache.layers[layer.index], layer.spec
+        if spec.kind == "mla":
+            assert (
+                held.keys.shape == (BATCH, 1, T, cfg.kv_lora_rank) and held.values.shape[-1] == 0
+            )
+            nbytes = held.keys.nbytes + held.values.nbytes
+            assert nbytes == BATCH * T * spec.bytes_per_token, layer.name
+            assert held.keys.dtype == DTYPES[dtype]
+        elif spec.kind == "indexer":
+            keys = held.indexer_keys
+            assert keys.shape == (BATCH, T, spec.row_elements) and keys.dtype == DTYPES[dtype]
+            assert keys.nbytes == BATCH * T * spec.bytes_per_token, layer.name
+        else:
+            assert spec.kind == "kda"
+            (ssm,) = [t for t in spec.state_tensors() if t.name == "ssm"]
+            state = held.recurrent_states[0]
+            assert (BATCH, *ssm.shape) == tuple(state.shape) and state.dtype == torch.float32
+            assert ssm.dtype == "float32" and state.nbytes == BATCH * ssm.nbytes
+            _conv_columns(held.conv_states[0], spec)
+    # the shared layer (2) runs no indexer: its cache has no indexer keys
+    assert cfg.indexer_types[2] == "shared" and cache.layers[2].indexer_keys is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qwen4_exp_cache_bytes_match_transformers_cache(dtype):
+    """Qwen4-Exp: an indexed layer keeps plain GQA K and V and ``indexer_keys`` [batch, tokens,
+    indexer_head_dim], per token exactly the attention and indexer specs' bytes. A GDN layer
+    with PLE keeps three conv states: 0 the GDN conv (one extra column, as every transformers
+    conv state), 1 the PLE conv, exactly the PLE spec ((kernel - 1) * dilation columns of
+    hc_count * hidden channels, model dtype), 2 the last ngram_size - 1 token ids (int64), which
+    vLLM reads from the request's tokens and the spec does not count. The GDN recurrent state is
+    float32 whatever the model dtype: the spec's with ``--ssm-dtype float32``. The first indexed
+    layer also keeps the positions of every token ([3, batch, tokens] int64, for the indexer's
+    RoPE), transformers' bookkeeping that a server computes, not cache."""
+    cfg, cache = _cache_of("qwen4_exp", dtype)
+    hybrid = hybrid_model_for(cfg, dtype)
+    fp32 = {layer.name: layer.spec for layer in hybrid.configure(ssm_dtype="float32").layers}
+    assert hybrid.layer_kinds == {
+        "gated_deltanet": 2,
+        "ple_conv": 2,
+        "full_attention": 2,
+        "indexer": 2,
+    }
+    for layer in hybrid.layers:
+        held, spec = cache.layers[layer.index], layer.spec
+        if spec.kind == "full_attention":
+            nbytes = held.keys.nbytes + held.values.nbytes
+            assert held.keys.shape[2] == T and nbytes == BATCH * T * spec.bytes_per_token
+        elif spec.kind == "indexer":
+            keys = held.indexer_keys
+            assert keys.shape == (BATCH, T, spec.index_head_dim) and keys.dtype == DTYPES[dtype]
+            assert keys.nbytes == BATCH * T * spec.bytes_per_token, layer.name
+        elif spec.kind == "ple_conv":
+            (conv,) = spec.state_tensors()
+            ple = held.conv_states[1]
+            assert tuple(ple.shape) == (BATCH, conv.shape[1], conv.shape[0])
+            assert ple.dtype == DTYPES[dtype] and ple.nbytes == BATCH * spec.state_bytes
+            ids = held.conv_states[2]
+            assert ids.shape == (BATCH, cfg.ngram_size - 1) and ids.dtype == torch.int64
+        else:
+            assert spec.kind == "gated_deltanet"
+            _conv_columns(held.conv_states[0], spec)
+            (ssm,) = [t for t in fp32[layer.name].state_tensors() if t.name == "ssm"]
+            state = held.recurrent_states[0]
+            assert (BATCH, *ssm.shape) == tuple(state.shape) and state.dtype == torch.float32
+            assert state.nbytes == BATCH * ssm.nbytes
+    positions = cache.layers[1].indexer_position_ids
+    assert positions.shape == (3, BATCH, T) and positions.dtype == torch.int64
+
+
+@pytest.mark.parametrize(
+    "name", ["granite_swa", "granitemoe_swa", "rwkv", "xlstm", "glm5_next", "qwen4_exp"]
+)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_new_families_plan_in_every_layout(name, layout):
     """Every layout plans the tiny model and transformers' default one (GraniteSWA: one full
-    layer in four; RWKV and xLSTM: 32 layers of state, no attention); sliding groups carry the
-    window, and every cache layer is placed."""
+    layer in four; RWKV and xLSTM: 32 layers of state, no attention; GLM-5-Next: 11 MLA layers
+    with their indexers among 34 KDA ones); sliding groups carry the window, and every cache
+    layer is placed."""
     plan = make_tiny_plan(TINY_CONFIGS[name](), layout)
     windows = {g.sliding_window for g in plan.groups if g.kind == "sliding_window"}
     assert windows == ({16} if "granite" in name else set())
+    placed = {p.layer for p in (*plan.kv_placements, *plan.state_placements)}
+    assert placed == {layer.name for layer in hybrid_model_for(TINY_CONFIGS[name]()).layers}
+    # an indexer's keys are a per-token kind of their own: their own group(s), one row a token
+    indexers = [p for p in plan.kv_placements if p.kind == "indexer"]
+    assert bool(indexers) == (name in ("glm5_next", "qwen4_exp"))
+    assert {g.kind for g in plan.groups if set(g.layers) & {p.layer for p in indexers}} <= {
+        "indexer"
+    }
+    for p in indexers:
+        spec = hybrid_model_for(TINY_CONFIGS[name]()).layer(p.layer).spec
+        assert p.k_bytes_per_block == p.block_size * spec.bytes_per_token and p.v_offset is None
     full = models.from_hf_config(transformers.AutoConfig.for_model(name).to_dict())
-    big = make_plan(full, layout, memory="8GiB", max_num_seqs=64)
+    big = make_plan(full, layout, memory="40GiB", max_num_seqs=64)  # GLM-5-Next: 148 MB a request
     placed = {p.layer for p in (*big.kv_placements, *big.state_placements)}
     assert placed == {layer.name for layer in full.layers}
     if full.attention_layers:
         assert big.capacity.token_capacity > 0
         windows = {g.sliding_window for g in big.groups if g.kind == "sliding_window"}
-        assert windows == {128}
+        assert windows == ({128} if "granite" in name else set())

@@ -82,11 +82,19 @@ def tiny_qwen3_next_config(num_layers: int = 4):
 
 
 def build_tiny_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Randomly initialised CPU causal LM for `config` (no downloads), fp32 unless ``dtype``."""
-    from transformers import AutoModelForCausalLM
+    """Randomly initialised CPU causal LM for `config` (no downloads), fp32 unless ``dtype``;
+    a multimodal config with no causal-LM class (GLM-5-Next) builds its image-text-to-text
+    model, whose language model runs on text alone."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).float().to(dtype).eval()
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        if getattr(config, "text_config", None) is None:
+            raise
+        model = AutoModelForImageTextToText.from_config(config)
+    return model.float().to(dtype).eval()
 
 
 def hybrid_model_for(config, dtype: str = "float32"):

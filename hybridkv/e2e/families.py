@@ -321,6 +321,100 @@ def tiny_xlstm_config():
     )
 
 
+def tiny_glm5_next_config():
+    """GLM-5-Next (GLM-5.3-Flash's architecture): KDA, a NoPE MLA layer with its DSA indexer
+    (k-pool 4, top-16), an MLA layer sharing that top-k (no indexer cache), KDA; two residual
+    streams, dense MLPs, a one-block vision tower (never run). Refused by the engine
+    (:data:`REFUSED`). transformers passes a top-k on only to the very next layer, so the
+    ``shared`` layer follows its ``full`` one."""
+    from transformers import Glm5NextConfig
+
+    text = dict(
+        **_COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=0,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        linear_conv_kernel_dim=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        layer_types=[
+            "linear_attention",
+            "indexed_attention",
+            "indexed_attention",
+            "linear_attention",
+        ],
+        indexer_types=["full", "full", "shared", "full"],
+        mlp_layer_types=["dense"] * 4,
+        index_topk=16,
+        index_head_dim=16,
+        index_n_heads=4,
+        index_kpool=4,
+        hc_mult=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        num_heads=2,
+        intermediate_size=32,
+        out_hidden_size=64,
+        projection_intermediate_size=32,
+        patch_size=2,
+        image_size=4,
+    )
+    return Glm5NextConfig(text_config=text, vision_config=vision)
+
+
+def tiny_qwen4_exp_config():
+    """Qwen4-Exp: GDN with a PLE module, gated GQA with its QSA indexer (compress 4, budget
+    16), GDN with PLE, GQA + QSA again; two residual streams, a 4-expert MoE, PLE over 2-
+    and 3-grams (dilation 3, kernel 4). Refused by the engine (:data:`REFUSED`)."""
+    from transformers import Qwen4ExpTextConfig
+
+    return Qwen4ExpTextConfig(
+        **_COMMON,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "indexed_attention"] * 2,
+        hc_count=2,
+        hc_lowrank=8,
+        ple_layer_ids=[1, 3],
+        ple_embed_dim=32,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1000,
+        split_ngram_parts=1,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=16,
+        indexer_compress_ratio=4,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "bamba": tiny_bamba_config,
     "qwen3_next": tiny_qwen3_next_config,
@@ -338,8 +432,18 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "granitemoe_swa": tiny_granitemoe_swa_config,
     "rwkv": tiny_rwkv_config,
     "xlstm": tiny_xlstm_config,
+    "glm5_next": tiny_glm5_next_config,
+    "qwen4_exp": tiny_qwen4_exp_config,
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): attention sinks
-#: (GraniteSWA), a state no StateFormat hands over (RWKV, xLSTM)
-REFUSED: tuple[str, ...] = ("granite_swa", "granitemoe_swa", "rwkv", "xlstm")
+#: (GraniteSWA), a state no StateFormat hands over (RWKV, xLSTM), top-k sparse attention over an
+#: indexer's keys and a PLE conv state (GLM-5-Next, Qwen4-Exp)
+REFUSED: tuple[str, ...] = (
+    "granite_swa",
+    "granitemoe_swa",
+    "rwkv",
+    "xlstm",
+    "glm5_next",
+    "qwen4_exp",
+)
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

@@ -115,6 +115,18 @@ REFUSED: dict[str, str] = {
         "a fixed batch size), which no StateFormat hands over, and its mLSTM blocks take no "
         "packed (varlen) input"
     ),
+    "indexer": (
+        "a sparse-attention indexer (GLM-5-Next's DSA with k-pools, Qwen4-Exp's QSA) scores its "
+        "own per-token keys and each query then attends to its top-k tokens only; the paged "
+        "prefill and decode kernels attend to every cached token (no token-index list), no "
+        "kernel scores or pools the indexer's keys out of pages, and transformers' indexer "
+        "reads its keys from its DynamicIndexedLayer, which no StateFormat hands over"
+    ),
+    "ple_conv": (
+        "Qwen4-Exp's Per-Layer Embedding keeps a dilated conv state and the last n-gram token "
+        "ids in conv_states[1] and [2] of the GDN layer's cache, which no StateFormat hands "
+        "over (the GDN format moves conv_states[0] and the recurrent state only)"
+    ),
 }
 
 #: attention features of a model's modules that the paged kernels do not compute: the
