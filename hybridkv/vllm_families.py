@@ -196,6 +196,27 @@ _NOT_SERVED = {
     "bailing_hybrid": "vLLM 0.33 does not serve BailingHybridForCausalLM (its Ling hybrids are "
     "BailingMoeV2_5ForCausalLM / BailingMoeV3ForCausalLM, not modelled here)",
 }
+# families vLLM 0.33 serves with caches hybridkv does not model, with the reason
+_INDEXER_POOLED = (
+    "vLLM 0.33 serves {arch} ({path}), but keeps its sparse-attention indexer's keys "
+    "{pooled} (an MLAAttentionSpec with tokens_per_state > 1) beside a per-request "
+    "CircularBufferSpec ring of the open group's raw keys; hybridkv models the indexer in "
+    "transformers' per-token layout, so its plan is not vLLM's and is not exported"
+)
+_NOT_MODELLED = {
+    "glm5_next": _INDEXER_POOLED.format(
+        arch="Glm5NextForConditionalGeneration",
+        path="vllm/models/glm5next",
+        pooled="one fp8 entry of index_head_dim + 4 bytes per index_kpool tokens",
+    ),
+    "qwen4_exp": _INDEXER_POOLED.format(
+        arch="Qwen4ExpForConditionalGeneration",
+        path="vllm/models/qwen4_exp",
+        pooled="one compressed key per indexer_compress_ratio tokens",
+    ),
+}
+_NOT_MODELLED["glm5_next_text"] = _NOT_MODELLED["glm5_next"]
+_NOT_MODELLED["qwen4_exp_text"] = _NOT_MODELLED["qwen4_exp"]
 # Zamba2's vLLM attention names depend on num_mem_blocks, which HybridModel does not record;
 # the zoo's sources give it for these checkpoints
 _ZAMBA2_MEM_BLOCKS = {"zamba2-1.2b": 1, "zamba2-2.7b": 2}
@@ -224,10 +245,9 @@ def vllm_family(model: HybridModel) -> VllmFamily:
     unless ``model.extra["architectures"]`` (or the model's label) names ``Qwen3_5ForCausalLM``.
     """
     family = (model.family or "").strip().lower()
-    if family in _NOT_SERVED:
-        raise ValueError(
-            f"{model.name}: cannot export a vLLM KVCacheConfig: {_NOT_SERVED[family]}"
-        )
+    reason = _NOT_SERVED.get(family) or _NOT_MODELLED.get(family)
+    if reason is not None:
+        raise ValueError(f"{model.name}: cannot export a vLLM KVCacheConfig: {reason}")
     key = _FAMILY_KEYS.get(family)
     if key is None:
         known = sorted({k for k in _FAMILY_KEYS if "(" not in k})

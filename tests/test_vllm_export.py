@@ -517,6 +517,22 @@ def test_families_vllm_does_not_serve_are_refused(name, tp):
         kv_cache_config(plan, model)
 
 
+@pytest.mark.parametrize("name", ["glm5_next", "qwen4_exp"])
+def test_families_with_pooled_indexers_are_refused(name):
+    """vLLM 0.33 serves GLM-5-Next and Qwen4-Exp but keeps their indexer keys pooled (one entry
+    per k-pool / compress group) with a per-request ring; hybridkv's per-token indexer is
+    transformers' layout, so the export refuses and says so."""
+    pytest.importorskip("transformers")
+    from hybridkv.e2e import hybrid_model_for
+    from hybridkv.e2e.families import TINY_CONFIGS
+
+    model = hybrid_model_for(TINY_CONFIGS[name](), "bfloat16")
+    assert "indexer" in model.layer_kinds
+    plan = make_plan(model, "inflate", memory="1GiB", max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"vLLM 0\.33 serves .* but keeps its sparse-attention"):
+        kv_cache_config(plan, model)
+
+
 # ---- spec fields ----------------------------------------------------------------------------
 
 
