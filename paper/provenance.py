@@ -56,7 +56,9 @@ def run_meta(what: str, argv: list[str] | None) -> dict[str, Any]:
     }
 
 
-def write_results(out: Path, stem: str, meta: dict, rows: list[dict], markdown: str) -> Path:
+def write_results(
+    out: Path, stem: str, meta: dict, rows: list[dict] | dict[str, Any], markdown: str
+) -> Path:
     """``out/stem.json`` (meta and rows) and ``out/stem.md`` (``markdown``); returns the
     Markdown file's path."""
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ POLICIES = (
     ("last", "last", None),
     ("marconi", "marconi", None),
     ("hash_boundary 512", "hash_boundary", 512),
+    ("hash_ladder", "hash_ladder", None),
+    ("hash_ladder 512", "hash_ladder", 512),
     ("periodic 2048", "periodic", 2048),
     ("periodic 512", "periodic", 512),
 )

@@ -1,63 +1,104 @@
-"""Where the hybrid cache loses what attention alone would serve, on Mooncake's trace:
-``python -m paper.reference_gap [--requests 600] [--out paper/results]``.
+"""Where the hybrid cache loses what attention alone would serve, on Mooncake's trace, and what
+any state placement could serve: ``python -m paper.reference_gap [--requests 2000]
+[--memory-gib 40 80] [--jobs N] [--out paper/results]``.
 
-For each layout and checkpoint policy of the real-trace figure (``paper.real_trace``: its
-deployment, trace reading and hash unit), one simulation records per request the prompt tokens
-served and the prefix the attention groups alone held at the lookup
-(``SimResult.request_hits`` / ``request_kv_hits``); :func:`hybridkv.traces.reference_gap` splits
-the attention-only LRU reference of the same memory (``traces.lru_cache_hits``) into what was
-served, lost to a missing state (the KV was there) and lost to missing KV. Writes
-``reference-gap.json`` and ``reference-gap.md`` (date, machine, commit)."""
+For each memory budget, layout and checkpoint policy (``paper.real_trace``: its deployment, trace
+reading and hash unit), one simulation records per request the prompt tokens served and the
+prefix the attention groups alone held at the lookup (``SimResult.request_hits`` /
+``request_kv_hits``); :func:`hybridkv.traces.reference_gap` splits the attention-only LRU
+reference of the same memory (``traces.lru_cache_hits``) into what was served, lost to a missing
+state (the KV was there) and lost to missing KV. Per budget, :func:`hybridkv.traces.
+placement_bounds` says how much of the reference each rule for placing states could serve with
+free, never-evicted states. Writes ``reference-gap.json`` and ``reference-gap.md`` (date,
+machine, commit)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from hybridkv import traces
+from hybridkv.executors import add_executor_arguments, executor_options, open_executor
 
 from . import data, real_trace
 from .provenance import run_meta, write_results
 
 RESULTS = Path(__file__).parent / "results"
 LAYOUTS = ("inflate", "two_level", real_trace.PER_GROUP_CACHED)
-POLICIES = ("align", "last", "marconi", "hash_boundary 512", "periodic 512")
+POLICIES = (
+    "align",
+    "marconi",
+    "hash_boundary 512",
+    "hash_ladder",
+    "hash_ladder 512",
+    "periodic 2048",
+)
+#: the paper's budget and twice it
+MEMORY_GIB = (40.0, 80.0)
+#: the interval of the placement bounds' interval rules (the trace's hash unit)
+BOUND_INTERVAL = 512
 
 
-def measure(n: int, layouts: tuple[str, ...], labels: tuple[str, ...]) -> list[dict]:
+def _deployment(memory_gib: float) -> data.Deployment:
+    return dataclasses.replace(real_trace.DEPLOYMENT, memory=int(memory_gib * data.GiB))
+
+
+def _plan(layout: str, memory_gib: float):
+    """``real_trace._plan`` at another budget (it reads the module's deployment)."""
+    saved = real_trace.DEPLOYMENT
+    real_trace.DEPLOYMENT = _deployment(memory_gib)
+    try:
+        return real_trace._plan(layout)
+    finally:
+        real_trace.DEPLOYMENT = saved
+
+
+def _run(task: tuple[int, float, str, str]) -> dict | None:
+    """One simulation (a module-level function, so that an executor's worker can run it)."""
     from hybridkv.sim import SimConfig, simulate
 
-    dep = real_trace.DEPLOYMENT
+    n, memory_gib, layout, label = task
+    dep = _deployment(memory_gib)
+    plan = _plan(layout, memory_gib)
+    if plan is None:
+        return None
     model = data.load(dep.model, dep.tp, dep.kv_dtype)
     trace = real_trace._trace(n, "blocks")
-    prompts = int(trace.prompt_lengths().sum())
-    policies = {label: (p, i) for label, p, i in real_trace.POLICIES}
-    rows = []
-    for layout in layouts:
-        plan = real_trace._plan(layout)
-        if plan is None:
-            continue
-        unit = min(real_trace.HASH_UNIT, plan.block_size)
-        reference = traces.lru_cache_hits(trace, unit, plan.capacity.ideal_token_capacity)
-        for label in labels:
-            policy, interval = policies[label]
-            config = SimConfig(
-                checkpoint_policy=policy,
-                checkpoint_interval=interval,
-                hash_block_size=unit,
-                breakdown_every=0,
-            )
-            t0 = time.perf_counter()
-            r = simulate(plan, model, trace, config)
-            gap = traces.reference_gap(r.request_hits, r.request_kv_hits, reference)
-            row = {"layout": layout, "block": plan.block_size, "policy": label,
-                   "prompt_tokens": prompts, "wall_s": round(time.perf_counter() - t0, 1),
-                   **gap.to_dict()}  # fmt: skip
-            rows.append(row)
-            print(_line(row), flush=True)
-    return rows
+    unit = min(real_trace.HASH_UNIT, plan.block_size)
+    reference = traces.lru_cache_hits(trace, unit, plan.capacity.ideal_token_capacity)
+    policy, interval = {lab: (p, i) for lab, p, i in real_trace.POLICIES}[label]
+    config = SimConfig(
+        checkpoint_policy=policy,
+        checkpoint_interval=interval,
+        hash_block_size=unit,
+        breakdown_every=0,
+    )
+    t0 = time.perf_counter()
+    r = simulate(plan, model, trace, config)
+    gap = traces.reference_gap(r.request_hits, r.request_kv_hits, reference)
+    return {"memory_gib": memory_gib, "layout": layout, "block": plan.block_size,
+            "policy": label, "prompt_tokens": int(trace.prompt_lengths().sum()),
+            "ttft_p50_ms": round(1e3 * float(np.median(r.ttft_s)), 1),
+            "checkpoints": r.checkpoints, "checkpoint_gib": round(r.checkpoint_bytes / 2**30, 1),
+            "wall_s": round(time.perf_counter() - t0, 1), **gap.to_dict()}  # fmt: skip
+
+
+def bounds(n: int, memory_gib: float) -> dict:
+    """What each placement rule could serve of the same-memory reference (free states)."""
+    trace = real_trace._trace(n, "blocks")
+    plan = _plan("inflate", memory_gib)
+    reference = traces.lru_cache_hits(
+        trace, real_trace.HASH_UNIT, plan.capacity.ideal_token_capacity
+    )
+    b = traces.placement_bounds(trace, reference, real_trace.HASH_UNIT, BOUND_INTERVAL)
+    return {"memory_gib": memory_gib, "interval": BOUND_INTERVAL,
+            "token_capacity": plan.capacity.ideal_token_capacity, **b.to_dict(),
+            "prompt_boundary+seen_branch": b.total("prompt_boundary", "seen_branch")}  # fmt: skip
 
 
 def _pct(x: int, total: int) -> str:
@@ -67,13 +108,27 @@ def _pct(x: int, total: int) -> str:
 def _line(row: dict) -> str:
     ref = row["reference"]
     return (
-        f"{row['layout']:16} {row['policy']:18} served {_pct(row['served'], ref)}% of the "
-        f"reference, lost to state {_pct(row['lost_to_state'], ref)}%, to KV "
-        f"{_pct(row['lost_to_kv'], ref)}%, beyond {_pct(row['beyond'], ref)}%"
+        f"{row['memory_gib']:g} GiB {row['layout']:16} {row['policy']:18} served "
+        f"{_pct(row['served'], ref)}% of the reference, lost to state "
+        f"{_pct(row['lost_to_state'], ref)}%, to KV {_pct(row['lost_to_kv'], ref)}%, TTFT p50 "
+        f"{row['ttft_p50_ms']} ms ({row['wall_s']} s)"
     )
 
 
-def table(rows: list[dict], meta: dict) -> str:
+BOUND_LABELS = (
+    ("end", "`end`: where each earlier request ended (`last`)"),
+    ("prompt_boundary", "`prompt_boundary`: each earlier prompt's last multiple of 512 "
+     "(`hash_boundary 512`)"),
+    ("ladder", "`ladder`: its last multiple of 512, 1,024, 2,048, ... (`hash_ladder 512`)"),
+    ("seen_branch", "`seen_branch`: where an earlier request's own reference hit stopped "
+     "(branch points, `marconi`'s admission)"),
+    ("prompt_boundary+seen_branch", "both of the two above"),
+    ("every_interval", "`every_interval`: every multiple of 512 inside each prompt "
+     "(`periodic 512`)"),
+)  # fmt: skip
+
+
+def table(rows: list[dict], bound_rows: list[dict], meta: dict) -> str:
     out = [
         "# Where the hybrid cache loses the attention-only reference (Mooncake trace)",
         "",
@@ -81,37 +136,63 @@ def table(rows: list[dict], meta: dict) -> str:
         f"commit `{meta['commit'][:12]}`; `python -m paper.reference_gap "
         f"{' '.join(meta['argv'])}`.",
         "",
-        "Percentages are of the reference's hit tokens (an attention-only LRU cache of the same "
-        "memory, whole 16-token units). *lost to state*: the hybrid cache held the KV, no "
-        "state let a hit reach it. *lost to KV*: the KV was evicted. *beyond*: served past the "
-        "reference. served + lost to state + lost to KV - beyond = 100%.",
+        "## What each state placement could serve",
         "",
-        "| layout | block | policy | served | lost to state | lost to KV | beyond | "
-        "requests losing to state / KV |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "Per budget, the attention-only LRU reference of the same memory (whole 16-token units) "
+        "and the part of it a hybrid cache could serve with states kept only where a rule puts "
+        "them, the states costing no memory and never evicted "
+        "(`hybridkv.traces.placement_bounds`).",
+        "",
+        "| rule | " + " | ".join(f"{b['memory_gib']:g} GiB" for b in bound_rows) + " |",
+        "|---|" + "---:|" * len(bound_rows),
+        "| reference (tokens) | " + " | ".join(f"{b['reference']:,}" for b in bound_rows) + " |",
+    ]
+    for key, label in BOUND_LABELS:
+        cells = " | ".join(f"{_pct(b[key], b['reference'])}%" for b in bound_rows)
+        out.append(f"| {label} | {cells} |")
+    out += [
+        "",
+        "## What the simulator serves",
+        "",
+        "Percentages are of the reference's hit tokens. *lost to state*: the hybrid cache held "
+        "the KV, no state let a hit reach it. *lost to KV*: the KV was evicted. *beyond*: "
+        "served past the reference. served + lost to state + lost to KV - beyond = 100%. "
+        "`hash_ladder` without an interval starts its ladder at the state's size in KV tokens "
+        "(2,048 here). vLLM 0.33's default is `inflate` with `align`.",
+        "",
+        "| GiB | layout | block | policy | served | lost to state | lost to KV | beyond | "
+        "TTFT p50 ms | checkpoints (GiB) | requests losing to state / KV |",
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ref = r["reference"]
         out.append(
-            f"| {r['layout']} | {r['block']} | {r['policy']} | {_pct(r['served'], ref)}% | "
-            f"{_pct(r['lost_to_state'], ref)}% | {_pct(r['lost_to_kv'], ref)}% | "
-            f"{_pct(r['beyond'], ref)}% | {r['requests_losing_to_state']} / "
-            f"{r['requests_losing_to_kv']} |"
+            f"| {r['memory_gib']:g} | {r['layout']} | {r['block']} | {r['policy']} | "
+            f"{_pct(r['served'], ref)}% | {_pct(r['lost_to_state'], ref)}% | "
+            f"{_pct(r['lost_to_kv'], ref)}% | {_pct(r['beyond'], ref)}% | {r['ttft_p50_ms']} | "
+            f"{r['checkpoints']:,} ({r['checkpoint_gib']:,}) | "
+            f"{r['requests_losing_to_state']} / {r['requests_losing_to_kv']} |"
         )
-    ref = rows[0]["reference"] if rows else 0
     total = rows[0]["prompt_tokens"] if rows else 0
-    out += ["", f"The reference serves {ref:,} of {total:,} prompt tokens "
-            f"({_pct(ref, total)}%)." if rows else ""]  # fmt: skip
+    if total:
+        refs = ", ".join(
+            f"{b['reference']:,} ({_pct(b['reference'], total)}%) at {b['memory_gib']:g} GiB"
+            for b in bound_rows
+        )
+        out += ["", f"Of {total:,} prompt tokens the reference serves {refs}."]
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m paper.reference_gap", description=__doc__)
-    ap.add_argument("--requests", type=int, default=600, help="first N requests (default 600)")
+    ap.add_argument("--requests", type=int, default=2000, help="first N requests (default 2000)")
+    ap.add_argument("--memory-gib", type=float, nargs="+", default=list(MEMORY_GIB),
+                    help="cache budgets per rank (default: %(default)s)")  # fmt: skip
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), help="(default: %(default)s)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES),
                     help="labels of paper.real_trace.POLICIES (default: %(default)s)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS, help="(default: paper/results)")
+    add_executor_arguments(ap, "the simulations")
     args = ap.parse_args(argv)
     known = {label for label, _, _ in real_trace.POLICIES}
     bad = [p for p in args.policies if p not in known]
@@ -119,20 +200,34 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown policy label(s) {bad}; choose from {sorted(known)}")
     if args.requests < 1:
         ap.error(f"--requests must be at least 1, got {args.requests}")
+    if any(m <= 0 for m in args.memory_gib):
+        ap.error(f"--memory-gib must be positive, got {args.memory_gib}")
     if not real_trace.TRACE.exists():
         ap.error(f"{real_trace.TRACE} is not in this installation")
-    rows = measure(args.requests, tuple(args.layouts), tuple(args.policies))
+    tasks = [(args.requests, m, layout, label) for m in args.memory_gib
+             for layout in args.layouts for label in args.policies]  # fmt: skip
+    rows = []
+    with open_executor(executor_options(args, ("hybridkv", "paper"), ap)) as executor:
+        for row in executor.imap(_run, tasks):
+            if row is not None:
+                rows.append(row)
+                print(_line(row), flush=True)
+    bound_rows = [bounds(args.requests, m) for m in args.memory_gib]
     dep = real_trace.DEPLOYMENT
     meta = run_meta(
         f"{args.requests} requests of {real_trace.TRACE.name} (arrivals x"
-        f"{1 / real_trace.RATE_SCALE:.0f} apart), {dep.model}, {dep.memory / 2**30:g} GiB of "
-        "cache",
+        f"{1 / real_trace.RATE_SCALE:.0f} apart), {dep.model}, "
+        f"{' and '.join(f'{m:g}' for m in args.memory_gib)} GiB of cache",
         argv,
     )
-    path = write_results(args.out, "reference-gap", meta, rows, table(rows, meta))
+    payload = {"simulations": rows, "bounds": bound_rows}
+    path = write_results(args.out, "reference-gap", meta, payload, table(rows, bound_rows, meta))
     print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run under its importable name, so that executor workers find paper.reference_gap._run
+    from paper.reference_gap import main as _main
+
+    sys.exit(_main())

@@ -334,7 +334,13 @@ def test_decode_block_boundaries(policy, retention, kept):
 # ---- the other policies -------------------------------------------------------------------------
 def test_policy_names():
     assert POLICIES == ("align", "last", "marconi")  # what advise compares
-    assert set(ALL_POLICIES) == {*POLICIES, "periodic", "hash_boundary", "align_every_block"}
+    assert set(ALL_POLICIES) == {
+        *POLICIES,
+        "periodic",
+        "hash_boundary",
+        "hash_ladder",
+        "align_every_block",
+    }
     _, plan = gdn()
     B = _block(plan)
     assert CheckpointPolicy("align", plan, 16).vllm.partial

@@ -69,7 +69,7 @@ def _alloc(
 
 
 def test_policy_names():
-    assert set(RECOVERY_POLICIES) == {"periodic", "hash_boundary"}
+    assert set(RECOVERY_POLICIES) == {"periodic", "hash_boundary", "hash_ladder"}
     assert set(RECOVERY_POLICIES) <= set(ALL_POLICIES)
 
 
@@ -100,8 +100,8 @@ def test_marks(policy, start, end, prompt, expected):
         ("periodic", 100, "multiple of the hash unit"),
         ("periodic", 0, "positive multiple"),
         ("hash_boundary", -512, "positive multiple"),
-        ("last", 512, "applies to the periodic and hash_boundary"),
-        ("align", 512, "applies to the periodic and hash_boundary"),
+        ("last", 512, "applies to the periodic, hash_boundary and hash_ladder"),
+        ("align", 512, "applies to the periodic, hash_boundary and hash_ladder"),
     ],
     ids=["not-a-hash-multiple", "zero", "negative", "last", "align"],
 )

@@ -15,6 +15,7 @@ from hybridkv.doctor import prefix_trace
 from hybridkv.layouts import make_plan
 from hybridkv.replay import replay
 from hybridkv.sim import SimConfig, simulate
+from hybridkv.traces import PLACEMENT_RULES
 
 MODEL = "qwen3-next-80b-a3b"
 
@@ -87,11 +88,32 @@ def test_paper_reference_gap_writes_its_table(tmp_path):
     from paper import reference_gap
 
     args = ["--requests", "60", "--layouts", "two_level", "--policies", "last", "periodic 512"]
+    args += ["--memory-gib", "40", "80"]
     assert reference_gap.main([*args, "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "reference-gap.json").read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["last", "periodic 512"]
+    data = json.loads((tmp_path / "reference-gap.json").read_text())["rows"]
+    rows = data["simulations"]
+    assert [(r["memory_gib"], r["policy"]) for r in rows] == [
+        (40.0, "last"),
+        (40.0, "periodic 512"),
+        (80.0, "last"),
+        (80.0, "periodic 512"),
+    ]
     for r in rows:
         total = r["served"] + r["lost_to_state"] + r["lost_to_kv"] - r["beyond"]
         assert total == r["reference"] > 0
+    # the bounds: one per budget, each rule at most the reference, the oracle exactly it
+    assert [b["memory_gib"] for b in data["bounds"]] == [40.0, 80.0]
+    for b in data["bounds"]:
+        assert b["oracle"] == b["reference"] > 0
+        assert all(0 <= b[rule] <= b["reference"] for rule in PLACEMENT_RULES)
     text = (tmp_path / "reference-gap.md").read_text()
-    assert "| two_level | 16 | last |" in text and "commit `" in text
+    assert "| 40 | two_level | 16 | last |" in text and "commit `" in text
+    assert "| `every_interval`: every multiple of 512" in text
+
+
+def test_paper_reference_gap_refuses_bad_budgets(capsys):
+    from paper import reference_gap
+
+    with pytest.raises(SystemExit):
+        reference_gap.main(["--memory-gib", "0"])
+    assert "--memory-gib must be positive" in capsys.readouterr().err

@@ -5,7 +5,10 @@
 - :mod:`~hybridkv.traces.synthetic`: seeded generators (:data:`WORKLOADS`).
 - :mod:`~hybridkv.traces.jsonl`: reading and writing real traces; Mooncake's synthetic workload
   ships with the package (:func:`load_mooncake`).
-- :mod:`~hybridkv.traces.reuse`: what block granularity alone costs a prefix cache.
+- :mod:`~hybridkv.traces.reuse`: what block granularity alone costs a prefix cache, and the
+  attention-only reference a hybrid cache is measured against.
+- :mod:`~hybridkv.traces.placement`: what each rule for placing recurrent states could serve of
+  that reference.
 
 >>> from hybridkv import traces
 >>> chat = traces.multi_turn_chat(1000, seed=0)
@@ -22,9 +25,11 @@ from .jsonl import (
     save_jsonl,
     synthetic_tokens,
 )
+from .placement import PLACEMENT_RULES, PlacementBounds, placement_bounds
 from .request import Request, Trace
 from .reuse import (
     ReferenceGap,
+    block_chain,
     block_hit_tokens,
     hashed_shared_prefix,
     hit_fraction,
@@ -44,14 +49,17 @@ from .synthetic import (
 
 __all__ = [
     "MOONCAKE_SYNTHETIC",
+    "PLACEMENT_RULES",
     "SHARED_LENGTHS",
     "VOCAB_SIZE",
     "WORKLOADS",
     "LogNormal",
+    "PlacementBounds",
     "ReferenceGap",
     "Request",
     "Trace",
     "agentic",
+    "block_chain",
     "block_hit_tokens",
     "generate",
     "hashed_shared_prefix",
@@ -62,6 +70,7 @@ __all__ = [
     "lru_cache_hits",
     "multi_turn_chat",
     "no_sharing",
+    "placement_bounds",
     "poisson_arrivals",
     "reference_gap",
     "save_jsonl",

@@ -30,6 +30,7 @@ from .request import Trace
 
 __all__ = [
     "ReferenceGap",
+    "block_chain",
     "block_hit_tokens",
     "hashed_shared_prefix",
     "hit_fraction",
@@ -56,6 +57,17 @@ def block_hit_tokens(
     return int(out) if np.ndim(out) == 0 else out
 
 
+def block_chain(tokens: np.ndarray, block_size: int) -> list[int]:
+    """The chained hashes of ``tokens``' whole ``block_size`` blocks: element ``k`` stands for
+    the prefix of ``k + 1`` blocks (equal prefixes, equal hashes; a partial last block has
+    none), the way a prefix cache names blocks."""
+    h, out = 0, []
+    for k in range(tokens.size // block_size):
+        h = hash((h, tokens[k * block_size : (k + 1) * block_size].tobytes()))
+        out.append(h)
+    return out
+
+
 def hashed_shared_prefix(trace: Trace, block_size: int) -> np.ndarray:
     """Per request, the longest prefix made of whole ``block_size`` blocks that matches an earlier
     request's prompt followed by its known output ids, found by chained block hashes the way a
@@ -65,19 +77,13 @@ def hashed_shared_prefix(trace: Trace, block_size: int) -> np.ndarray:
     seen: set[int] = set()
     out = np.zeros(len(trace), np.int64)
     for i, r in enumerate(trace):
-        h = 0
-        n_prompt = r.prompt_length // block_size
-        matched, broken = 0, False
         stream = r.prompt if r.output_ids is None else np.concatenate([r.prompt, r.output_ids])
-        chain = []
-        for k in range(stream.size // block_size):
-            h = hash((h, stream[k * block_size : (k + 1) * block_size].tobytes()))
-            chain.append(h)
-            if k < n_prompt and not broken:
-                if h in seen:
-                    matched = k + 1
-                else:
-                    broken = True
+        chain = block_chain(stream, block_size)
+        matched = 0
+        for h in chain[: r.prompt_length // block_size]:
+            if h not in seen:
+                break
+            matched += 1
         out[i] = matched * block_size
         seen.update(chain)
     return out
@@ -119,9 +125,8 @@ def lru_cache_hits(trace: Trace, block_size: int, capacity_tokens: int) -> np.nd
     for i, r in enumerate(trace):
         stream = r.prompt if r.output_ids is None else np.concatenate([r.prompt, r.output_ids])
         n_prompt = r.prompt_length // block_size
-        h, matched, broken = 0, 0, False
-        for k in range(stream.size // block_size):
-            h = hash((h, stream[k * block_size : (k + 1) * block_size].tobytes()))
+        matched, broken = 0, False
+        for k, h in enumerate(block_chain(stream, block_size)):
             if h in cache:
                 cache.move_to_end(h)
                 if k < n_prompt and not broken:

@@ -9,7 +9,8 @@ inside a prefill (vLLM's prefill checkpoint blocks) also gives positions inside 
 One module per policy, each a :class:`~.base.CheckpointPolicy` (the protocol, in
 :mod:`.base`): ``align`` (:mod:`.align`, vLLM 0.33's), ``align_every_block``
 (:mod:`.align_every_block`, a bound), ``last`` (:mod:`.last`), ``marconi`` (:mod:`.marconi`),
-``periodic`` (:mod:`.periodic`) and ``hash_boundary`` (:mod:`.hash_boundary`).
+``periodic`` (:mod:`.periodic`), ``hash_boundary`` (:mod:`.hash_boundary`) and ``hash_ladder``
+(:mod:`.hash_ladder`).
 :mod:`.registry` maps names to classes.
 """
 
@@ -24,6 +25,7 @@ from .base import (
     StateActions,
 )
 from .hash_boundary import HashBoundaryPolicy
+from .hash_ladder import HashLadderPolicy
 from .last import LastPolicy
 from .marconi import MarconiPolicy
 from .periodic import PeriodicPolicy
@@ -40,6 +42,7 @@ __all__ = [
     "CheckpointPolicy",
     "EvictionHooks",
     "HashBoundaryPolicy",
+    "HashLadderPolicy",
     "LastPolicy",
     "MarconiPolicy",
     "PeriodicPolicy",

@@ -45,7 +45,7 @@ __all__ = [
 #: the policies a deployment can choose between (``align`` is vLLM's)
 POLICIES = ("align", "last", "marconi")
 #: policies that keep extra states inside prompts, to recover reuse the others miss
-RECOVERY_POLICIES = ("periodic", "hash_boundary")
+RECOVERY_POLICIES = ("periodic", "hash_boundary", "hash_ladder")
 #: ``checkpoint_interval`` when none is given: Mooncake's hash unit
 DEFAULT_CHECKPOINT_INTERVAL = 512
 
@@ -170,7 +170,8 @@ class CheckpointPolicy:
         ``ValueError`` saying why ``interval`` does not fit it."""
         if interval is not None:
             raise ValueError(
-                f"checkpoint_interval applies to the {' and '.join(RECOVERY_POLICIES)} policies, "
+                f"checkpoint_interval applies to the {', '.join(RECOVERY_POLICIES[:-1])} and "
+                f"{RECOVERY_POLICIES[-1]} policies, "
                 f"not {cls.name!r}; leave it unset"
             )
         return 0

@@ -9,6 +9,7 @@ from .align import AlignPolicy
 from .align_every_block import AlignEveryBlock
 from .base import CheckpointPolicy
 from .hash_boundary import HashBoundaryPolicy
+from .hash_ladder import HashLadderPolicy
 from .last import LastPolicy
 from .marconi import MarconiPolicy
 from .periodic import PeriodicPolicy
@@ -28,6 +29,7 @@ POLICY_CLASSES: dict[str, type[CheckpointPolicy]] = {
         MarconiPolicy,
         PeriodicPolicy,
         HashBoundaryPolicy,
+        HashLadderPolicy,
         AlignEveryBlock,
     )
 }
