@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .specs import GatedDeltaNetSpec, Mamba2Spec, MLASpec
+from .specs import GatedDeltaNetSpec, IndexerSpec, Mamba2Spec, MLASpec
 from .vllm_families import find_vllm_family
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -202,13 +202,20 @@ class VllmTarget:
         # checkpoint and the prefill checkpoint) plus one block per speculative token
         state_blocks = 2 + spec_blocks + checkpoint_blocks if mode == "align" else 1 + spec_blocks
         max_len = self.max_model_len or model.max_position_embeddings
+        # a sparse-attention indexer runs on a backend of its own, and vLLM rounds the block to
+        # the lcm of every non-SSM backend's smallest kernel block (backend_block_alignment):
+        # DeepseekV32IndexerBackend's is 64 on CUDA
+        kernel_block = self.kernel_block_size or ATTENTION_KERNEL_BLOCK
+        for layer in model.attention_layers:
+            if isinstance(layer.spec, IndexerSpec):
+                kernel_block = math.lcm(kernel_block, layer.spec.kernel_alignment)
         return VllmRules(
             target=self,
             enable_prefix_caching=prefix_caching,
             mamba_cache_mode=mode,
             is_hybrid=model.is_hybrid,
             use_mla=any(isinstance(layer.spec, MLASpec) for layer in model.attention_layers),
-            kernel_block_size=self.kernel_block_size or ATTENTION_KERNEL_BLOCK,
+            kernel_block_size=kernel_block,
             gdn_prefill_backend=gdn_backend if GatedDeltaNetSpec in state_kinds else None,
             checkpoint_alignment=checkpoint_alignment,
             num_speculative_blocks=spec_blocks,

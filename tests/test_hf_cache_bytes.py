@@ -237,3 +237,19 @@ def test_new_families_plan_in_every_layout(name, layout):
         assert big.capacity.token_capacity > 0
         windows = {g.sliding_window for g in big.groups if g.kind == "sliding_window"}
         assert windows == ({128} if "granite" in name else set())
+
+
+def test_inflate_sizes_glm5_next_blocks_by_the_latent_alone():
+    """vLLM's block rule reads the attention's bytes per token alone (the NoPE latent: 512 x 2
+    = 1,024 B), not the indexer's: GLM-5-Next at transformers' default sizes (KDA state 64 x 128
+    x 128 x 4 + 3 x 24,576 x 2 = 4,341,760 B) gets 128 x cdiv(4,341,760, 128 x 1,024) = 4,352
+    tokens, a multiple of the indexer kernel's 64 as well; the indexer pages (514 B/token) are
+    padded to the latent's page, and the plan says so."""
+    full = models.from_hf_config(transformers.AutoConfig.for_model("glm5_next").to_dict())
+    plan = make_plan(full, "inflate", memory="40GiB", max_num_seqs=64)
+    assert plan.block_size == 4_352 and plan.block_size % 64 == 0
+    assert plan.extra["page_bytes"] == 4_352 * 1_024
+    assert any("indexer keys (514 B/token) in groups of their own" in n for n in plan.notes)
+    # a GQA model with an indexer: the block is a multiple of 64, not only of 16
+    tiny = make_tiny_plan(TINY_CONFIGS["qwen4_exp"](), "inflate", block_size=None)
+    assert tiny.block_size % 64 == 0

@@ -180,10 +180,15 @@ def plan_shared(
         (layer.spec.state_bytes for b in state_buckets for layer in b.layers), default=0
     )  # type: ignore[attr-defined]
 
-    # block size: vLLM's rule (hybridkv.target), with a pack's bytes per token for pack/aggregate
+    # block size: vLLM's rule (hybridkv.target), with a pack's bytes per token for pack/aggregate.
+    # An indexer's keys do not enter it: vLLM's _align_hybrid_block_size sizes the block by the
+    # model's attention (its latent, or K and V) alone; indexer pages are padded to the page
+    sizing = [
+        packs for b, packs in zip(attn_buckets, packs_per_bucket) if b.kind != "indexer"
+    ] or packs_per_bucket
     choices = [
         rules.block_size(config.block_size, sum(_attn1(layer) for layer in packs[0]), vllm_state)
-        for packs in packs_per_bucket
+        for packs in sizing
     ] or [rules.block_size(config.block_size, 0, vllm_state)]
     chosen = max(choices, key=lambda r: r.block_size)
     block_size, align = chosen.block_size, chosen.unit
@@ -226,6 +231,15 @@ def plan_shared(
         )
     if max_state > page:  # only possible for a model without attention layers
         page = max_state
+    indexer_rows = {
+        _attn1(b.layers[0]) for b in attn_buckets if b.kind == "indexer" and len(sizing) > 0
+    }
+    if indexer_rows and any(b.kind != "indexer" for b in attn_buckets):
+        notes.append(
+            f"indexer keys ({', '.join(str(r) for r in sorted(indexer_rows))} B/token) in "
+            "groups of their own, their pages padded to the attention page; the block size "
+            "follows the attention's bytes per token alone, as vLLM's rule does"
+        )
     if max_state and page > max_state:
         notes.append(
             f"state pages padded from {max_state} B to {page} B "
