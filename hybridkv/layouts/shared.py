@@ -231,9 +231,7 @@ def plan_shared(
         )
     if max_state > page:  # only possible for a model without attention layers
         page = max_state
-    indexer_rows = {
-        _attn1(b.layers[0]) for b in attn_buckets if b.kind == "indexer" and len(sizing) > 0
-    }
+    indexer_rows = {_attn1(b.layers[0]) for b in attn_buckets if b.kind == "indexer"}
     if indexer_rows and any(b.kind != "indexer" for b in attn_buckets):
         notes.append(
             f"indexer keys ({', '.join(str(r) for r in sorted(indexer_rows))} B/token) in "
