@@ -238,10 +238,11 @@ class IndexerSpec(AttentionSpec):
       and a validity flag (1), which transformers re-pools at every step
       (``side_channels = index_head_dim + 1``).
     - an fp8 dtype (vLLM's layout): the key as fp8 with one float32 scale per
-      :data:`INDEXER_FP8_BLOCK` elements, ``index_head_dim + 4 * ceil(index_head_dim / 128)``
-      bytes (132 for a head of 128: vLLM 0.33's ``DeepseekV32IndexerCache``, an
-      ``MLAAttentionSpec`` of head size 132 in uint8); side channels, if any, in bfloat16 (vLLM
-      keeps GLM-5-Next's gate scores in bfloat16).
+      :data:`INDEXER_FP8_BLOCK` elements, ``index_head_dim + index_head_dim // 128 * 4`` bytes
+      (vLLM 0.33's ``Indexer`` in ``deepseek_v2.py``: a ``DeepseekV32IndexerCache`` of that head
+      size in uint8, an ``MLAAttentionSpec``; 132 for a head of 128, the only size its kernels
+      take); side channels, if any, in bfloat16 (vLLM keeps GLM-5-Next's gate scores in
+      bfloat16).
 
     Not modelled: vLLM 0.33 stores GLM-5-Next's and Qwen4-Exp's indexer keys k-pool-compressed
     (one entry per ``index_kpool`` / ``indexer_compress_ratio`` tokens, ``tokens_per_state``)
@@ -273,7 +274,8 @@ class IndexerSpec(AttentionSpec):
         size = dtype_bytes(self.kv_dtype)
         if size > 1:
             return self.row_elements * size
-        scales = 4 * -(-self.index_head_dim // INDEXER_FP8_BLOCK)
+        # vLLM's own formula, floor division included (its kernels take only heads of 128)
+        scales = 4 * (self.index_head_dim // INDEXER_FP8_BLOCK)
         return self.index_head_dim + scales + 2 * self.side_channels
 
     @property

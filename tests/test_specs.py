@@ -595,10 +595,10 @@ def test_indexer_keys_by_hand():
     """An indexer key of 128: Qwen4-Exp's raw key in bf16 is 128 * 2 = 256 B per token;
     GLM-5-Next's transformers row (key 128, k-pool gate 128, validity flag 1) is
     257 * 2 = 514 B in bf16 and 257 * 4 = 1,028 B in fp32. In fp8 (vLLM's DeepSeek-V3.2 layout)
-    the key is 128 fp8 bytes and one fp32 scale per 128 elements, 128 + 4 = 132 B; a head of 64
-    still takes one scale (64 + 4 = 68 B), one of 256 two (256 + 8 = 264 B); GLM-5-Next's side
-    channels stay bf16 (132 + 129 * 2 = 390 B). One key head: every TP rank keeps it whole.
-    Kernels read 64-token pages."""
+    the key is 128 fp8 bytes and one fp32 scale per 128 elements, 128 + 4 = 132 B; a head of 256
+    takes two (256 + 8 = 264 B), one of 64 none (vLLM's head_dim // 128 * 4 = 0: 64 B; its
+    kernels take only 128); GLM-5-Next's side channels stay bf16 (132 + 129 * 2 = 390 B). One
+    key head: every TP rank keeps it whole. Kernels read 64-token pages."""
     assert IndexerSpec(index_head_dim=128).bytes_per_token == 256
     glm = IndexerSpec(index_head_dim=128, side_channels=129)
     assert glm.row_elements == 257 and glm.bytes_per_token == 514
@@ -607,7 +607,7 @@ def test_indexer_keys_by_hand():
         == 1_028
     )
     assert IndexerSpec(index_head_dim=128, kv_dtype="fp8").bytes_per_token == 132
-    assert IndexerSpec(index_head_dim=64, kv_dtype="fp8").bytes_per_token == 68
+    assert IndexerSpec(index_head_dim=64, kv_dtype="fp8").bytes_per_token == 64
     assert IndexerSpec(index_head_dim=256, kv_dtype="fp8_e5m2").bytes_per_token == 264
     assert (
         IndexerSpec(index_head_dim=128, side_channels=129, kv_dtype="fp8").bytes_per_token == 390
