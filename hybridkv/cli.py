@@ -942,14 +942,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="align",
         choices=ALL_POLICIES,
-        help="state checkpoint policy (align: vLLM 0.33's; periodic / hash_boundary keep states "
-        "inside prompts every --checkpoint-interval tokens / at the last multiple of it)",
+        help="state checkpoint policy (align: vLLM 0.33's; periodic / hash_boundary / hash_ladder "
+        "keep states inside prompts every --checkpoint-interval tokens / at its last multiple / "
+        "at its last multiple and its doublings)",
     )
     p.add_argument(
         "--checkpoint-interval",
         type=int,
         default=None,
-        help="periodic / hash_boundary: tokens between kept states (default 512)",
+        help="periodic / hash_boundary: tokens between kept states (default 512); hash_ladder: "
+        "its first rung (default: the state's size in KV tokens, rounded up to a power-of-two "
+        "multiple of the hash unit)",
     )
     p.add_argument(
         "--hash-block-size",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .alloc import AllocatorOptions
+from .alloc.policies import state_sized_scale
 from .layouts import make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -479,22 +480,32 @@ def _hybridkv_remedy(model: HybridModel, plan: MemoryPlan, trace: Trace | None) 
         cache_state_slots=plan.config.max_num_seqs,
         target=plan.vllm.target,
     )
-    # a state at each prompt's end (multi-turn chats), or every 64 tokens inside prompts
-    # (system prompts shared by prompts that then differ): the better on the workload
+    # the policies that suit different workloads, the best on this one: a state at each
+    # prompt's end (multi-turn chats), every 64 tokens inside prompts (system prompts shared by
+    # prompts that then differ), or a ladder down from each prompt's end (documents asked again)
     base = AllocatorOptions(hash_block_size=p.block_size)
-    tried = [
-        ("last", base.replace(checkpoint_policy="last")),
-        ("periodic 64", base.replace(checkpoint_policy="periodic", checkpoint_interval=64)),
-    ]
-    rates = [(_hit_rate(p, trace, opts), name) for name, opts in tried]
+    tried = {
+        "last": (base.replace(checkpoint_policy="last"), (), "at each prompt end"),
+        "periodic": (
+            base.replace(checkpoint_policy="periodic", checkpoint_interval=64),
+            ("--checkpoint-interval", "64"),
+            "every 64 tokens of a prompt",
+        ),
+        "hash_ladder": (
+            base.replace(checkpoint_policy="hash_ladder"),
+            (),
+            "at each prompt's last multiple of "
+            f"{state_sized_scale(p, p.block_size):,} tokens and of its doublings",
+        ),
+    }
+    rates = [(_hit_rate(p, trace, opts), name) for name, (opts, _, _) in tried.items()]
     rate, name = max(rates, key=lambda rn: -1.0 if rn[0] is None else rn[0])
+    _, flags, where = tried[name]
     return Remedy(
         "hybridkv",
-        ("hybridkv layout per_group", f"--policy {name.split()[0]}")
-        + (("--checkpoint-interval", "64") if name.startswith("periodic") else ()),
+        ("hybridkv layout per_group", f"--policy {name}", *flags),
         f"{p.block_size}-token attention blocks and a separate state pool, states kept "
-        f"{'at each prompt end' if name == 'last' else 'every 64 tokens of a prompt'}; "
-        "hybridkv's allocator, not a vLLM flag",
+        f"{where}; hybridkv's allocator, not a vLLM flag",
         p.block_size,
         p.capacity.token_capacity,
         rate,

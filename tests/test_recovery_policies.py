@@ -1,12 +1,13 @@
-"""The ``periodic`` and ``hash_boundary`` checkpoint policies: states kept inside prompts so that a
-later prompt sharing only part of an earlier one (a whole number of a trace's hash blocks) still
-finds a state. Checked on the allocator directly (where the states are and what a hit gets), in
-both modes (exported from inside the prefill, or prefill chunks cut at them), and in the
-simulator (the same hits either way, the memory they take)."""
+"""The ``periodic``, ``hash_boundary`` and ``hash_ladder`` checkpoint policies: states kept
+inside prompts so that a later prompt sharing only part of an earlier one (a whole number of a
+trace's hash blocks) still finds a state. Checked on the allocator directly (where the states are
+and what a hit gets), in both modes (exported from inside the prefill, or prefill chunks cut at
+them), and in the simulator (the same hits either way, the memory they take)."""
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -84,6 +85,14 @@ def test_policy_names():
         ("hash_boundary", 0, 1000, 1200, []),
         ("hash_boundary", 0, 1199, 1024, [512]),
         ("hash_boundary", 0, 500, 400, []),  # a prompt shorter than one unit has none
+        # the last multiple of 512, 1024, 2048, ... of the prompt's last token, each once
+        ("hash_ladder", 0, 1199, 1200, [1024]),
+        ("hash_ladder", 0, 2999, 3000, [2048, 2560]),
+        ("hash_ladder", 0, 40159, 40160, [32768, 36864, 38912, 39936]),
+        ("hash_ladder", 36864, 40159, 40160, [38912, 39936]),
+        ("hash_ladder", 0, 2400, 3000, [2048]),
+        ("hash_ladder", 0, 5000, 1024, [512]),
+        ("hash_ladder", 0, 500, 512, []),
     ],
     ids=lambda v: str(v),
 )
@@ -119,6 +128,8 @@ def test_bad_interval(policy, interval, match):
         ("periodic", 256, 700, 512),
         ("hash_boundary", 512, 1060, 1024),  # the first prompt's last 512 boundary
         ("hash_boundary", 512, 700, 0),  # shares less than that boundary: nothing
+        ("hash_ladder", 512, 1060, 1024),  # its first rung is hash_boundary's state
+        ("hash_ladder", 512, 700, 0),  # 1,100 tokens: one rung (1024)
         ("last", None, 1060, 0),  # the end state (at 1100) is no prefix of the second prompt
     ],
     ids=lambda v: str(v),
@@ -134,6 +145,48 @@ def test_second_prompt_hits_inside_the_first(policy, interval, shared, want, exp
     second = first[:shared] + _tokens(300, seed=2)
     assert _run_prompt(a, "b", second) == want
     check_consistency(a)
+
+
+@pytest.mark.parametrize("exports", [True, False], ids=["exported", "split"])
+@pytest.mark.parametrize(
+    ("policy", "want"),
+    [("hash_boundary", 0), ("hash_ladder", 2048), ("periodic", 2048)],
+)
+@pytest.mark.parametrize("layout", ["per_group", "inflate"])
+def test_a_ladder_reaches_back_where_one_boundary_does_not(policy, want, exports, layout):
+    """A 3,000-token prompt (a document, then a 700-token question) and another question on the
+    document: hash_boundary's one state (2560) is past the shared 2,200 tokens; the ladder's
+    rung at the last multiple of 1024 (2048) serves them, as periodic's every-512 states do."""
+    a = _alloc(policy, 512, exports, layout)
+    first = _tokens(3000, seed=7)
+    _run_prompt(a, "a", first)
+    a.free("a")
+    assert _run_prompt(a, "b", first[:2200] + _tokens(500, seed=8)) == want
+    check_consistency(a)
+
+
+def test_the_ladder_starts_at_the_state_size_in_kv_tokens():
+    """Without an interval, hash_ladder's first rung is the smallest power-of-two multiple of
+    the hash unit whose KV weighs at least a state: Qwen3-Next-80B-A3B's state (37.7 MiB) weighs
+    1,608 tokens of its KV (24 KiB a token), so 2,048; a model with a smaller state relative to
+    its KV starts lower; an attention-only plan at the hash unit."""
+    from hybridkv.alloc.policies.hash_ladder import state_sized_scale
+
+    for name, layout in [("qwen3-next-80b-a3b", "inflate"), ("qwen3-next-80b-a3b", "two_level"),
+                         ("qwen3.5-0.8b", "per_group"), ("qwen3.5-0.8b", "inflate")]:  # fmt: skip
+        plan = make_plan(models.load(name), layout, memory="40GiB", max_num_seqs=8)
+        scale = state_sized_scale(plan, H)
+        policy = CheckpointPolicy("hash_ladder", plan, H)
+        assert policy.interval == scale
+        state = sum(plan.id_bytes(g.group_id) for g in plan.state_groups)
+        kv = sum(plan.id_bytes(g.group_id) / g.block_size for g in plan.attention_groups)
+        assert scale % H == 0 and (scale // H) & (scale // H - 1) == 0  # a power-of-two multiple
+        assert scale * kv >= state and (scale == H or scale // 2 * kv < state)
+        if name == "qwen3-next-80b-a3b":
+            assert scale == 2048
+    assert CheckpointPolicy("hash_ladder", plan, H, checkpoint_interval=512).interval == 512
+    no_states = SimpleNamespace(state_groups=(), attention_groups=plan.attention_groups)
+    assert state_sized_scale(no_states, H) == H
 
 
 def test_exports_report_slots_and_positions():
@@ -175,7 +228,7 @@ def _doc_trace(n_docs: int = 3, per_doc: int = 4) -> Trace:
     return Trace("docs", tuple(reqs))
 
 
-@pytest.mark.parametrize("policy", ["periodic", "hash_boundary"])
+@pytest.mark.parametrize("policy", ["periodic", "hash_boundary", "hash_ladder"])
 def test_simulator_same_hits_exported_or_split(policy):
     """Exporting the states or ending chunks at them keeps the same states: the same hits."""
     plan, model = _plan("inflate", "4GiB"), models.load("qwen3.5-0.8b")
@@ -209,14 +262,17 @@ def test_simulator_recovers_what_last_misses_and_reports_its_memory():
                 checkpoint_interval=256 if p in RECOVERY_POLICIES else None,
             ),
         )
-        for p in ("last", "periodic", "hash_boundary")
+        for p in ("last", "periodic", "hash_boundary", "hash_ladder")
     }
     assert res["last"].hit_tokens == 0  # no document ends where a question starts
     assert res["periodic"].hit_tokens > res["hash_boundary"].hit_tokens > 0
+    # the ladder keeps hash_boundary's state and more rungs below it
+    assert res["periodic"].hit_tokens >= res["hash_ladder"].hit_tokens
+    assert res["hash_ladder"].hit_tokens > res["hash_boundary"].hit_tokens
     # periodic keeps a state every 256 tokens of every prompt, hash_boundary one per prompt
     # (where no hit already holds one), last only end states
     c = {p: r.checkpoints for p, r in res.items()}
-    assert c["periodic"] > c["hash_boundary"] > c["last"]
+    assert c["periodic"] > c["hash_ladder"] > c["hash_boundary"] > c["last"]
     for r in res.values():
         s = r.summary()
         per = r.checkpoint_bytes / max(1, r.checkpoints)

@@ -25,7 +25,7 @@ from .base import (
     StateActions,
 )
 from .hash_boundary import HashBoundaryPolicy
-from .hash_ladder import HashLadderPolicy
+from .hash_ladder import HashLadderPolicy, state_sized_scale
 from .last import LastPolicy
 from .marconi import MarconiPolicy
 from .periodic import PeriodicPolicy
@@ -50,4 +50,5 @@ __all__ = [
     "VllmAlign",
     "make_policy",
     "policy_class",
+    "state_sized_scale",
 ]

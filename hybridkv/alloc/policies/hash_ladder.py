@@ -65,6 +65,8 @@ def state_sized_scale(plan: MemoryPlan, hash_block_size: int) -> int:
     """The smallest power-of-two multiple of ``hash_block_size`` whose KV takes at least the
     bytes one kept state takes in ``plan``'s pages (``hash_block_size`` for a plan with no
     states)."""
+    if not plan.state_groups:
+        return hash_block_size
     state = sum(plan.id_bytes(g.group_id) for g in plan.state_groups)
     kv_per_token = sum(plan.id_bytes(g.group_id) / g.block_size for g in plan.attention_groups)
     scale = hash_block_size
