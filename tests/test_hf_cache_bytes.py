@@ -220,15 +220,25 @@ def test_new_families_plan_in_every_layout(name, layout):
     assert windows == ({16} if "granite" in name else set())
     placed = {p.layer for p in (*plan.kv_placements, *plan.state_placements)}
     assert placed == {layer.name for layer in hybrid_model_for(TINY_CONFIGS[name]()).layers}
-    # an indexer's keys are a per-token kind of their own: their own group(s), one row a token
+    # an indexer's keys are a per-token kind of their own: in the shared pool they ride in their
+    # attention layer's page, right after its latent / K and V (one block table for both); in
+    # their own pool (per_group, two_level) they are groups of their own, natural size
+    hybrid = hybrid_model_for(TINY_CONFIGS[name]())
     indexers = [p for p in plan.kv_placements if p.kind == "indexer"]
     assert bool(indexers) == (name in ("glm5_next", "qwen4_exp"))
-    assert {g.kind for g in plan.groups if set(g.layers) & {p.layer for p in indexers}} <= {
-        "indexer"
-    }
     for p in indexers:
-        spec = hybrid_model_for(TINY_CONFIGS[name]()).layer(p.layer).spec
+        spec = hybrid.layer(p.layer).spec
         assert p.k_bytes_per_block == p.block_size * spec.bytes_per_token and p.v_offset is None
+        (group,) = [g for g in plan.groups if p.layer in g.layers]
+        if layout in ("inflate", "pack", "aggregate"):
+            host = plan.placement(p.layer.replace(".indexer", ".attn"))
+            assert group.kind in ("mla", "full_attention") and host.group_id == group.group_id
+            assert (host.tensor, p.k_offset) == (
+                p.tensor,
+                host.k_offset + host.k_bytes_per_block + host.v_bytes_per_block,
+            )
+        else:
+            assert group.kind == "indexer"
     full = models.from_hf_config(transformers.AutoConfig.for_model(name).to_dict())
     big = make_plan(full, layout, memory="40GiB", max_num_seqs=64)  # GLM-5-Next: 148 MB a request
     placed = {p.layer for p in (*big.kv_placements, *big.state_placements)}
@@ -243,13 +253,14 @@ def test_inflate_sizes_glm5_next_blocks_by_the_latent_alone():
     """vLLM's block rule reads the attention's bytes per token alone (the NoPE latent: 512 x 2
     = 1,024 B), not the indexer's: GLM-5-Next at transformers' default sizes (KDA state 64 x 128
     x 128 x 4 + 3 x 24,576 x 2 = 4,341,760 B) gets 128 x cdiv(4,341,760, 128 x 1,024) = 4,352
-    tokens, a multiple of the indexer kernel's 64 as well; the indexer pages (514 B/token) are
-    padded to the latent's page, and the plan says so."""
+    tokens, a multiple of the indexer kernel's 64 as well; the indexer's rows (514 B/token) ride
+    in the latent's page, which grows to 4,352 x (1,024 + 514) B, and the plan says so."""
     full = models.from_hf_config(transformers.AutoConfig.for_model("glm5_next").to_dict())
     plan = make_plan(full, "inflate", memory="40GiB", max_num_seqs=64)
     assert plan.block_size == 4_352 and plan.block_size % 64 == 0
-    assert plan.extra["page_bytes"] == 4_352 * 1_024
-    assert any("indexer keys (514 B/token) in groups of their own" in n for n in plan.notes)
+    assert plan.extra["page_bytes"] == 4_352 * (1_024 + 514)
+    assert any("indexer keys (514 B/token) ride in their attention" in n for n in plan.notes)
+    assert plan.pack_size == 1  # one attention layer a page (its indexer beside it)
     # a GQA model with an indexer: the block is a multiple of 64, not only of 16
     tiny = make_tiny_plan(TINY_CONFIGS["qwen4_exp"](), "inflate", block_size=None)
     assert tiny.block_size % 64 == 0

@@ -14,6 +14,14 @@ attention layers share a page:
   every page still fits a state.
 - ``aggregate``: all attention layers of a kind in one page (``N`` = their count), so the attention
   group has a single tensor slot and every state layer becomes its own group.
+
+A sparse-attention indexer's keys (GLM-5-Next, Qwen4-Exp) ride in the page of their decoder
+layer's attention: right after its latent (or its K and V), ``block_size`` rows of the indexer,
+so both have one block table, as vLLM gives them ("the indexer shares one block with the
+co-located MLA"). Three per-token kinds of one layer (an SWA layer's K and V, a latent, indexer
+keys) would be packed the same way, one after another. The block size still follows vLLM's
+rule, which reads the attention's bytes per token alone; the page then grows by the indexer's
+rows, and states are padded up to it.
 """
 
 from __future__ import annotations
@@ -140,11 +148,38 @@ def _packs(bucket: Bucket, n: int) -> list[tuple[CacheLayer, ...]]:
     return [layers[i : i + n] for i in range(0, len(layers), n)]
 
 
+def _host_indexers(
+    attn_buckets: list[Bucket],
+) -> tuple[list[Bucket], dict[str, tuple[CacheLayer, ...]]]:
+    """The attention buckets without the indexer buckets whose every layer shares its decoder
+    layer with an attention layer, and those indexer layers by the name of the attention layer
+    whose page they ride in (an indexer with no attention beside it keeps a bucket of its own)."""
+    hosts: dict[int, str] = {}
+    for b in attn_buckets:
+        if b.kind != "indexer":
+            for layer in b.layers:
+                hosts.setdefault(layer.index, layer.name)
+    kept: list[Bucket] = []
+    riders: dict[str, list[CacheLayer]] = {}
+    for b in attn_buckets:
+        if b.kind == "indexer" and all(layer.index in hosts for layer in b.layers):
+            for layer in b.layers:
+                riders.setdefault(hosts[layer.index], []).append(layer)
+        else:
+            kept.append(b)
+    return kept, {name: tuple(layers) for name, layers in riders.items()}
+
+
+def _is_indexer(layer: CacheLayer) -> bool:
+    return isinstance(layer.spec, IndexerSpec)
+
+
 def plan_shared(
     model: HybridModel, config: PlanConfig, *, layout: str, pack_size: int | None
 ) -> MemoryPlan:
     """Plan a shared-pool layout; ``pack_size=None`` packs every attention layer of a kind."""
     attn_buckets, state_buckets = buckets(model)
+    attn_buckets, riders = _host_indexers(attn_buckets)
     rules = config.target.resolve(model)
     if config.kernel_alignment is not None:  # a backend with larger kernel blocks
         rules = replace(rules, kernel_block_size=config.kernel_alignment)
@@ -161,7 +196,13 @@ def plan_shared(
             )
     for b in attn_buckets:
         n = len(b.layers) if pack_size is None else min(pack_size, len(b.layers))
-        packs_per_bucket.append(_packs(b, n))
+        # each attention layer followed by the indexer keys that ride in its page
+        packs_per_bucket.append(
+            [
+                tuple(x for layer in pack for x in (layer, *riders.get(layer.name, ())))
+                for pack in _packs(b, n)
+            ]
+        )
         if pack_size is not None and len(b.layers) % n:
             notes.append(
                 f"{len(b.layers)} {b.kind} layers do not divide into packs of {n}: the last pack "
@@ -182,12 +223,17 @@ def plan_shared(
 
     # block size: vLLM's rule (hybridkv.target), with a pack's bytes per token for pack/aggregate.
     # An indexer's keys do not enter it: vLLM's _align_hybrid_block_size sizes the block by the
-    # model's attention (its latent, or K and V) alone; indexer pages are padded to the page
+    # model's attention (its latent, or K and V) alone
     sizing = [
         packs for b, packs in zip(attn_buckets, packs_per_bucket) if b.kind != "indexer"
     ] or packs_per_bucket
     choices = [
-        rules.block_size(config.block_size, sum(_attn1(layer) for layer in packs[0]), vllm_state)
+        rules.block_size(
+            config.block_size,
+            sum(_attn1(layer) for layer in packs[0] if not _is_indexer(layer))
+            or sum(_attn1(layer) for layer in packs[0]),
+            vllm_state,
+        )
         for packs in sizing
     ] or [rules.block_size(config.block_size, 0, vllm_state)]
     chosen = max(choices, key=lambda r: r.block_size)
@@ -231,12 +277,18 @@ def plan_shared(
         )
     if max_state > page:  # only possible for a model without attention layers
         page = max_state
-    indexer_rows = {_attn1(b.layers[0]) for b in attn_buckets if b.kind == "indexer"}
-    if indexer_rows and any(b.kind != "indexer" for b in attn_buckets):
+    indexer_rows = {_attn1(layer) for layers in riders.values() for layer in layers}
+    if indexer_rows:
         notes.append(
-            f"indexer keys ({', '.join(str(r) for r in sorted(indexer_rows))} B/token) in "
-            "groups of their own, their pages padded to the attention page; the block size "
-            "follows the attention's bytes per token alone, as vLLM's rule does"
+            f"indexer keys ({', '.join(str(r) for r in sorted(indexer_rows))} B/token) ride in "
+            "their attention layer's page, after its latent or K and V (one block table for "
+            "both, as in vLLM); the block size follows the attention's bytes per token alone, "
+            "as vLLM's rule does, and the page grows by the indexer's rows"
+        )
+    if any(b.kind == "indexer" for b in attn_buckets):
+        notes.append(
+            "indexer keys with no attention layer beside them in groups of their own, their "
+            "pages padded to the page"
         )
     if max_state and page > max_state:
         notes.append(
@@ -293,7 +345,8 @@ def plan_shared(
                 )
                 offset += block_size * _attn1(layer)
                 names.append(layer.name)
-                window = getattr(layer.spec, "sliding_window", None)
+                if not _is_indexer(layer):
+                    window = getattr(layer.spec, "sliding_window", None)
             attn_padding_per_block += page - offset
         pad_slots = group_size - len(members)
         if kind == "state":
@@ -349,7 +402,9 @@ def plan_shared(
         block_bytes=block_bytes,
         groups=tuple(g.group_id for g in groups),
     )
-    pack_report = max((len(p[0]) for p in packs_per_bucket), default=1)
+    pack_report = max(
+        (sum(not _is_indexer(layer) for layer in p[0]) for p in packs_per_bucket), default=1
+    )
     return MemoryPlan(
         layout=layout,
         model_name=model.name,
@@ -379,7 +434,7 @@ def auto_pack_size(model: HybridModel, config: PlanConfig) -> int:
     Among those whose token capacity is within 2% of the best candidate's, take the one with the
     smallest block size (finer prefix caching), ties to the smaller pack.
     """
-    attn_buckets, _ = buckets(model)
+    attn_buckets, _ = _host_indexers(buckets(model)[0])
     if not attn_buckets:
         return 1
     n_min = min(len(b.layers) for b in attn_buckets)
