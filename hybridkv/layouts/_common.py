@@ -26,10 +26,9 @@ def round_up(a: int, b: int) -> int:
 
 def attention_kind(spec: AttentionSpec) -> str:
     """The group kind of an attention spec. A sparse-attention indexer's keys are a per-token
-    kind of their own (``indexer``): a separate bucket, so their own group(s) beside the latent
-    or K/V groups, with their own (smaller) pages; in a shared pool their pages are the pool's
-    page size like every other group's (vLLM's uniform page), in their own pool their natural
-    size."""
+    kind of their own (``indexer``), a bucket of their own: ``per_group`` and ``two_level`` give
+    them groups of their own at their natural page size; the shared-pool layouts put them in
+    their attention layer's page instead (:mod:`.shared`)."""
     if isinstance(spec, IndexerSpec):
         return "indexer"
     if isinstance(spec, MLASpec):
