@@ -286,6 +286,7 @@ def _decode_partial_kernel(
     seq_lens_ptr,  # [B] int32
     k_scale_ptr,  # [1] float32 (read only when FP8)
     v_scale_ptr,  # [1] float32
+    sinks_ptr,  # [Hq] float32 attention-sink logits (read only when HAS_SINKS and ONE_SPLIT)
     part_m_ptr,  # [B, Hq, S] float32, log2 units (unused when ONE_SPLIT)
     part_l_ptr,  # [B, Hq, S] float32 (unused when ONE_SPLIT)
     part_acc_ptr,  # [B, Hq, S, Dv] float32 (unused when ONE_SPLIT)
@@ -318,6 +319,7 @@ def _decode_partial_kernel(
     FP8: tl.constexpr,  # 0: no fp8; 1: fp8 cache converted in hardware; 2: e4m3 bytes
     ONE_SPLIT: tl.constexpr,  # num_splits == 1: normalise and write out directly
     Q_TO_F16: tl.constexpr,  # fp8 cache, bf16 q: run the dots in fp16 (q rescaled)
+    HAS_SINKS: tl.constexpr,  # per-head sink logits join each softmax's denominator
     BLOCK_N: tl.constexpr,
 ):
     # a tile = PAGES segments of SEG tokens; a segment lies inside one page
@@ -426,6 +428,12 @@ def _decode_partial_kernel(
         b_m = m_new
 
     if ONE_SPLIT:
+        if HAS_SINKS:  # a sink is one more logit with no value: it only adds to the denominator
+            sink = tl.load(sinks_ptr + offs_h, mask=m_g, other=0.0) * 1.4426950408889634
+            m_fin = tl.maximum(b_m, sink)
+            corr = tl.exp2(b_m - m_fin)
+            b_l = b_l * corr + tl.exp2(sink - m_fin)
+            b_acc = b_acc * corr[:, None]
         out = b_acc * (out_scale / b_l)[:, None]
         tl.store(
             out_ptr + i_b64 * stride_out_b + offs_h[:, None] * stride_out_h + offs_dv[None, :],
@@ -459,6 +467,7 @@ def _decode_reduce_kernel(
     part_m_ptr,  # [B, Hq, S] float32, log2 units
     part_l_ptr,  # [B, Hq, S] float32
     part_acc_ptr,  # [B, Hq, S, Dv] float32
+    sinks_ptr,  # [Hq] float32 attention-sink logits (read only when HAS_SINKS)
     out_ptr,  # [B, Hq, Dv]
     stride_out_b,
     stride_out_h,
@@ -468,6 +477,7 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
     CHUNK_S: tl.constexpr,  # splits merged per step
     BLOCK_DV: tl.constexpr,  # output columns per program
+    HAS_SINKS: tl.constexpr,  # per-head sink logits join the softmax's denominator
 ):
     # one program per (request, head, column block): at batch 1 with many splits the merge
     # still spreads over several programs
@@ -481,8 +491,13 @@ def _decode_reduce_kernel(
     m = tl.load(part_m_ptr + row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     l = tl.load(part_l_ptr + row + offs_s, mask=offs_s < num_splits, other=0.0)
     m_max = tl.max(m, axis=0)
+    if HAS_SINKS:  # added once here, not per split
+        sink = tl.load(sinks_ptr + i_h) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     # empty splits (m = -inf, l = 0) get weight 0; at least one split is non-empty
     den = tl.sum(tl.where(l > 0, tl.exp2(m - m_max), 0.0) * l, axis=0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m_max)
     num = tl.zeros([BLOCK_DV], tl.float32)
     offs_c = tl.arange(0, CHUNK_S)
     for s0 in range(0, BLOCK_S, CHUNK_S):
@@ -753,6 +768,7 @@ class DecodePlan:
     num_splits: int
     split_len: int
     autotune: bool
+    has_sinks: bool  # run takes each layer's per-head attention-sink logits
     block_tables: torch.Tensor = field(repr=False)
     seq_lens: torch.Tensor = field(repr=False)
     part_m: torch.Tensor | None = field(repr=False)
@@ -807,11 +823,14 @@ class DecodePlan:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode attention of one layer: ``q [B, Hq, Dk]`` over ``k_cache``/``v_cache``
         ``[num_blocks, block_size, Hkv, D]`` (any strides but the last) of the planned shape
         and dtype; fp8 caches need ``k_scale``/``v_scale`` (float32, one value each). Returns
-        ``[B, Hq, Dv]`` in ``q``'s dtype (in ``out`` if given: then nothing is allocated)."""
+        ``[B, Hq, Dv]`` in ``q``'s dtype (in ``out`` if given: then nothing is allocated).
+        ``sinks [Hq] float32``: the layer's attention-sink logits, required when the plan was
+        made with ``sinks=True`` and refused otherwise."""
         batch, heads, dv = self.batch, self.num_heads, self.head_dim_v
         if q.shape != self._q_shape or q.dtype != self.q_dtype or q.stride(2) != 1:
             raise ValueError(
@@ -842,6 +861,9 @@ class DecodePlan:
                 k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         else:
             k_scale = v_scale = self.seq_lens  # never read
+        sinks = _check_sinks(sinks, self.has_sinks, heads, q.device)
+        if sinks is None:
+            sinks = self.seq_lens  # never read
         if out is None:
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
         elif out.shape != self._out_shape or out.stride(2) != 1 or out.dtype != q.dtype:
@@ -855,10 +877,10 @@ class DecodePlan:
         qs, os_ = q.stride(), out.stride()
         parts = (out, out, out) if one_split else (self.part_m, self.part_l, self.part_acc)
         args = (
-            q, k_cache, v_cache, self.block_tables, self.seq_lens, k_scale, v_scale, *parts,
-            out, self.scale, self.block_size, self.split_len, self.sliding_window, qs[0], qs[1],
-            os_[0], os_[1], self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0], vs[1],
-            vs[2], self.num_splits, self.shape.work, self.shape.context,
+            q, k_cache, v_cache, self.block_tables, self.seq_lens, k_scale, v_scale, sinks,
+            *parts, out, self.scale, self.block_size, self.split_len, self.sliding_window,
+            qs[0], qs[1], os_[0], os_[1], self.block_tables.stride(0), ks[0], ks[1], ks[2],
+            vs[0], vs[1], vs[2], self.num_splits, self.shape.work, self.shape.context,
         )  # fmt: skip
         grid = (batch, self.num_kv_heads, self.num_splits)
         if self.autotune:
@@ -869,18 +891,37 @@ class DecodePlan:
             key = (
                 self._launch_key, q.data_ptr() % 16, k_cache.data_ptr() % 16,
                 v_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
-                v_scale.data_ptr() % 16, qs, os_, ks, vs,
+                v_scale.data_ptr() % 16, sinks.data_ptr() % 16, qs, os_, ks, vs,
             )  # fmt: skip
             _partial_launcher(grid, key, args, self._meta)
         if not one_split:
             _reduce_launcher(
                 self._reduce_grid,
-                (self._launch_key, out.data_ptr() % 16, os_),
-                (self.part_m, self.part_l, self.part_acc, out, os_[0], os_[1], heads,
+                (self._launch_key, out.data_ptr() % 16, sinks.data_ptr() % 16, os_),
+                (self.part_m, self.part_l, self.part_acc, sinks, out, os_[0], os_[1], heads,
                  self.num_splits),
                 self._reduce_constexprs,
             )  # fmt: skip
         return out
+
+
+def _check_sinks(
+    sinks: torch.Tensor | None, planned: bool, num_heads: int, device: torch.device
+) -> torch.Tensor | None:
+    """``sinks`` as a run takes them: ``[Hq]`` float32 on the layer's device, given exactly when
+    the plan was made for them."""
+    if sinks is None:
+        if planned:
+            raise ValueError("this plan was made with sinks=True: pass the layer's sinks [Hq]")
+        return None
+    if not planned:
+        raise ValueError("sinks given to a plan made without them: plan with sinks=True")
+    if sinks.shape != (num_heads,) or sinks.dtype != torch.float32 or sinks.device != device:
+        raise ValueError(
+            f"sinks must be [{num_heads}] float32 on {device} (one logit per query head), got "
+            f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}"
+        )
+    return sinks.contiguous()
 
 
 def _check_scale(scale: torch.Tensor | None, name: str) -> None:
@@ -910,6 +951,7 @@ def plan_decode(
     autotune: bool = False,
     num_blocks: int | None = None,
     validate: bool | None = None,
+    sinks: bool = False,
 ) -> DecodePlan:
     """Plan one step's decode: ``block_tables [B, max_blocks] int32`` (row-contiguous),
     ``seq_lens [B] int32/int64`` (>= 1; the query is the last token) on the device the layers'
@@ -921,7 +963,9 @@ def plan_decode(
     ``config`` overrides the table (:func:`choose_config`); ``autotune=True`` tunes over
     ``CONFIGS`` on the GPU instead, keyed by the shape class. ``validate`` (default: the
     ``HYBRIDKV_VALIDATE`` switch) checks the lengths and, given ``num_blocks``, every block id
-    the kernel will read (one sync; see the module's contract).
+    the kernel will read (one sync; see the module's contract). ``sinks=True``: the layers
+    have learnable per-head attention sinks (GPT-OSS, GraniteSWA: one more logit per head in
+    each softmax's denominator, with no value), passed to each :meth:`~DecodePlan.run`.
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
@@ -1028,6 +1072,7 @@ def plan_decode(
         num_splits=num_splits,
         split_len=split_len,
         autotune=autotune,
+        has_sinks=bool(sinks),
         block_tables=block_tables,
         seq_lens=seq_lens,
         part_m=part_m,
@@ -1044,10 +1089,15 @@ def plan_decode(
             FP8={"fp8": 1, "fp8-bytes": 2}.get(cache_kind, 0),
             ONE_SPLIT=num_splits == 1,
             Q_TO_F16=cache_kind.startswith("fp8") and q_dtype == torch.bfloat16,
+            HAS_SINKS=bool(sinks),
         ),
         _reduce_grid=(batch, num_heads, triton.cdiv(head_dim_v, reduce_dv)),
         _reduce_constexprs=dict(
-            HEAD_DIM_V=head_dim_v, BLOCK_S=block_s, CHUNK_S=min(block_s, 16), BLOCK_DV=reduce_dv
+            HEAD_DIM_V=head_dim_v,
+            BLOCK_S=block_s,
+            CHUNK_S=min(block_s, 16),
+            BLOCK_DV=reduce_dv,
+            HAS_SINKS=bool(sinks),
         ),
     )
 
@@ -1086,6 +1136,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     autotune: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V: :func:`plan_decode` and
     :meth:`DecodePlan.run` in one call (plan once and run per layer to save the host work).
@@ -1097,7 +1148,7 @@ def paged_decode_attention(
     ``validate`` (default: the ``HYBRIDKV_VALIDATE`` environment switch) checks every block id
     and length the kernel will use (see the module's contract). ``out [B, Hq, Dv]`` (contiguous
     in Dv), if given, receives the result. fp8 caches need ``k_scale``/``v_scale`` (float32
-    scalars).
+    scalars). ``sinks [Hq] float32``: per-head attention-sink logits (none by default).
     """
     _check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
     quant = k_cache.dtype in _FP8
@@ -1121,11 +1172,12 @@ def paged_decode_attention(
         autotune=autotune,
         num_blocks=k_cache.shape[0],
         validate=validate,
+        sinks=sinks is not None,
     )
     if quant:
         k_scale = k_scale.reshape(1).to(torch.float32)
         v_scale = v_scale.reshape(1).to(torch.float32)
-    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
+    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out, sinks=sinks)
 
 
 # ---- reference --------------------------------------------------------------------------------
@@ -1156,10 +1208,12 @@ def paged_decode_attention_ref(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     **_: object,
 ) -> torch.Tensor:
     """Plain torch: gather each request's visible K/V through its block table (keys below a
-    sliding window are not read: their blocks may be freed), softmax in float32."""
+    sliding window are not read: their blocks may be freed), softmax in float32 (over the
+    scores and, given ``sinks [Hq]``, one sink logit per head whose weight is dropped)."""
     from einops import repeat
 
     out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
@@ -1171,5 +1225,8 @@ def paged_decode_attention_ref(
         k = repeat(k, "n h d -> n (h g) d", g=group)
         v = repeat(v, "n h d -> n (h g) d", g=group)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
-        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
+        weights = scores.softmax(-1)[:, : k.shape[0]]
+        out[b] = torch.einsum("hn,nhd->hd", weights, v).to(q.dtype)
     return out

@@ -549,6 +549,7 @@ def _prefill_kernel(
     cu_q_ptr,  # [B + 1] int32
     k_scale_ptr,  # [1] float32 (read only when FP8)
     v_scale_ptr,  # [1] float32
+    sinks_ptr,  # [Hq] float32 attention-sink logits (read only when HAS_SINKS)
     out_ptr,  # [total_q, Hq, Dv]
     sm_scale,
     batch,
@@ -578,6 +579,7 @@ def _prefill_kernel(
     IDS_AHEAD: tl.constexpr,  # multi-page tiles load the next tile's block ids one tile ahead
     POW2_PAGES: tl.constexpr,  # block_size == PAGE_ALIGN: page math by shifts, no division
     KV_TMA: tl.constexpr,  # one-page tiles come in by TMA through k_desc / v_desc
+    HAS_SINKS: tl.constexpr,  # per-head sink logits join each softmax's denominator
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -627,6 +629,9 @@ def _prefill_kernel(
     # finite initial max: fully masked rows (padding, or no key yet) stay finite
     b_m = tl.full([ROWS], -1e30, tl.float32)
     b_l = tl.zeros([ROWS], tl.float32)
+    if HAS_SINKS:  # a sink is one more logit with no value: the softmax starts from it
+        b_m = tl.load(sinks_ptr + rows_h, mask=offs_g < GROUP, other=0.0) * 1.4426950408889634
+        b_l = tl.full([ROWS], 1.0, tl.float32)
     b_acc = tl.zeros([ROWS, BLOCK_DV], tl.float32)
     hi = tl.minimum(seq_len, ctx + q_first + BLOCK_Q)
     lo = 0
@@ -1114,6 +1119,7 @@ class PrefillPlan:
     config: PrefillConfig
     config_source: str  # the table row, "autotune" or "given"
     autotune: bool
+    has_sinks: bool  # run takes each layer's per-head attention-sink logits
     grid: tuple[int, int]  # (query tiles, KV heads) of the planned config
     block_tables: torch.Tensor = field(repr=False)
     cu_seqlens_q: torch.Tensor = field(repr=False)
@@ -1170,12 +1176,14 @@ class PrefillPlan:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of one layer: ``q [total_q, Hq, Dk]`` over ``k_cache``/``v_cache``
         ``[num_blocks, block_size, Hkv, D]`` (any strides but the last) of the planned shape
         and dtype; fp8 caches need ``k_scale``/``v_scale`` (float32, one value each). Returns
         ``[total_q, Hq, Dv]`` in ``q``'s dtype (in ``out`` if given: then nothing is
-        allocated)."""
+        allocated). ``sinks [Hq] float32``: the layer's attention-sink logits, required when
+        the plan was made with ``sinks=True`` and refused otherwise."""
         if q.shape != self._q_shape or q.dtype != self.q_dtype or q.stride(2) != 1:
             raise ValueError(
                 f"q must be {list(self._q_shape)} {self.q_dtype} with a contiguous last dim "
@@ -1205,6 +1213,9 @@ class PrefillPlan:
                 k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         else:
             k_scale = v_scale = self.seq_lens  # never read
+        sinks = _check_sinks(sinks, self.has_sinks, self.num_heads, q.device)
+        if sinks is None:
+            sinks = self.seq_lens  # never read
         if out is None:
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
         elif out.shape != self._out_shape or out.stride(2) != 1 or out.dtype != q.dtype:
@@ -1224,10 +1235,10 @@ class PrefillPlan:
             meta = self._meta_tma
         args = (
             q, k_cache, v_cache, k_desc, v_desc, self.block_tables, self.seq_lens,
-            self.cu_seqlens_q, k_scale,
-            v_scale, out, self.scale, self.batch, self.block_size, self.sliding_window, qs[0],
-            qs[1], os_[0], os_[1], self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0],
-            vs[1], vs[2], self.shape.query, self.shape.context,
+            self.cu_seqlens_q, k_scale, v_scale, sinks, out, self.scale, self.batch,
+            self.block_size, self.sliding_window, qs[0], qs[1], os_[0], os_[1],
+            self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            self.shape.query, self.shape.context,
         )  # fmt: skip
         if self.autotune:
             group, batch, kv_heads = self.shape.group, self.batch, self.num_kv_heads
@@ -1244,7 +1255,7 @@ class PrefillPlan:
             key = (
                 self._launch_key, q.data_ptr() % 16, k_cache.data_ptr() % 16,
                 v_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
-                v_scale.data_ptr() % 16, qs, os_, ks, vs, tma,
+                v_scale.data_ptr() % 16, sinks.data_ptr() % 16, qs, os_, ks, vs, tma,
             )  # fmt: skip
             _prefill_launcher((*self.grid, 1), key, args, meta)
         return out
@@ -1263,6 +1274,25 @@ def _tma_ready(cache: torch.Tensor) -> bool:
         and all(st * item % 16 == 0 for st in strides[:3])
         and cache.shape[3] * item >= 16
     )
+
+
+def _check_sinks(
+    sinks: torch.Tensor | None, planned: bool, num_heads: int, device: torch.device
+) -> torch.Tensor | None:
+    """``sinks`` as a run takes them: ``[Hq]`` float32 on the layer's device, given exactly when
+    the plan was made for them."""
+    if sinks is None:
+        if planned:
+            raise ValueError("this plan was made with sinks=True: pass the layer's sinks [Hq]")
+        return None
+    if not planned:
+        raise ValueError("sinks given to a plan made without them: plan with sinks=True")
+    if sinks.shape != (num_heads,) or sinks.dtype != torch.float32 or sinks.device != device:
+        raise ValueError(
+            f"sinks must be [{num_heads}] float32 on {device} (one logit per query head), got "
+            f"{tuple(sinks.shape)} {sinks.dtype} on {sinks.device}"
+        )
+    return sinks.contiguous()
 
 
 def _check_scale(scale: torch.Tensor | None, name: str) -> None:
@@ -1294,6 +1324,7 @@ def plan_prefill(
     autotune: bool = False,
     num_blocks: int | None = None,
     validate: bool | None = None,
+    sinks: bool = False,
 ) -> PrefillPlan:
     """Plan one step's prefill: ``block_tables [B, max_blocks] int32`` (row-contiguous),
     ``cu_seqlens_q [B+1] int32`` (request ``r``'s queries are rows ``cu[r]:cu[r+1]`` of q) and
@@ -1309,7 +1340,9 @@ def plan_prefill(
     by the shape class. ``validate`` (default: the ``HYBRIDKV_VALIDATE`` switch) checks the
     module's contract (one sync; block ids need ``num_blocks``, the cache's). A config with
     ``hopper=True`` (the Hopper path) needs a 16-bit or hardware-fp8 cache and, on a GPU,
-    sm_90+; the interpreter runs it anywhere (the tests).
+    sm_90+; the interpreter runs it anywhere (the tests). ``sinks=True``: the layers have
+    learnable per-head attention sinks (one more logit per head in each softmax's
+    denominator, with no value), passed to each :meth:`~PrefillPlan.run`.
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
@@ -1426,6 +1459,7 @@ def plan_prefill(
         config=config,
         config_source=source,
         autotune=autotune,
+        has_sinks=bool(sinks),
         grid=(tiles, num_kv_heads),
         block_tables=block_tables,
         cu_seqlens_q=cu_seqlens_q,
@@ -1441,6 +1475,7 @@ def plan_prefill(
             FP8={"fp8": 1, "fp8-bytes": 2}.get(shape.cache, 0),
             POW2_PAGES=block_size == shape.page_align,  # read by the Hopper path only
             KV_TMA=False,  # run turns it on where the layer's caches allow
+            HAS_SINKS=bool(sinks),
         ),
     )
 
@@ -1462,6 +1497,7 @@ def paged_prefill_attention(
     max_seq_len: int | None = None,
     config: PrefillConfig | None = None,
     autotune: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [total_q, Hq, Dk]`` over each request's paged K/V:
     :func:`plan_prefill` and :meth:`PrefillPlan.run` in one call (plan once and run per layer
@@ -1475,7 +1511,7 @@ def paged_prefill_attention(
     ``max_query_len`` / ``max_seq_len`` (bounds of the step's query counts and KV lengths)
     pick the config's sequence-length class; ``config`` forces one of ``CONFIGS``;
     ``autotune=True`` tunes on the GPU. fp8 caches need ``k_scale``/``v_scale`` (float32
-    scalars).
+    scalars). ``sinks [Hq] float32``: per-head attention-sink logits (none by default).
     """
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(
@@ -1512,11 +1548,12 @@ def paged_prefill_attention(
         autotune=autotune,
         num_blocks=k_cache.shape[0],
         validate=validate,
+        sinks=sinks is not None,
     )
     if quant:
         k_scale = k_scale.reshape(1).to(torch.float32)
         v_scale = v_scale.reshape(1).to(torch.float32)
-    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out)
+    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out, sinks=sinks)
 
 
 # ---- reference --------------------------------------------------------------------------------
@@ -1533,11 +1570,13 @@ def paged_prefill_attention_ref(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     **_: object,
 ) -> torch.Tensor:
-    """Plain torch: gather each request's K/V through its block table, causal softmax in fp32.
-    Keys no query of the request can see (below a sliding window) are not read: an allocator
-    may have freed their blocks. Every tensor it builds lives on ``q``'s device."""
+    """Plain torch: gather each request's K/V through its block table, causal softmax in fp32
+    (with ``sinks [Hq]``, over one more logit per head whose weight is dropped). Keys no query
+    of the request can see (below a sliding window) are not read: an allocator may have freed
+    their blocks. Every tensor it builds lives on ``q``'s device."""
     from einops import repeat
 
     device = q.device
@@ -1564,5 +1603,9 @@ def paged_prefill_attention_ref(
             visible &= pos[None, :] > qpos[:, None] - sliding_window
         scores = torch.einsum("mhd,nhd->hmn", q[a:b].float(), k) * scale
         scores = scores.masked_fill(~visible[None], float("-inf"))
-        out[a:b] = torch.einsum("hmn,nhd->mhd", scores.softmax(-1), v).to(q.dtype)
+        if sinks is not None:
+            sink = sinks.to(device=device, dtype=torch.float32)[:, None, None]
+            scores = torch.cat([scores, sink.expand(-1, b - a, 1)], dim=2)
+        weights = scores.softmax(-1)[..., : k.shape[0]]
+        out[a:b] = torch.einsum("hmn,nhd->mhd", weights, v).to(q.dtype)
     return out

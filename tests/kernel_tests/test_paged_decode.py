@@ -557,3 +557,45 @@ def test_fp8_cache_with_bf16_queries_runs_its_dots_in_fp16(q_scale, software, mo
     assert not torch.isnan(got).any()
     err = (got.float() - want.float()).abs().max().item()
     assert err < 2e-2 * want.float().abs().max().item(), err
+
+
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "split3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_decode_with_attention_sinks(splits, window, dtype):
+    """Per-head sink logits (GraniteSWA, GPT-OSS): one more logit in each head's softmax, with
+    no value. Added once whether the keys run as one split or several (the reduce adds it),
+    and large enough on some heads to take most of the weight, negative on others."""
+    lens, hq, hkv, d, bs = [130, 7, 61], 6, 2, 32, 16
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    _, k_cache, v_cache = synthetic_caches("classic", num_blocks, bs, hkv, d, d, dtype)
+    tables = _fill(k_cache, v_cache, lens, dtype)
+    q = torch.randn(len(lens), hq, d).to(dtype)
+    sinks = torch.randn(hq) * 4
+    sinks[0] = 12.0  # the sink takes almost all of head 0's weight
+    seq = torch.tensor(lens, dtype=torch.int32)
+    out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype)
+    got = paged_decode_attention(
+        q, k_cache, v_cache, tables, seq, 0.2, window, num_splits=splits, out=out, sinks=sinks
+    )
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, 0.2, window, sinks=sinks)
+    plain = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, 0.2, window)
+    assert not torch.isnan(got).any()
+    assert (got.float() - want.float()).abs().max() <= TOL[dtype]
+    # the sinks matter: head 0's output shrinks toward zero, the others move
+    assert want[:, 0].abs().max() < 0.1 * plain[:, 0].abs().max()
+    assert (want.float() - plain.float()).abs().max() > 10 * TOL[dtype]
+
+
+def test_sinks_are_planned_for():
+    q, k, v, tables, seq = _small_case()
+    plain = _plan_for(k, tables, seq.tolist(), q)
+    with pytest.raises(ValueError, match="plan with sinks=True"):
+        plain.run(q, k, v, sinks=torch.zeros(4))
+    with_sinks = _plan_for(k, tables, seq.tolist(), q, sinks=True)
+    with pytest.raises(ValueError, match="pass the layer's sinks"):
+        with_sinks.run(q, k, v)
+    with pytest.raises(ValueError, match=r"sinks must be \[4\] float32"):
+        with_sinks.run(q, k, v, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"sinks must be \[4\] float32"):
+        with_sinks.run(q, k, v, sinks=torch.zeros(4, dtype=torch.float16))

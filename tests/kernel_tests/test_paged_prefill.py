@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -553,3 +554,51 @@ def test_prefill_validate_catches_bad_input(case, match, monkeypatch):
     monkeypatch.setenv("HYBRIDKV_VALIDATE", "1")
     with pytest.raises(ValueError, match=match):
         paged_prefill_attention(q, k, v, tables, cu, seq, 0.25, **bounds)
+
+
+@pytest.mark.parametrize("window", [None, 24], ids=["causal", "window24"])
+@pytest.mark.parametrize(
+    ("config", "dtype"),
+    [
+        (GENERIC[0], torch.float32),
+        (GENERIC[0], torch.float16),
+        # the Hopper path reads 16-bit and fp8 caches only
+        (next(c for c in CONFIGS if c.hopper and c.block_n == 16), torch.float16),
+    ],
+    ids=lambda v: _cid(v) if isinstance(v, PrefillConfig) else str(v).split(".")[-1],
+)
+def test_prefill_with_attention_sinks(config, dtype, window):
+    """Per-head sink logits (GraniteSWA, GPT-OSS): one more logit in each head's softmax, with
+    no value, on the generic and the Hopper path; an extend after cached tokens and a fresh
+    prompt in one varlen batch."""
+    lens, q_lens, hq, hkv, d, bs = [90, 37], [30, 37], 6, 2, 32, 16
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    _, k_cache, v_cache = synthetic_caches("classic", num_blocks, bs, hkv, d, d, dtype)
+    tables = _fill(k_cache, v_cache, lens, dtype)
+    cu, seq = _cu(q_lens), torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d).to(dtype)
+    sinks = torch.randn(hq) * 4
+    sinks[1] = 12.0  # the sink takes almost all of head 1's weight
+    out = torch.full((q.shape[0], hq, d), float("nan"), dtype=dtype)
+    got = paged_prefill_attention(
+        q, k_cache, v_cache, tables, cu, seq, 0.2, window, out=out, config=config, sinks=sinks
+    )
+    want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, seq, 0.2, window,
+                                       sinks=sinks)  # fmt: skip
+    plain = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, seq, 0.2, window)
+    assert not torch.isnan(got).any()
+    assert (got.float() - want.float()).abs().max() <= TOL[dtype]
+    assert want[:, 1].abs().max() < 0.1 * plain[:, 1].abs().max()
+    assert (want.float() - plain.float()).abs().max() > 10 * TOL[dtype]
+
+
+def test_prefill_sinks_are_planned_for():
+    plan, k, v = _small_plan()
+    q = torch.randn(5, 4, 16).half()
+    with pytest.raises(ValueError, match="plan with sinks=True"):
+        plan.run(q, k, v, sinks=torch.zeros(4))
+    with_sinks = dataclasses.replace(plan, has_sinks=True)
+    with pytest.raises(ValueError, match="pass the layer's sinks"):
+        with_sinks.run(q, k, v)
+    with pytest.raises(ValueError, match=r"sinks must be \[4\] float32"):
+        with_sinks.run(q, k, v, sinks=torch.zeros(4, 1))
