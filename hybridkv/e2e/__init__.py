@@ -94,6 +94,12 @@ def build_tiny_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
         if getattr(config, "text_config", None) is None:
             raise
         model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():
+        # transformers starts learnable attention sinks (GraniteSWA) at zero; random ones make
+        # a run that ignored or misapplied them differ from transformers'
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1] == "sinks":
+                p.normal_(0.0, 2.0)
     return model.float().to(dtype).eval()
 
 

@@ -165,7 +165,9 @@ def paged_attention(
     [B, Hkv, T, D]`` (new tokens only); returns ``[B, T, Hq, D]``. The mask is ignored: the
     kernels are causal by position and bounded by each request's length. The first layer of a
     KV cache group plans the forward's cache writes and attention
-    (:meth:`PagedContext.kernel_plan`); every layer then only runs the plans on its own views."""
+    (:meth:`PagedContext.kernel_plan`); every layer then only runs the plans on its own views.
+    ``s_aux [Hq]`` (GraniteSWA's learnable per-head attention sinks, as transformers passes
+    them) joins each head's softmax as one more logit with no value, in the kernels."""
     ctx = _CTX
     if ctx is None:
         raise RuntimeError(f"{ATTN_NAME} attention called outside hybridkv.e2e.attn.set_context")
@@ -173,7 +175,9 @@ def paged_attention(
     k_cache, v_cache, gid = ctx.views[layer]
     b, hq, t, d = query.shape
     scale = scaling if scaling is not None else d**-0.5
+    sinks = kwargs.get("s_aux")
     shapes = (b, t, hq, key.shape[1], d, value.shape[3], query.dtype, float(scale))
+    shapes += (sinks is not None,)
     write, attend = ctx.kernel_plan(
         ("attention", gid, *shapes), lambda: _attention_plans(ctx, gid, k_cache, *shapes)
     )
@@ -181,7 +185,9 @@ def paged_attention(
     v = value.transpose(1, 2).reshape(b * t, value.shape[1], value.shape[3]).contiguous()
     write.run(k, v, k_cache, v_cache)
     q = query.transpose(1, 2).reshape(b * t, hq, d).contiguous()
-    out = attend.run(q, k_cache, v_cache)
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+    out = attend.run(q, k_cache, v_cache, sinks=sinks)
     return out.reshape(b, t, hq, out.shape[-1]), None
 
 
@@ -197,9 +203,11 @@ def _attention_plans(
     dv: int,
     q_dtype: torch.dtype,
     scale: float,
+    sinks: bool,
 ):
     """A forward's plans for one KV cache group: the cache write of its new tokens, and decode
-    (every request brings one token) or varlen prefill over the pages."""
+    (every request brings one token) or varlen prefill over the pages (``sinks``: the layers
+    pass per-head attention sinks)."""
     from ..kernels import plan_decode, plan_prefill, plan_write_kv_cache
 
     table = ctx.table(gid).to(torch.int32).contiguous()
@@ -215,7 +223,7 @@ def _attention_plans(
     shared = dict(
         num_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, block_size=bs,
         cache_dtype=k_cache.dtype, q_dtype=q_dtype, scale=scale,
-        sliding_window=ctx.windows[gid], max_seq_len=int(seq_lens.max()),
+        sliding_window=ctx.windows[gid], max_seq_len=int(seq_lens.max()), sinks=sinks,
     )  # fmt: skip
     if bool((lens == 1).all()):
         return write, plan_decode(table, seq_lens, **shared)

@@ -42,8 +42,8 @@ multi-token forward from a state in transformers, so the engine steps them token
 which its forward insists on: the engine builds each forward's cache with
 :func:`.states.cache_factory`. A plan with a layer kind no :class:`~.states.StateFormat` wires
 is refused with a :class:`~.states.Unservable` (a NotImplementedError) naming it and what is
-served (:func:`.states.check_wired`), as is a model whose attention has learnable sinks
-(GraniteSWA), which the paged kernels do not apply (:func:`.states.check_servable`).
+served (:func:`.states.check_wired`). Learnable attention sinks (GraniteSWA's ``s_aux``) run in
+the paged kernels.
 
 Private transformers fields: only ``config._attn_implementation``, saved, set and restored by
 :meth:`Engine._paged_attention` so that the same model still runs stock attention outside the
@@ -72,7 +72,7 @@ from .states import (
     Packed,
     StateFormat,
     cache_factory,
-    check_servable,
+    check_wired,
     install_stepwise,
     install_varlen,
 )
@@ -163,7 +163,7 @@ class Engine:
         on_step: Callable[[StepOutput], None] | None = None,
         **overrides: Any,
     ) -> None:
-        check_servable(model, plan)  # Unservable, with the reason, for a refused family
+        check_wired(plan)  # Unservable, with the reason, for a refused family
         attn.register()
         self.model = model
         self.config = model.config

@@ -253,7 +253,7 @@ def tiny_kimi_linear_config():
 
 def tiny_granite_swa_config():
     """GraniteSWA: full attention, then two sliding-window layers (window 16), all with
-    learnable attention sinks (refused by the engine: :data:`REFUSED`)."""
+    learnable attention sinks (random in :func:`~hybridkv.e2e.build_tiny_model`)."""
     from transformers import GraniteSWAConfig
 
     return GraniteSWAConfig(
@@ -435,12 +435,10 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "glm5_next": tiny_glm5_next_config,
     "qwen4_exp": tiny_qwen4_exp_config,
 }
-#: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): attention sinks
-#: (GraniteSWA), a state no StateFormat hands over (RWKV, xLSTM), top-k sparse attention over an
-#: indexer's keys and a PLE conv state (GLM-5-Next, Qwen4-Exp)
+#: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): a state no StateFormat
+#: hands over (RWKV, xLSTM), top-k sparse attention over an indexer's keys and a PLE conv state
+#: (GLM-5-Next, Qwen4-Exp)
 REFUSED: tuple[str, ...] = (
-    "granite_swa",
-    "granitemoe_swa",
     "rwkv",
     "xlstm",
     "glm5_next",

@@ -80,7 +80,6 @@ __all__ = [
     "StateFormat",
     "Unservable",
     "cache_factory",
-    "check_servable",
     "check_wired",
     "install_stepwise",
     "install_varlen",
@@ -126,16 +125,6 @@ REFUSED: dict[str, str] = {
         "Qwen4-Exp's Per-Layer Embedding keeps a dilated conv state and the last n-gram token "
         "ids in conv_states[1] and [2] of the GDN layer's cache, which no StateFormat hands "
         "over (the GDN format moves conv_states[0] and the recurrent state only)"
-    ),
-}
-
-#: attention features of a model's modules that the paged kernels do not compute: the
-#: attribute (a parameter of the attention module) and why it cannot be served
-REFUSED_ATTENTION: dict[str, str] = {
-    "sinks": (
-        "its attention has learnable per-head sinks (GraniteSWA / GraniteMoeSWA: each head's "
-        "output scaled by sigmoid(logsumexp(scores) - sink), an extra softmax logit), which "
-        "the paged prefill and decode kernels do not apply"
     ),
 }
 
@@ -280,7 +269,8 @@ def refusal(kind: str) -> str | None:
 
 def _served() -> str:
     return (
-        "the engine serves softmax attention (full, sliding-window, MLA) without sinks and the "
+        "the engine serves softmax attention (full, sliding-window with or without sinks, MLA) "
+        "and the "
         f"state kinds {', '.join(FORMATS)}"
     )
 
@@ -296,20 +286,6 @@ def check_wired(plan: Any) -> None:
         raise Unservable(
             f"{plan.model_name} cannot be served by the engine: {reasons} ({_served()})"
         )
-
-
-def check_servable(model: torch.nn.Module, plan: Any) -> None:
-    """:func:`check_wired`, then :class:`Unservable` if the model's attention modules have a
-    feature of :data:`REFUSED_ATTENTION` (checked on the modules, not the plan: the cache of
-    such a layer is ordinary K/V, only its attention differs)."""
-    check_wired(plan)
-    for name, module in model.named_modules():
-        for attr, why in REFUSED_ATTENTION.items():
-            if isinstance(getattr(module, attr, None), torch.Tensor):
-                raise Unservable(
-                    f"{plan.model_name} cannot be served by the engine: {why} "
-                    f"({type(module).__name__} {name!r} has {attr!r}; {_served()})"
-                )
 
 
 def _stepping() -> bool:
