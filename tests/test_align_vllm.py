@@ -456,3 +456,20 @@ def test_align_every_block_prefill_ends_at_every_block():
     )
     plain = simulate(small, model, trace, SimConfig(enable_prefix_caching=False, **config))
     assert every.steps == plain.steps + 3 * B // 16
+
+
+@pytest.mark.parametrize("layout", ["per_group", "two_level", "inflate"])
+def test_an_indexer_group_keeps_partial_hash_hits(layout):
+    """GLM-5-Next's sparse-attention indexer keeps per-token keys that vLLM 0.33 holds as an
+    MLAAttentionSpec: like the latent, they can be looked up inside a block, so a layout that
+    gives them their own group keeps vLLM's partial hash hits (hash unit 16 below a 64-token
+    state block) as the shared-page layout does."""
+    pytest.importorskip("transformers")
+    from hybridkv.e2e import make_tiny_plan
+    from hybridkv.e2e.families import TINY_CONFIGS
+
+    plan = make_tiny_plan(TINY_CONFIGS["glm5_next"](), layout)
+    kinds = {g.kind for g in plan.groups}
+    assert "mla" in kinds and ("indexer" in kinds) == (layout != "inflate")
+    assert _block(plan) > 16
+    assert CheckpointPolicy("align", plan, 16).vllm.partial

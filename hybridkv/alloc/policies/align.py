@@ -280,13 +280,14 @@ class AlignPolicy(CheckpointPolicy):
                 f"{prefill_checkpoint_alignment}"
             )
         # partial_hash_hits_enabled: a hash unit finer than the state block, and every
-        # attention group can look hashes up inside a block (full attention, MLA) or has
-        # blocks of one unit
+        # attention group can look hashes up inside a block (full attention, MLA, and a
+        # sparse-attention indexer's keys: vLLM 0.33 keeps those as an MLAAttentionSpec) or
+        # has blocks of one unit
         partial = (
             bool(plan.state_groups)
             and hash_block_size < self.block
             and all(
-                g.kind in ("full_attention", "mla") or g.block_size == hash_block_size
+                g.kind in ("full_attention", "mla", "indexer") or g.block_size == hash_block_size
                 for g in plan.groups
                 if not g.is_state
             )
