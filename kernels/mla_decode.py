@@ -49,6 +49,21 @@ environment read and no device sync, so it can be captured in a CUDA graph.
   one tile ahead (a few registers a thread at 1 byte per value).
 - Split-K (flash-decoding): partial (max, sum, acc) per split, merged by a second kernel; one
   split writes the output directly.
+- Sparse (top-k) decode: with ``token_indices [B, K] int32`` (DeepSeek-V3.2's and GLM-5-Next's
+  indexer: each query attends to its top-k cached tokens, k = 2048 of a long context) the
+  program walks the request's index list instead of the positions ``0 .. seq_len - 1``
+  (``SPARSE``, a constexpr: the dense walk compiles as before). Per tile of ``BLOCK_N``
+  entries it loads the entries, maps each to its block id (the request's table row) and slot
+  (int64 row offsets), gathers the latent and rope rows, masks padding (-1), and runs the
+  same online softmax; the entries and block ids of the next tile are loaded a tile ahead.
+  Splits cover the K entries (a split or a tile of padding alone weighs nothing), the reduce
+  is the dense one. Every gathered row has its own address, as on pages of one token, so a
+  sparse launch's shape class has ``page_align`` 1: at most 32 heads a program (at 64 the
+  gather spills even at 16/8/3, 52 B on sm_90; DeepSeek-V3.2's 128 heads take 4 programs a
+  request, adjacent, reading the rows from L2 after the first) and its own rows in
+  :func:`config_fits` and ``_TABLE`` (the compile check, k = 2048). The read is K rows of
+  ``(Dc + Dr)`` elements a request and head group instead of ``seq_len`` rows: DeepSeek-V3.2
+  in bf16, k = 2048, reads 2.4 MB a request at any context (a 128k context: 151 MB).
 - fp8 caches: the latent is multiplied in fp16/bf16 as stored (the per-tensor scale is folded
   into the scores and applied to the accumulator once at the end). GPUs without hardware e4m3
   (sm_80, A100) get the cache's bytes and decode them in the kernel (exactly).
@@ -91,6 +106,14 @@ past that are never read and may hold anything (-1 included). Shapes, dtypes, st
 ``num_splits >= 1`` are always checked on the host. Outside the contract the kernel reads other
 memory (the next layer's page for a block id equal to ``num_blocks``, bytes before the cache for
 -1) or drops tokens (``max_seq_len`` too small).
+
+Sparse contract (the same switch checks it, on the plan's list and on every run's): each entry
+of ``token_indices[b]`` is ``-1`` (padding, anywhere in the row) or an absolute position in
+``[0, seq_lens[b])``; a row's positions are distinct (a top-k's are; a duplicate would be
+weighed twice) and every row lists at least one. Rows are contiguous, K is any length >= 1.
+Outside it: entries below 0 or at or past ``seq_len`` are skipped (the kernel masks them, so
+they read nothing, but the softmax silently drops them), a row of padding alone gives NaN,
+and duplicates are counted twice (the reference counts them as listed, too).
 
 Hopper: at 64 heads the scores ``[64, BLOCK_N]`` and the output update ``[64, 512]`` are what
 wgmma takes (64 rows a warpgroup), and Triton emits wgmma on sm_90 with q and the latent tile
@@ -163,7 +186,8 @@ class MlaShape:
     q_bytes: int  # bytes of a query element: the dots' operand size (2, or 4 for fp32)
     page_align: int  # largest power of two dividing block_size, capped at _MAX_BLOCK_N
     work: int  # batch * head groups, rounded up to a power of two
-    context: int  # max_seq_len, rounded up to a power of two
+    context: int  # max_seq_len (sparse: the index list's length), rounded up to a power of two
+    sparse: bool = False  # walks a token-index list (then page_align is 1: rows are gathered)
 
     @property
     def fp8(self) -> bool:
@@ -187,10 +211,12 @@ class MlaRule:
     caches: tuple[str, ...] = ("16bit", "fp32", "fp8", "fp8-bytes")
     page_align: tuple[int, int] = (1, 1 << 20)
     work: tuple[int, int] = (1, 1 << 40)
+    sparse: bool | None = None  # None: dense and sparse launches alike
 
     def matches(self, shape: MlaShape) -> bool:
         return (
-            self.arch[0] <= shape.arch <= self.arch[1]
+            (self.sparse is None or self.sparse == shape.sparse)
+            and self.arch[0] <= shape.arch <= self.arch[1]
             and self.block_h[0] <= shape.block_h <= self.block_h[1]
             and shape.cache in self.caches
             and self.page_align[0] <= shape.page_align <= self.page_align[1]
@@ -206,6 +232,34 @@ _CC = "compile check: python -m paper.compile_kernels (triton 3.9), latent 512+6
 #: the others are marked unmeasured and say what they are inferred from (the GPU suite sweeps
 #: them: ``python -m paper.gpu_suite``).
 _TABLE: tuple[MlaRule, ...] = (
+    # sparse (token-index list) launches first: their gathered rows compile differently
+    MlaRule(
+        MlaConfig(64, 8, 3),
+        "unmeasured: the sparse walk at 32 heads on sm_90, the dense sm_90 row's config: "
+        f"64-token tiles at 8 warps gather without spills ({_CC}, k = 2048: 192 registers), "
+        "4 warps spill (32-token tiles 244-252 B stored and loaded, 64-token 464 B)",
+        arch=(90, 1000),
+        block_h=(32, 32),
+        caches=("16bit",),
+        sparse=True,
+    ),
+    MlaRule(
+        MlaConfig(64, 8, 2),
+        "unmeasured: the sparse walk at 32 heads on sm_80, where the dense row's 32/4/2 "
+        f"spills when gathering ({_CC}, k = 2048: 112 B); 64/8/2 does not (192 registers) "
+        "and does the fewest MMAs and q reads a token",
+        block_h=(32, 32),
+        caches=("16bit",),
+        sparse=True,
+    ),
+    MlaRule(
+        MlaConfig(32, 4, 2),
+        "unmeasured: the sparse walk at 16 heads, as the dense 16-head rows: 32-token tiles "
+        f"at 4 warps gather without spills ({_CC}, k = 2048: 190-192 registers)",
+        block_h=(16, 16),
+        caches=("16bit",),
+        sparse=True,
+    ),
     MlaRule(
         MlaConfig(64, 8, 3),
         f"unmeasured: inferred from the {_H200}: Kimi-Linear (32 heads, latent 512+64, bf16, "
@@ -321,6 +375,10 @@ def config_fits(config: MlaConfig, shape: MlaShape) -> bool:
     - Tiles of more than 4 page segments (pages not a multiple of 16): ``vecs`` <= 9, as in
       the decode kernel. At 16 heads, 8 warps and 64-token tiles of several segments (16-token
       pages) spill: ptxas keeps them at 128 registers (16-24 B).
+    - Sparse launches (an index list: one int64 offset a gathered row, ``page_align`` 1),
+      16-bit caches, 16 and 32 heads: ``vecs`` <= 9 beside a 128-register accumulator (32
+      heads at 4 warps: 16-token tiles), else ``vecs`` <= 18 (64-token tiles at 8 warps; at
+      16 heads 32-token tiles at 4 warps too). fp8 sparse launches follow the fp8 rule.
     """
     if shared_bytes(config, shape) > _SHARED_BYTES.get(shape.arch // 10, _SHARED_BYTES[8]):
         return False
@@ -334,6 +392,8 @@ def config_fits(config: MlaConfig, shape: MlaShape) -> bool:
         return shape.wgmma and not shape.fp8 and config.num_warps == 8 and config.block_n == 16
     if shape.fp8:
         return acc <= 64 and vecs <= 9
+    if shape.sparse:
+        return vecs <= (9 if acc > 64 else 18)
     if segments > 4 and vecs > 9:
         return False
     if config.num_warps >= 8 and acc <= 32 and segments > 1 and vecs > 9:
@@ -349,7 +409,11 @@ def one_split_fits(config: MlaConfig, shape: MlaShape) -> bool:
     512 + 64 with ``num_splits=1``): not beside 64 heads' accumulator (wgmma), not at 32 heads
     with 32-token tiles at 4 warps (sm_80: 16 B), not at 16 heads with 8 warps on sm_90, where
     ptxas stops at 128 registers (32/8/2: 16 B). Elsewhere such plans keep the reduce kernel:
-    its partials are one row a request and head, little next to a one-split request's tokens."""
+    its partials are one row a request and head, little next to a one-split request's tokens.
+    Sparse launches: every config that fits (16 and 32 heads, 16-bit and fp8) compiled
+    without spills with the epilogue too (k = 2048)."""
+    if shape.sparse:
+        return shape.block_h <= 32
     threads = 32 * config.num_warps
     acc = shape.block_h * shape.block_dc // threads
     vecs = config.block_n * (shape.block_dc + shape.block_dr) // (8 * threads)
@@ -435,6 +499,7 @@ def _mla_partial_kernel(
     cache_ptr,  # [num_blocks, block_size, Dc + Dr], strided (uint8 bytes when FP8 == 2)
     table_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32/int64
+    idx_ptr,  # [B, K] int32 token positions, -1 = padding (read only when SPARSE)
     scale_ptr,  # [1] float32 (read only when FP8)
     part_m_ptr,  # [B, H, S] float32, log2 units (unused when ONE_SPLIT)
     part_l_ptr,  # [B, H, S] float32 (unused when ONE_SPLIT)
@@ -451,6 +516,8 @@ def _mla_partial_kernel(
     stride_qp_b,
     stride_qp_h,
     stride_table_b,
+    stride_idx_b,  # (read only when SPARSE)
+    num_indices,  # K: the index list's length (read only when SPARSE)
     stride_c_block,
     stride_c_token,
     stride_out_b,
@@ -465,6 +532,7 @@ def _mla_partial_kernel(
     PAGE_ALIGN: tl.constexpr,  # largest power of two dividing block_size (capped)
     FP8: tl.constexpr,  # 0: no fp8; 1: fp8 cache converted in hardware; 2: e4m3 bytes
     ONE_SPLIT: tl.constexpr,  # num_splits == 1: normalise and write out directly
+    SPARSE: tl.constexpr,  # walk the index list idx_ptr instead of the positions 0..seq_len-1
     BLOCK_N: tl.constexpr,
 ):
     # a tile = PAGES segments of SEG tokens; a segment lies inside one page
@@ -477,7 +545,10 @@ def _mla_partial_kernel(
     i_b = pid // (num_head_blocks * num_splits)
     seq_len = tl.load(seq_lens_ptr + i_b)
     start = i_s * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    if SPARSE:  # splits cover the index list
+        end = tl.minimum(start + split_len, num_indices)
+    else:
+        end = tl.minimum(start + split_len, seq_len)
 
     offs_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = offs_h < num_heads
@@ -510,59 +581,114 @@ def _mla_partial_kernel(
     b_l = tl.zeros([BLOCK_H], tl.float32)
     b_acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
 
-    # loop invariants: each row's offset inside its segment (int32: < SEG * stride_c_token,
-    # checked on the host)
-    offs_in_seg = (tl.arange(0, BLOCK_N) % SEG) * stride_c_token
-    offs_c_row = offs_in_seg[:, None] + offs_dc[None, :]
-    offs_pe_row = offs_in_seg[:, None] + (DIM_C + offs_dr)[None, :]
-    p_table = table_ptr + i_b64 * stride_table_b
-    offs_pages = tl.arange(0, PAGES) * SEG
-
-    # block ids of the first tile; each iteration loads the next tile's ids ahead, so no
-    # latent load waits on a table load of its own iteration
-    seg_block = _tile_ids(p_table, start, end, block_size, offs_pages, PAGES)
-    if FP8 > 0:
-        # fp8 tiles feed the two dots through different register layouts (ldmatrix cannot
-        # transpose 8-bit data), so the pipeliner leaves them in registers: prefetch by hand,
-        # one tile ahead (BLOCK_N x latent bytes, a few registers a thread)
-        c_next, pe_next = _load_tile(
-            cache_ptr, p_table, seg_block, start, end, block_size, stride_c_block, stride_c_token,
-            offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
-            DIM_C, DIM_R, BLOCK_DC, BLOCK_DR, BLOCK_N, PAGES, SEG,
+    if SPARSE:
+        # per tile of BLOCK_N list entries: the entries, then each one's block id through the
+        # request's table row and its slot in the page (int64 rows), loaded a tile ahead so
+        # that no latent gather waits on an index or table load of its own iteration
+        p_table = table_ptr + i_b64 * stride_table_b
+        p_idx = idx_ptr + i_b64 * stride_idx_b
+        rows, valid = _index_rows(
+            p_idx, p_table, start, end, seq_len, block_size, stride_c_block, stride_c_token,
+            BLOCK_N,
         )  # fmt: skip
-        seg_block = _tile_ids(p_table, start + BLOCK_N, end, block_size, offs_pages, PAGES)
-    for tile in range(start, end, BLOCK_N):
+        if FP8 > 0:  # prefetched by hand one tile ahead, as in the dense walk
+            c_next, pe_next = _gather_rows(
+                cache_ptr, rows, valid, offs_dc, offs_dr, m_dc, m_dr, DIM_C, DIM_R, BLOCK_DC,
+                BLOCK_DR,
+            )  # fmt: skip
+            v_next = valid
+            rows, valid = _index_rows(
+                p_idx, p_table, start + BLOCK_N, end, seq_len, block_size, stride_c_block,
+                stride_c_token, BLOCK_N,
+            )  # fmt: skip
+        for tile in range(start, end, BLOCK_N):
+            if FP8 > 0:
+                c, k_pe, m_n = c_next, pe_next, v_next
+                c_next, pe_next = _gather_rows(
+                    cache_ptr, rows, valid, offs_dc, offs_dr, m_dc, m_dr, DIM_C, DIM_R,
+                    BLOCK_DC, BLOCK_DR,
+                )  # fmt: skip
+                v_next = valid
+                next_ids = tile + 2 * BLOCK_N
+            else:
+                c, k_pe = _gather_rows(
+                    cache_ptr, rows, valid, offs_dc, offs_dr, m_dc, m_dr, DIM_C, DIM_R,
+                    BLOCK_DC, BLOCK_DR,
+                )  # fmt: skip
+                m_n = valid
+                next_ids = tile + BLOCK_N
+            rows, valid = _index_rows(
+                p_idx, p_table, next_ids, end, seq_len, block_size, stride_c_block,
+                stride_c_token, BLOCK_N,
+            )  # fmt: skip
+            c_t = _to_dot_dtype(tl.trans(c), q_nope.dtype, FP8)
+            s = tl.dot(q_pe, _to_dot_dtype(tl.trans(k_pe), q_nope.dtype, FP8))
+            s = tl.dot(q_nope, c_t, s)  # [BLOCK_H, BLOCK_N]
+            s = tl.where(m_n[None, :], s * qk_scale, float("-inf"))
+            # a tile (or a whole split) may be all padding: keep m = -inf and weight 0
+            # instead of exp2(-inf - -inf) = NaN
+            m_new = tl.maximum(b_m, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(b_m - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            b_l = b_l * alpha + tl.sum(p, axis=1)
+            c = _to_dot_dtype(c, q_nope.dtype, FP8)
+            b_acc = tl.dot(p.to(q_nope.dtype), c, b_acc * alpha[:, None])
+            b_m = m_new
+    else:
+        # loop invariants: each row's offset inside its segment (int32: < SEG * stride_c_token,
+        # checked on the host)
+        offs_in_seg = (tl.arange(0, BLOCK_N) % SEG) * stride_c_token
+        offs_c_row = offs_in_seg[:, None] + offs_dc[None, :]
+        offs_pe_row = offs_in_seg[:, None] + (DIM_C + offs_dr)[None, :]
+        p_table = table_ptr + i_b64 * stride_table_b
+        offs_pages = tl.arange(0, PAGES) * SEG
+
+        # block ids of the first tile; each iteration loads the next tile's ids ahead, so no
+        # latent load waits on a table load of its own iteration
+        seg_block = _tile_ids(p_table, start, end, block_size, offs_pages, PAGES)
         if FP8 > 0:
-            c, k_pe = c_next, pe_next
+            # fp8 tiles feed the two dots through different register layouts (ldmatrix cannot
+            # transpose 8-bit data), so the pipeliner leaves them in registers: prefetch by hand,
+            # one tile ahead (BLOCK_N x latent bytes, a few registers a thread)
             c_next, pe_next = _load_tile(
-                cache_ptr, p_table, seg_block, tile + BLOCK_N, end, block_size, stride_c_block,
+                cache_ptr, p_table, seg_block, start, end, block_size, stride_c_block,
                 stride_c_token, offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
                 DIM_C, DIM_R, BLOCK_DC, BLOCK_DR, BLOCK_N, PAGES, SEG,
             )  # fmt: skip
-            next_ids = tile + 2 * BLOCK_N
-        else:
-            c, k_pe = _load_tile(
-                cache_ptr, p_table, seg_block, tile, end, block_size, stride_c_block,
-                stride_c_token, offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
-                DIM_C, DIM_R, BLOCK_DC, BLOCK_DR, BLOCK_N, PAGES, SEG,
-            )  # fmt: skip
-            next_ids = tile + BLOCK_N
-        seg_block = _tile_ids(p_table, next_ids, end, block_size, offs_pages, PAGES)
-        m_n = tile + tl.arange(0, BLOCK_N) < end
-        # each dot converts its own view of the tile (a 16-bit tile is read from one
-        # shared-memory buffer by both)
-        c_t = _to_dot_dtype(tl.trans(c), q_nope.dtype, FP8)
-        s = tl.dot(q_pe, _to_dot_dtype(tl.trans(k_pe), q_nope.dtype, FP8))
-        s = tl.dot(q_nope, c_t, s)  # [BLOCK_H, BLOCK_N]
-        s = tl.where(m_n[None, :], s * qk_scale, float("-inf"))
-        # every tile holds a token below end, so m_new is finite from the first tile on
-        m_new = tl.maximum(b_m, tl.max(s, axis=1))
-        alpha = tl.exp2(b_m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        b_l = b_l * alpha + tl.sum(p, axis=1)
-        c = _to_dot_dtype(c, q_nope.dtype, FP8)
-        b_acc = tl.dot(p.to(q_nope.dtype), c, b_acc * alpha[:, None])
-        b_m = m_new
+            seg_block = _tile_ids(p_table, start + BLOCK_N, end, block_size, offs_pages, PAGES)
+        for tile in range(start, end, BLOCK_N):
+            if FP8 > 0:
+                c, k_pe = c_next, pe_next
+                c_next, pe_next = _load_tile(
+                    cache_ptr, p_table, seg_block, tile + BLOCK_N, end, block_size, stride_c_block,
+                    stride_c_token, offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
+                    DIM_C, DIM_R, BLOCK_DC, BLOCK_DR, BLOCK_N, PAGES, SEG,
+                )  # fmt: skip
+                next_ids = tile + 2 * BLOCK_N
+            else:
+                c, k_pe = _load_tile(
+                    cache_ptr, p_table, seg_block, tile, end, block_size, stride_c_block,
+                    stride_c_token, offs_pages, offs_c_row, offs_pe_row, m_dc, m_dr,
+                    DIM_C, DIM_R, BLOCK_DC, BLOCK_DR, BLOCK_N, PAGES, SEG,
+                )  # fmt: skip
+                next_ids = tile + BLOCK_N
+            seg_block = _tile_ids(p_table, next_ids, end, block_size, offs_pages, PAGES)
+            m_n = tile + tl.arange(0, BLOCK_N) < end
+            # each dot converts its own view of the tile (a 16-bit tile is read from one
+            # shared-memory buffer by both)
+            c_t = _to_dot_dtype(tl.trans(c), q_nope.dtype, FP8)
+            s = tl.dot(q_pe, _to_dot_dtype(tl.trans(k_pe), q_nope.dtype, FP8))
+            s = tl.dot(q_nope, c_t, s)  # [BLOCK_H, BLOCK_N]
+            s = tl.where(m_n[None, :], s * qk_scale, float("-inf"))
+            # every tile holds a token below end, so m_new is finite from the first tile on
+            m_new = tl.maximum(b_m, tl.max(s, axis=1))
+            alpha = tl.exp2(b_m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            b_l = b_l * alpha + tl.sum(p, axis=1)
+            c = _to_dot_dtype(c, q_nope.dtype, FP8)
+            b_acc = tl.dot(p.to(q_nope.dtype), c, b_acc * alpha[:, None])
+            b_m = m_new
 
     if ONE_SPLIT:
         out = b_acc * (c_scale / b_l)[:, None]
@@ -572,7 +698,8 @@ def _mla_partial_kernel(
             mask=m_h[:, None] & m_dc[None, :],
         )
     else:
-        # an empty split (start >= seq_len) stores m = -inf, l = 0, acc = 0: weight 0
+        # an empty split (start >= seq_len, or only padding entries) stores m = -inf,
+        # l = 0, acc = 0: weight 0
         base = (i_b64 * num_heads + offs_h) * num_splits + i_s
         tl.store(part_m_ptr + base, b_m, mask=m_h)
         tl.store(part_l_ptr + base, b_l, mask=m_h)
@@ -649,6 +776,59 @@ def _load_tile(
         k_pe = tl.load(p_pe, mask=m_n[:, None], other=0.0)
     else:
         k_pe = tl.load(p_pe, mask=m_n[:, None] & m_dr[None, :], other=0.0)
+    return c, k_pe
+
+
+@triton.jit
+def _index_rows(
+    p_idx,  # the request's index list row
+    p_table,  # the request's block table row
+    tile,  # first list entry of the tile
+    end,
+    seq_len,
+    block_size,
+    stride_c_block,
+    stride_c_token,
+    BLOCK_N: tl.constexpr,
+):
+    """The cache offsets (int64) of list entries ``tile .. tile + BLOCK_N - 1`` and which of
+    them are tokens: entries at or past ``end``, padding (-1, any negative) and positions at
+    or past ``seq_len`` (outside the contract) are not, and read nothing."""
+    offs = tile + tl.arange(0, BLOCK_N)
+    idx = tl.load(p_idx + offs, mask=offs < end, other=-1)
+    valid = (idx >= 0) & (idx < seq_len)
+    idx = tl.where(valid, idx, 0)
+    block = tl.load(p_table + idx // block_size, mask=valid, other=0)
+    rows = block.to(tl.int64) * stride_c_block + (idx % block_size).to(tl.int64) * stride_c_token
+    return rows, valid
+
+
+@triton.jit
+def _gather_rows(
+    cache_ptr,
+    rows,  # [BLOCK_N] int64 offsets of the rows (_index_rows)
+    valid,  # [BLOCK_N]
+    offs_dc,
+    offs_dr,
+    m_dc,
+    m_dr,
+    DIM_C: tl.constexpr,
+    DIM_R: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+):
+    """The ``c_kv`` and ``k_pe`` rows of a gathered tile as stored; rows that are not tokens
+    are zero (their memory is never read)."""
+    p_rows = cache_ptr + rows[:, None]
+    if BLOCK_DC == DIM_C:
+        c = tl.load(p_rows + offs_dc[None, :], mask=valid[:, None], other=0.0)
+    else:
+        c = tl.load(p_rows + offs_dc[None, :], mask=valid[:, None] & m_dc[None, :], other=0.0)
+    p_pe = p_rows + (DIM_C + offs_dr)[None, :]
+    if BLOCK_DR == DIM_R:
+        k_pe = tl.load(p_pe, mask=valid[:, None], other=0.0)
+    else:
+        k_pe = tl.load(p_pe, mask=valid[:, None] & m_dr[None, :], other=0.0)
     return c, k_pe
 
 
@@ -795,10 +975,13 @@ def mla_shape(
     q_dtype: torch.dtype,
     batch: int,
     max_seq_len: int,
+    num_indices: int | None = None,
 ) -> MlaShape:
-    """The :class:`MlaShape` of a launch."""
+    """The :class:`MlaShape` of a launch; ``num_indices`` (K) for a sparse launch, whose
+    gathered rows each have their own address, as on pages of one token (``page_align`` 1)."""
     major, minor = _capability(device)
-    page_align = min(block_size & -block_size, _MAX_BLOCK_N)
+    sparse = num_indices is not None
+    page_align = 1 if sparse else min(block_size & -block_size, _MAX_BLOCK_N)
     block_h = heads_per_program(num_heads, (major, minor), cache_dtype in _FP8, page_align)
     return MlaShape(
         arch=10 * major + minor,
@@ -809,7 +992,8 @@ def mla_shape(
         q_bytes=q_dtype.itemsize,
         page_align=page_align,
         work=_bucket(batch * triton.cdiv(num_heads, block_h)),
-        context=_bucket(max_seq_len),
+        context=_bucket(num_indices if sparse else max_seq_len),
+        sparse=sparse,
     )
 
 
@@ -870,6 +1054,60 @@ def _check_lengths(seq_lens: torch.Tensor, max_seq_len: int | None) -> torch.Ten
     return lens
 
 
+def _check_indices_tensor(token_indices: torch.Tensor, batch: int, device: torch.device) -> None:
+    """The host-side checks of an index list (no sync): shape, dtype, rows, device."""
+    if (
+        not isinstance(token_indices, torch.Tensor)
+        or token_indices.dtype != torch.int32
+        or token_indices.dim() != 2
+        or token_indices.shape[0] != batch
+    ):
+        got = (
+            f"{tuple(token_indices.shape)} {token_indices.dtype}"
+            if isinstance(token_indices, torch.Tensor)
+            else type(token_indices).__name__
+        )
+        raise ValueError(
+            f"token_indices must be an int32 [B, K] tensor with one row per request (B = "
+            f"{batch}), got {got}"
+        )
+    if token_indices.shape[1] > 1 and token_indices.stride(1) != 1:
+        raise ValueError("token_indices rows must be contiguous (.contiguous())")
+    if token_indices.device != device:
+        raise ValueError(f"token_indices is on {token_indices.device}, block_tables on {device}")
+
+
+def check_token_indices(token_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Every entry of row ``b`` is ``-1`` (padding) or a position in ``[0, seq_lens[b])``; the
+    positions of a row are distinct; every row lists at least one. Syncs with the device."""
+    idx = token_indices.detach().cpu().long()
+    lens = seq_lens.detach().cpu().long()
+    bad = (idx < -1) | (idx >= lens[:, None])
+    if bad.any():
+        b, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"token_indices[{b}, {k}] = {int(idx[b, k])} is outside [0, {int(lens[b])}) "
+            f"(request {b}'s seq_len) and is not -1 (padding): list positions of cached tokens "
+            f"only"
+        )
+    live = idx >= 0
+    empty = ~live.any(dim=1)
+    if empty.any():
+        b = int(empty.nonzero()[0])
+        raise ValueError(
+            f"token_indices[{b}] lists no token (all -1): every request attends to at least "
+            f"one (its own query token, position seq_len - 1, at least)"
+        )
+    ordered = torch.where(live, idx, -1 - torch.arange(idx.shape[1])).sort(dim=1).values
+    dup = ordered[:, 1:] == ordered[:, :-1]
+    if dup.any():
+        b, k = (int(i) for i in dup.nonzero()[0])
+        raise ValueError(
+            f"token_indices[{b}] lists position {int(ordered[b, k])} more than once: the "
+            f"kernel would weigh it twice; list each token once (as a top-k does)"
+        )
+
+
 @functools.cache
 def _autotuned_kernel():
     """The partial kernel under ``triton.autotune`` over ``CONFIGS``, keyed by the shape class
@@ -881,7 +1119,16 @@ def _autotuned_kernel():
     ]
     return triton.autotune(
         configs,
-        key=["DIM_C", "DIM_R", "BLOCK_H", "PAGE_ALIGN", "FP8", "tune_work", "tune_context"],
+        key=[
+            "DIM_C",
+            "DIM_R",
+            "BLOCK_H",
+            "PAGE_ALIGN",
+            "FP8",
+            "SPARSE",
+            "tune_work",
+            "tune_context",
+        ],
         prune_configs_by={"early_config_prune": _prune_for_autotune},
     )(_mla_partial_kernel)
 
@@ -910,6 +1157,7 @@ def _prune_for_autotune(
         page_align=args["PAGE_ALIGN"],
         work=args["tune_work"],
         context=args["tune_context"],
+        sparse=bool(args.get("SPARSE", False)),
     )
     kept = [c for c in configs if config_fits(_config_of(c), shape)]
     return kept or configs[:1]
@@ -986,7 +1234,8 @@ class MlaDecodePlan:
 
     Made by :func:`plan_mla_decode`; holds the step's block tables and lengths (by reference: a
     CUDA graph that captured :meth:`run` replays on whatever they hold then), the partial
-    buffers, the config and the grid."""
+    buffers, the config and the grid. A sparse plan (``num_indices`` = K, planned with
+    ``token_indices``) runs only with a ``[B, K]`` index list, a dense one only without."""
 
     batch: int
     num_heads: int
@@ -1004,8 +1253,12 @@ class MlaDecodePlan:
     num_splits: int
     split_len: int
     autotune: bool
+    num_indices: int | None  # K of a sparse plan (splits cover the list), None when dense
+    validate: bool  # run checks each layer's index list too (one sync a run)
     block_tables: torch.Tensor = field(repr=False)
     seq_lens: torch.Tensor = field(repr=False)
+    token_indices: torch.Tensor | None = field(repr=False)  # the list planned with
+    _host_lens: torch.Tensor | None = field(repr=False)  # seq_lens read back (validate)
     part_m: torch.Tensor | None = field(repr=False)
     part_l: torch.Tensor | None = field(repr=False)
     part_acc: torch.Tensor | None = field(repr=False)
@@ -1042,7 +1295,8 @@ class MlaDecodePlan:
                 tuple(
                     _int_class(v)
                     for v in (self.block_size, self.split_len, heads, self.num_head_blocks,
-                              self.num_splits, self.block_tables.stride(0))
+                              self.num_splits, self.block_tables.stride(0),
+                              self.num_indices or 0)
                 ),
                 tuple(sorted(self._meta.items())),
             ),
@@ -1055,13 +1309,41 @@ class MlaDecodePlan:
         latent_cache: torch.Tensor,
         k_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        token_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Absorbed MLA decode of one layer: ``q_nope [B, H, Dc]``, ``q_pe [B, H, Dr]`` over
         ``latent_cache [num_blocks, block_size, (1,) Dc + Dr]`` (any block and token strides)
         of the planned shape and dtype; an fp8 cache needs ``k_scale`` (float32, one value).
-        Returns ``[B, H, Dc]`` in ``q_nope``'s dtype (in ``out`` if given: then nothing is
-        allocated)."""
+        A sparse plan needs this layer's ``token_indices [B, K] int32`` (the planned K, rows
+        contiguous; ``plan.token_indices`` where layers share one top-k, as GLM-5-Next's MLA
+        layers share their indexer's); a dense plan refuses one. Returns ``[B, H, Dc]`` in
+        ``q_nope``'s dtype (in ``out`` if given: then nothing is allocated)."""
         batch, heads, dc = self.batch, self.num_heads, self.kv_lora_rank
+        if self.num_indices is None:
+            if token_indices is not None:
+                raise ValueError(
+                    "this plan attends to every cached token: it was made without "
+                    "token_indices. Pass the step's [B, K] list to plan_mla_decode("
+                    "token_indices=...) for a sparse (top-k) plan"
+                )
+            idx, stride_idx = self.seq_lens, 0  # never read
+        else:
+            if token_indices is None:
+                raise ValueError(
+                    f"this plan is sparse (planned with token_indices, K = "
+                    f"{self.num_indices}): pass this layer's token_indices= [B, K] (or "
+                    f"plan.token_indices), or plan without token_indices to attend to every "
+                    f"cached token"
+                )
+            _check_indices_tensor(token_indices, batch, self.block_tables.device)
+            if token_indices.shape[1] != self.num_indices:
+                raise ValueError(
+                    f"token_indices has K = {token_indices.shape[1]} entries a request but the "
+                    f"plan was made for K = {self.num_indices}: plan with this list"
+                )
+            if self.validate and batch:
+                check_token_indices(token_indices, self._host_lens)
+            idx, stride_idx = token_indices, token_indices.stride(0)
         latent = dc + self.qk_rope_head_dim
         for name, q, want in (("q_nope", q_nope, self._qn_shape), ("q_pe", q_pe, self._qp_shape)):
             if q.shape != want or q.dtype != self.q_dtype or q.stride(2) != 1:
@@ -1111,10 +1393,11 @@ class MlaDecodePlan:
         qns, qps, os_ = q_nope.stride(), q_pe.stride(), out.stride()
         parts = (out, out, out) if one_split else (self.part_m, self.part_l, self.part_acc)
         args = (
-            q_nope, q_pe, latent_cache, self.block_tables, self.seq_lens, k_scale, *parts, out,
-            self.scale, self.block_size, self.split_len, heads, self.num_head_blocks,
+            q_nope, q_pe, latent_cache, self.block_tables, self.seq_lens, idx, k_scale, *parts,
+            out, self.scale, self.block_size, self.split_len, heads, self.num_head_blocks,
             self.num_splits, qns[0], qns[1], qps[0], qps[1], self.block_tables.stride(0),
-            stride_block, stride_token, os_[0], os_[1], self.shape.work, self.shape.context,
+            stride_idx, self.num_indices or 0, stride_block, stride_token, os_[0], os_[1],
+            self.shape.work, self.shape.context,
         )  # fmt: skip
         if self.autotune:
             _autotuned_kernel()[self._grid](*args, **self._constexprs)
@@ -1124,7 +1407,8 @@ class MlaDecodePlan:
             key = (
                 self._launch_key, q_nope.data_ptr() % 16, q_pe.data_ptr() % 16,
                 latent_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
-                qns, qps, stride_block, stride_token, os_,
+                idx.data_ptr() % 16, _int_class(stride_idx), qns, qps, stride_block,
+                stride_token, os_,
             )  # fmt: skip
             _partial_launcher(self._grid, key, args, self._meta)
         if not one_split:
@@ -1155,6 +1439,7 @@ def plan_mla_decode(
     autotune: bool = False,
     num_blocks: int | None = None,
     validate: bool | None = None,
+    token_indices: torch.Tensor | None = None,
 ) -> MlaDecodePlan:
     """Plan one step's MLA decode: ``block_tables [B, max_blocks] int32`` (row-contiguous),
     ``seq_lens [B] int32/int64`` (>= 1; the query is the last token) on the device the layers'
@@ -1168,6 +1453,14 @@ def plan_mla_decode(
     ``autotune=True`` tunes over ``CONFIGS`` on the GPU instead, keyed by the shape class.
     ``validate`` (default: the ``HYBRIDKV_VALIDATE`` switch) checks the lengths and, given
     ``num_blocks``, every block id the kernel will read (one sync; see the module's contract).
+
+    ``token_indices [B, K] int32`` (rows contiguous, on the tables' device) makes a sparse
+    plan: each request attends only to the tokens its row lists (absolute positions, distinct,
+    each ``< seq_lens[b]``, at least one a row; ``-1`` pads a row, anywhere in it), as a
+    DeepSeek-V3.2 / GLM-5-Next indexer's top-k gives. Splits then cover the K entries, not
+    the context. The plan keeps the list (``plan.token_indices``) and every
+    :meth:`~MlaDecodePlan.run` takes its layer's list of the same shape (the same tensor, or
+    another layer's top-k); with ``validate`` the plan's list and every run's are checked.
     """
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
@@ -1201,7 +1494,17 @@ def plan_mla_decode(
     if autotune and config is not None:
         raise ValueError("pass config= or autotune=True, not both")
     device = block_tables.device
+    num_indices = None
+    if token_indices is not None:
+        _check_indices_tensor(token_indices, batch, device)
+        num_indices = token_indices.shape[1]
+        if num_indices < 1:
+            raise ValueError(
+                "token_indices has no entries (K = 0): give each request at least one token, "
+                "or plan without token_indices to attend to every cached token"
+            )
     check = _validate_enabled(validate)
+    lens = None
     if batch and (max_seq_len is None or check):
         lens = _check_lengths(seq_lens, max_seq_len)
         if max_seq_len is None:
@@ -1210,6 +1513,8 @@ def plan_mla_decode(
             if num_blocks is None:
                 raise ValueError("validate=True checks block ids: pass num_blocks (the cache's)")
             check_block_tables(block_tables, lens, num_blocks, block_size)
+            if token_indices is not None:
+                check_token_indices(token_indices, lens)
     max_seq_len = max_seq_len or 1
     needed = triton.cdiv(max_seq_len, block_size)
     if needed > block_tables.shape[1]:
@@ -1227,6 +1532,7 @@ def plan_mla_decode(
         q_dtype=q_dtype,
         batch=batch,
         max_seq_len=max_seq_len,
+        num_indices=num_indices,
     )
     if autotune:
         source = "autotune"
@@ -1242,14 +1548,15 @@ def plan_mla_decode(
         num_splits = choose_num_splits(
             batch,
             num_head_blocks,
-            max_seq_len,
+            num_indices or max_seq_len,
             _num_sms(device),
             ctas_per_sm(config, shape),
             partial_tokens(shape, kv_lora_rank, qk_rope_head_dim, cache_dtype.itemsize),
         )
-    # each split covers whole tiles of any config
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
-    num_splits = triton.cdiv(max_seq_len, split_len)
+    # each split covers whole tiles of any config (sparse: of the index list)
+    walked = num_indices or max_seq_len
+    split_len = triton.cdiv(triton.cdiv(walked, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
+    num_splits = triton.cdiv(walked, split_len)
     # one split normalises and writes the output itself, saving the partials' round trip,
     # where that epilogue compiles without spills for every candidate config (see
     # one_split_fits): the same for the table's config and autotuning, so the compile check's
@@ -1281,8 +1588,12 @@ def plan_mla_decode(
         num_splits=num_splits,
         split_len=split_len,
         autotune=autotune,
+        num_indices=num_indices,
+        validate=check,
         block_tables=block_tables,
         seq_lens=seq_lens,
+        token_indices=token_indices,
+        _host_lens=lens if check else None,
         part_m=part_m,
         part_l=part_l,
         part_acc=part_acc,
@@ -1295,6 +1606,7 @@ def plan_mla_decode(
             PAGE_ALIGN=shape.page_align,
             FP8={"fp8": 1, "fp8-bytes": 2}.get(shape.cache, 0),
             ONE_SPLIT=one_split,
+            SPARSE=shape.sparse,
         ),
         _reduce_grid=(batch, num_heads, triton.cdiv(kv_lora_rank, reduce_dc)),
         _reduce_constexprs=dict(
@@ -1317,6 +1629,7 @@ def mla_decode_attention(
     validate: bool | None = None,
     config: MlaConfig | None = None,
     autotune: bool = False,
+    token_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode, one query token per request: :func:`plan_mla_decode` and
     :meth:`MlaDecodePlan.run` in one call (plan once and run per layer to save the host work).
@@ -1329,6 +1642,8 @@ def mla_decode_attention(
     device; without it, it reads ``seq_lens`` back once. ``validate`` (default: the
     ``HYBRIDKV_VALIDATE`` environment switch) checks every block id and length the kernel will
     use (see the module's contract). An fp8 cache needs ``k_scale`` (a float32 scalar).
+    ``token_indices [B, K] int32`` attends only to the listed tokens of each request (top-k
+    sparse attention; see :func:`plan_mla_decode`).
     """
     cache = _latent_3d(latent_cache)
     if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
@@ -1370,10 +1685,11 @@ def mla_decode_attention(
         autotune=autotune,
         num_blocks=cache.shape[0],
         validate=validate,
+        token_indices=token_indices,
     )
     if quant:
         k_scale = k_scale.reshape(1).to(torch.float32)
-    return plan.run(q_nope, q_pe, cache, k_scale, out=out)
+    return plan.run(q_nope, q_pe, cache, k_scale, out=out, token_indices=token_indices)
 
 
 def mla_decode_attention_ref(
@@ -1384,15 +1700,23 @@ def mla_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     k_scale: torch.Tensor | None = None,
+    token_indices: torch.Tensor | None = None,
     **_: object,
 ) -> torch.Tensor:
-    """Plain torch: gather each request's latents through its block table, float32 softmax."""
+    """Plain torch: gather each request's latents through its block table, float32 softmax;
+    with ``token_indices [B, K]`` over exactly the listed positions of each row (``-1`` entries
+    skipped; the kernel's contract wants them distinct and ``< seq_len``, which this does not
+    check: a listed position is read as listed)."""
     cache = _latent_3d(latent_cache)
     dc = q_nope.shape[2]
     block_size = cache.shape[1]
     out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
     for b, n in enumerate(seq_lens.tolist()):
-        pos = torch.arange(n, device=cache.device)
+        if token_indices is None:
+            pos = torch.arange(n, device=cache.device)
+        else:
+            row = token_indices[b].to(cache.device).long()
+            pos = row[row >= 0]
         lat = cache[block_tables[b].long()[pos // block_size], pos % block_size].float()
         if cache.dtype in _FP8:
             lat = lat * k_scale.float()

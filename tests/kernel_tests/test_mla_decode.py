@@ -1,7 +1,8 @@
 """MLA latent-cache decode against the torch reference: synthetic strided caches, head counts
 from one to DeepSeek's 128, block sizes that are not powers of two, fp8 (with the software e4m3
 decode of GPUs before sm_89), input validation, the real plan views of Kimi-Linear (MLA + KDA)
-in every layout, every config of ``CONFIGS``, the plan / run API and the default table."""
+in every layout, every config of ``CONFIGS``, the plan / run API and the default table; the
+sparse (top-k token-index list) walk against the reference, unlisted tokens poisoned."""
 
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ def _tables(cache: torch.Tensor, lens: list[int], dtype: torch.dtype, scale: flo
     return tables
 
 
-def _check(q_nope, q_pe, cache, tables, lens, scale, splits=None, k_scale=None, **kwargs):
+def _check(
+    q_nope, q_pe, cache, tables, lens, scale, splits=None, k_scale=None, token_indices=None,
+    **kwargs,
+):  # fmt: skip
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     out = _poisoned(q_nope.shape, q_nope.dtype)  # unwritten outputs would stay NaN
     got = mla_decode_attention(
@@ -59,10 +63,13 @@ def _check(q_nope, q_pe, cache, tables, lens, scale, splits=None, k_scale=None, 
         k_scale=k_scale,
         num_splits=splits,
         out=out,
+        token_indices=token_indices,
         **kwargs,
     )
     assert got is out
-    want = mla_decode_attention_ref(q_nope, q_pe, cache, tables, seq_lens, scale, k_scale)
+    want = mla_decode_attention_ref(
+        q_nope, q_pe, cache, tables, seq_lens, scale, k_scale, token_indices=token_indices
+    )
     assert not torch.isnan(got).any()
     err = (got.float() - want.float()).abs().max().item()
     assert err <= TOL[q_nope.dtype], err
@@ -481,24 +488,27 @@ def test_one_split_epilogue_only_where_it_compiles(monkeypatch):
 
 def _shapes_matching(rule):
     """Every shape class a row can match at the latents the models use (512 + 64, DeepSeek
-    and Kimi-Linear; 128 + 32 and 32 + 16, small test latents) with 16-bit queries."""
+    and Kimi-Linear; 128 + 32 and 32 + 16, small test latents) with 16-bit queries, dense and
+    sparse (whose page_align is 1)."""
     for arch in (80, 90):
         for block_h in (16, 32, 64):
             for dc, dr in ((512, 64), (128, 32), (32, 16)):
                 for cache in ("16bit", "fp32", "fp8", "fp8-bytes"):
                     for page_align in (1, 2, 4, 8, 16, 32, 64):
                         for work in (1, 8, 64, 1024):
-                            q_bytes = 4 if cache == "fp32" else 2
-                            shape = MlaShape(
-                                arch, block_h, dc, dr, cache, q_bytes, page_align, work, 4096
-                            )
-                            if rule.matches(shape):
-                                yield shape
+                            for sparse in (False, True) if page_align == 1 else (False,):
+                                q_bytes = 4 if cache == "fp32" else 2
+                                shape = MlaShape(
+                                    arch, block_h, dc, dr, cache, q_bytes, page_align, work,
+                                    4096, sparse,
+                                )  # fmt: skip
+                                if rule.matches(shape):
+                                    yield shape
 
 
 def _possible(shape):
     """A shape heads_per_program can produce: 64 heads a program only on sm_90 with 16-bit
-    caches and 16-token segments."""
+    caches and 16-token segments (so never sparse)."""
     if shape.block_h == 64:
         return shape.arch >= 90 and shape.cache == "16bit" and shape.page_align >= 16
     return True
@@ -584,3 +594,274 @@ def test_autotune_prune_keeps_what_fits(monkeypatch):
         kept = [mla_decode._config_of(c) for c in mla_decode._prune_for_autotune(configs, args)]
         assert kept == [c for c in CONFIGS if mla_decode.config_fits(c, shape)]
         assert MlaConfig(64, 4, 2) not in kept and MlaConfig(64, 8, 2) in kept
+
+
+# ---- sparse: a token-index list (top-k) ---------------------------------------------------------
+
+
+def _top_k(lens, k, seed=0, pad_inside=True):
+    """A top-k-like list a request: distinct positions, each row's first and last token
+    included, -1 padding (rows with fewer than k tokens, plus some slots in the middle when
+    ``pad_inside``), shuffled as an indexer's top-k may come."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.full((len(lens), k), -1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        take = min(n, k - (k // 5 if pad_inside and n > 2 else 0))
+        middle = torch.randperm(max(0, n - 2), generator=gen)[: max(0, take - 2)] + 1
+        pos = torch.cat([torch.tensor([0, n - 1])[: min(n, 2)], middle]).int()
+        slots = torch.randperm(k, generator=gen)[: len(pos)]
+        idx[b, slots] = pos
+    return idx
+
+
+def _unlisted_to_nan(cache, tables, lens, idx):
+    """Poison the latent rows of every cached token not in the list."""
+    block_size = cache.shape[1]
+    for b, n in enumerate(lens):
+        listed = set(idx[b][idx[b] >= 0].tolist())
+        pos = torch.tensor([p for p in range(n) if p not in listed], dtype=torch.long)
+        if len(pos):
+            cache[tables[b, pos // block_size].long(), pos % block_size] = float("nan")
+
+
+@pytest.mark.parametrize(
+    "lens, k, heads, dc, dr, block_size, dtype, splits",
+    [
+        pytest.param([200, 3, 129], 96, 12, 32, 16, 16, torch.float32, 3, id="fp32-split3"),
+        pytest.param([200, 3, 129], 96, 12, 32, 16, 48, torch.float32, 1, id="fp32-bs48-nosplit"),
+        pytest.param([150, 64, 1], 160, 20, 64, 16, 64, torch.float16, None, id="fp16-K>len"),
+        pytest.param([257, 90], 200, 16, 128, 32, 64, torch.float16, 3, id="fp16-split3"),
+        pytest.param([40, 7], 17, 4, 32, 8, 7, torch.float32, 2, id="odd-block-K17"),
+    ],
+)
+def test_sparse_matches_the_reference(lens, k, heads, dc, dr, block_size, dtype, splits):
+    """The index-list walk against the reference over exactly the listed tokens: shuffled,
+    non-contiguous tables with garbage past each request's blocks, a NaN-slack strided cache,
+    unequal -1 padding (inside rows as well as at their ends), first and last token listed, K
+    not a multiple of a tile; then the unlisted tokens' rows are poisoned with NaN and the
+    result does not change by a bit."""
+    torch.manual_seed(sum(lens) + k)
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
+    cache = _strided_cache(num_blocks, block_size, dc, dr, dtype)
+    tables = _tables(cache, lens, dtype)
+    idx = _top_k(lens, k, seed=k)
+    q_nope = torch.randn(len(lens), heads, dc).to(dtype)
+    q_pe = torch.randn(len(lens), heads, dr).to(dtype)
+    scale = 1 / math.sqrt(dc + dr)
+    got = _check(q_nope, q_pe, cache, tables, lens, scale, splits, token_indices=idx).clone()
+    _unlisted_to_nan(cache, tables, lens, idx)
+    again = _check(q_nope, q_pe, cache, tables, lens, scale, splits, token_indices=idx)
+    assert torch.equal(got, again)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sparse_over_every_position_is_dense(splits):
+    """Listing every position (reversed, or in order after 80 padding entries) attends to
+    what the dense walk does; request 1's first tile is all padding (its softmax starts on
+    a later tile), and with 3 splits its whole first split is (an empty partial)."""
+    torch.manual_seed(splits)
+    lens, block_size, dc, dr = [150, 70], 16, 32, 16
+    cache = _strided_cache(16, block_size, dc, dr, torch.float32)
+    tables = _tables(cache, lens, torch.float32)
+    q_nope, q_pe = torch.randn(2, 16, dc), torch.randn(2, 16, dr)
+    dense = _check(q_nope, q_pe, cache, tables, lens, 0.2, splits).clone()
+    idx = torch.full((2, 150), -1, dtype=torch.int32)
+    idx[0] = torch.arange(150).flip(0)
+    idx[1, 80:] = torch.arange(70)
+    sparse = _check(q_nope, q_pe, cache, tables, lens, 0.2, splits, token_indices=idx)
+    assert (sparse - dense).abs().max() <= TOL[torch.float32]
+
+
+def test_sparse_fp8_caches(monkeypatch):
+    """fp8 tiles are prefetched a tile ahead by hand, gathered too: e4m3 decoded in hardware
+    and in software (sm_80), one split and two."""
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        pytest.skip("no float8_e4m3fn in this torch")
+    lens = (37, 100)  # 10 of the case's 11 pages
+    q_nope, q_pe, cache, tables, lens = _fp8_case(fp8, lens=lens)
+    idx = _top_k(lens, 90, seed=5)
+    k_scale = torch.tensor(1 / 448)
+    for hardware in (True, False):
+        monkeypatch.setattr(mla_decode, "_fp8e4_in_hardware", lambda device, h=hardware: h)
+        for splits in (1, 2):
+            _check(q_nope, q_pe, cache, tables, lens, 0.5, splits, k_scale, token_indices=idx)
+
+
+def test_sparse_int64_addressing():
+    """Listed tokens in block 2, which starts at element 2**31 of a ~4 GiB buffer that is
+    never touched."""
+    block_size, dc, dr = 16, 16, 16
+    stride = 2**30
+    backing = torch.empty(2 * stride + block_size * (dc + dr), dtype=torch.float16)
+    cache = torch.as_strided(backing, (3, block_size, dc + dr), (stride, dc + dr, 1))
+    cache[0] = torch.randn(block_size, dc + dr).half()
+    cache[2] = torch.randn(block_size, dc + dr).half()
+    tables = torch.tensor([[2, 0]], dtype=torch.int32)
+    idx = torch.tensor([[28, -1, 3, 15, 16, 0]], dtype=torch.int32)
+    q_nope, q_pe = torch.randn(1, 16, dc).half(), torch.randn(1, 16, dr).half()
+    _check(q_nope, q_pe, cache, tables, [29], 0.25, token_indices=idx)
+
+
+def _sparse_plan(cache, tables, lens, idx, heads=4, **kw):
+    return plan_mla_decode(
+        tables, torch.tensor(lens, dtype=torch.int32), num_heads=heads,
+        kv_lora_rank=cache.shape[-1] - 16, qk_rope_head_dim=16, block_size=cache.shape[1],
+        cache_dtype=cache.dtype, q_dtype=torch.float32, scale=0.25, max_seq_len=max(lens),
+        token_indices=idx, **kw,
+    )  # fmt: skip
+
+
+def test_sparse_plan_serves_layers_with_their_own_lists():
+    """One sparse plan, two layers: one runs the planned list (layers sharing a top-k), the
+    other its own list of the same K (each layer its own indexer, as DeepSeek-V3.2); each
+    matches its reference."""
+    q_nope, q_pe, cache, tables, lens = _validation_case()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    mine, other = _top_k(lens, 24, seed=1), _top_k(lens, 24, seed=2)
+    plan = _sparse_plan(cache, tables, lens, mine, num_splits=1)
+    assert plan.num_indices == 24 and plan.token_indices is mine and plan.shape.sparse
+    assert plan.shape.page_align == 1 and plan._constexprs["SPARSE"]
+    for idx in (plan.token_indices, other):
+        got = plan.run(q_nope, q_pe, cache, token_indices=idx)
+        want = mla_decode_attention_ref(q_nope, q_pe, cache, tables, seq, 0.25, token_indices=idx)
+        assert (got - want).abs().max() <= TOL[torch.float32]
+
+
+def test_sparse_plan_splits_the_list():
+    """Splits cover the K entries, not the context: DeepSeek-V3.2's top-2048 of a 128k
+    context at batch 1 (32 heads a program) splits like a 2048-token dense context."""
+    tables = torch.zeros(1, 2048, dtype=torch.int32)
+    idx = torch.zeros(1, 2048, dtype=torch.int32)
+    kw = dict(
+        num_heads=32, kv_lora_rank=512, qk_rope_head_dim=64, block_size=64,
+        cache_dtype=torch.bfloat16, q_dtype=torch.bfloat16, scale=0.05, max_seq_len=131072,
+    )  # fmt: skip
+    seq = torch.tensor([131072], dtype=torch.int32)
+    sparse = plan_mla_decode(tables, seq, token_indices=idx, **kw)
+    dense = plan_mla_decode(tables, seq, **kw)
+    assert (
+        sparse.num_splits * sparse.split_len >= 2048 > (sparse.num_splits - 1) * sparse.split_len
+    )
+    assert sparse.num_splits == mla_decode.choose_num_splits(
+        1, 1, 2048, 132, mla_decode.ctas_per_sm(sparse.config, sparse.shape),
+        mla_decode.partial_tokens(sparse.shape, 512, 64, 2),
+    )  # fmt: skip
+    assert dense.num_splits > sparse.num_splits and sparse.shape.context == 2048
+    assert mla_decode.config_fits(sparse.config, sparse.shape)
+
+
+def test_sparse_and_dense_plans_refuse_each_others_runs():
+    q_nope, q_pe, cache, tables, lens = _validation_case()
+    idx = _top_k(lens, 24)
+    dense = _plan_for(cache, tables, lens, q_nope, q_pe)
+    with pytest.raises(ValueError, match=r"made without token_indices.*plan_mla_decode"):
+        dense.run(q_nope, q_pe, cache, token_indices=idx)
+    sparse = _sparse_plan(cache, tables, lens, idx)
+    with pytest.raises(ValueError, match=r"sparse \(planned with token_indices, K = 24\)"):
+        sparse.run(q_nope, q_pe, cache)
+    with pytest.raises(ValueError, match=r"K = 23 entries.*made for K = 24"):
+        sparse.run(q_nope, q_pe, cache, token_indices=idx[:, :23].contiguous())
+    with pytest.raises(ValueError, match=r"int32 \[B, K\]"):
+        sparse.run(q_nope, q_pe, cache, token_indices=idx.long())
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        sparse.run(q_nope, q_pe, cache, token_indices=idx.t().contiguous().t())
+
+
+def test_sparse_shape_and_dtype_errors():
+    q_nope, q_pe, cache, tables, lens = _validation_case()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    idx = _top_k(lens, 24)
+    for bad, match in (
+        (idx.long(), "int32"),
+        (idx[0], r"\[B, K\]"),
+        (idx[:1], r"B = 2"),
+        (idx[:, :0], r"K = 0"),
+        (idx.to("meta"), "token_indices is on meta"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            mla_decode_attention(q_nope, q_pe, cache, tables, seq, 0.2, token_indices=bad)
+
+
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        (40, r"token_indices\[0, 3\] = 40 is outside \[0, 40\)"),
+        (-2, r"token_indices\[0, 3\] = -2 is outside"),
+        (5, "lists position 5 more than once"),
+    ],
+)
+def test_validate_rejects_bad_indices(entry, match, monkeypatch):
+    q_nope, q_pe, cache, tables, lens = _validation_case()
+    seq = torch.tensor(lens, dtype=torch.int32)
+    idx = torch.tensor([[5, 0, 39, 7], [16, -1, 0, -1]], dtype=torch.int32)
+    _check(q_nope, q_pe, cache, tables, lens, 0.2, token_indices=idx, validate=True)
+    bad = idx.clone()
+    bad[0, 3] = entry
+    with pytest.raises(ValueError, match=match):
+        mla_decode_attention(q_nope, q_pe, cache, tables, seq, 0.2, token_indices=bad,
+                             validate=True)  # fmt: skip
+    plan = _sparse_plan(cache, tables, lens, idx, validate=True, num_blocks=6)
+    with pytest.raises(ValueError, match=match):  # each run's list too
+        plan.run(q_nope, q_pe, cache, token_indices=bad)
+    monkeypatch.setenv("HYBRIDKV_VALIDATE", "1")
+    with pytest.raises(ValueError, match=match):
+        mla_decode_attention(q_nope, q_pe, cache, tables, seq, 0.2, token_indices=bad)
+    empty = idx.clone()
+    empty[1] = -1
+    with pytest.raises(ValueError, match=r"token_indices\[1\] lists no token"):
+        mla_decode_attention(q_nope, q_pe, cache, tables, seq, 0.2, token_indices=empty)
+
+
+def test_sparse_fits_follow_the_compile_check():
+    """config_fits for the sparse walk against ``python -m paper.compile_kernels`` (k = 2048,
+    latent 512 + 64, every config forced): at 32 heads 4 warps spill except with 16-token
+    tiles, 8 warps never do; at 16 heads only 64-token tiles at 4 warps spill; 64/8/3's
+    188 KB of shared memory fit sm_90 only."""
+
+    def fits(config, arch, block_h=32, cache="16bit"):
+        shape = MlaShape(arch, block_h, 512, 64, cache, 2, 1, 8, 2048, sparse=True)
+        return mla_decode.config_fits(config, shape)
+
+    c = MlaConfig
+    for arch in (80, 90):
+        for config in (c(64, 8, 2), c(32, 8, 2), c(16, 8, 3), c(16, 4, 3)):
+            assert fits(config, arch), (config, arch)
+        for config in (c(32, 4, 2), c(32, 4, 3), c(64, 4, 2)):
+            assert not fits(config, arch), (config, arch)
+        assert fits(c(32, 4, 2), arch, block_h=16) and fits(c(64, 8, 2), arch, block_h=16)
+        assert not fits(c(64, 4, 2), arch, block_h=16)
+        assert fits(c(32, 8, 2), arch, cache="fp8") and not fits(c(64, 8, 2), arch, cache="fp8")
+    assert fits(c(64, 8, 3), 90) and not fits(c(64, 8, 3), 80)
+
+
+def _sparse_kimi_plan(capability, monkeypatch, heads=32, dtype=torch.bfloat16, batch=8):
+    monkeypatch.setattr(mla_decode, "_capability", lambda device: capability)
+    ctx = 32768
+    return plan_mla_decode(
+        torch.zeros(batch, ctx // 64, dtype=torch.int32), torch.full((batch,), ctx).int(),
+        num_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64, block_size=64,
+        cache_dtype=dtype, q_dtype=torch.bfloat16, scale=576**-0.5, max_seq_len=ctx,
+        token_indices=torch.zeros(batch, 2048, dtype=torch.int32),
+    )  # fmt: skip
+
+
+def test_sparse_rows_pick_the_configs_they_name(monkeypatch):
+    """Sparse plans at latent 512 + 64: sm_90 64/8/3 and sm_80 64/8/2 at 32 heads, 32/4/2 at
+    16, the fp8 row's 32/8/2; DeepSeek-V3.2's 128 heads take 32 a program (beside 64
+    heads' accumulator the gather spills: 16/8/3, 52 B on sm_90)."""
+    assert _sparse_kimi_plan((9, 0), monkeypatch).config == MlaConfig(64, 8, 3)
+    assert _sparse_kimi_plan((8, 0), monkeypatch).config == MlaConfig(64, 8, 2)
+    for arch in ((8, 0), (9, 0)):
+        assert _sparse_kimi_plan(arch, monkeypatch, heads=16).config == MlaConfig(32, 4, 2)
+        fp8 = _sparse_kimi_plan(arch, monkeypatch, dtype=torch.float8_e4m3fn)
+        assert fp8.config == MlaConfig(32, 8, 2)
+    deepseek = _sparse_kimi_plan((9, 0), monkeypatch, heads=128)
+    assert deepseek.shape.block_h == 32 and deepseek.config == MlaConfig(64, 8, 3)
+    for plan in (deepseek, _sparse_kimi_plan((8, 0), monkeypatch)):
+        assert plan.config_source.startswith("unmeasured: the sparse walk")
+    # one split normalises in the partial kernel (the epilogue compiled without spills for
+    # every sparse config that fits)
+    for arch in ((8, 0), (9, 0)):
+        full = _sparse_kimi_plan(arch, monkeypatch, batch=512)
+        assert full.num_splits == 1 and full._constexprs["ONE_SPLIT"] and full.part_acc is None
