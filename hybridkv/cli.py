@@ -506,6 +506,7 @@ ALLOCATOR_FLAGS: dict[str, str] = {
     "checkpoint_policy": "policy",
     "checkpoint_interval": "checkpoint_interval",
     "hash_block_size": "hash_block_size",
+    "eviction": "eviction",
 }
 
 
@@ -563,6 +564,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             plan_block_size=plan.block_size,
             policy=args.policy,
             checkpoint_interval=args.checkpoint_interval,
+            eviction=config.allocator.resolved_eviction(),
             hash_block_size=unit,
         )
         out = {"config": config_info, "trace": info, "result": summary, "bounds": bounds}
@@ -572,6 +574,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     interval = f" every {args.checkpoint_interval}" if args.checkpoint_interval else ""
     print(
         f"{model.name}  {args.layout} (block {plan.block_size})  policy {args.policy}{interval}"
+        f", {config.allocator.resolved_eviction()} eviction"
         f"  memory={format_bytes(_cache_memory(args))}  max_num_seqs={args.max_num_seqs}  "
         f"hash unit {unit}"
     )
@@ -936,6 +939,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_options(p)
     _add_trace_options(p, "mooncake")
     from .alloc import ALL_POLICIES
+    from .alloc.options import EVICTIONS
 
     p.add_argument("--layout", default="inflate", choices=LAYOUTS, help="memory layout")
     p.add_argument(
@@ -959,6 +963,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="the prefix cache's hash unit (default min(16, block size))",
+    )
+    p.add_argument(
+        "--eviction",
+        default="auto",
+        choices=EVICTIONS,
+        help="lru, marconi (recency against prefill FLOPs saved per byte, across KV and states) "
+        "or auto: the policy's own (marconi for marconi and hash_ladder, else lru)",
     )
     p.add_argument(
         "--progress",

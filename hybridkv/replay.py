@@ -28,7 +28,6 @@ from tqdm import tqdm
 from .alloc import AllocatorOptions, HitInfo, HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
 from .alloc.marconi import tokens_as_flops
-from .alloc.policies import policy_class
 from .plan import MemoryPlan
 from .traces import Request, Trace
 
@@ -141,8 +140,8 @@ def replay(
     the most prefill FLOPs over the last ``tuning_last`` of them is used from then on."""
     reqs = _requests(trace)
     options = (options or REPLAY_OPTIONS).replace(**overrides)
-    # a policy whose eviction weighs value (marconi) has an alpha to fix or tune
-    marconi = policy_class(options.checkpoint_policy).weighs_value
+    # Marconi's eviction (marconi's, hash_ladder's, or asked for) has an alpha to fix or tune
+    marconi = options.resolved_eviction() == "marconi"
     auto = marconi and marconi_alpha == "auto"
     if marconi and not auto:
         if isinstance(marconi_alpha, str):

@@ -103,7 +103,7 @@ class SimConfig:
     (:func:`hybridkv.alloc.memory_breakdown`: live, cached and reachable or not, owned but
     empty, padding, free; one pass over the cache index, hence not every sample; 0: never).
 
-    ``tune_marconi_alpha`` (``marconi`` only): tune the policy's alpha online as Marconi's
+    ``tune_marconi_alpha`` (Marconi's eviction only): tune its alpha online as Marconi's
     system does (:class:`hybridkv.replay.AlphaTuner` with ``retune``: from 0 until the first
     eviction, then on the last window of finished requests, again after every window), instead
     of the options' fixed ``marconi_alpha``."""
@@ -411,8 +411,8 @@ def _alpha_tuner(plan: MemoryPlan, options: AllocatorOptions, alloc: HybridAlloc
 
     if alloc.marconi_alpha is None:
         raise ValueError(
-            f"tune_marconi_alpha is for checkpoint_policy='marconi', not "
-            f"{options.checkpoint_policy!r}"
+            f"tune_marconi_alpha tunes Marconi's eviction, which checkpoint_policy "
+            f"{options.checkpoint_policy!r} runs without (eviction='marconi' turns it on)"
         )
     alloc.marconi_alpha = 0.0  # Marconi's tuner starts at 0
     return AlphaTuner(

@@ -151,7 +151,7 @@ def run_hybridkv(
     are :func:`~hybridkv.replay.replay`'s (allocator options and ``marconi_alpha``)."""
     # marconi weighs the FLOPs a state saves by Marconi's 7B, as the peer does
     # a policy whose eviction weighs value needs the FLOP model of Marconi's 7B
-    flops = marconi_flops() if policy_class(policy).weighs_value else None
+    flops = marconi_flops() if policy_class(policy).eviction == "marconi" else None
     base = AllocatorOptions(checkpoint_policy=policy, marconi_flops=flops)
     return replay(plan(layout, capacity), chat_trace(n), base, sample_every=5, **options)
 

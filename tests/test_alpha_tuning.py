@@ -94,8 +94,11 @@ def test_the_simulator_tunes_online(small):
 
 def test_tuning_needs_marconi(small):
     model, plan, trace = small
-    with pytest.raises(ValueError, match="tune_marconi_alpha is for checkpoint_policy='marconi'"):
+    with pytest.raises(ValueError, match="'last' runs without \\(eviction='marconi' turns"):
         simulate(plan, model, trace, SimConfig(checkpoint_policy="last", tune_marconi_alpha=True))
+    with pytest.raises(ValueError, match="'marconi' runs without"):
+        config = SimConfig(checkpoint_policy="marconi", eviction="lru", tune_marconi_alpha=True)
+        simulate(plan, model, trace, config)
 
 
 def test_the_shadow_allocator_is_fresh(small):

@@ -94,7 +94,7 @@ def test_advise_header_states_the_trace(capsys):
         (["--trace", "mooncake", "--requests", "0"], "--requests must be at least 1, got 0"),
         (
             ["--trace", "mooncake", "--policy", "last", "--checkpoint-interval", "512"],
-            "checkpoint_interval applies to the periodic and hash_boundary",
+            "checkpoint_interval applies to the periodic, hash_boundary and hash_ladder",
         ),
         # 0 is not "the default": the default is the flag left out
         (

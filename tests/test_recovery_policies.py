@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 
 from hybridkv import models
-from hybridkv.alloc import ALL_POLICIES, RECOVERY_POLICIES, ConfigError, HybridAllocator
+from hybridkv.alloc import (
+    ALL_POLICIES,
+    RECOVERY_POLICIES,
+    AllocatorOptions,
+    ConfigError,
+    HybridAllocator,
+)
 from hybridkv.alloc.check import check_consistency
 from hybridkv.alloc.policies import CheckpointPolicy
 from hybridkv.layouts import make_plan
@@ -280,3 +286,64 @@ def test_simulator_recovers_what_last_misses_and_reports_its_memory():
         assert per == pytest.approx(len(plan.state_groups) * state_page, rel=0.01)
         assert s["checkpoints"] == r.checkpoints
         assert s["state_gib_mean"] > 0
+
+
+@pytest.mark.parametrize(
+    ("policy", "eviction", "value"),
+    [
+        ("hash_ladder", "auto", True),  # the ladder's own: Marconi's
+        ("hash_ladder", "lru", False),
+        ("marconi", "auto", True),
+        ("marconi", "lru", False),
+        ("hash_boundary", "auto", False),
+        ("hash_boundary", "marconi", True),
+        ("last", "marconi", True),
+    ],
+)
+def test_eviction_is_the_policys_unless_asked(policy, eviction, value):
+    """``AllocatorOptions.eviction``: ``auto`` runs the policy's own (Marconi's for marconi and
+    hash_ladder, LRU for the others); ``lru`` / ``marconi`` choose for any policy. Marconi's
+    eviction has an alpha (settable), LRU none."""
+    options = AllocatorOptions(
+        hash_block_size=H,
+        checkpoint_policy=policy,
+        checkpoint_interval=512 if policy in RECOVERY_POLICIES else None,
+        eviction=eviction,
+        max_model_len=1 << 16,
+    )
+    assert options.resolved_eviction() == ("marconi" if value else "lru")
+    a = HybridAllocator(_plan(), options)
+    assert (a.marconi_alpha is not None) == value
+    if value:
+        a.marconi_alpha = 0.5
+        assert a.marconi_alpha == 0.5
+    else:
+        with pytest.raises(ValueError, match="eviction='marconi' turns it on"):
+            a.marconi_alpha = 0.5
+
+
+def test_unknown_eviction_is_refused():
+    with pytest.raises(ConfigError, match="eviction must be one of auto, lru, marconi"):
+        AllocatorOptions(eviction="fifo")
+
+
+def test_marconi_eviction_keeps_what_is_worth_more_than_lru_does():
+    """Documents asked again after other documents filled the cache: LRU loses the first
+    document's ladder to the newer ones; Marconi's value per byte keeps the state with the most
+    prefill behind it (the longest document) longer. The same ladder serves more with it."""
+    plan, model = _plan("inflate", "1GiB"), models.load("qwen3.5-0.8b")
+    rng = np.random.default_rng(9)
+    docs = [_tokens(int(n), seed=40 + d) for d, n in enumerate(rng.integers(800, 4000, 10))]
+    reqs, t = [], 0.0
+    for rnd in range(3):
+        for d, doc in enumerate(docs):
+            prompt = doc + _tokens(30, seed=500 + 10 * rnd + d)
+            reqs.append(Request(len(reqs), t, np.asarray(prompt), 4, shared_prefix_length=None))
+            t += 1.0
+    trace = Trace("docs-again", tuple(reqs))
+    hits = {}
+    for eviction in ("lru", "marconi"):
+        cfg = SimConfig(checkpoint_policy="hash_ladder", hash_block_size=H, eviction=eviction,
+                        checkpoint_interval=256)  # fmt: skip
+        hits[eviction] = simulate(plan, model, trace, cfg).hit_tokens
+    assert hits["marconi"] > hits["lru"] > 0

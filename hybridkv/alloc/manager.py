@@ -617,15 +617,16 @@ class HybridAllocator:
 
     @property
     def marconi_alpha(self) -> float | None:
-        """``marconi``'s weight of FLOPs saved per byte against recency (None for the other
-        policies). Settable: Marconi tunes it once it has seen the workload."""
+        """Marconi's eviction's weight of FLOPs saved per byte against recency (None under
+        LRU eviction). Settable: Marconi tunes it once it has seen the workload."""
         return None if self._eviction is None else self._eviction.alpha
 
     @marconi_alpha.setter
     def marconi_alpha(self, alpha: float) -> None:
         if self._eviction is None:
             raise ValueError(
-                f"marconi_alpha is for checkpoint_policy='marconi', not {self.policy.name!r}"
+                f"marconi_alpha weighs Marconi's eviction, which checkpoint_policy "
+                f"{self.policy.name!r} runs without (eviction='marconi' turns it on)"
             )
         self._eviction.alpha = alpha  # the scorer checks it
 

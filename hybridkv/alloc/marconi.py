@@ -43,6 +43,7 @@ __all__ = [
     "MarconiPoolEvictor",
     "MarconiScorer",
     "PrefillFlops",
+    "install_marconi_eviction",
     "tokens_as_flops",
 ]
 
@@ -375,3 +376,25 @@ class MarconiPoolEvictor:
                     pool.drop_cached(bid)
             return True
         return False
+
+
+def install_marconi_eviction(
+    index: PrefixIndex,
+    plan: MemoryPlan,
+    pools: list[Any],
+    pool_of: dict[int, Any],
+    options: Any,
+) -> MarconiScorer:
+    """Marconi's victim choice in every pool (one clock and score for all of them), and
+    across a pool's groups when they have ids of their own (``marconi_across_groups``);
+    returns the scorer the allocator tells about accesses."""
+    scorer = MarconiScorer(index, plan, pool_of, options.marconi_alpha, options.marconi_flops)
+    for pool in pools:
+        evictors = []
+        for ids, gids in pool.group_views():
+            ids.evictor = MarconiEvictor(scorer, ids, gids)
+            ids.evictor_window = max(1, options.eviction_window)
+            evictors.append(ids.evictor)
+        if options.marconi_across_groups and len(evictors) > 1:
+            pool.segment_evictor = MarconiPoolEvictor(scorer, evictors)
+    return scorer

@@ -21,10 +21,13 @@ from .policies import POLICY_CLASSES
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import MemoryPlan
 
-__all__ = ["AUTO", "AllocatorOptions"]
+__all__ = ["AUTO", "EVICTIONS", "AllocatorOptions"]
 
-#: ``prefill_checkpoint_alignment`` taken from the plan's vLLM target
+#: ``prefill_checkpoint_alignment`` taken from the plan's vLLM target; ``eviction``: the
+#: policy's own
 AUTO = "auto"
+#: the evictions ``AllocatorOptions.eviction`` names
+EVICTIONS = (AUTO, "lru", "marconi")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class AllocatorOptions:
       copying the reused tokens into a new block; pays off where state checkpoints are finer
       than the attention block (``last``/``marconi`` with large blocks).
     - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
-    - ``marconi_alpha``, ``marconi_flops`` (``marconi`` only): Marconi's weight of FLOPs saved
+    - ``marconi_alpha``, ``marconi_flops`` (Marconi's eviction only): its weight of FLOPs saved
       per byte against recency, and the FLOP model (``costmodel.StepCoster(model,
       gpu).prefill_flops``; default: every token costs the same). ``eviction_window``: how many
       of the oldest cached ids a pool's fallback (no cached state is a candidate) looks at.
@@ -59,8 +62,13 @@ class AllocatorOptions:
       keep states inside a prompt; a multiple of ``hash_block_size``.
     - ``evict_unreachable``: when an eviction leaves cached entries no hit can use, evict them
       too (:mod:`.reach`); ``False`` keeps them until they age out (vLLM's behaviour).
-    - ``marconi_across_groups`` (``marconi`` only): in a pool whose groups have ids of their own
-      (``two_level``), one evictor chooses the cached segment of least utility across groups;
+    - ``eviction``: ``"lru"`` (every pool's least recently used cached entry goes first),
+      ``"marconi"`` (Marconi's utility: recency against FLOPs saved per byte kept, weighed by
+      ``marconi_alpha``, across KV and states: :mod:`.marconi`) or ``"auto"``: the checkpoint
+      policy's own (``marconi`` and ``hash_ladder``: ``"marconi"``; the others ``"lru"``).
+    - ``marconi_across_groups`` (Marconi's eviction only): in a pool whose groups have ids of
+      their own (``two_level``), one evictor chooses the cached segment of least utility across
+      groups;
       ``False`` (an ablation) leaves it to each group's evictor.
     """
 
@@ -78,6 +86,7 @@ class AllocatorOptions:
     checkpoint_interval: int | None = None
     evict_unreachable: bool = True
     marconi_across_groups: bool = True
+    eviction: str = AUTO
 
     def __post_init__(self) -> None:
         for name in ("hash_block_size", "max_model_len", "eviction_window"):
@@ -92,6 +101,10 @@ class AllocatorOptions:
         if self.hash_algo not in HASH_ALGOS:
             raise ConfigError(
                 f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
+            )
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(
+                f"eviction must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}"
             )
         if not self.marconi_alpha >= 0:
             raise ConfigError(f"marconi_alpha must be >= 0, got {self.marconi_alpha}")
@@ -112,6 +125,12 @@ class AllocatorOptions:
             )
         except ValueError as e:
             raise ConfigError(str(e)) from None
+
+    def resolved_eviction(self) -> str:
+        """``"lru"`` or ``"marconi"``: :attr:`eviction`, or the policy's own for ``"auto"``."""
+        if self.eviction != AUTO:
+            return self.eviction
+        return POLICY_CLASSES[self.checkpoint_policy].eviction
 
     def replace(self, **changes: Any) -> AllocatorOptions:
         """A copy with ``changes`` (validated again); unknown names raise :class:`ConfigError`."""

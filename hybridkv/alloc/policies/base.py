@@ -11,8 +11,10 @@ A policy answers four questions for the allocator, and nobody else asks them:
    freed), or nothing; and
 3. **what it exports from inside a prefill step** (also :meth:`step_end`, through
    :meth:`StateActions.export`), for backends that emit states mid-prefill;
-4. **its eviction preferences** (:meth:`CheckpointPolicy.install_eviction`): ``marconi``
-   replaces LRU with its own victim choice; the others keep the pools' LRU.
+4. **its eviction preferences** (:attr:`CheckpointPolicy.eviction`, installed by
+   :meth:`CheckpointPolicy.install_eviction`): ``marconi`` and ``hash_ladder`` replace LRU
+   with Marconi's value-weighted victim choice; the others keep the pools' LRU.
+   ``AllocatorOptions.eviction`` overrides it.
 
 Besides: what it learns when a request is admitted (:attr:`CheckpointPolicy.admission_probe`,
 :meth:`CheckpointPolicy.admitted`), where the commit next has work for a request
@@ -108,8 +110,10 @@ class CheckpointPolicy:
     #: state slots a deployment reserves per request under this policy (vLLM's ``align``
     #: reserves two, so that a checkpoint can always be taken)
     state_slots_per_request: ClassVar[int] = 1
-    #: its eviction weighs what a state saves against recency (``marconi_alpha``)
-    weighs_value: ClassVar[bool] = False
+    #: the eviction it runs with unless ``AllocatorOptions.eviction`` says otherwise:
+    #: ``"lru"`` (the pools') or ``"marconi"`` (recency against FLOPs saved per byte,
+    #: ``marconi_alpha``)
+    eviction: ClassVar[str] = "lru"
 
     def __new__(cls, name: str, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if cls is CheckpointPolicy:
@@ -217,6 +221,11 @@ class CheckpointPolicy:
     def install_eviction(
         self, index: Any, plan: MemoryPlan, pools: list[Any], pool_of: dict[int, Any], options: Any
     ) -> EvictionHooks | None:
-        """Replace the pools' LRU victim choice, if the policy has its own (default: keep
-        LRU); returns the hooks the allocator tells about accesses, or None."""
-        return None
+        """Replace the pools' LRU victim choice with Marconi's where ``options`` (resolved:
+        :meth:`AllocatorOptions.resolved_eviction`) ask for it; returns the hooks the allocator
+        tells about accesses, or None (LRU)."""
+        if options.resolved_eviction() != "marconi":
+            return None
+        from ..marconi import install_marconi_eviction
+
+        return install_marconi_eviction(index, plan, pools, pool_of, options)

@@ -35,6 +35,9 @@ class HashLadderPolicy(PeriodicPolicy):
     """See the module docstring."""
 
     name = "hash_ladder"
+    #: which rungs (and which KV) stay when memory runs out is Marconi's value per byte
+    #: against recency: a long document's rungs save the most prefill per byte kept
+    eviction = "marconi"
 
     @classmethod
     def check_interval(cls, interval: int | None, hash_block_size: int) -> int:

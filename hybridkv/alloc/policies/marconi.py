@@ -9,14 +9,12 @@ state is admitted at a prefix only once a second request has shown that prefix t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..marconi import MarconiEvictor, MarconiPoolEvictor, MarconiScorer
-from .base import EvictionHooks, StateActions
+from .base import StateActions
 from .last import LastPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...plan import MemoryPlan
     from ..request import Request
 
 __all__ = ["MarconiPolicy"]
@@ -27,7 +25,7 @@ class MarconiPolicy(LastPolicy):
 
     name = "marconi"
     admission_probe = "attention"
-    weighs_value = True
+    eviction = "marconi"
 
     def admitted(self, r: Request, hit: int, probe_hit: int) -> None:
         if probe_hit > hit:
@@ -46,19 +44,3 @@ class MarconiPolicy(LastPolicy):
             r.branch_at = -1
             return
         super().step_end(r, P, known, act)
-
-    def install_eviction(
-        self, index: Any, plan: MemoryPlan, pools: list[Any], pool_of: dict[int, Any], options: Any
-    ) -> EvictionHooks | None:
-        """Marconi's victim choice in every pool (one clock and score for all of them), and
-        across a pool's groups when they have ids of their own (``marconi_across_groups``)."""
-        scorer = MarconiScorer(index, plan, pool_of, options.marconi_alpha, options.marconi_flops)
-        for pool in pools:
-            evictors = []
-            for ids, gids in pool.group_views():
-                ids.evictor = MarconiEvictor(scorer, ids, gids)
-                ids.evictor_window = max(1, options.eviction_window)
-                evictors.append(ids.evictor)
-            if options.marconi_across_groups and len(evictors) > 1:
-                pool.segment_evictor = MarconiPoolEvictor(scorer, evictors)
-        return scorer
