@@ -132,6 +132,10 @@ def full_matrix() -> list[Case]:
         for h in (16, 32, 64, 128):
             out.append(_case("mla", dtype=dt, heads=h, bs=64, i64=0))
         out.append(_case("mla", dtype=dt, heads=128, bs=64, i64=1))
+        # sparse (top-k index list, DeepSeek-V3.2 / GLM-5-Next's k = 2048)
+        for h in (16, 32, 128):
+            out.append(_case("mla", dtype=dt, heads=h, bs=64, i64=0, topk=2048))
+        out.append(_case("mla", dtype=dt, heads=128, bs=64, i64=1, topk=2048))
         for d in (64, 128, 256):
             for h in (1, 8, 16):
                 out.append(_case("cache_write", dtype=dt, d=d, heads=h, i64=0))
@@ -168,6 +172,9 @@ def quick_matrix() -> list[Case]:
         c("mla", dtype="bf16", heads=32, bs=64, i64=0),  # Kimi-Linear at TP1
         c("mla", dtype="e4m3", heads=128, bs=64, i64=0),
         c("mla", dtype="e5m2", heads=64, bs=64, i64=1),
+        # the sparse walk (token-index list, k = 2048): 16-bit at 32 heads, fp8 beyond 2**31
+        c("mla", dtype="bf16", heads=32, bs=64, i64=0, topk=2048),
+        c("mla", dtype="e4m3", heads=128, bs=64, i64=1, topk=2048),
         c("cache_write", dtype="fp16", d=128, heads=8, i64=0),
         c("cache_write", dtype="e4m3", d=256, heads=16, i64=1),
         c("cache_write", dtype="bf16", d=64, heads=1, i64=0),
@@ -334,6 +341,7 @@ def _run_mla(p: dict, meta, index, autotune: bool) -> None:
     nblocks = _blocks_for(bs * (dc + dr), p["i64"], 4096)
     cache = torch.empty((nblocks, bs, dc + dr), dtype=_torch_dtype(p["dtype"]), device=meta)
     qdt = _q_dtype(p["dtype"])
+    topk = p.get("topk")  # a sparse launch: a [batch, topk] token-index list
     _call(
         mla_decode.mla_decode_attention,
         torch.empty((batch, p["heads"], dc), dtype=qdt, device=meta),
@@ -346,6 +354,7 @@ def _run_mla(p: dict, meta, index, autotune: bool) -> None:
         max_seq_len=max_len,
         validate=False,
         autotune=autotune,
+        token_indices=None if topk is None else _table(batch, topk, index),
     )
 
 
@@ -921,6 +930,14 @@ CSV_COLUMNS = [
 ]  # fmt: skip
 
 
+def _kernel_label(job: dict) -> str:
+    """A row's kernel: the JIT function's name, with " (sparse)" for the MLA kernel's
+    token-index walk (a constexpr branch of the same function), so that the summary reports
+    its registers and spills apart from the dense walk's."""
+    name = job["kernel"].split(":")[1]
+    return f"{name} (sparse)" if job["constexprs"].get("SPARSE") else name
+
+
 def run_matrix(
     cases: list[Case],
     archs: tuple[int, ...] = ARCHS,
@@ -967,7 +984,7 @@ def run_matrix(
                     unique.setdefault(key, {**job, "key": key, "asm_dir": asm_dir})
                     rows.append(
                         {
-                            "kernel": job["kernel"].split(":")[1],
+                            "kernel": _kernel_label(job),
                             "arch": arch,
                             "case": case.name,
                             "launch": launch.index,

@@ -6,6 +6,8 @@ spills, and every launch has a config that fits the arch's shared memory.
 the public wrappers on meta tensors, compiles every autotune config the autotuner would try with
 ``triton.compile(..., target=GPUTarget("cuda", cc, 32))`` and reads registers and spills from
 ``ptxas -v``. The full matrix is ``python -m paper.compile_kernels`` (see ``paper/README.md``).
+The MLA decode kernel's sparse walk (``token_indices``, k = 2048) is in the quick matrix and
+reported as its own kernel, ``_mla_partial_kernel (sparse)``.
 
 The subprocess takes 2-5 minutes on 2 cores with a cold Triton cache (seconds when warm); it is
 marked ``slow``.
@@ -54,6 +56,14 @@ def test_quick_matrix_compiles_without_spills_and_fits(tmp_path):
     for name in ("decode", "prefill", "mla", "write_kv", "gather", "scatter", "copy"):
         assert any(name in k for k in kernels), f"no launch of a {name} kernel was captured"
     assert {r["arch"] for r in report["rows"]} == {80, 90}
+    # the MLA kernel's sparse walk (a token-index list) is compiled and reported on its own
+    sparse = [r for r in report["rows"] if r["kernel"] == "_mla_partial_kernel (sparse)"]
+    assert {r["arch"] for r in sparse} == {80, 90}
+    assert all("topk=" in r["case"] and "SPARSE=True" in r["constexprs"] for r in sparse)
+    assert {s["arch"] for s in report["summary"] if s["kernel"].endswith("(sparse)")} == {
+        "sm_80",
+        "sm_90",
+    }
     prov = report["provenance"]
     for key in ("date", "triton", "torch", "ptxas_sm80", "ptxas_sm90", "commit", "machine"):
         assert prov.get(key), key
