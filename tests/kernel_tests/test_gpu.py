@@ -179,6 +179,39 @@ def test_bf16_mla_decode(lens):
     _close(got, mla_decode_attention_ref(q_nope, q_pe, cache, tables, seq, scale))
 
 
+@pytest.mark.parametrize("heads, splits", [(32, None), (128, 1)], ids=["kimi", "deepseek-1split"])
+def test_bf16_mla_sparse_decode(heads, splits):
+    """The top-k walk in bf16: k = 2048 of a 16k context and a short request padded with -1,
+    first and last token listed, against the reference; then the unlisted tokens' rows are
+    poisoned with NaN and the output does not change."""
+    from hybridkv_kernels.mla_decode import mla_decode_attention, mla_decode_attention_ref
+
+    from .test_mla_decode import _tables, _top_k, _unlisted_to_nan
+
+    dtype, dc, dr, bs, lens = torch.bfloat16, 512, 64, 64, [16384, 300]
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    cache = torch.full((num_blocks, bs, 1, dc + dr), float("nan"), dtype=dtype)
+    tables = _tables(cache, lens, dtype)
+    idx = _top_k(lens, 2048, seed=heads)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q_nope = torch.randn(len(lens), heads, dc, device="cuda", dtype=dtype)
+    q_pe = torch.randn(len(lens), heads, dr, device="cuda", dtype=dtype)
+    scale = (dc + dr) ** -0.5
+    args = (tables.cuda(), seq, scale)
+    out = _nan(len(lens), heads, dc)
+    got = mla_decode_attention(
+        q_nope, q_pe, cache.cuda(), *args, num_splits=splits, out=out,
+        token_indices=idx.cuda(),
+    ).clone()  # fmt: skip
+    want = mla_decode_attention_ref(q_nope, q_pe, cache.cuda(), *args, token_indices=idx.cuda())
+    _close(got, want)
+    _unlisted_to_nan(cache, tables, lens, idx)
+    again = mla_decode_attention(
+        q_nope, q_pe, cache.cuda(), *args, num_splits=splits, token_indices=idx.cuda()
+    )
+    assert torch.equal(got, again)
+
+
 _FP8_CASES = [
     pytest.param(torch.float8_e4m3fn, False, id="e4m3-hw"),
     pytest.param(torch.float8_e4m3fn, True, id="e4m3-soft"),
