@@ -107,7 +107,7 @@ def test_paper_reference_gap_writes_its_table(tmp_path):
         assert b["oracle"] == b["reference"] > 0
         assert all(0 <= b[rule] <= b["reference"] for rule in PLACEMENT_RULES)
     text = (tmp_path / "reference-gap.md").read_text()
-    assert "| 40 | two_level | 16 | last |" in text and "commit `" in text
+    assert "| 40 | two_level | 16 | last | lru |" in text and "commit `" in text
     assert "| `every_interval`: every multiple of 512" in text
 
 
