@@ -117,9 +117,10 @@ REFUSED: dict[str, str] = {
     "indexer": (
         "a sparse-attention indexer (GLM-5-Next's DSA with k-pools, Qwen4-Exp's QSA) scores its "
         "own per-token keys and each query then attends to its top-k tokens only; the paged "
-        "prefill and decode kernels attend to every cached token (no token-index list), no "
-        "kernel scores or pools the indexer's keys out of pages, and transformers' indexer "
-        "reads its keys from its DynamicIndexedLayer, which no StateFormat hands over"
+        "MLA decode kernel takes such a token-index list (token_indices), but the paged prefill "
+        "and GQA decode kernels have no token-index list, no kernel scores or pools the "
+        "indexer's keys out of pages to pick the top-k, and transformers' indexer reads its "
+        "keys from its DynamicIndexedLayer, which no StateFormat hands over"
     ),
     "ple_conv": (
         "Qwen4-Exp's Per-Layer Embedding keeps a dilated conv state and the last n-gram token "
