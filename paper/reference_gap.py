@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -148,6 +149,18 @@ BOUND_LABELS = (
 )  # fmt: skip
 
 
+def _state_line() -> str:
+    """What one state weighs in KV tokens (facts of the model, not a measurement)."""
+    dep = real_trace.DEPLOYMENT
+    model = data.load(dep.model, dep.tp, dep.kv_dtype)
+    state, kv = model.state_bytes_per_seq, model.kv_bytes_per_token
+    return (
+        f"One state of {dep.model} (TP {dep.tp}) is {state / 2**20:.1f} MiB, as much as "
+        f"{state / kv:,.0f} tokens of its KV ({kv / 2**10:g} KiB a token): a state every "
+        f"{BOUND_INTERVAL} tokens weighs {state / kv / BOUND_INTERVAL:.2f} times those tokens' KV."
+    )
+
+
 def table(rows: list[dict], bound_rows: list[dict], meta: dict) -> str:
     out = [
         "# Where the hybrid cache loses the attention-only reference (Mooncake trace)",
@@ -162,6 +175,8 @@ def table(rows: list[dict], bound_rows: list[dict], meta: dict) -> str:
         "and the part of it a hybrid cache could serve with states kept only where a rule puts "
         "them, the states costing no memory and never evicted "
         "(`hybridkv.traces.placement_bounds`).",
+        "",
+        _state_line(),
         "",
         "| rule | " + " | ".join(f"{b['memory_gib']:g} GiB" for b in bound_rows) + " |",
         "|---|" + "---:|" * len(bound_rows),
@@ -182,15 +197,16 @@ def table(rows: list[dict], bound_rows: list[dict], meta: dict) -> str:
         "pools' LRU. vLLM 0.33's default is `inflate` with `align`. The reference evicts by "
         "LRU: an eviction that weighs what a prefix saves can serve more than it (*beyond*).",
         "",
-        "| GiB | layout | block | policy | eviction | served | lost to state | lost to KV | "
-        "beyond | TTFT p50 ms | checkpoints (GiB) | requests losing to state / KV |",
-        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| GiB | layout | block | policy | eviction | served | of prompt tokens | lost to state | "
+        "lost to KV | beyond | TTFT p50 ms | checkpoints (GiB) | requests losing to state / KV |",
+        "|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ref = r["reference"]
         out.append(
             f"| {r['memory_gib']:g} | {r['layout']} | {r['block']} | {r['policy']} | "
-            f"{r['eviction']} | {_pct(r['served'], ref)}% | {_pct(r['lost_to_state'], ref)}% | "
+            f"{r['eviction']} | {_pct(r['served'], ref)}% | "
+            f"{_pct(r['served'], r['prompt_tokens'])}% | {_pct(r['lost_to_state'], ref)}% | "
             f"{_pct(r['lost_to_kv'], ref)}% | {_pct(r['beyond'], ref)}% | {r['ttft_p50_ms']} | "
             f"{r['checkpoints']:,} ({r['checkpoint_gib']:,}) | "
             f"{r['requests_losing_to_state']} / {r['requests_losing_to_kv']} |"
@@ -215,8 +231,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="labels of paper.real_trace.POLICIES or EXTRA_POLICIES "
                          "(default: %(default)s)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS, help="(default: paper/results)")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="only write the Markdown again from a results JSON this script wrote "
+                         "(its meta and rows kept), running nothing")  # fmt: skip
     add_executor_arguments(ap, "the simulations")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        saved = json.loads(args.render.read_text())
+        rows, meta = saved["rows"], saved["meta"]
+        md = table(rows["simulations"], rows["bounds"], meta)
+        path = write_results(args.out, "reference-gap", meta, rows, md)
+        print(f"wrote {path}")
+        return 0
     known = _labels()
     bad = [p for p in args.policies if p not in known]
     if bad:

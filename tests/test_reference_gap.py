@@ -109,6 +109,12 @@ def test_paper_reference_gap_writes_its_table(tmp_path):
     text = (tmp_path / "reference-gap.md").read_text()
     assert "| 40 | two_level | 16 | last | lru |" in text and "commit `" in text
     assert "| `every_interval`: every multiple of 512" in text
+    assert "One state of qwen3-next-80b-a3b (TP 1) is 37.7 MiB" in text
+    # the Markdown again from the JSON alone: the same file, nothing run
+    again = tmp_path / "again"
+    assert reference_gap.main(["--render", str(tmp_path / "reference-gap.json"),
+                               "--out", str(again)]) == 0  # fmt: skip
+    assert (again / "reference-gap.md").read_text() == text
 
 
 def test_paper_reference_gap_refuses_bad_budgets(capsys):
