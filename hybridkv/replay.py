@@ -29,7 +29,7 @@ from .alloc import AllocatorOptions, HitInfo, HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
 from .alloc.marconi import tokens_as_flops
 from .plan import MemoryPlan
-from .traces import Request, Trace
+from .traces import Request, Trace, answer_ids
 
 __all__ = [
     "MARCONI_ALPHAS",
@@ -328,12 +328,8 @@ def _decode(alloc: HybridAllocator, req: Request, i: int) -> None:
     k = int(req.output_length)
     if k <= 0:
         return
-    if req.output_ids is None or len(req.output_ids) < k:
-        raise ValueError(
-            f"request {i} has no output_ids for its {k} answer tokens; replay needs them "
-            "(later turns resend the answer)"
-        )
-    out = req.output_ids[:k].tolist()
+    # the trace's answer where it knows it (a later turn resends it), else ids no prompt holds
+    out = answer_ids(req)
     rid = req.request_id
     j = 0
     while j < k - 1:

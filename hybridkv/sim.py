@@ -54,7 +54,7 @@ from .costmodel import GPU, H100_SXM, ParamCount, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
 from .sched import Scheduler, SchedulerConfig, Seq, StepOutput
-from .traces import Trace
+from .traces import Trace, answer_ids
 
 _C = TypeVar("_C")
 
@@ -215,15 +215,6 @@ class SimResult:
         }
 
 
-def _output_ids(req) -> list[int]:
-    """The request's generated tokens: the trace's where known, else ids no prompt contains,
-    unique per request."""
-    n = int(req.output_length)
-    known = [] if req.output_ids is None else np.asarray(req.output_ids[:n], np.int64).tolist()
-    base = 1_000_000_000 + req.request_id * 65_536
-    return known + list(range(base + len(known), base + n))
-
-
 class RooflineClock:
     """The simulator's executor: prices each step by the roofline cost model and answers each
     sampled token from the trace (:attr:`Seq.script`). State copies cost nothing here."""
@@ -327,7 +318,7 @@ def simulate(
                     req.prompt,
                     int(req.output_length),
                     arrival=arrive,
-                    script=_output_ids(req),
+                    script=answer_ids(req),
                 )
             )
         if not sched.has_work():

@@ -5,6 +5,8 @@ into tokens served, lost to missing states and lost to missing KV."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -39,6 +41,23 @@ def test_a_state_kept_only_at_the_end_loses_the_shared_prefix(plan):
     gap = traces.reference_gap(last.hits, last.kv_hits, align.kv_hits)
     assert (gap.served, gap.lost_to_state, gap.lost_to_kv) == (0, 7 * 896, 0)
     assert gap.requests_losing_to_state == 7
+
+
+def test_replay_reads_unknown_answers_as_the_simulator_does(plan):
+    """A trace that records no answers (Mooncake's): replay feeds back ids no prompt holds,
+    unique per request (``traces.answer_ids``, the simulator's reading), instead of refusing;
+    the same trace with those ids written in replays identically."""
+    chat = traces.multi_turn_chat(40, seed=5)
+    bare = traces.Trace("bare", tuple(dataclasses.replace(r, output_ids=None) for r in chat))
+    spelt = traces.Trace("spelt", tuple(
+        dataclasses.replace(r, output_ids=np.asarray(traces.answer_ids(r))) for r in bare
+    ))  # fmt: skip
+    a = replay(plan, bare, checkpoint_policy="hash_ladder")
+    b = replay(plan, spelt, checkpoint_policy="hash_ladder")
+    assert a.hits.tolist() == b.hits.tolist() and a.checkpoints == b.checkpoints > 0
+    ids = traces.answer_ids(bare[3])
+    assert len(ids) == bare[3].output_length == len(set(ids)) and min(ids) >= 10**9
+    assert not set(ids) & set(traces.answer_ids(bare[4]))
 
 
 def test_the_simulator_records_both_per_request(plan):

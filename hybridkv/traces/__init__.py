@@ -26,7 +26,7 @@ from .jsonl import (
     synthetic_tokens,
 )
 from .placement import PLACEMENT_RULES, PlacementBounds, placement_bounds
-from .request import Request, Trace
+from .request import Request, Trace, answer_ids
 from .reuse import (
     ReferenceGap,
     block_chain,
@@ -59,6 +59,7 @@ __all__ = [
     "Request",
     "Trace",
     "agentic",
+    "answer_ids",
     "block_chain",
     "block_hit_tokens",
     "generate",

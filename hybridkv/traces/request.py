@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Request", "Trace"]
+__all__ = ["Request", "Trace", "answer_ids"]
 
 
 def _frozen_ids(values: Any, what: str) -> np.ndarray:
@@ -126,6 +126,17 @@ class Request:
         return bool(np.array_equal(self.prompt, other.prompt))
 
     __hash__ = None  # type: ignore[assignment]  # mutable-looking payload; compare, don't hash
+
+
+def answer_ids(request: Request) -> list[int]:
+    """The tokens ``request`` generates as a simulator or replay feeds them back: the trace's
+    ``output_ids`` where known, else ids no prompt contains (from 10**9 up), unique per request,
+    so that no later prompt can share an answer the trace does not record."""
+    n = int(request.output_length)
+    known = [] if request.output_ids is None else np.asarray(request.output_ids[:n], np.int64)
+    known = list(map(int, known))
+    base = 1_000_000_000 + request.request_id * 65_536
+    return known + list(range(base + len(known), base + n))
 
 
 @dataclass(frozen=True, eq=False)
