@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..alloc.policies.hash_ladder import ladder_rungs
 from .request import Trace
 from .reuse import block_chain
 
@@ -120,7 +121,7 @@ def placement_bounds(
         n = r.prompt_length
         _keep(kept["every_interval"], chain, range(interval, n, interval), unit)
         _keep(kept["prompt_boundary"], chain, [(n - 1) // interval * interval], unit)
-        _keep(kept["ladder"], chain, _rungs(n - 1, interval), unit)
+        _keep(kept["ladder"], chain, ladder_rungs(n - 1, interval), unit)
         if 0 < reference[i] < n:
             _keep(kept["seen_branch"], chain, [int(reference[i])], unit)
         if r.output_ids is not None:
@@ -133,12 +134,3 @@ def _keep(states: set[int], chain: list[int], positions, unit: int) -> None:
     for p in positions:
         if p > 0:
             states.add(chain[p // unit - 1])
-
-
-def _rungs(last: int, interval: int) -> list[int]:
-    """The last multiple of ``interval``, ``2 * interval``, ... at or below ``last``."""
-    out, scale = [], interval
-    while scale <= last:
-        out.append(last // scale * scale)
-        scale *= 2
-    return out

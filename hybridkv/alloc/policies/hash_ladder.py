@@ -28,7 +28,7 @@ from .periodic import PeriodicPolicy
 if TYPE_CHECKING:  # pragma: no cover
     from ...plan import MemoryPlan
 
-__all__ = ["HashLadderPolicy"]
+__all__ = ["HashLadderPolicy", "ladder_rungs", "state_sized_scale"]
 
 
 class HashLadderPolicy(PeriodicPolicy):
@@ -53,11 +53,7 @@ class HashLadderPolicy(PeriodicPolicy):
     def marks(self, start: int, end: int, num_prompt: int) -> list[int]:
         last = num_prompt - 1  # states strictly inside the prompt (the end state is last's)
         top = min(end, last)
-        rungs, scale = set(), self.interval
-        while scale <= last:
-            rungs.add(last // scale * scale)
-            scale *= 2
-        return sorted(m for m in rungs if start < m <= top)
+        return [m for m in ladder_rungs(last, self.interval) if start < m <= top]
 
     def next_mark(self, after: int, num_prompt: int) -> int | None:
         found = self.marks(after, num_prompt - 1, num_prompt)
@@ -76,3 +72,13 @@ def state_sized_scale(plan: MemoryPlan, hash_block_size: int) -> int:
     while kv_per_token and scale * kv_per_token < state:
         scale *= 2
     return scale
+
+
+def ladder_rungs(last: int, interval: int) -> list[int]:
+    """The ladder's positions for a prompt whose last token is at ``last``: the last multiple of
+    ``interval``, ``2 * interval``, ``4 * interval``, ... at or below it, each once, ascending."""
+    rungs, scale = set(), interval
+    while scale <= last:
+        rungs.add(last // scale * scale)
+        scale *= 2
+    return sorted(rungs)
