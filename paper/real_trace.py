@@ -60,8 +60,8 @@ PER_GROUP_CACHED = "per_group+cache"
 LAYOUTS = (*(x for x in data.LAYOUT_ORDER if x != "per_group"), PER_GROUP_CACHED)
 
 
-def _plan(layout: str):
-    d = DEPLOYMENT
+def _plan(layout: str, d: data.Deployment = DEPLOYMENT):
+    """The figure's plan of ``layout`` (another deployment: ``paper.reference_gap``'s budgets)."""
     if layout != PER_GROUP_CACHED:
         return data.plan(d, layout)
     from hybridkv.layouts import make_plan

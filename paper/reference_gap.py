@@ -68,13 +68,8 @@ def _deployment(memory_gib: float) -> data.Deployment:
 
 
 def _plan(layout: str, memory_gib: float):
-    """``real_trace._plan`` at another budget (it reads the module's deployment)."""
-    saved = real_trace.DEPLOYMENT
-    real_trace.DEPLOYMENT = _deployment(memory_gib)
-    try:
-        return real_trace._plan(layout)
-    finally:
-        real_trace.DEPLOYMENT = saved
+    """The real-trace figure's plan of ``layout`` at ``memory_gib``."""
+    return real_trace._plan(layout, _deployment(memory_gib))
 
 
 def _run(task: tuple[int, float, str, str]) -> dict | None:
