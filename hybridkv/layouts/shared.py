@@ -75,11 +75,14 @@ def _kv_placement(
     """
     spec = layer.spec
     ds = dtype_bytes(spec.kv_dtype)  # type: ignore[attr-defined]
-    if isinstance(spec, IndexerSpec):
-        # one row per token, like a latent: in a 2- / 4-byte dtype the key and its side channels
-        # (elements of kv_dtype); in fp8 the row is bytes (fp8 key, fp32 scales, bf16 side
-        # channels), as vLLM views its indexer cache as uint8
-        row = spec.bytes_per_token // ds
+    if isinstance(spec, (IndexerSpec, MLASpec)):
+        # one row per token. A latent is latent_dim elements; an indexer row holds the key and
+        # its side channels (elements of kv_dtype), in fp8 bytes (fp8 key, fp32 scales, bf16
+        # side channels), as vLLM views its indexer cache as uint8
+        if isinstance(spec, IndexerSpec):
+            row, row_bytes = spec.bytes_per_token // ds, spec.bytes_per_token
+        else:
+            row, row_bytes = spec.latent_dim, spec.latent_dim * ds
         return KVPlacement(
             layer=layer.name,
             layer_index=layer.index,
@@ -95,28 +98,8 @@ def _kv_placement(
             k_offset=page_offset,
             v_offset=None,
             block_stride=block_stride,
-            token_stride=spec.bytes_per_token,
-            head_stride=spec.bytes_per_token,
-            pack_index=pack_index,
-        )
-    if isinstance(spec, MLASpec):
-        return KVPlacement(
-            layer=layer.name,
-            layer_index=layer.index,
-            kind=spec.kind,
-            group_id=group_id,
-            tensor=tensor,
-            dtype=spec.kv_dtype,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            num_kv_heads=1,
-            head_dim=spec.latent_dim,
-            head_dim_v=None,
-            k_offset=page_offset,
-            v_offset=None,
-            block_stride=block_stride,
-            token_stride=spec.latent_dim * ds,
-            head_stride=spec.latent_dim * ds,
+            token_stride=row_bytes,
+            head_stride=row_bytes,
             pack_index=pack_index,
         )
     assert isinstance(spec, FullAttentionSpec)
