@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -72,6 +73,13 @@ def _plan(layout: str, memory_gib: float):
     return real_trace._plan(layout, _deployment(memory_gib))
 
 
+@functools.cache
+def _reference(n: int, unit: int, capacity: int):
+    """The attention-only LRU reference of ``capacity`` tokens, once per process for every
+    policy run on it (one hashing pass over the trace each)."""
+    return traces.lru_cache_hits(real_trace._trace(n, "blocks"), unit, capacity)
+
+
 def _run(task: tuple[int, float, str, str]) -> dict | None:
     """One simulation (a module-level function, so that an executor's worker can run it)."""
     from hybridkv.sim import SimConfig, simulate
@@ -84,7 +92,7 @@ def _run(task: tuple[int, float, str, str]) -> dict | None:
     model = data.load(dep.model, dep.tp, dep.kv_dtype)
     trace = real_trace._trace(n, "blocks")
     unit = min(real_trace.HASH_UNIT, plan.block_size)
-    reference = traces.lru_cache_hits(trace, unit, plan.capacity.ideal_token_capacity)
+    reference = _reference(n, unit, plan.capacity.ideal_token_capacity)
     policy, interval, extra = _policy(label)
     config = SimConfig(
         checkpoint_policy=policy,
@@ -108,9 +116,7 @@ def bounds(n: int, memory_gib: float) -> dict:
     """What each placement rule could serve of the same-memory reference (free states)."""
     trace = real_trace._trace(n, "blocks")
     plan = _plan("inflate", memory_gib)
-    reference = traces.lru_cache_hits(
-        trace, real_trace.HASH_UNIT, plan.capacity.ideal_token_capacity
-    )
+    reference = _reference(n, real_trace.HASH_UNIT, plan.capacity.ideal_token_capacity)
     b = traces.placement_bounds(trace, reference, real_trace.HASH_UNIT, BOUND_INTERVAL)
     return {"memory_gib": memory_gib, "interval": BOUND_INTERVAL,
             "token_capacity": plan.capacity.ideal_token_capacity, **b.to_dict(),
