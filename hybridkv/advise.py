@@ -1,8 +1,9 @@
 """Layout advisor: simulate a workload under each candidate configuration and rank them.
 
 Candidates: every layout; for ``pack`` several pack sizes; for the layouts with free block sizes
-(``per_group``, ``two_level``) several block sizes; each with the ``align``, ``last`` and
-``marconi`` checkpoint policies. The caller may pin any of these choices (:class:`Pins`). Ranked
+(``per_group``, ``two_level``) several block sizes; each with the checkpoint policies of
+:data:`ADVISED_POLICIES` (vLLM's ``align``, ``last``, ``marconi`` and hybridkv's ``hash_ladder``).
+The caller may pin any of these choices (:class:`Pins`). Ranked
 by median TTFT, then throughput, then token hit rate; the first row is the recommendation, and
 rows equal to it on all three are reported as ties (the order among them means nothing).
 """
@@ -15,13 +16,19 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from .alloc import POLICIES, AllocatorOptions
-from .alloc.policies import policy_class
+from .alloc.policies import ALL_POLICIES, policy_class
 from .executors import Executor, LocalExecutor
 from .layouts import make_plan
 from .models.model import HybridModel
 from .sim import SimConfig, simulate
 from .target import VllmTarget
 from .traces import Trace
+
+#: the checkpoint policies tried by default: vLLM's ``align``, the end-state ``last`` and
+#: ``marconi``, and ``hash_ladder`` (states at the prompt's last multiples of a state-sized
+#: interval and its doublings), which served the most of the same-memory attention-only
+#: reference on the real trace of ``paper/results/reference-gap.md``
+ADVISED_POLICIES = (*POLICIES, "hash_ladder")
 
 #: the ranking key's columns, in order (smaller TTFT first, then larger throughput and hits)
 RANKED_BY = ("ttft_p50_ms", "throughput_tok_s", "token_hit_rate")
@@ -54,12 +61,25 @@ class Pins:
       ``align``, whose checkpoints need a spare, else 1).
     - ``cache_state_slots``: extra cached-state slots in every plan (default: ``max_num_seqs``
       for ``per_group``, whose fixed state pool otherwise caches nothing, else 0).
+    - ``policies``: the checkpoint policies tried (default :data:`ADVISED_POLICIES`; any of
+      :data:`hybridkv.alloc.policies.ALL_POLICIES`, each at its own default interval).
     """
 
     block_size: int | None = None
     pack_size: int | None = None
     state_slots_per_seq: int | None = None
     cache_state_slots: int | None = None
+    policies: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.policies or () if p not in ALL_POLICIES]
+        if unknown:
+            raise ValueError(
+                f"unknown checkpoint policy {', '.join(map(repr, unknown))}; "
+                f"choose from {', '.join(ALL_POLICIES)}"
+            )
+        if self.policies is not None and not self.policies:
+            raise ValueError("pin at least one checkpoint policy, or none to try the defaults")
 
 
 @dataclass(frozen=True)
@@ -93,8 +113,9 @@ def candidates(model: HybridModel, pins: Pins | None = None) -> list[Candidate]:
         blocks = [model.kernel_alignment, 4 * model.kernel_alignment]
     for layout in ("per_group", "two_level"):
         out += [Candidate(layout, block_size=b) for b in blocks]
+    policies = pins.policies or ADVISED_POLICIES
     return [
-        Candidate(c.layout, c.pack_size, c.block_size, policy) for c in out for policy in POLICIES
+        Candidate(c.layout, c.pack_size, c.block_size, policy) for c in out for policy in policies
     ]
 
 
@@ -103,8 +124,9 @@ def candidate_options(
 ) -> AllocatorOptions:
     """``base`` with what the advisor picks for ``cand`` on a plan of ``block_size``: its
     checkpoint policy, and a hash unit of ``min(16, block_size)`` (it must divide the block,
-    which varies across candidates). The candidates' policies keep no states inside a prompt,
-    so ``checkpoint_interval`` is unset."""
+    which varies across candidates). ``checkpoint_interval`` is unset: each policy runs at its
+    own default (``hash_ladder``'s first rung is the state's size in KV tokens on that plan,
+    ``periodic``'s and ``hash_boundary``'s 512 tokens)."""
     return base.replace(
         checkpoint_policy=cand.policy,
         hash_block_size=min(16, block_size),

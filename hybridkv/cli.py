@@ -628,6 +628,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         pack_size=None if pack == "auto" else pack,
         state_slots_per_seq=args.state_slots_per_seq,
         cache_state_slots=args.cache_state_slots,
+        policies=tuple(args.policies) if args.policies else None,
     )
     with executor:
         advice = advise(
@@ -918,6 +919,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="all layouts side by side")
     _add_plan_options(p)
     p.set_defaults(func=cmd_compare)
+    from .advise import ADVISED_POLICIES
+    from .alloc import ALL_POLICIES
+
     p = sub.add_parser("advise", help="simulate a workload under each layout and recommend one")
     _add_plan_options(p)
     _add_trace_options(p, "multi_turn_chat")
@@ -926,6 +930,14 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="one progress bar over the configurations (default: when stderr is a terminal)",
+    )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        choices=ALL_POLICIES,
+        metavar="POLICY",
+        help="the checkpoint policies tried, each at its own default interval (default: "
+        f"{' '.join(ADVISED_POLICIES)}; any of {', '.join(ALL_POLICIES)})",
     )
     add_executor_arguments(p, "the configurations' simulations")
     # advise's own choices unless pinned (see hybridkv.advise.Pins)
@@ -938,7 +950,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_plan_options(p)
     _add_trace_options(p, "mooncake")
-    from .alloc import ALL_POLICIES
     from .alloc.options import EVICTIONS
 
     p.add_argument("--layout", default="inflate", choices=LAYOUTS, help="memory layout")

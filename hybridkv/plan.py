@@ -270,8 +270,12 @@ class KVPlacement:
         return out
 
     def parts(self, block_id: int) -> list[tuple[str, Region]]:
-        """:meth:`regions` named: ``K`` and ``V``, or ``latent`` for MLA."""
-        names = ("K", "V") if self.v_offset is not None else ("latent",)
+        """:meth:`regions` named: ``K`` and ``V``, ``latent`` for MLA, ``indexer`` for a
+        sparse-attention indexer's keys (one row per token, like a latent)."""
+        if self.v_offset is not None:
+            names: tuple[str, ...] = ("K", "V")
+        else:
+            names = ("indexer",) if self.kind == "indexer" else ("latent",)
         return list(zip(names, self.regions(block_id)))
 
     def element_strides(self) -> tuple[int, int, int, int]:

@@ -23,11 +23,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["PART_COLORS", "Segment", "UnitMap", "draw_unit", "memory_map_figure", "unit_map"]
 
-#: colour of each kind of bytes (K, V, MLA latent, conv state, SSM/recurrent state, padding)
+#: colour of each kind of bytes (K, V, MLA latent, sparse-attention indexer keys, conv state,
+#: SSM/recurrent state, padding)
 PART_COLORS = {
     "K": "#1f77b4",
     "V": "#ff7f0e",
     "latent": "#17becf",
+    "indexer": "#e377c2",
     "conv": "#2ca02c",
     "ssm": "#9467bd",
     "state": "#bcbd22",

@@ -129,6 +129,10 @@ def full_matrix() -> list[Case]:
                     for win in (0, 1024):
                         out.append(_case("prefill", dtype=dt, d=d, gqa=g, bs=bs, win=win, i64=0))
                 out.append(_case("prefill", dtype=dt, d=d, gqa=g, bs=16, win=0, i64=1))
+        # attention sinks (GPT-OSS / GraniteSWA: a learned logit per head, sliding windows)
+        for family in ("decode", "prefill"):
+            for win in (0, 128):
+                out.append(_case(family, dtype=dt, d=64, gqa=8, bs=16, win=win, i64=0, sinks=1))
         for h in (16, 32, 64, 128):
             out.append(_case("mla", dtype=dt, heads=h, bs=64, i64=0))
         out.append(_case("mla", dtype=dt, heads=128, bs=64, i64=1))
@@ -168,6 +172,9 @@ def quick_matrix() -> list[Case]:
         c("prefill", dtype="fp16", d=128, gqa=1, bs=544, win=0, i64=0),
         c("prefill", dtype="e5m2", d=128, gqa=8, bs=16, win=0, i64=0),
         c("decode", dtype="e5m2", d=64, gqa=4, bs=16, win=0, i64=0),
+        # attention sinks on a sliding window (GPT-OSS / GraniteSWA's d 64, GQA 8)
+        c("decode", dtype="bf16", d=64, gqa=8, bs=16, win=128, i64=0, sinks=1),
+        c("prefill", dtype="bf16", d=64, gqa=8, bs=16, win=128, i64=0, sinks=1),
         c("mla", dtype="bf16", heads=16, bs=64, i64=0),
         c("mla", dtype="bf16", heads=32, bs=64, i64=0),  # Kimi-Linear at TP1
         c("mla", dtype="e4m3", heads=128, bs=64, i64=0),
@@ -262,6 +269,15 @@ def _fp8_scales(dtype: str, device):
     return None
 
 
+def _sinks(p: dict, q_heads: int, meta):
+    """``[Hq]`` float32 sink logits for a case with ``sinks=1``, else None."""
+    import torch
+
+    if not p.get("sinks"):
+        return None
+    return torch.empty(q_heads, dtype=torch.float32, device=meta)
+
+
 def _run_decode(p: dict, meta, index, autotune: bool) -> None:
     import torch
 
@@ -274,6 +290,7 @@ def _run_decode(p: dict, meta, index, autotune: bool) -> None:
     k, v = _kv_caches(nblocks, bs, kv_heads, d, cdt, meta)
     q = torch.empty((batch, kv_heads * p["gqa"], d), dtype=_q_dtype(p["dtype"]), device=meta)
     cols = -(-max_len // bs)
+    sinks = _sinks(p, kv_heads * p["gqa"], meta)
     scale = _fp8_scales(p["dtype"], meta)
     _call(
         paged_decode.paged_decode_attention,
@@ -289,6 +306,7 @@ def _run_decode(p: dict, meta, index, autotune: bool) -> None:
         max_seq_len=max_len,
         validate=False,
         autotune=autotune,
+        sinks=sinks,
     )
 
 
@@ -303,6 +321,7 @@ def _run_prefill(p: dict, meta, index, autotune: bool) -> None:
     nblocks = _blocks_for(2 * bs * kv_heads * d, p["i64"], 4096)
     k, v = _kv_caches(nblocks, bs, kv_heads, d, cdt, meta)
     scale = _fp8_scales(p["dtype"], meta)
+    sinks = _sinks(p, kv_heads * p["gqa"], meta)
     # one step per query-length class of the table: an extend (16 new tokens after a
     # 4080-token cached prefix) beside a fresh 512-token prefill (< 1k query tokens), and one
     # fresh 2048-token prefill (the class the GPU sweeps measured)
@@ -329,6 +348,7 @@ def _run_prefill(p: dict, meta, index, autotune: bool) -> None:
             max_query_len=max(q_lens),
             validate=False,
             autotune=autotune,
+            sinks=sinks,
         )
 
 

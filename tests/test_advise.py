@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hybridkv import models, traces
-from hybridkv.advise import Pins, advise, candidates
+from hybridkv.advise import ADVISED_POLICIES, Pins, advise, candidates
 from hybridkv.cli import main
 
 MODEL = "qwen3.5-0.8b"
@@ -28,35 +28,43 @@ def test_default_candidates():
     labels = [c.label for c in candidates(models.load(MODEL))]
     assert "per_group block=16 align" in labels and "per_group block=64 last" in labels
     assert any(lbl.startswith("pack(2)") for lbl in labels)
+    # every layout is tried with every advised policy, hybridkv's hash_ladder included
+    by_layout: dict[str, set[str]] = {}
+    for c in candidates(models.load(MODEL)):
+        by_layout.setdefault(c.layout, set()).add(c.policy)
+    assert set(ADVISED_POLICIES) == {"align", "last", "marconi", "hash_ladder"}
+    assert all(got == set(ADVISED_POLICIES) for got in by_layout.values()), by_layout
 
 
-@pytest.mark.parametrize(
-    "name, blocks",
-    [
-        pytest.param("qwen3.5-0.8b", {16, 64}, id="gqa-16-64"),
-        # MLA's kernel block (FlashMLA) is 64 tokens: the specs say so, advise follows
-        pytest.param("kimi-linear-48b-a3b", {64, 256}, id="mla-64-256"),
-    ],
-)
-def test_own_pool_candidates_follow_the_specs_kernel_alignment(name, blocks):
-    model = models.load(name)
-    own = {c.block_size for c in candidates(model) if c.layout in ("per_group", "two_level")}
-    assert own == blocks == {model.kernel_alignment, 4 * model.kernel_alignment}
+def test_policies_pin_and_bad_names():
+    got = candidates(models.load(MODEL), Pins(policies=("periodic", "hash_ladder")))
+    assert {c.policy for c in got} == {"periodic", "hash_ladder"}
+    with pytest.raises(ValueError, match=r"unknown checkpoint policy 'ladder'.*hash_ladder"):
+        Pins(policies=("ladder",))
+    with pytest.raises(ValueError, match="at least one"):
+        Pins(policies=())
 
 
-@pytest.mark.parametrize(
-    ("pins", "check"),
-    [
-        (Pins(block_size=32), lambda c: all(x.block_size == 32 for x in c)),
-        (
-            Pins(pack_size=3),
-            lambda c: {x.pack_size for x in c if x.layout == "pack"} == {3},
-        ),
-    ],
-    ids=["block-size", "pack-size"],
-)
-def test_pins_restrict_candidates(pins, check):
-    assert check(candidates(models.load(MODEL), pins))
+def test_hash_ladder_serves_shared_prompts_that_last_cannot(capsys):
+    # every request repeats one of two long system prompts (longer than the ladder's first rung,
+    # the state's size in KV tokens: 2,048 here) and adds its own question: a state only at the
+    # prompt's end (last) never matches another request, one on the ladder's rungs does
+    model = models.load(MODEL)
+    trace = traces.shared_prefix(
+        12, seed=0, num_prefixes=2, prefix=traces.LogNormal(median=6000, sigma=0.1, low=5000)
+    )
+    pins = Pins(block_size=16, policies=("last", "hash_ladder"))
+    advice = advise(model, trace, memory="4GiB", max_num_seqs=8, pins=pins)
+    rows = {(r["layout"], r["policy"]): r for r in advice.results}
+    assert {r["policy"] for r in advice.results + advice.errors} == {"last", "hash_ladder"}
+    for layout in ("per_group", "two_level", "inflate"):
+        last, ladder = rows[(layout, "last")], rows[(layout, "hash_ladder")]
+        assert last["token_hit_rate"] == 0.0, last
+        assert ladder["token_hit_rate"] > 0.5, ladder
+    with pytest.raises(SystemExit) as exc:
+        main([*BASE, "--policies", "nope"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
 def test_block_size_flag(capsys):

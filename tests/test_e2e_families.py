@@ -6,6 +6,9 @@ transformers alone, MiniMax included (its own MiniMaxCache); the families of ``R
 (RWKV's and xLSTM's states, GLM-5-Next's and Qwen4-Exp's sparse-attention indexers and
 Qwen4-Exp's PLE conv) refused with the reason.
 
+The serving test runs each family on two of the five layouts (rotating; every layout is served
+by several families); ``HYBRIDKV_FULL_E2E=1`` serves every family out of every layout.
+
 Every engine run poisons its cache memory with NaN (the null block included), so a read of
 anything nothing wrote (a stale slot, a page past a request's length, a block a sliding window
 dropped) shows up in the logits. Tolerance: fp32 everywhere, the runs differ only in summation
@@ -16,6 +19,7 @@ about 1e-7 to 1e-6; 1e-4 as in tests/test_e2e.py.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -103,8 +107,35 @@ def test_states_matter(name):
     assert (full - cont).abs().max().item() > 100 * TOL
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", FAMILIES)
+def serve_cases(full: bool) -> list[tuple[str, str]]:
+    """(family, layout) pairs :func:`test_serve_matches_transformers` serves: with ``full``
+    every family on every layout; else each family on two layouts, rotating with the family
+    (``i + 1`` and ``i + 3``, so that together with the preemption test's ``i`` every family
+    meets four of the five), every layout served by several families. A layout's own code does
+    not depend on the family: ``tests/test_layouts.py`` checks every plan's views and
+    ``tests/test_e2e.py`` serves Bamba and Qwen3-Next out of all five."""
+    if full:
+        return [(name, layout) for name in FAMILIES for layout in LAYOUTS]
+    n = len(LAYOUTS)
+    return [(name, LAYOUTS[(i + k) % n]) for i, name in enumerate(FAMILIES) for k in (1, 3)]
+
+
+#: ``HYBRIDKV_FULL_E2E=1``: every family on every layout (about three times as long)
+SERVE_CASES = serve_cases(os.environ.get("HYBRIDKV_FULL_E2E") == "1")
+
+
+def test_every_layout_is_served_by_several_families():
+    cases = serve_cases(full=False)
+    for layout in LAYOUTS:
+        assert sum(lay == layout for _, lay in cases) >= 3, layout
+    for name in FAMILIES:
+        assert len({lay for n, lay in cases if n == name}) == 2, name
+    assert len(serve_cases(full=True)) == len(FAMILIES) * len(LAYOUTS)
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"), SERVE_CASES, ids=[f"{n}-{lay}" for n, lay in SERVE_CASES]
+)
 def test_serve_matches_transformers(name, layout):
     """Three requests decoded together; "b" shares a prefix of a block and more with "a" and
     joins once a's prefill is done, so it starts from a's cached blocks and state checkpoint."""

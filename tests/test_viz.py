@@ -37,3 +37,28 @@ def test_unit_map_hides_rows_past_max_rows():
     assert len(m.row_labels) == 2
     assert m.hidden_rows == len(state.layers) - 2
     assert {s.row for s in m.segments} == {0, 1}
+
+
+@pytest.mark.parametrize("layout", ["inflate", "two_level"])
+def test_indexer_keys_have_their_own_colour(layout):
+    # GLM-5-Next: the sparse-attention indexer's keys ride in the latent's page (inflate) or
+    # have a group of their own (two_level); either way they are drawn as indexer, not latent
+    from hybridkv.e2e import make_tiny_plan
+    from hybridkv.e2e.families import TINY_CONFIGS
+    from hybridkv.viz import PART_COLORS
+
+    plan = make_tiny_plan(TINY_CONFIGS["glm5_next"](), layout)
+    parts: dict[str, int] = {}
+    for g in plan.groups:
+        if not g.is_state:
+            for part, nbytes in unit_map(plan, g.group_id).bytes_by_part().items():
+                parts[part] = parts.get(part, 0) + nbytes
+    indexers = [p for p in plan.kv_placements if p.kind == "indexer"]
+    latents = [p for p in plan.kv_placements if p.kind == "mla"]
+    assert indexers and latents
+    assert parts["indexer"] > 0 and parts["latent"] > 0
+    # one page's worth of each: the unit holds one block of every layer it serves
+    per_block = {p.kind: p.k_bytes_per_block for p in plan.kv_placements}
+    assert parts["indexer"] % per_block["indexer"] == 0
+    assert parts["latent"] % per_block["mla"] == 0
+    assert PART_COLORS["indexer"] not in (PART_COLORS["latent"], PART_COLORS["K"])

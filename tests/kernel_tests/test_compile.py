@@ -7,7 +7,8 @@ the public wrappers on meta tensors, compiles every autotune config the autotune
 ``triton.compile(..., target=GPUTarget("cuda", cc, 32))`` and reads registers and spills from
 ``ptxas -v``. The full matrix is ``python -m paper.compile_kernels`` (see ``paper/README.md``).
 The MLA decode kernel's sparse walk (``token_indices``, k = 2048) is in the quick matrix and
-reported as its own kernel, ``_mla_partial_kernel (sparse)``.
+reported as its own kernel, ``_mla_partial_kernel (sparse)``; so are the paged decode's and
+prefill's attention-sink variants (``sinks=``, ``HAS_SINKS=True``).
 
 The subprocess takes 2-5 minutes on 2 cores with a cold Triton cache (seconds when warm); it is
 marked ``slow``.
@@ -64,6 +65,14 @@ def test_quick_matrix_compiles_without_spills_and_fits(tmp_path):
         "sm_80",
         "sm_90",
     }
+    # the attention-sink variants (HAS_SINKS=True) of the paged decode and prefill compile too
+    for name in ("_decode_partial_kernel", "_prefill_kernel"):
+        with_sinks = [
+            r
+            for r in report["rows"]
+            if name in r["kernel"] and "HAS_SINKS=True" in r.get("constexprs", "")
+        ]
+        assert {r["arch"] for r in with_sinks} == {80, 90}, f"{name} with sinks not compiled"
     prov = report["provenance"]
     for key in ("date", "triton", "torch", "ptxas_sm80", "ptxas_sm90", "commit", "machine"):
         assert prov.get(key), key
