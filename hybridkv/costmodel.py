@@ -141,29 +141,40 @@ def _context_sum(new: int, cached: int, window: int | None) -> int:
     return below + window * (hi - window)
 
 
-def _attention_terms(model: HybridModel) -> tuple[tuple[int, int | None], ...]:
-    """(FLOPs per context token, sliding window or None) of every attention layer on one rank,
-    in layer order: ``QK^T`` and ``PV`` are ``2 * heads * (head_dim + head_dim_v)``; absorbed MLA
-    scores over the latent and takes values over its rank-r part. A sparse-attention indexer's
-    keys add no term: the spec does not carry the indexer's query heads, and its layer's
-    attention (top-k tokens only) is counted dense over the whole context, an upper bound."""
-    terms = []
+def _attention_terms(model: HybridModel) -> tuple[tuple[float, int | None], ...]:
+    """(FLOPs per context token, window or None) of every attention layer on one rank, in layer
+    order: ``QK^T`` and ``PV`` are ``2 * heads * (head_dim + head_dim_v)``; absorbed MLA scores
+    over the latent and takes values over its rank-r part. A layer whose queries attend at most
+    ``sparse_topk`` tokens (an indexer picks them) counts as a window of that many: each query
+    reads ``min(context, k)`` tokens, the same sum as a sliding window's. A sparse-attention
+    indexer scores every pool of ``pool_tokens`` tokens with ``index_n_heads`` query heads of
+    ``index_head_dim``: ``2 * heads * dim / pool`` per context token, over the whole context
+    (none counted when the spec does not know its heads). The top-k selection itself and the
+    pools' compression are not counted."""
+    terms: list[tuple[float, int | None]] = []
     for layer in model.attention_layers:
         spec = layer.spec
         if isinstance(spec, IndexerSpec):
+            if spec.index_n_heads:
+                work, pool = 2 * spec.index_n_heads * spec.index_head_dim, spec.pool_tokens
+                terms.append((work // pool if work % pool == 0 else work / pool, None))
             continue
         if isinstance(spec, MLASpec):
             heads = spec.num_heads // spec.tp_size
-            terms.append((2 * heads * (spec.latent_dim + spec.kv_lora_rank), None))
+            terms.append(
+                (2 * heads * (spec.latent_dim + spec.kv_lora_rank), spec.sparse_topk or None)
+            )
             continue
         assert isinstance(spec, FullAttentionSpec)
         dv = spec.head_dim_v or spec.head_dim
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        terms.append((2 * spec.heads_per_rank * (spec.head_dim + dv), window))
+        limits = [spec.sliding_window] if isinstance(spec, SlidingWindowSpec) else []
+        if spec.sparse_topk:
+            limits.append(spec.sparse_topk)
+        terms.append((2 * spec.heads_per_rank * (spec.head_dim + dv), min(limits, default=None)))
     return tuple(terms)
 
 
-def _attention(terms: Sequence[tuple[int, int | None]], new: int, cached: int) -> float:
+def _attention(terms: Sequence[tuple[float, int | None]], new: int, cached: int) -> float:
     """Attention FLOPs of ``new`` tokens after ``cached`` ones over ``terms``: one exact integer
     converted once while below 2**53, else the float sum layer by layer."""
     exact = sum(per_ctx * _context_sum(new, cached, w) for per_ctx, w in terms)
@@ -284,7 +295,8 @@ class StepCoster:
     The attention FLOPs are a sum of integer products, evaluated as one exact integer and
     converted once (past 2**53, where a float loses integers, as a float sum layer by layer). A
     decode step needs only the batch size and the sum of its contexts, unless the model has
-    sliding-window layers (then pass ``contexts``)."""
+    sliding-window or top-k sparse layers (then pass ``contexts``). Bytes count every layer's
+    whole context read, windowed and sparse ones too: an upper bound for them."""
 
     def __init__(
         self,
@@ -361,7 +373,9 @@ class StepCoster:
         attn = self.full_per_ctx * (context_sum + batch)  # sum of (context + 1)
         if self.windows or attn >= _EXACT:
             if contexts is None:
-                raise ValueError("this model has sliding-window layers: pass contexts")
+                raise ValueError(
+                    "this model has sliding-window or top-k sparse layers: pass contexts"
+                )
             # the attention work depends only on the context: once per distinct value
             uniq, counts = np.unique(np.asarray(contexts, np.int64), return_counts=True)
             attn = float(

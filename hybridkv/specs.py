@@ -11,7 +11,7 @@ GDN's recurrent state is ``(num_v_heads / tp, head_v_dim, head_k_dim)`` as in vL
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -72,16 +72,26 @@ class LayerSpec:
         _positive(self, "tp_size")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form (architecture numbers only, runtime options omitted)."""
+        """Plain-JSON form (architecture numbers only, runtime options omitted; a field made
+        by :func:`_sparse_field` only when it differs from its default)."""
         out: dict[str, Any] = {"kind": self.kind}
         for f in fields(self):
             if f.name in _RUNTIME_FIELDS:
                 continue
-            out[f.name] = getattr(self, f.name)
+            value = getattr(self, f.name)
+            if f.metadata.get("omit_default") and value == f.default:
+                continue
+            out[f.name] = value
         return out
 
 
 _RUNTIME_FIELDS = {"tp_size", "kv_dtype", "conv_dtype", "ssm_dtype", "num_spec_tokens"}
+
+
+def _sparse_field(default: int) -> Any:
+    """A field of the sparse-attention families only: left out of :meth:`LayerSpec.to_dict`
+    at its default, so that every other model's JSON form stays as it was."""
+    return field(default=default, metadata={"omit_default": True})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +131,11 @@ class FullAttentionSpec(AttentionSpec):
     KV heads are split across TP ranks; when TP exceeds the KV head count each rank keeps one
     replicated head (vLLM's ``max(1, num_kv_heads // tp)``), which needs
     ``tp % num_kv_heads == 0``.
+
+    ``sparse_topk`` (0: dense): the most cached tokens a query attends, when a sparse-attention
+    indexer picks them (Qwen4-Exp's QSA: ``indexer_budget`` tokens of whole compressed blocks
+    plus the open block's tail, ``indexer_compress_ratio - 1`` at most). Every token is still
+    cached; only the work per query is bounded.
     """
 
     kind: ClassVar[str] = "full_attention"
@@ -129,12 +144,14 @@ class FullAttentionSpec(AttentionSpec):
     num_kv_heads: int
     head_dim: int
     head_dim_v: int | None = None
+    sparse_topk: int = _sparse_field(0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         _positive(self, "num_heads", "num_kv_heads", "head_dim", "head_dim_v")
+        _positive(self, "sparse_topk", minimum=0)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
@@ -188,6 +205,11 @@ class MLASpec(AttentionSpec):
     blocks that are multiples of 64 tokens (vLLM's MLA alignment). ``qk_rope_head_dim`` may be
     0: GLM-5-Next's MLA is NoPE (transformers' Glm5NextTextConfig refuses any rope width), its
     cache the ``kv_lora_rank`` latent alone.
+
+    ``sparse_topk`` (0: dense): the most cached tokens a query attends when a sparse-attention
+    indexer picks them (DeepSeek-V3.2's ``index_topk``; GLM-5-Next's ``index_topk`` tokens of
+    whole k-pools plus the open pool's tail, ``index_kpool - 1`` at most, on the layers whose
+    indexer is ``full`` and the ``shared`` ones that reuse its top-k).
     """
 
     kind: ClassVar[str] = "mla"
@@ -195,11 +217,12 @@ class MLASpec(AttentionSpec):
     num_heads: int
     kv_lora_rank: int
     qk_rope_head_dim: int
+    sparse_topk: int = _sparse_field(0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive(self, "num_heads", "kv_lora_rank")
-        _positive(self, "qk_rope_head_dim", minimum=0)
+        _positive(self, "qk_rope_head_dim", "sparse_topk", minimum=0)
         _divide(self.num_heads, self.tp_size, "num_heads", "use a TP size that divides the heads")
 
     @property
@@ -251,6 +274,11 @@ class IndexerSpec(AttentionSpec):
     TP split rule: none; the key has a single head, every rank keeps it whole (vLLM: "no tensor
     parallel, just replicated", ``max_tp_shards=1``). Kernel alignment 64 tokens: DeepGEMM's
     paged MQA-logits kernel reads 64-token pages (vLLM's ``DeepseekV32IndexerBackend``).
+
+    For the cost model only (no byte depends on them): ``index_n_heads``, the indexer's query
+    heads, each scoring every scored key (0: not known, no work counted), and ``pool_tokens``,
+    the tokens one scored key stands for (GLM-5-Next's ``index_kpool``, Qwen4-Exp's
+    ``indexer_compress_ratio``; 1: every token is scored, as DeepSeek-V3.2).
     """
 
     kind: ClassVar[str] = "indexer"
@@ -258,11 +286,13 @@ class IndexerSpec(AttentionSpec):
 
     index_head_dim: int
     side_channels: int = 0
+    index_n_heads: int = _sparse_field(0)
+    pool_tokens: int = _sparse_field(1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive(self, "index_head_dim")
-        _positive(self, "side_channels", minimum=0)
+        _positive(self, "index_head_dim", "pool_tokens")
+        _positive(self, "side_channels", "index_n_heads", minimum=0)
 
     @property
     def row_elements(self) -> int:

@@ -9,6 +9,7 @@ import pytest
 from hybridkv import costmodel as cm
 from hybridkv.layouts import make_plan
 from hybridkv.models.model import HybridModel
+from hybridkv.specs import spec_from_dict
 
 # One attention layer (8 query heads, 2 KV heads of 128) and one Gated DeltaNet layer
 # (2 key heads, 4 value heads of 64, conv kernel 4), everything bf16.
@@ -269,3 +270,65 @@ def test_parameter_counts_come_from_the_zoo_files():
     assert cm.param_count(dataclasses.replace(model, params=mine)) is mine
     # a model read from a config alone is matched on its name
     assert cm.param_count(dataclasses.replace(model, params=None)) == model.params
+
+
+# ---- top-k sparse attention (GLM-5-Next, Qwen4-Exp) ---------------------------------------------
+def _sparse_toy(topk: int, index_heads: int, pool: int) -> HybridModel:
+    """The toy with its attention layer reading at most ``topk`` tokens a query, picked by an
+    indexer of ``index_heads`` query heads of 64 scoring one key per ``pool`` tokens."""
+    sparse = dict(TOY)
+    sparse["mixers"] = [
+        {**TOY["mixers"][0], "sparse_topk": topk},
+        {
+            "kind": "indexer",
+            "index_head_dim": 64,
+            "index_n_heads": index_heads,
+            "pool_tokens": pool,
+            "layers": [1],
+        },
+        TOY["mixers"][1],
+    ]
+    return HybridModel.from_dict(sparse)
+
+
+@pytest.mark.parametrize("pool", [1, 16, 48], ids=["per-token", "kpool-16", "pool-48"])
+def test_sparse_attention_reads_topk_and_the_indexer_scores_the_whole_context(pool):
+    model = _sparse_toy(topk=256, index_heads=8, pool=pool)
+    score = 2 * 8 * 64 / pool  # FLOPs per context token of the indexer's scoring
+    # short contexts: the top-k holds them all, attention is dense
+    assert cm.attention_flops(model, 1, 99) == pytest.approx((ATTN_PER_CTX + score) * 100)
+    # long ones: attention reads 256 tokens a query, the indexer scores every pool
+    assert cm.attention_flops(model, 1, 9_999) == pytest.approx(
+        ATTN_PER_CTX * 256 + score * 10_000
+    )
+    prefill = cm.attention_flops(model, 1000, 0)  # query i sees min(i + 1, 256) tokens
+    attended = sum(min(i + 1, 256) for i in range(1000))
+    assert prefill == pytest.approx(ATTN_PER_CTX * attended + score * 1000 * 1001 / 2)
+    # the decode needs the contexts, as with a sliding window, and follows the same sums
+    coster = cm.StepCoster(model, cm.H200, params=DENSE)
+    assert coster.windows == ((ATTN_PER_CTX, 256),)
+    with pytest.raises(ValueError, match="top-k sparse layers: pass contexts"):
+        coster.decode_s(2, 40)
+    contexts = [10, 5000]
+    expected = sum(cm.attention_flops(model, 1, c) for c in contexts)
+    assert coster.decode_flops(2, 5010, contexts) == pytest.approx(
+        expected + coster.per_token * 2 + coster.state_fpt * 2
+    )
+
+
+def test_an_indexer_with_unknown_heads_adds_no_work_and_dense_specs_keep_their_json(toy):
+    # index_n_heads 0: the spec keeps the bytes only; attention alone is still capped at top-k
+    model = _sparse_toy(topk=64, index_heads=0, pool=1)
+    assert cm.attention_flops(model, 1, 999) == ATTN_PER_CTX * 64
+    # the sparse fields appear in a spec's JSON form only where set: dense models read as before
+    attn = toy.attention_layers[0].spec.to_dict()
+    assert "sparse_topk" not in attn
+    sparse = {layer.spec.kind: layer.spec.to_dict() for layer in model.attention_layers}
+    assert sparse["full_attention"]["sparse_topk"] == 64
+    assert not {"pool_tokens", "index_n_heads"} & set(sparse["indexer"])  # both at defaults
+    for layer in model.attention_layers:
+        assert spec_from_dict(layer.spec.to_dict()) == layer.spec
+    with pytest.raises(ValueError, match="sparse_topk must be an integer >= 0"):
+        _sparse_toy(topk=-1, index_heads=8, pool=1)
+    with pytest.raises(ValueError, match="pool_tokens must be a positive integer"):
+        _sparse_toy(topk=64, index_heads=8, pool=0)

@@ -587,6 +587,16 @@ def test_glm5_next_reads_every_size_field():
     mla, indexer, kda = (by_kind[k][0].spec for k in ("mla", "indexer", "kda"))
     assert (mla.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim) == (16, 256, 0)
     assert (indexer.index_head_dim, indexer.side_channels) == (64, 65)
+    # the cost model's: a query attends index_topk tokens plus the open k-pool's tail, the
+    # indexer scores one key per k-pool with index_n_heads heads
+    assert (mla.sparse_topk, indexer.index_n_heads, indexer.pool_tokens) == (512 + 7, 8, 8)
+    no_tail = {**saved, "text_config": {**saved["text_config"]}}
+    no_tail["text_config"]["index_kpool_always_select_tail"] = False
+    assert {
+        layer.spec.sparse_topk
+        for layer in models.from_hf_config(no_tail).layers
+        if layer.spec.kind == "mla"
+    } == {512}
     assert (kda.num_heads, kda.head_dim, kda.conv_kernel, kda.ssm_dtype) == (16, 64, 4, "float32")
     assert "indexer cache read in transformers' layout" in model.doubts
     assert "missing" not in model.doubts  # every size given
@@ -668,6 +678,8 @@ def test_qwen4_exp_reads_every_size_field():
     attn, indexer, ple = spec["full_attention"], spec["indexer"], spec["ple_conv"]
     assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (16, 2, 128)
     assert (indexer.index_head_dim, indexer.side_channels) == (128, 0)
+    # a query attends indexer_budget tokens of whole blocks plus the open block's tail
+    assert (attn.sparse_topk, indexer.index_n_heads, indexer.pool_tokens) == (2048 + 15, 16, 16)
     assert (ple.conv_dim, ple.conv_kernel, ple.dilation) == (4 * 2048, 4, 3)
     assert spec["gated_deltanet"].ssm_dtype == "bfloat16"  # vLLM: auto is the conv dtype
     assert "missing" not in model.doubts
@@ -681,6 +693,9 @@ def test_qwen4_exp_reads_every_size_field():
     # no indexer fields: no indexer cache, said among the doubts
     plain = models.from_hf_config(_without(saved, "indexer_head_dim"))
     assert "indexer" not in plain.layer_kinds and "no indexer_head_dim" in plain.doubts
+    assert {layer.spec.sparse_topk for layer in plain.attention_layers} == {0}  # dense
+    with pytest.raises(ValueError, match="indexer_budget 2040 is not a multiple of"):
+        models.from_hf_config({**saved, "indexer_budget": 2040})
     # absent sizes take Qwen4ExpTextConfig's defaults
     bare = models.from_hf_config(_without(saved, "ple_conv_kernel_size", "hc_count"))
     assert (

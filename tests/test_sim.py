@@ -9,7 +9,7 @@ import pytest
 
 from hybridkv import models, traces
 from hybridkv.layouts import LAYOUTS, make_plan
-from hybridkv.sim import simulate
+from hybridkv.sim import SimConfig, simulate
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +196,31 @@ def test_a_thousand_chat_requests_run_to_the_end(layout):
     result = simulate(plan, model, trace)
     assert result.finished == 1000
     assert result.output_tokens == sum(r.output_length for r in trace.requests)
+
+
+def test_a_top_k_sparse_model_is_simulated_with_its_contexts():
+    """GLM-5-Next's indexed MLA reads at most its top-k tokens a query: the cost model counts it
+    as a window, so the scheduler hands each decode step its contexts (as for sliding windows)
+    and the simulation runs to the end."""
+    pytest.importorskip("transformers")
+    from hybridkv import costmodel as cm
+    from hybridkv.e2e import hybrid_model_for, make_tiny_plan
+    from hybridkv.e2e.families import TINY_CONFIGS
+
+    config = TINY_CONFIGS["glm5_next"]()
+    model = hybrid_model_for(config)
+    assert {layer.spec.sparse_topk for layer in model.layers if layer.spec.kind == "mla"} == {19}
+    params = cm.ParamCount(1e6, 1e6, "tiny")
+    assert cm.StepCoster(model, cm.H100_SXM, params=params).windows, "no contexts asked for"
+    plan = make_tiny_plan(config, "two_level", state_slots_per_seq=1)
+    steps = []
+    r = simulate(
+        plan,
+        model,
+        traces.shared_prefix(12, seed=0),
+        SimConfig(checkpoint_policy="last", params=params),
+        on_step=steps.append,
+    )
+    assert r.finished == 12
+    decoding = [out for out in steps if out.decode or out.num_parked]
+    assert decoding and all(out.decode_contexts for out in decoding)

@@ -809,7 +809,11 @@ def _glm5_next(c: _Config) -> list[dict[str, Any]]:
     modes = _indexer_types(c, n)
     full = [i for i in indexed if modes[i] == "full"]
     mixers: list[dict[str, Any]] = []
+    kpool = c.integer("index_kpool", default=1)
     if indexed:
+        # a query attends index_topk tokens of whole k-pools, plus the open pool's tail when
+        # index_kpool_always_select_tail (transformers' default): index_kpool - 1 at most
+        tail = _flag(c, "index_kpool_always_select_tail", default=True)
         mixers.append(
             {
                 "kind": "mla",
@@ -817,13 +821,21 @@ def _glm5_next(c: _Config) -> list[dict[str, Any]]:
                 "kv_lora_rank": c.integer("kv_lora_rank"),
                 # transformers: 0 (NoPE), and Glm5NextTextConfig refuses any other
                 "qk_rope_head_dim": c.integer("qk_rope_head_dim", default=0, minimum=0),
+                "sparse_topk": c.integer("index_topk") + (kpool - 1 if tail else 0),
                 "layers": indexed,
             }
         )
     if full:
         dim = c.integer("index_head_dim")
         mixers.append(
-            {"kind": "indexer", "index_head_dim": dim, "side_channels": dim + 1, "layers": full}
+            {
+                "kind": "indexer",
+                "index_head_dim": dim,
+                "side_channels": dim + 1,
+                "index_n_heads": c.integer("index_n_heads"),
+                "pool_tokens": kpool,
+                "layers": full,
+            }
         )
         c.doubts.append(
             "indexer cache read in transformers' layout (per token: key, k-pool gate score and "
@@ -846,6 +858,17 @@ def _glm5_next(c: _Config) -> list[dict[str, Any]]:
             }
         )
     return mixers
+
+
+def _flag(c: _Config, key: str, *, default: bool) -> bool:
+    """A boolean field; ``default`` (transformers', said among the doubts) when absent."""
+    value = c.data.get(key)
+    if value is None:
+        c.doubts.append(f"{key} missing: {default!r}, transformers' default")
+        return default
+    if not isinstance(value, bool):
+        raise c._wrong(key, value, "true or false")
+    return value
 
 
 def _indexer_types(c: _Config, n: int) -> list[str]:
@@ -897,7 +920,6 @@ def _qwen4_exp(c: _Config) -> list[dict[str, Any]]:
     )
     mixers: list[dict[str, Any]] = []
     if attn:
-        mixers.append(c.attention(attn))
         if c.has("indexer_head_dim"):
             kv_heads = c.integer("indexer_kv_heads", default=1)
             if kv_heads != 1:
@@ -905,10 +927,20 @@ def _qwen4_exp(c: _Config) -> list[dict[str, Any]]:
                     f"indexer_kv_heads is {kv_heads}; Qwen4-Exp's QSA indexer keeps one key head "
                     "(transformers' Qwen4ExpTextConfig requires 1)"
                 )
+            ratio, budget = c.integer("indexer_compress_ratio"), c.integer("indexer_budget")
+            if budget % ratio:
+                raise c.error(
+                    f"indexer_budget {budget} is not a multiple of indexer_compress_ratio "
+                    f"{ratio} (transformers' Qwen4ExpTextConfig requires it)"
+                )
+            # a query attends the budget's whole compressed blocks plus the open block's tail
+            mixers.append(c.attention(attn, sparse_topk=budget + ratio - 1))
             mixers.append(
                 {
                     "kind": "indexer",
                     "index_head_dim": c.integer("indexer_head_dim"),
+                    "index_n_heads": c.integer("indexer_n_heads"),
+                    "pool_tokens": ratio,
                     "layers": attn,
                 }
             )
@@ -919,6 +951,7 @@ def _qwen4_exp(c: _Config) -> list[dict[str, Any]]:
                 "model"
             )
         else:
+            mixers.append(c.attention(attn))
             c.doubts.append(
                 "no indexer_head_dim: read without a QSA indexer cache (transformers' "
                 "Qwen4ExpTextAttention needs the indexer_* fields to build at all)"
