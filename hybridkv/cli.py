@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from . import __version__, models
 from .alloc import AllocatorOptions, ConfigError
+from .costmodel import H100_SXM, H200
 from .executors import ExecutorUnavailable, add_executor_arguments, executor_options
 from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
@@ -29,8 +30,8 @@ DEFAULT_MEMORY = "40GiB"
 #: that ``torch.cuda.mem_get_info()`` reports, which is less than the datasheet's GB; how each
 #: figure was obtained is in ``GPU_MEMORY_SOURCES``. ``--gpu-total-memory`` overrides it.
 GPU_PRESETS: dict[str, tuple[int, str]] = {
-    "h100": (81_559 * 2**20, "hopper"),
-    "h200": (150_109_880_320, "hopper"),
+    "h100": (H100_SXM.memory_bytes, "hopper"),
+    "h200": (H200.memory_bytes, "hopper"),
     "h20": (96 * 10**9, "hopper"),
     "a100-80gb": (80 * 10**9, "ampere"),
     "a100-40gb": (40 * 10**9, "ampere"),

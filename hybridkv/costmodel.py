@@ -70,11 +70,16 @@ class GPU:
         return self.flops_fp8 if dtype_bytes(dtype) == 1 else self.flops_bf16
 
 
-# NVIDIA H100 Tensor Core GPU datasheet, SXM5 column: 3.35 TB/s HBM3, 80 GB; BF16 1,979 and FP8
-# 3,958 TFLOPS *with 2:4 sparsity*, so dense is half: 989 and 1,979 TFLOPS.
-H100_SXM = GPU("H100-SXM", 3.35e12, 989e12, 1979e12, 80 * 10**9)
-# NVIDIA H200 datasheet: 4.8 TB/s HBM3e, 141 GB; the same Hopper compute as H100 SXM.
-H200 = GPU("H200", 4.8e12, 989e12, 1979e12, 141 * 10**9)
+# NVIDIA H100 Tensor Core GPU datasheet, SXM5 column: 3.35 TB/s HBM3; BF16 1,979 and FP8
+# 3,958 TFLOPS *with 2:4 sparsity*, so dense is half: 989 and 1,979 TFLOPS. Memory: the total
+# the device reports, which vLLM's --gpu-memory-utilization multiplies, not the datasheet's
+# 80 GB: nvidia-smi's 81,559 MiB on an H100 80GB HBM3 (torch reports a little less; not
+# measured here).
+H100_SXM = GPU("H100-SXM", 3.35e12, 989e12, 1979e12, 81_559 * 2**20)
+# NVIDIA H200 datasheet: 4.8 TB/s HBM3e; the same Hopper compute as H100 SXM. Memory: the
+# total torch.cuda.get_device_properties(0).total_memory reported on the H200 of the GPU suite
+# runs (2026-11-26), 139.80 GiB, not the datasheet's 141 GB.
+H200 = GPU("H200", 4.8e12, 989e12, 1979e12, 150_109_880_320)
 GPUS = {"h100": H100_SXM, "h200": H200}
 
 

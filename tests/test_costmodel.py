@@ -62,7 +62,13 @@ def test_gpu_presets():
     assert cm.H200.hbm_bandwidth == 4.8e12
     assert cm.H100_SXM.flops_bf16 == cm.H200.flops_bf16 == 989e12
     assert cm.H100_SXM.flops("fp8") == 1979e12
-    assert cm.GPUS["h200"].memory_bytes == 141 * 10**9
+    # the totals the devices report (vLLM's budget base), not the datasheets' 80 / 141 GB
+    assert cm.GPUS["h200"].memory_bytes == 150_109_880_320
+    assert cm.GPUS["h100"].memory_bytes == 81_559 * 2**20
+    from hybridkv.cli import GPU_PRESETS
+
+    assert GPU_PRESETS["h100"][0] == cm.H100_SXM.memory_bytes
+    assert GPU_PRESETS["h200"][0] == cm.H200.memory_bytes
 
 
 @pytest.mark.parametrize(
