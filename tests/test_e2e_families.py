@@ -1,5 +1,5 @@
 """End to end for every hybrid family beyond Bamba and Qwen3-Next (tests/test_e2e.py): tiny
-random Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, RecurrentGemma,
+random Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, LFM3, RecurrentGemma,
 Kimi-Linear, GraniteSWA and GraniteMoeSWA (attention sinks in the paged kernels) served by
 :class:`hybridkv.e2e.engine.Engine` out of every layout's plan, against the same model run by
 transformers alone, MiniMax included (its own MiniMaxCache); the families of ``REFUSED``

@@ -5,10 +5,10 @@ one end-to-end run takes seconds on a CPU under the Triton interpreter.
 :data:`TINY_CONFIGS` maps a family name to its config factory; :data:`SERVED` lists the families
 :class:`~hybridkv.e2e.engine.Engine` serves, :data:`REFUSED` the others (the engine raises
 :class:`~hybridkv.e2e.states.Unservable` for them, with the reason of
-:data:`hybridkv.e2e.states.REFUSED` or :data:`~hybridkv.e2e.states.REFUSED_ATTENTION`).
+:data:`hybridkv.e2e.states.REFUSED`).
 Every Mamba config keeps its chunk size at 32: transformers' torch scan pads a prefill to a
 multiple of it, and the default 256 would make every short prefill a 256-token one. Zamba2,
-LFM2 and RecurrentGemma untie their output embedding: tied and randomly initialised, their
+LFM2, LFM3 and RecurrentGemma untie their output embedding: tied and randomly initialised, their
 greedy token is the last input token again and again, which would make token equality a weak
 check.
 """
@@ -184,6 +184,25 @@ def tiny_lfm2_config():
         layer_types=["conv", "full_attention"],
         conv_L_cache=3,
         tie_word_embeddings=False,
+    )
+
+
+def tiny_lfm3_config():
+    """LFM3: a gated short conv, full attention, then sliding-window attention (window 16)."""
+    from transformers import Lfm3Config
+
+    return Lfm3Config(
+        **_COMMON,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "sliding_attention"],
+        sliding_window=16,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
 
 
@@ -425,6 +444,7 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_5": tiny_qwen3_5_config,
     "jamba": tiny_jamba_config,
     "lfm2": tiny_lfm2_config,
+    "lfm3": tiny_lfm3_config,
     "recurrent_gemma": tiny_recurrent_gemma_config,
     "minimax": tiny_minimax_config,
     "kimi_linear": tiny_kimi_linear_config,
