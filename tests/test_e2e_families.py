@@ -1,10 +1,10 @@
-"""End to end for every hybrid family beyond Bamba and Qwen3-Next (tests/test_e2e.py): tiny
-random Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, LFM3, RecurrentGemma,
-Kimi-Linear, GraniteSWA and GraniteMoeSWA (attention sinks in the paged kernels) served by
-:class:`hybridkv.e2e.engine.Engine` out of every layout's plan, against the same model run by
-transformers alone, MiniMax included (its own MiniMaxCache); the families of ``REFUSED``
-(RWKV's and xLSTM's states, GLM-5-Next's and Qwen4-Exp's sparse-attention indexers and
-Qwen4-Exp's PLE conv) refused with the reason.
+"""End to end for every hybrid family beyond Bamba and Qwen3-Next (tests/test_e2e.py): tiny random
+Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, LFM3, RecurrentGemma,
+Kimi-Linear, Bailing hybrid (MLA with rotary and an output gate), GraniteSWA and GraniteMoeSWA
+(attention sinks in the paged kernels) served by :class:`hybridkv.e2e.engine.Engine` out of
+every layout's plan, against the same model run by transformers alone, MiniMax included (its
+own MiniMaxCache); the families of ``REFUSED`` (RWKV's and xLSTM's states, GLM-5-Next's and
+Qwen4-Exp's sparse-attention indexers and Qwen4-Exp's PLE conv) refused with the reason.
 
 The serving test runs each family on two of the five layouts (rotating; every layout is served
 by several families); ``HYBRIDKV_FULL_E2E=1`` serves every family out of every layout.
@@ -159,6 +159,35 @@ def test_serve_matches_transformers(name, layout):
         assert hit.state_copies, "a prefix hit must restore the recurrent state from a checkpoint"
         assert eng.num_checkpoints > 0
     assert eng.max_decode_batch >= 2
+
+
+#: the families whose attention is MLA (a latent page: one row per token, no V)
+MLA_FAMILIES = [f for f in FAMILIES if "mla" in hybrid_model_for(TINY_CONFIGS[f]()).layer_kinds]
+
+
+def test_mla_families():
+    assert set(MLA_FAMILIES) == {"kimi_linear", "bailing_hybrid"}
+
+
+@pytest.mark.parametrize("name", MLA_FAMILIES)
+def test_mla_hit_inside_a_latent_page_copies_its_first_rows(name):
+    """``last``: the first turn's end state is cached at token 48, inside a 64-token latent
+    page, so the second turn's hit copies that page's first 48 latent rows into a page of its
+    own (``kv_copies`` of an MLA group: no V to copy) and still matches transformers."""
+    plan = make_tiny_plan(TINY_CONFIGS[name](), "two_level", cache_state_slots=4)
+    assert plan.block_size == 64
+    first = _prompt(45, seed=7)  # decode ends a step at token 48: the rolling checkpoint
+    eng = Engine(_model(name), plan, checkpoint_policy="last")
+    eng.generate({"t1": first}, N + 1)
+    second = first + eng.finished["t1"].output + _prompt(6, seed=8)
+    eng.generate({"t2": second}, N)
+    _assert_matches(eng, name, "t2", second)
+    hit = eng.finished["t2"].hits[0]
+    assert hit.num_cached_tokens == 48 and hit.state_copies
+    assert [(gid, n) for gid, _, _, n in hit.kv_copies] == [
+        (g.group_id, 48) for g in plan.groups if g.kind == "mla"
+    ]
+    assert eng.num_kv_copies == 1
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -21,7 +21,7 @@ which records that argument at each call. A sliding-window group's layers pass t
 window to the kernels (the allocator frees the blocks that fall out of it, so reading them
 would read the null block).
 
-MLA layers (Kimi-Linear) bypass the attention interface, which transformers hands K/V already
+MLA layers (Kimi-Linear, Bailing hybrid) bypass the attention interface, which transformers hands K/V already
 expanded from the latent: :func:`install_mla` has the module run :func:`mla_forward` (latent
 pages, absorbed ``mla_decode_attention``) inside an engine's forward.
 """
@@ -29,6 +29,7 @@ pages, absorbed ``mla_decode_attention``) inside an engine's forward.
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -257,21 +258,32 @@ def install_mla(module: torch.nn.Module) -> None:
     def forward(hidden_states, *args, **kwargs):
         if _CTX is None:
             return orig(hidden_states, *args, **kwargs)
-        if kwargs.get("position_embeddings") is not None:
-            raise NotImplementedError("mla_forward has no rotary embedding (Kimi-Linear is NoPE)")
-        return mla_forward(module, hidden_states), None
+        rotary = kwargs.get("position_embeddings")
+        if rotary is None and args and isinstance(args[0], tuple):
+            rotary = args[0]  # transformers passes (cos, sin) positionally after the states
+        return mla_forward(module, hidden_states, rotary), None
 
     module.forward = forward
     module.hybridkv_mla = True  # on the module: a later wrapper would replace ``forward``
 
 
-def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+def mla_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Absorbed MLA over the plan's latent pages, ``hidden_states [B, T, hidden]`` ->
     ``[B, T, hidden]``: the new tokens' latents ``[c_kv, k_pe]`` are written into the pages,
     ``W_UK`` (``kv_b_proj``'s key rows) is folded into the query and ``W_UV`` applied to the
     attention-weighted latent, and every query token is one :func:`mla_decode_attention` row
-    over its prefix (causal by construction; T rows per request in a prefill). No rotary
-    embedding: Kimi-Linear's MLA is NoPE (transformers applies none)."""
+    over its prefix (causal by construction; T rows per request in a prefill).
+
+    ``rotary`` (``cos, sin [B, T, qk_rope_head_dim]``, the model's position embeddings; None
+    for a NoPE MLA such as Kimi-Linear's): ``q_pe`` and ``k_pe`` are rotated by the module's
+    own DeepSeek-style interleaved rotary (its module's ``apply_rotary_pos_emb_interleave``) and
+    ``k_pe`` is cached rotated, as transformers' cache and vLLM's keep it. A module with a
+    head-wise output gate (``g_proj``: Bailing hybrid / Ling 3) multiplies each head's output by
+    ``sigmoid(g_proj(hidden))`` before ``o_proj``, as its own forward does."""
     from ..kernels import plan_mla_decode
 
     ctx = _CTX
@@ -284,6 +296,8 @@ def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.T
         q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)))
     q_nope, q_pe = q.view(b * t, h, d_nope + d_rope).split([d_nope, d_rope], dim=-1)
     c_kv, k_pe = m.kv_a_proj_with_mqa(hidden_states).split([m.kv_lora_rank, d_rope], dim=-1)
+    if rotary is not None:
+        q_pe, k_pe = _rotate_mla(m, q_pe, k_pe, rotary, b, t)
     latent = torch.cat([m.kv_a_layernorm(c_kv), k_pe], dim=-1).reshape(b * t, -1)
 
     layer = ctx.layer_of(m)
@@ -312,7 +326,36 @@ def mla_forward(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.T
     q_abs = torch.einsum("xhn,hnc->xhc", q_nope, w[:, :d_nope]).contiguous()
     out = plan.run(q_abs, q_pe.contiguous(), cache)
     out = torch.einsum("xhc,hvc->xhv", out, w[:, d_nope:])
+    gate_proj = getattr(m, "g_proj", None)
+    if gate_proj is not None:
+        gate = torch.sigmoid(gate_proj(hidden_states).float()).to(out.dtype)  # [B, T, H]
+        out = out * gate.reshape(b * t, h, 1)
     return m.o_proj(out.reshape(b, t, h * d_v))
+
+
+def _rotate_mla(
+    module: torch.nn.Module,
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    b: int,
+    t: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_pe [B*T, H, R]`` and ``k_pe [B, T, R]`` rotated by ``rotary`` (``cos, sin [B, T,
+    R]``) with the rotary function of the module's own transformers module; refused when that
+    module has no DeepSeek-style interleaved rotary (another layout would need its own)."""
+    rotate = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb_interleave", None)
+    if rotate is None:
+        raise NotImplementedError(
+            f"{type(module).__name__} applies a rotary embedding to its MLA but its module has "
+            "no apply_rotary_pos_emb_interleave (DeepSeek's layout), the only one the engine "
+            "knows; serve a NoPE MLA (Kimi-Linear) or one with that rotary (Bailing hybrid)"
+        )
+    cos, sin = rotary
+    h, r = q_pe.shape[1], q_pe.shape[2]
+    q_rot, k_rot = rotate(q_pe.reshape(b, t, h, r), k_pe.reshape(b, t, 1, r), cos, sin,
+                          unsqueeze_dim=2)  # fmt: skip
+    return q_rot.reshape(b * t, h, r), k_rot.reshape(b, t, r)
 
 
 def register() -> None:

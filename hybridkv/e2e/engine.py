@@ -33,10 +33,11 @@ only gathers a batch's slots, hands them over and scatters them back.
 Families (tests/test_e2e.py, tests/test_e2e_families.py), each matching transformers out of
 every layout: Bamba, Qwen3-Next, Falcon-H1 (attention and Mamba-2 in one layer), GraniteMoeHybrid,
 NemotronH, Zamba2 (its shared attention module is called with the decoder layer's index, which
-:func:`.attn.track_layer_index` records), Qwen3.5, Jamba (Mamba-1), LFM2 (short conv),
-RecurrentGemma (RG-LRU state in the model's modules; local attention through the kernels'
-sliding-window path) and Kimi-Linear (KDA; MLA through :func:`.attn.mla_forward` and
-``mla_decode_attention``). Jamba's and RecurrentGemma's recurrent modules cannot continue a
+:func:`.attn.track_layer_index` records), Qwen3.5, Jamba (Mamba-1), LFM2 and LFM3 (short
+conv; LFM3's sliding windows through the kernels' window path), RecurrentGemma (RG-LRU state in
+the model's modules; local attention through the kernels' sliding-window path), Kimi-Linear and
+Bailing hybrid (KDA; MLA through :func:`.attn.mla_forward` and ``mla_decode_attention``,
+Bailing's with a rotary rope part and an output gate). Jamba's and RecurrentGemma's recurrent modules cannot continue a
 multi-token forward from a state in transformers, so the engine steps them token by token
 (:mod:`.states`). MiniMax (lightning attention) keeps its state in its own ``MiniMaxCache``,
 which its forward insists on: the engine builds each forward's cache with
@@ -446,6 +447,9 @@ class Engine:
             self.num_kv_copies += 1
             for k_cache, v_cache, g in self.attn_layers.values():
                 if g != gid:
+                    continue
+                if v_cache is None:  # an MLA latent page: one row per token, no V
+                    k_cache[dst, :n] = k_cache[src, :n]
                     continue
                 bs = k_cache.shape[1]
                 slots = dst * bs + torch.arange(n, dtype=torch.int64)

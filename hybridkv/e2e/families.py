@@ -270,6 +270,41 @@ def tiny_kimi_linear_config():
     )
 
 
+def tiny_bailing_hybrid_config():
+    """Bailing hybrid (Ling 3): KDA, then MLA whose 16-dim rope part takes DeepSeek's
+    interleaved rotary, with a head-wise sigmoid output gate; dense MLPs (``first_k_dense``)."""
+    from transformers import BailingHybridConfig
+
+    return BailingHybridConfig(
+        **_COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=16,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_token=2,
+        num_expert_group=1,
+        topk_group=1,
+        first_k_dense_replace=2,
+        layer_group_size=2,
+        num_nextn_predict_layers=0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 def tiny_granite_swa_config():
     """GraniteSWA: full attention, then two sliding-window layers (window 16), all with
     learnable attention sinks (random in :func:`~hybridkv.e2e.build_tiny_model`)."""
@@ -448,6 +483,7 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "recurrent_gemma": tiny_recurrent_gemma_config,
     "minimax": tiny_minimax_config,
     "kimi_linear": tiny_kimi_linear_config,
+    "bailing_hybrid": tiny_bailing_hybrid_config,
     "granite_swa": tiny_granite_swa_config,
     "granitemoe_swa": tiny_granitemoe_swa_config,
     "rwkv": tiny_rwkv_config,
