@@ -21,10 +21,9 @@ which records that argument at each call. A sliding-window group's layers pass t
 window to the kernels (the allocator frees the blocks that fall out of it, so reading them
 would read the null block).
 
-MLA layers (Kimi-Linear, Bailing hybrid) bypass the attention interface, which transformers hands K/V already
-expanded from the latent: :func:`install_mla` has the module run :func:`mla_forward` (latent
-pages, absorbed ``mla_decode_attention``) inside an engine's forward.
-"""
+MLA layers (Kimi-Linear, Bailing hybrid) bypass the attention interface, which transformers hands
+K/V already expanded from the latent: :func:`install_mla` has the module run :func:`mla_forward`
+(latent pages, absorbed ``mla_decode_attention``) inside an engine's forward."""
 
 from __future__ import annotations
 

@@ -30,21 +30,21 @@ Where transformers keeps each kind of recurrent state, and how the plan's slot l
 convert to it, is :mod:`.states` (one :class:`~.states.StateFormat` per state kind); the engine
 only gathers a batch's slots, hands them over and scatters them back.
 
-Families (tests/test_e2e.py, tests/test_e2e_families.py), each matching transformers out of
-every layout: Bamba, Qwen3-Next, Falcon-H1 (attention and Mamba-2 in one layer), GraniteMoeHybrid,
+Families (tests/test_e2e.py, tests/test_e2e_families.py), each matching transformers out of every
+layout: Bamba, Qwen3-Next, Falcon-H1 (attention and Mamba-2 in one layer), GraniteMoeHybrid,
 NemotronH, Zamba2 (its shared attention module is called with the decoder layer's index, which
-:func:`.attn.track_layer_index` records), Qwen3.5, Jamba (Mamba-1), LFM2 and LFM3 (short
-conv; LFM3's sliding windows through the kernels' window path), RecurrentGemma (RG-LRU state in
-the model's modules; local attention through the kernels' sliding-window path), Kimi-Linear and
-Bailing hybrid (KDA; MLA through :func:`.attn.mla_forward` and ``mla_decode_attention``,
-Bailing's with a rotary rope part and an output gate). Jamba's and RecurrentGemma's recurrent modules cannot continue a
-multi-token forward from a state in transformers, so the engine steps them token by token
-(:mod:`.states`). MiniMax (lightning attention) keeps its state in its own ``MiniMaxCache``,
+:func:`.attn.track_layer_index` records), Qwen3.5, Jamba (Mamba-1), LFM2 and LFM3 (short conv;
+LFM3's sliding windows through the kernels' window path), RecurrentGemma (RG-LRU state in the
+model's modules; local attention through the kernels' sliding-window path), Kimi-Linear and Bailing
+hybrid (KDA; MLA through :func:`.attn.mla_forward` and ``mla_decode_attention``, Bailing's with a
+rotary rope part and an output gate). Jamba's and RecurrentGemma's recurrent modules cannot
+continue a multi-token forward from a state in transformers, so the engine steps them token by
+token (:mod:`.states`). MiniMax (lightning attention) keeps its state in its own ``MiniMaxCache``,
 which its forward insists on: the engine builds each forward's cache with
-:func:`.states.cache_factory`. A plan with a layer kind no :class:`~.states.StateFormat` wires
-is refused with a :class:`~.states.Unservable` (a NotImplementedError) naming it and what is
-served (:func:`.states.check_wired`). Learnable attention sinks (GraniteSWA's ``s_aux``) run in
-the paged kernels.
+:func:`.states.cache_factory`. A plan with a layer kind no :class:`~.states.StateFormat` wires is
+refused with a :class:`~.states.Unservable` (a NotImplementedError) naming it and what is served
+(:func:`.states.check_wired`). Learnable attention sinks (GraniteSWA's ``s_aux``) run in the paged
+kernels.
 
 Private transformers fields: only ``config._attn_implementation``, saved, set and restored by
 :meth:`Engine._paged_attention` so that the same model still runs stock attention outside the
