@@ -280,6 +280,84 @@ def capacity(ctx: Context) -> list[Path]:
     return [ctx.save(fig, "capacity"), ctx.table("capacity", table)]
 
 
+#: the families transformers ships that the zoo has no released config of (issue: the newest
+#: hybrids), planned at their config classes' default sizes
+NEW_FAMILIES = (
+    "glm5_next",
+    "qwen4_exp",
+    "bailing_hybrid",
+    "lfm3",
+    "granite_swa",
+    "granitemoe_swa",
+    "rwkv",
+    "xlstm",
+)
+
+
+@register(
+    "new_families",
+    "The newest families at transformers' default sizes (not released checkpoints): what each "
+    "layer kind keeps, and the block and token capacity each layout gives them in 40 GiB.",
+)
+def new_families(ctx: Context) -> list[Path]:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hybridkv import models
+    from hybridkv.layouts import make_plan
+
+    rows, refused = [], []
+    for family in NEW_FAMILIES:
+        model = models.from_hf_config(CONFIG_MAPPING[family]().to_dict())
+        kinds = ", ".join(f"{n} {k}" for k, n in model.layer_kinds.items())
+        for layout in data.LAYOUT_ORDER:
+            try:
+                p = make_plan(model, layout, memory="40GiB", max_num_seqs=256)
+            except ValueError as exc:
+                block, tokens, pct = "does not fit", "-", "-"
+                refused.append(f"- {family}, {layout}: {exc}")
+            else:
+                block = f"{p.block_size:,}"
+                tokens = f"{p.capacity.token_capacity:,}"
+                pct = f"{100 * p.capacity.fraction_of_ideal:.1f}"
+                if not model.attention_layers:  # states only: no token is cached per token
+                    block, tokens, pct = "-", "no KV", "-"
+            rows.append(
+                {
+                    "family": family,
+                    "layers": kinds,
+                    "kv": f"{model.kv_bytes_per_token:,}",
+                    "state": f"{model.state_bytes_per_seq:,}"
+                    f" ({model.state_bytes_per_seq / 2**20:.1f} MiB)",
+                    "layout": layout,
+                    "block": block,
+                    "tokens": tokens,
+                    "pct": pct,
+                }
+            )
+    table = markdown_table(
+        rows,
+        [
+            ("family", "model_type"),
+            ("layers", "cache layers"),
+            ("kv", "KV B/token"),
+            ("state", "state B/request"),
+            ("layout", "layout"),
+            ("block", "block (tokens)"),
+            ("tokens", "token capacity"),
+            ("pct", "% of ideal"),
+        ],
+    )
+    note = (
+        "Sizes: transformers' config classes' defaults (`CONFIG_MAPPING[model_type]()`), read by "
+        "`hybridkv.models.from_hf_config` (bf16, TP 1; 40 GiB of cache, 256 running requests' "
+        "states). They are not released checkpoints' configs: Qwen4-Exp's defaults have no QSA "
+        "indexer and no PLE layers. Indexer keys in transformers' per-token layout (vLLM 0.33's "
+        "pooled layout is not modelled)."
+    )
+    why = "\n".join(["", "", "Plans that do not fit:", "", *refused]) if refused else ""
+    return [ctx.table("new_families", f"{note}\n\n{table}{why}")]
+
+
 # ---- (iv) padding -------------------------------------------------------------------------------
 @register(
     "padding",
