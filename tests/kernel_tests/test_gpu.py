@@ -371,3 +371,54 @@ def test_fp8_prefill_hopper_and_cuda_graph(bs):
     torch.cuda.synchronize()
     want = paged_prefill_attention_ref(q, k8, v8, tables, cu, seq, d**-0.5, k_scale=ks, v_scale=vs)
     _close(out, want)
+
+
+@pytest.mark.parametrize("window", [None, 128], ids=["full", "window128"])
+@pytest.mark.parametrize("splits", [1, 4], ids=["one-split", "four-splits"])
+def test_bf16_attention_sinks(splits, window):
+    """GPT-OSS / GraniteSWA's per-head sink logits in bf16 (the interpreter tests cover fp32 and
+    fp16): decode with one split (added before normalising) and several (added in the reduce),
+    prefill on the generic path and, on sm_90, every Hopper config that fits; sinks of both
+    signs and one large enough to take most of a head's weight."""
+    from hybridkv_kernels.paged_prefill import config_fits, plan_prefill
+
+    bs, hq, hkv, d, lens, q_lens = 16, 64, 8, 64, [2000, 300, 17], [64, 300, 17]
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    backing, k_cache, v_cache = synthetic_caches(
+        "classic", num_blocks, bs, hkv, d, d, torch.bfloat16
+    )
+    tables = _fill(k_cache, v_cache, lens, torch.bfloat16)
+    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
+    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    sinks = torch.randn(hq, device="cuda") * 3
+    sinks[0] = 12.0  # takes nearly all of head 0's weight
+    common = dict(
+        num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs, cache_dtype=torch.bfloat16,
+        q_dtype=torch.bfloat16, scale=d**-0.5, max_seq_len=max(lens), sliding_window=window,
+        sinks=True,
+    )  # fmt: skip
+    q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
+    want = paged_decode_attention_ref(
+        q, k_cache, v_cache, tables, seq, d**-0.5, sliding_window=window, sinks=sinks
+    )
+    plan = pd.plan_decode(tables, seq, num_splits=splits, **common)
+    for _ in range(2):  # the second launch takes the direct launcher
+        _close(plan.run(q, k_cache, v_cache, out=_nan(len(lens), hq, d), sinks=sinks), want)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    qp = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16)
+    want = paged_prefill_attention_ref(
+        qp, k_cache, v_cache, tables, cu, seq, d**-0.5, sliding_window=window, sinks=sinks
+    )
+    configs = [None, *(_hopper_configs() if _sm90() else [])]
+    ran = 0
+    for config in configs:
+        plan = plan_prefill(
+            tables, cu, seq, total_q=int(cu[-1]), max_query_len=max(q_lens), config=config,
+            **common,
+        )  # fmt: skip
+        if config is not None and not config_fits(config, plan.shape):
+            continue
+        out = _nan(int(cu[-1]), hq, d)
+        _close(plan.run(qp, k_cache, v_cache, out=out, sinks=sinks), want)
+        ran += 1
+    assert ran >= 1
