@@ -48,16 +48,23 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float = BF16_TOL) -> None
     assert err < tol * scale, (err, scale)
 
 
-@pytest.mark.parametrize("layout", SYNTHETIC)
-@pytest.mark.parametrize("lens", [[1, 300, 4097], [8192]], ids=["mixed", "long"])
-def test_bf16_decode_and_prefill(layout, lens):
-    dtype, hq, hkv, d, bs = torch.bfloat16, 16, 2, 128, 16
+def _paged_on_gpu(layout: str, lens: list[int], bs: int, hkv: int, d: int, dtype=torch.bfloat16):
+    """K/V caches in ``layout`` holding ``lens`` tokens of fresh random values (NaN where no
+    request owns the bytes), on the GPU with their block tables and lengths:
+    ``k_cache, v_cache, tables [B, max_blocks] int32, seq_lens [B] int32``."""
     num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
     backing, k_cache, v_cache = synthetic_caches(layout, num_blocks, bs, hkv, d, d, dtype)
     tables = _fill(k_cache, v_cache, lens, dtype)
     k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    tables = tables.cuda()
+    return k_cache, v_cache, tables.cuda(), seq
+
+
+@pytest.mark.parametrize("layout", SYNTHETIC)
+@pytest.mark.parametrize("lens", [[1, 300, 4097], [8192]], ids=["mixed", "long"])
+def test_bf16_decode_and_prefill(layout, lens):
+    dtype, hq, hkv, d, bs = torch.bfloat16, 16, 2, 128, 16
+    k_cache, v_cache, tables, seq = _paged_on_gpu(layout, lens, bs, hkv, d, dtype)
     q = torch.randn(len(lens), hq, d, device="cuda", dtype=dtype)
     out = _nan(len(lens), hq, d)
     got = paged_decode_attention(q, k_cache, v_cache, tables, seq, d**-0.5, out=out)
@@ -86,13 +93,7 @@ PAGE_CASES = [
 def test_bf16_decode_on_every_page_size(bs, hq, hkv, d, lens):
     """The config the table picks for each page class, and the split counts the plan picks
     (one split at a batch that fills the GPU, many for one long request)."""
-    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
-    backing, k_cache, v_cache = synthetic_caches(
-        "classic", num_blocks, bs, hkv, d, d, torch.bfloat16
-    )
-    tables = _fill(k_cache, v_cache, lens, torch.bfloat16)
-    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
-    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    k_cache, v_cache, tables, seq = _paged_on_gpu("classic", lens, bs, hkv, d)
     q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
     plan = pd.plan_decode(
         tables, seq, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
@@ -108,13 +109,7 @@ def test_bf16_decode_on_every_page_size(bs, hq, hkv, d, lens):
 @pytest.mark.parametrize("config", pd.CONFIGS, ids=str)
 def test_bf16_decode_every_config_that_fits(config):
     bs, hq, hkv, d, lens = 16, 16, 2, 256, [700, 33]
-    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
-    backing, k_cache, v_cache = synthetic_caches(
-        "classic", num_blocks, bs, hkv, d, d, torch.bfloat16
-    )
-    tables = _fill(k_cache, v_cache, lens, torch.bfloat16)
-    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
-    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    k_cache, v_cache, tables, seq = _paged_on_gpu("classic", lens, bs, hkv, d)
     shape = pd.decode_shape(
         device=torch.device("cuda"), block_size=bs, group=hq // hkv, head_dim_k=d, head_dim_v=d,
         cache_dtype=torch.bfloat16, batch=2, num_kv_heads=hkv, max_seq_len=700,
@@ -310,11 +305,7 @@ def test_bf16_prefill_hopper_configs(layout, bs, hq, hkv, d):
     from hybridkv_kernels.paged_prefill import config_fits, plan_prefill
 
     lens, q_lens = [3000, 700, 64], [500, 700, 64]
-    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
-    backing, k_cache, v_cache = synthetic_caches(layout, num_blocks, bs, hkv, d, d, torch.bfloat16)
-    tables = _fill(k_cache, v_cache, lens, torch.bfloat16)
-    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
-    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    k_cache, v_cache, tables, seq = _paged_on_gpu(layout, lens, bs, hkv, d)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
     q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16)
     want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, seq, d**-0.5)
@@ -383,13 +374,7 @@ def test_bf16_attention_sinks(splits, window):
     from hybridkv_kernels.paged_prefill import config_fits, plan_prefill
 
     bs, hq, hkv, d, lens, q_lens = 16, 64, 8, 64, [2000, 300, 17], [64, 300, 17]
-    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
-    backing, k_cache, v_cache = synthetic_caches(
-        "classic", num_blocks, bs, hkv, d, d, torch.bfloat16
-    )
-    tables = _fill(k_cache, v_cache, lens, torch.bfloat16)
-    k_cache, v_cache = _on_gpu(backing, k_cache, v_cache)
-    tables, seq = tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    k_cache, v_cache, tables, seq = _paged_on_gpu("classic", lens, bs, hkv, d)
     sinks = torch.randn(hq, device="cuda") * 3
     sinks[0] = 12.0  # takes nearly all of head 0's weight
     common = dict(
