@@ -1477,6 +1477,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="make only these figures")
     add_executor_arguments(parser, "a figure's independent simulator runs")
     parser.add_argument("--list", action="store_true", help="list the figures and exit")
+    parser.add_argument(
+        "--run-cache",
+        type=Path,
+        metavar="DIR",
+        help="keep each simulator run's result in DIR (e.g. paper/.run-cache, git-ignored), "
+        "keyed by the run and a hash of the code and data: a regeneration stopped half way "
+        "resumes from the runs it finished (default: keep nothing)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for f in FIGURES.values():
@@ -1487,7 +1495,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     try:
         with open_executor(options) as executor:
-            ctx = Context(out, small=args.small, jobs=args.jobs or 1, executor=executor)
+            ctx = Context(
+                out,
+                small=args.small,
+                jobs=args.jobs or 1,
+                executor=executor,
+                run_cache=args.run_cache,
+            )
             run(ctx, args.only, progress=progress)
     except (ValueError, ExecutorUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -12,6 +12,8 @@ on the same software give byte-identical files. Nothing random is drawn without 
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -28,7 +30,18 @@ from tqdm import tqdm
 
 from hybridkv.executors import Executor, LocalExecutor
 
-__all__ = ["FIGURES", "PACKAGES", "Context", "Figure", "Outcome", "Skip", "register", "run"]
+__all__ = [
+    "FIGURES",
+    "PACKAGES",
+    "CachedRun",
+    "Context",
+    "Figure",
+    "Outcome",
+    "Skip",
+    "code_fingerprint",
+    "register",
+    "run",
+]
 
 #: the packages the figures' runs execute: what a Ray cluster's nodes are sent
 #: (:class:`hybridkv.executors.ExecutorOptions`), since ``paper`` is not installed with hybridkv
@@ -66,6 +79,9 @@ class Context:
     jobs: int = 1
     summaries: dict[str, str] = field(default_factory=dict, compare=False)
     executor: Executor | None = field(default=None, compare=False)
+    #: keep each run of :meth:`map` here (:class:`CachedRun`), so that a regeneration stopped
+    #: half way resumes from the runs it finished (None: keep nothing)
+    run_cache: Path | None = None
 
     def summary(self, name: str, text: str) -> str:
         """Record the summary of figure ``name``, computed from its data; returns it."""
@@ -75,7 +91,11 @@ class Context:
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
         """``[fn(x) for x in items]``, on :attr:`executor`, or over up to ``jobs`` spawned
         worker processes when ``jobs > 1`` (``fn`` must be a module-level function and
-        ``items`` picklable). The runs are deterministic, so the results depend on neither."""
+        ``items`` picklable). The runs are deterministic, so the results depend on neither.
+        With :attr:`run_cache`, each run's result is kept there and found again by later calls
+        while the code and data are the same (:class:`CachedRun`)."""
+        if self.run_cache is not None:
+            fn = CachedRun(fn, self.run_cache, code_fingerprint())
         return (self.executor or LocalExecutor(self.jobs)).map(fn, items)
 
     def save(self, fig: Any, name: str) -> Path:
@@ -90,6 +110,52 @@ class Context:
         path = self.out / f"{name}.md"
         path.write_text(text.rstrip() + "\n")
         return path
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def code_fingerprint() -> str:
+    """SHA-256 of every file a figure's run reads from this checkout: the packages' Python
+    (``hybridkv``, ``kernels``, ``paper``) and ``hybridkv``'s data (the zoo, the traces), by
+    path and contents. Any change to them makes every cached run stale."""
+    h = hashlib.sha256()
+    files = [
+        *(_ROOT / "hybridkv").rglob("*"),
+        *(_ROOT / "kernels").rglob("*.py"),
+        *(_ROOT / "paper").glob("*.py"),
+    ]
+    for path in sorted(p for p in files if p.is_file() and "__pycache__" not in p.parts):
+        h.update(str(path.relative_to(_ROOT)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class CachedRun:
+    """``fn`` with its result for each item kept in ``directory`` (one pickle a run, written by
+    the worker that made it, so a stopped map keeps what finished), keyed by ``fn``'s name,
+    the item's ``repr`` and ``code`` (:func:`code_fingerprint`). Picklable, so that it runs in
+    worker processes as ``fn`` would."""
+
+    fn: Callable[[Any], Any]
+    directory: Path
+    code: str
+
+    def path(self, item: Any) -> Path:
+        key = f"{self.fn.__module__}.{self.fn.__qualname__}|{self.code}|{item!r}"
+        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()}.pkl"
+
+    def __call__(self, item: Any) -> Any:
+        path = self.path(item)
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        result = self.fn(item)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".part")
+        partial.write_bytes(pickle.dumps(result))
+        partial.replace(path)  # whole or absent: a run stopped while writing leaves no entry
+        return result
 
 
 @dataclass(frozen=True)

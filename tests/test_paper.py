@@ -118,3 +118,20 @@ def test_jobs_below_one_is_an_error(registry, capsys):
     with pytest.raises(SystemExit):
         figures.main(["--jobs", "0", "--only", "block_sizes"])
     assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_run_cache_keeps_each_run_and_finds_it_again(tmp_path, registry):
+    """``--run-cache``: each run of ``Context.map`` is kept, read back instead of recomputed
+    while the code is the same, and keyed by the code's fingerprint."""
+    import pickle
+
+    module, _ = registry
+    cache = tmp_path / "cache"
+    ctx = module.Context(tmp_path / "out", run_cache=cache)
+    assert ctx.map(abs, [-3, 4]) == [3, 4]
+    assert len(list(cache.glob("*.pkl"))) == 2 and not list(cache.glob("*.part"))
+    run = module.CachedRun(abs, cache, module.code_fingerprint())
+    run.path(-3).write_bytes(pickle.dumps("kept"))  # read back, not recomputed
+    assert ctx.map(abs, [-3, 4]) == ["kept", 4]
+    assert module.CachedRun(abs, cache, "other code").path(-3) != run.path(-3)
+    assert module.Context(tmp_path / "out").map(abs, [-3]) == [3]  # no cache: computed
