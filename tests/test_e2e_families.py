@@ -340,3 +340,21 @@ def test_an_unwired_state_kind_is_refused_with_its_name(monkeypatch):
     with pytest.raises(states.Unservable, match="cannot be served") as err:
         Engine(model, make_tiny_plan(cfg, "per_group"))
     assert "no StateFormat for 'mamba2' layers (wired: " in str(err.value)
+
+
+def test_mla_rotary_by_halves_is_refused_not_served_interleaved():
+    """An MLA whose config sets ``rope_interleave=False`` (DeepSeek-V3's code then rotates the
+    rope part by halves) is refused by name: the engine's one rotary is the interleaved one,
+    and serving it that way would give wrong logits without an error."""
+    from types import SimpleNamespace
+
+    from hybridkv.e2e.attn import _rotate_mla
+
+    class HalvesMLA(torch.nn.Module):
+        config = SimpleNamespace(rope_interleave=False)
+
+    q_pe, k_pe = torch.randn(6, 2, 4), torch.randn(1, 6, 4)
+    rotary = (torch.randn(1, 6, 4), torch.randn(1, 6, 4))
+    with pytest.raises(NotImplementedError, match="rope_interleave=False") as err:
+        _rotate_mla(HalvesMLA(), q_pe, k_pe, rotary, 1, 6)
+    assert "HalvesMLA" in str(err.value)

@@ -342,7 +342,17 @@ def _rotate_mla(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q_pe [B*T, H, R]`` and ``k_pe [B, T, R]`` rotated by ``rotary`` (``cos, sin [B, T,
     R]``) with the rotary function of the module's own transformers module; refused when that
-    module has no DeepSeek-style interleaved rotary (another layout would need its own)."""
+    module has no DeepSeek-style interleaved rotary, or when its config turns it off
+    (``rope_interleave=False``: DeepSeek-V3's code then rotates halves, a layout the engine
+    would need its own function for)."""
+    config = getattr(module, "config", None)
+    if getattr(config, "rope_interleave", True) is False:
+        raise NotImplementedError(
+            f"{type(module).__name__} has rope_interleave=False in its config: its MLA rotates "
+            "the rope part by halves, and the engine knows only the interleaved rotary "
+            "(apply_rotary_pos_emb_interleave); serve it with rope_interleave=True, its "
+            "transformers default"
+        )
     rotate = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb_interleave", None)
     if rotate is None:
         raise NotImplementedError(
