@@ -197,9 +197,9 @@ def test_multi_turn_hit_copies_partial_block(name):
 
 
 def test_poison_catches_unwritten_state():
-    """Without zeroing a fresh request's slot its state is the NaN poison: the check works."""
+    """Without resetting a fresh request's slot its state is the NaN poison: the check works."""
     eng = Engine(_model("bamba"), _plan("bamba", "per_group"))
-    eng._zero_states = lambda r: None  # type: ignore[method-assign]
+    eng._fresh_states = lambda r: None  # type: ignore[method-assign]
     eng.generate({"p": _prompt(5, seed=0)}, 1)
     assert torch.isnan(eng.finished["p"].logits[0]).all()
 

@@ -3,8 +3,9 @@ Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, LFM3, Recu
 Kimi-Linear, Bailing hybrid (MLA with rotary and an output gate), GraniteSWA and GraniteMoeSWA
 (attention sinks in the paged kernels) served by :class:`hybridkv.e2e.engine.Engine` out of
 every layout's plan, against the same model run by transformers alone, MiniMax included (its
-own MiniMaxCache); the families of ``REFUSED`` (RWKV's and xLSTM's states, GLM-5-Next's and
-Qwen4-Exp's sparse-attention indexers and Qwen4-Exp's PLE conv) refused with the reason.
+own MiniMaxCache), and the pure-recurrent RWKV-4 (its five-tensor ``state`` argument) and xLSTM
+(its xLSTMCache); the families of ``REFUSED`` (GLM-5-Next's and Qwen4-Exp's sparse-attention
+indexers and Qwen4-Exp's PLE conv) refused with the reason.
 
 The serving test runs each family on two of the five layouts (rotating; every layout is served
 by several families); ``HYBRIDKV_FULL_E2E=1`` serves every family out of every layout.
@@ -37,6 +38,9 @@ N = 3  # tokens generated per request
 FAMILIES = [f for f in TINY_CONFIGS if f not in ("bamba", "qwen3_next", *REFUSED)]
 #: those with recurrent states (GraniteSWA's are sliding-window and full attention only)
 STATEFUL = [f for f in FAMILIES if hybrid_model_for(TINY_CONFIGS[f]()).state_layers]
+#: those with attention pages: a plan of RWKV or xLSTM (states only) holds no tokens, so a
+#: running request never needs more memory and nothing is ever preempted
+PAGED = [f for f in FAMILIES if hybrid_model_for(TINY_CONFIGS[f]()).attention_layers]
 
 
 @functools.cache
@@ -74,15 +78,40 @@ def test_tiny_references_are_not_degenerate():
 
 def test_stateful_families_are_the_hybrids():
     assert set(FAMILIES) - set(STATEFUL) == {"granite_swa", "granitemoe_swa"}
+    assert set(FAMILIES) - set(PAGED) == {"rwkv", "xlstm"}
+
+
+def _own_state(out) -> tuple[object, str]:
+    """The state an RWKV or xLSTM forward returned and the forward's keyword for it."""
+    if getattr(out, "state", None) is not None:
+        return out.state, "state"
+    return out.cache, "cache"
+
+
+def _tensors(held) -> list[torch.Tensor]:
+    """The tensors of RWKV's state list (the five ``[B, hidden, layers]``) or of an xLSTMCache
+    (every layer's C, n, m)."""
+    if isinstance(held, list):
+        return list(held)
+    return [t for layer in held.rnn_state.values() for t in layer]
 
 
 @pytest.mark.parametrize("name", STATEFUL)
 def test_states_matter(name):
     """The comparisons can see a lost state: transformers continuing 48 tokens in from zeroed
-    recurrent states (the cache's, MiniMax's linear cache, or RecurrentGemma's module
-    attributes) ends far outside the tolerance."""
+    recurrent states (the cache's, MiniMax's linear cache, RecurrentGemma's module
+    attributes, RWKV's state list, xLSTM's rnn_state) ends far outside the tolerance."""
     model, p = _model(name), torch.tensor([_prompt(54, seed=1)])
     kinds = hybrid_model_for(model.config).layer_kinds
+    if name in ("rwkv", "xlstm"):  # the model's own state, built and returned by its forward
+        with torch.no_grad():
+            full = model(p).logits[0, -1]
+            held, argument = _own_state(model(p[:, :48], use_cache=True))
+            for t in _tensors(held):
+                t.zero_()
+            cont = model(p[:, 48:], use_cache=True, **{argument: held}).logits[0, -1]
+        assert (full - cont).abs().max().item() > 100 * TOL
+        return
     cache = states.cache_factory(model.config, kinds)()  # MiniMax's forward takes only its own
     with torch.no_grad():
         full = model(p).logits[0, -1]
@@ -111,9 +140,9 @@ def serve_cases(full: bool) -> list[tuple[str, str]]:
     """(family, layout) pairs :func:`test_serve_matches_transformers` serves: with ``full``
     every family on every layout; else each family on two layouts, rotating with the family
     (``i + 1`` and ``i + 3``, so that together with the preemption test's ``i`` every family
-    meets four of the five), every layout served by several families. A layout's own code does
-    not depend on the family: ``tests/test_layouts.py`` checks every plan's views and
-    ``tests/test_e2e.py`` serves Bamba and Qwen3-Next out of all five."""
+    with attention pages meets four of the five), every layout served by several families. A
+    layout's own code does not depend on the family: ``tests/test_layouts.py`` checks every
+    plan's views and ``tests/test_e2e.py`` serves Bamba and Qwen3-Next out of all five."""
     if full:
         return [(name, layout) for name in FAMILIES for layout in LAYOUTS]
     n = len(LAYOUTS)
@@ -190,7 +219,7 @@ def test_mla_hit_inside_a_latent_page_copies_its_first_rows(name):
     assert eng.num_kv_copies == 1
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", PAGED)
 def test_preemption_matches_transformers(name):
     """Three prompts a few tokens short of a block in the smallest plan holding three blocks:
     decoding crosses the block boundary, the newest request is preempted, recomputed with its
@@ -290,6 +319,60 @@ def test_qwen3_5_keeps_its_ssm_state_in_fp32():
         assert torch.equal(back, held), part
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["rwkv", "xlstm"])
+def test_pure_recurrent_states_fill_their_slots_byte_for_byte(name, dtype):
+    """The state RWKV (five ``[B, hidden, layers]`` tensors) and xLSTM (``rnn_state``) leave
+    after a forward goes to the plan's layout (the engine's ``store``) with each slot's exact
+    shape and dtype, the spec's ``state_bytes`` per request and layer (the formula
+    tests/test_hf_cache_bytes.py checks against transformers), and comes back (``load`` into a
+    fresh state, every layer) bit for bit: the engine keeps all of it, in the plan's bytes."""
+    cfg = TINY_CONFIGS[name]()
+    plan = make_tiny_plan(cfg, "per_group", dtype=dtype)
+    buffers, hybrid = plan.allocate("cpu"), hybrid_model_for(cfg, dtype)
+    model = build_tiny_model(cfg, dtype=getattr(torch, dtype))
+    batch = torch.tensor([_prompt(9, seed=3), _prompt(9, seed=4)])
+    with torch.no_grad():
+        held, _ = _own_state(model(batch, use_cache=True))
+    fresh = states.cache_factory(cfg, [p.kind for p in plan.state_placements])()
+    assert len(plan.state_placements) == cfg.num_hidden_layers
+    for p in plan.state_placements:
+        fmt, views = states.FORMATS[p.kind], plan.state_views(buffers, p.layer)
+        module = fmt.module_of(model, p.layer_index)
+        mine = fmt.store(held, module, p.layer_index)
+        assert set(mine) == set(views) == set(fmt.parts)
+        for part, t in mine.items():
+            assert (t.shape[1:], t.dtype) == (views[part].shape[1:], views[part].dtype), part
+        assert (
+            sum(t.nbytes for t in mine.values())
+            == 2 * hybrid.layers[p.layer_index].spec.state_bytes
+        )
+        fmt.load(fresh, module, p.layer_index, mine)
+    for got, ref in zip(_tensors(fresh), _tensors(held), strict=True):
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+def test_rwkv_decodes_one_sequence_per_mixer_call():
+    """transformers' RWKV one-token forward is right for one sequence only (it adds the
+    ``[B, hidden]`` shift state to the ``[B, 1, hidden]`` input: ``[B, B, hidden]``); the engine
+    runs RWKV's decoders as one packed forward of one-token segments. Batched as the other
+    families' are, two requests decoding together leave transformers' tokens."""
+    name, prompts = "rwkv", {"x": _prompt(7, seed=2), "y": _prompt(9, seed=3)}
+    plan = make_tiny_plan(TINY_CONFIGS[name](), "per_group")
+    eng = Engine(_model(name), plan)
+    assert not eng.batched_decode
+    eng.generate(prompts, N)
+    for rid, prompt in prompts.items():
+        _assert_matches(eng, name, rid, prompt)
+    assert eng.max_decode_batch == 2
+    eng = Engine(_model(name), plan)
+    eng.batched_decode = True
+    eng.generate(prompts, N)
+    assert any(
+        eng.finished[r].output != _reference(name, tuple(p), N)[0] for r, p in prompts.items()
+    )
+
+
 @pytest.mark.parametrize("name", REFUSED)
 def test_refused_families_say_what_is_missing_and_what_is_served(name):
     """A family the engine cannot serve is refused before anything runs, with an Unservable
@@ -301,10 +384,7 @@ def test_refused_families_say_what_is_missing_and_what_is_served(name):
         Engine(_model(name), plan)
     message = str(err.value)
     assert "the engine serves softmax attention" in message and "mamba2" in message
-    if name == "rwkv":
-        assert "rwkv4 layers: RWKV-4 keeps no cache object" in message
-    if name == "xlstm":
-        assert "mlstm layers: xLSTM keeps its state in its own xLSTMCache" in message
+    assert "rwkv4" in message and "mlstm" in message  # served now, named as such
     if name in ("glm5_next", "qwen4_exp"):
         assert "indexer layers: a sparse-attention indexer" in message
         assert "no kernel scores or pools the indexer's keys" in message

@@ -4,9 +4,11 @@ of a tiny
 randomly initialised model of the family, in float32 and bfloat16; and every such family
 planned through every layout, at its tiny size and at transformers' default size.
 
-The families served end to end are compared token for token in tests/test_e2e_families.py;
-these families are refused there (the engine has no kernel for their attention or state), so
-this file is where their formulas meet transformers.
+The families served end to end are compared token for token in tests/test_e2e_families.py
+(GraniteSWA, GraniteMoeSWA, RWKV and xLSTM among them; there RWKV's and xLSTM's states also
+go through the plan's slots byte for byte); GLM-5-Next and Qwen4-Exp are refused there (the
+engine has no kernel for their indexers), so this file is where their formulas meet
+transformers.
 """
 
 from __future__ import annotations

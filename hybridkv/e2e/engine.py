@@ -13,12 +13,13 @@ model-running :class:`~hybridkv.sched.Executor`. One :meth:`Engine.step`:
    far, i.e. recomputed;
 2. :meth:`Engine.execute`: an admitted request's prefix hit ``state_copies`` (checkpoint slot ->
    running slot) and ``kv_copies`` run first, and only the uncached tail is computed; without a
-   hit the running slot is zeroed (it holds whatever its last owner, or the NaN poison, left).
-   Then one batched ``[B, 1]`` forward for all requests that bring one token (decode) and one
-   packed varlen ``[1, T]`` forward for every prefill chunk of the step, whatever their lengths
-   (``batch_prefill=False``: one forward per chunk). Around each, the requests' recurrent states
-   are gathered from their slots (``gather_states``) and handed to transformers' mixers (in a
-   ``DynamicCache`` for the batch; per request, segment by segment, in the packed forward:
+   hit the running slot is reset to a fresh state (it holds whatever its last owner, or the NaN
+   poison, left). Then one batched ``[B, 1]`` forward for all requests that bring one token
+   (decode) and one packed varlen ``[1, T]`` forward for every prefill chunk of the step,
+   whatever their lengths (``batch_prefill=False``: one forward per chunk). Around each, the
+   requests' recurrent states are gathered from their slots (``gather_states``) and handed to
+   transformers' mixers (in a ``DynamicCache``, or the model's own cache or state argument, for
+   the batch; per request, segment by segment, in the packed forward:
    :func:`.states.install_varlen`), and scattered back (``scatter_states``) after; attention
    goes through :mod:`.attn` (pages, block tables and, packed, ``cu_seqlens``); greedy
    sampling;
@@ -41,10 +42,13 @@ rotary rope part and an output gate). Jamba's and RecurrentGemma's recurrent mod
 continue a multi-token forward from a state in transformers, so the engine steps them token by
 token (:mod:`.states`). MiniMax (lightning attention) keeps its state in its own ``MiniMaxCache``,
 which its forward insists on: the engine builds each forward's cache with
-:func:`.states.cache_factory`. A plan with a layer kind no :class:`~.states.StateFormat` wires is
-refused with a :class:`~.states.Unservable` (a NotImplementedError) naming it and what is served
-(:func:`.states.check_wired`). Learnable attention sinks (GraniteSWA's ``s_aux``) run in the paged
-kernels.
+:func:`.states.cache_factory`. RWKV-4 and xLSTM (no attention) keep their states in what their
+forwards take as ``state`` (five tensors) and ``cache`` (an ``xLSTMCache``)
+(:func:`.states.cache_argument`); transformers' RWKV one-token forward is right for one sequence
+only, so RWKV's decoders run as one packed forward of one-token segments. A plan with a layer
+kind no :class:`~.states.StateFormat` wires is refused with a :class:`~.states.Unservable` (a
+NotImplementedError) naming it and what is served (:func:`.states.check_wired`). Learnable
+attention sinks (GraniteSWA's ``s_aux``) run in the paged kernels.
 
 Private transformers fields: only ``config._attn_implementation``, saved, set and restored by
 :meth:`Engine._paged_attention` so that the same model still runs stock attention outside the
@@ -72,6 +76,7 @@ from .states import (
     FORMATS,
     Packed,
     StateFormat,
+    cache_argument,
     cache_factory,
     check_wired,
     install_stepwise,
@@ -200,7 +205,12 @@ class Engine:
                     module=module,
                 )
             )
-        self.new_cache = cache_factory(self.config, [p.kind for p in plan.state_placements])
+        kinds = [p.kind for p in plan.state_placements]
+        self.new_cache = cache_factory(self.config, kinds)
+        self.cache_argument = cache_argument(kinds)  # RWKV: `state`, xLSTM: `cache`
+        # RWKV's one-token forward is wrong for a batch of more than one: its decoders run as
+        # one packed forward of one-token segments instead (StateFormat.batched_decode)
+        self.batched_decode = all(s.fmt.batched_decode for s in self.state_layers)
         attn.track_layer_index(model)
         attn.install_mla_layers(model, plan)
         self.attn_layers = self.ctx.views  # layer index -> (k_cache, v_cache, group id)
@@ -209,6 +219,8 @@ class Engine:
         # a dict mask bypasses HF's mask construction: the paged kernels bound and mask
         # attention by position, and the recurrent layers see no padding
         self.masks = dict.fromkeys(types | {"full_attention", "linear_attention"})
+        # a model without attention (RWKV, xLSTM) builds no mask (RWKV warns on one)
+        self.mask_kwargs = {"attention_mask": self.masks} if plan.kv_placements else {}
         self.finished: dict[Any, Request] = {}
         self.num_steps = self.num_forwards = 0
         self.num_state_copies = self.num_checkpoints = self.num_kv_copies = 0
@@ -272,11 +284,12 @@ class Engine:
                 self._run_state_copies(hit.state_copies, checkpoint=False)
                 self._run_kv_copies(hit.kv_copies)
             else:
-                self._zero_states(r)
+                self._fresh_states(r)
         self.max_decode_batch = max(self.max_decode_batch, len(out.decode))
         sampled: dict[int, int] = {}
         if out.decode:
-            sampled.update(self._forward([(r, r.num_tokens - 1, 1) for r in out.decode]))
+            decode = [(r, r.num_tokens - 1, 1) for r in out.decode]
+            sampled.update(self._forward(decode, packed=not self.batched_decode))
         if out.prefill and self.batch_prefill:
             sampled.update(self._forward(out.prefill, packed=True))
         elif out.prefill:
@@ -326,15 +339,21 @@ class Engine:
             out = self.model(
                 input_ids=ids,
                 position_ids=pos,
-                past_key_values=cache,
-                attention_mask=self.masks,
                 use_cache=True,
                 logits_to_keep=keep,
+                **{self.cache_argument: cache},
+                **self.mask_kwargs,
             )
         if not packed:
             states = {s.idx: s.fmt.store(cache, s.module, s.idx) for s in self.state_layers}
         self._scatter_states(slots, states)
-        logits = (out.logits[0] if packed else out.logits[:, -1]).float()  # [B, vocab]
+        if packed:
+            rows = out.logits[0]
+            if rows.shape[0] != len(batch):  # xLSTM's forward takes no logits_to_keep
+                rows = rows[keep]
+        else:
+            rows = out.logits[:, -1]
+        logits = rows.float()  # [B, vocab]
         sampled = {}
         for b, (r, s, n) in enumerate(batch):
             if s + n == r.num_tokens:
@@ -400,15 +419,16 @@ class Engine:
                 plans[key].run(pool, t)
 
     # ---- copies ----------------------------------------------------------------------------
-    def _zero_states(self, r: Request) -> None:
-        """A request without a hit starts from zero state; its slot still holds its previous
-        owner's state (or the NaN poison)."""
+    def _fresh_states(self, r: Request) -> None:
+        """A request without a hit starts from transformers' initial state (zeros; RWKV's WKV
+        maximum at -1e30: :meth:`.states.StateFormat.fresh`); its slot still holds its
+        previous owner's state (or the NaN poison)."""
         from ..kernels import scatter_states
 
         for s in self.state_layers:
             ids = torch.tensor([self.alloc.state_slot(r.rid, s.gid)], dtype=torch.int64)
-            for pool in s.pools.values():
-                scatter_states(pool, ids, torch.zeros((1, *pool.shape[1:]), dtype=pool.dtype))
+            for n, pool in s.pools.items():
+                scatter_states(pool, ids, s.fmt.fresh(n, tuple(pool.shape[1:]), pool.dtype))
 
     def _run_state_copies(self, copies: list[tuple[int, int, int]], *, checkpoint: bool) -> None:
         """``(group, src slot, dst slot)`` for every state layer of the group."""
@@ -461,10 +481,16 @@ def hf_greedy(
 ) -> tuple[list[int], list[torch.Tensor]]:
     """The reference: greedy decoding by transformers alone (the cache its forward takes: a
     ``DynamicCache``, MiniMax's ``MiniMaxCache``; its own attention), one request at a time.
-    Returns the tokens and the logits row of each."""
+    A model with a state of its own (RWKV's ``state`` list, xLSTM's ``xLSTMCache``) builds its
+    initial state itself and returns it, which the next forward is given back, as
+    ``generate`` does. Returns the tokens and the logits row of each."""
     from . import hybrid_model_for
 
-    cache = cache_factory(model.config, hybrid_model_for(model.config).layer_kinds)()
+    kinds = hybrid_model_for(model.config).layer_kinds
+    argument = cache_argument(kinds)
+    own_state = argument != "past_key_values"
+    # RWKV and xLSTM build their initial state when given none; the others fill the cache given
+    state = {} if own_state else {argument: cache_factory(model.config, kinds)()}
     ids = torch.tensor([list(prompt)])
     pos = torch.arange(len(prompt))[None]
     tokens: list[int] = []
@@ -473,7 +499,9 @@ def hf_greedy(
         for _ in range(max_new_tokens):
             # explicit positions, as generate() passes them: Bamba's forward otherwise
             # numbers every call from 0, whatever the cache holds
-            out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids, position_ids=pos, use_cache=True, **state)
+            if own_state:
+                state = {argument: getattr(out, argument)}
             row = out.logits[0, -1].float()
             tokens.append(int(row.argmax()))
             logits.append(row.clone())

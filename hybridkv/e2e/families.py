@@ -1,6 +1,7 @@
 """Tiny randomly initialised configs of every hybrid family transformers ships with a recurrent
-or windowed cache: one layer of each kind (2-3 layers), hidden 64, vocab 128, fp32, so that
-one end-to-end run takes seconds on a CPU under the Triton interpreter.
+or windowed cache, and of the pure-recurrent RWKV-4 and xLSTM: one layer of each kind (2-3
+layers), hidden 64 (xLSTM 128), vocab 128, fp32, so that one end-to-end run takes seconds on a
+CPU under the Triton interpreter.
 
 :data:`TINY_CONFIGS` maps a family name to its config factory; :data:`SERVED` lists the families
 :class:`~hybridkv.e2e.engine.Engine` serves, :data:`REFUSED` the others (the engine raises
@@ -345,8 +346,8 @@ def tiny_granitemoe_swa_config():
 
 
 def tiny_rwkv_config():
-    """RWKV-4: two layers of time-mix (WKV) and channel-mix (refused by the engine:
-    :data:`REFUSED`)."""
+    """RWKV-4: two layers of time-mix (WKV) and channel-mix; no attention. Its embedding and
+    head are orthogonal at init (its own ``_init_weights``), untied by default."""
     from transformers import RwkvConfig
 
     return RwkvConfig(
@@ -362,7 +363,8 @@ def tiny_rwkv_config():
 def tiny_xlstm_config():
     """xLSTM: two mLSTM blocks of 4 heads (qk head 16, v head 32; hidden 128, the smallest
     width whose qk dimension is a multiple of 64, which transformers' cache needs), chunk 16
-    (refused by the engine: :data:`REFUSED`)."""
+    (a prefill of 16 tokens or more runs the chunkwise kernel, the rest the step recurrence,
+    both from the state given)."""
     from transformers import xLSTMConfig
 
     return xLSTMConfig(
@@ -491,12 +493,9 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "glm5_next": tiny_glm5_next_config,
     "qwen4_exp": tiny_qwen4_exp_config,
 }
-#: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): a state no StateFormat
-#: hands over (RWKV, xLSTM), top-k sparse attention over an indexer's keys and a PLE conv state
-#: (GLM-5-Next, Qwen4-Exp)
+#: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): top-k sparse attention
+#: over an indexer's keys and a PLE conv state no StateFormat hands over (GLM-5-Next, Qwen4-Exp)
 REFUSED: tuple[str, ...] = (
-    "rwkv",
-    "xlstm",
     "glm5_next",
     "qwen4_exp",
 )

@@ -20,6 +20,15 @@ continuations alike. Where transformers keeps a state and in which layout:
 - ``rglru`` (RecurrentGemma): attributes of the model's own modules, ``temporal_block
   .conv1d_state`` ``[B, lru_width, width - 1]`` and ``temporal_block.rg_lru.recurrent_states``
   ``[B, lru_width]`` (fp32); transformers' cache layer for it stays empty.
+- ``rwkv4`` (RWKV-4): no cache object. ``RwkvModel.forward`` takes a ``state=`` list of five
+  ``[B, hidden, layers]`` tensors (0 the channel-mix shift, 1 the time-mix shift, in the model
+  dtype; 2-4 the WKV num / den / max, fp32), which each ``RwkvBlock`` reads and writes in place
+  at its ``layer_id`` and returns; the engine passes that list as the forward's ``state``
+  (``StateFormat.argument``), one built per forward (``holder="rwkv_state"``).
+- ``mlstm`` (xLSTM): its own ``xLSTMCache``, passed as the forward's ``cache``; ``rnn_state
+  [layer]`` is ``(C, n, m)`` ``[B, heads, qk_head_dim, v_head_dim]``, ``[B, heads, qk_head_dim]``,
+  ``[B, heads, 1]``. ``xLSTMModel`` hands the tuple to the block and copies the block's new
+  state back into it (``holder="xlstm_cache"``).
 
 Layout conversions (plan = vLLM's layout):
 
@@ -39,6 +48,16 @@ Layout conversions (plan = vLLM's layout):
   ``[K, V]`` order (a transposed order would serve equally; which one vLLM's KDA kernels
   keep is not checked here); MiniMax's ``[heads, head_dim, head_dim]`` likewise. Fused q/k/v
   convs (GDN, KDA) keep one conv state over the concatenated channels in both.
+- RWKV-4: the plan slot holds ``shift`` ``[2, hidden]`` (rows: transformers' state 0 and 1)
+  and ``wkv`` ``[channels, 3]`` (columns: states 2, 3, 4, the layout of transformers' CUDA
+  kernel state); the layer's column ``[:, :, layer]`` of each of the five tensors. xLSTM: ``C``,
+  ``n``, ``m`` as ``rnn_state`` holds them. Both exactly what transformers holds, byte for byte
+  (tests/test_hf_cache_bytes.py checks the spec formulas against transformers' own state).
+
+Fresh states. A fresh request's state is transformers' initial one: zeros, except RWKV's WKV
+running maximum, which ``RwkvModel`` starts at -1e30 (:meth:`StateFormat.fresh`). Zero there
+would be the same recurrence only up to rounding: the maximum is the scale num and den are kept
+in, and a first key far below 0 would underflow ``exp(key - max)`` to 0 / 0.
 
 Stepping. Two modules of transformers cannot continue a multi-token forward from a state:
 Jamba's Mamba-1 mixer (its full-sequence scan, ``mamba_selective_scan``, always starts from a
@@ -55,14 +74,16 @@ MoE, norms, projections) then runs once over all of them; a recurrent mixer cann
 scan would carry one request's state into the next. transformers' torch mixers take no
 ``cu_seqlens`` (the CUDA kernels they fall back from do: Mamba-2's ``seq_idx``, fla's
 ``cu_seqlens``), so :func:`install_varlen` has each mixer run its segments one after the other
-inside the packed forward, each from its own request's state (:class:`Packed`).
+inside the packed forward, each from its own request's state (:class:`Packed`). RWKV's state is
+used by both halves of its block (time-mix and channel-mix token shifts), so its "mixer" is the
+whole ``RwkvBlock`` (norms and projections are token-wise: running them per segment changes
+nothing); xLSTM's is the block's ``mlstm_layer``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -73,12 +94,14 @@ import torch
 from . import attn
 
 __all__ = [
+    "CACHES",
     "FORMATS",
     "MIXER_PATHS",
     "REFUSED",
     "Packed",
     "StateFormat",
     "Unservable",
+    "cache_argument",
     "cache_factory",
     "check_wired",
     "install_stepwise",
@@ -103,17 +126,6 @@ MIXER_PATHS = (
 #: layer kinds (of the plan's state and KV placements) the engine cannot serve, and why
 #: (:func:`refusal` also names kinds with no :class:`StateFormat`)
 REFUSED: dict[str, str] = {
-    "rwkv4": (
-        "RWKV-4 keeps no cache object: RwkvModel takes and returns a `state` list of five "
-        "[batch, hidden, layers] tensors, read and written by two modules per layer (time-mix "
-        "and channel-mix token shifts, the WKV num / den / max), and no StateFormat hands a "
-        "model-level state argument over"
-    ),
-    "mlstm": (
-        "xLSTM keeps its state in its own xLSTMCache (rnn_state[layer] = (C, n, m), built for "
-        "a fixed batch size), which no StateFormat hands over, and its mLSTM blocks take no "
-        "packed (varlen) input"
-    ),
     "indexer": (
         "a sparse-attention indexer (GLM-5-Next's DSA with k-pools, Qwen4-Exp's QSA) scores its "
         "own per-token keys and each query then attends to its top-k tokens only; the paged "
@@ -141,23 +153,39 @@ class StateFormat:
     """How one state kind's plan slots map to what transformers keeps.
 
     ``conv`` / ``recurrent``: whether the kind has that state (plan views ``"conv"`` and
-    ``"ssm"``); ``transposed``: the recurrent state's last two dims are swapped between the
-    plan and transformers; ``conv_pad``: columns transformers keeps in front of the plan's
-    ``kernel - 1``; ``holder``: ``"cache"`` (the ``DynamicCache`` layer) or ``"module"``
-    (attributes of the model's modules, see :meth:`module_of`); ``stepwise``: the module's
-    multi-token forward ignores a previous state, so the engine steps it token by token."""
+    ``"ssm"``); ``names``: the plan views instead, where the kind's are neither (RWKV's
+    ``shift`` / ``wkv``, xLSTM's ``C`` / ``n`` / ``m``); ``transposed``: the recurrent state's
+    last two dims are swapped between the plan and transformers; ``conv_pad``: columns
+    transformers keeps in front of the plan's ``kernel - 1``; ``holder``: ``"cache"`` (the
+    ``DynamicCache`` layer), ``"module"`` (attributes of the model's modules, see
+    :meth:`module_of`), ``"linear_cache"`` (MiniMax's), ``"rwkv_state"`` (RWKV's five-tensor
+    list) or ``"xlstm_cache"`` (xLSTM's ``rnn_state``); ``stepwise``: the module's multi-token
+    forward ignores a previous state, so the engine steps it token by token; ``cache``: the
+    model's own cache a forward takes (a key of :data:`CACHES`; None: a ``DynamicCache``);
+    ``argument``: the forward's keyword for it; ``layers`` / ``mixer``: where the decoder keeps
+    its layers and, in a layer, the module that runs the state (None: the first of
+    :data:`MIXER_PATHS`; ``""``: the layer itself); ``batched_decode``: transformers' one-token
+    forward of the kind takes a batch of states (else the engine decodes a batch as a packed
+    forward of one-token segments, each mixer call with batch 1)."""
 
     kind: str
     conv: bool = True
     recurrent: bool = True
+    names: tuple[str, ...] = ()
     transposed: bool = False
     conv_pad: int = 1
     holder: str = "cache"
     stepwise: bool = False
     cache: str | None = None
+    argument: str = "past_key_values"
+    layers: str = "layers"
+    mixer: str | None = None
+    batched_decode: bool = True
 
     @property
     def parts(self) -> tuple[str, ...]:
+        if self.names:
+            return self.names
         return tuple(n for n, has in (("conv", self.conv), ("ssm", self.recurrent)) if has)
 
     # ---- plan slot tensors <-> transformers' ------------------------------------------------
@@ -175,11 +203,23 @@ class StateFormat:
             return t[:, :, self.conv_pad :].transpose(1, 2).contiguous()
         return t.transpose(-1, -2).contiguous() if self.transposed else t.contiguous()
 
+    def fresh(self, name: str, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A fresh request's state of part ``name``, ``[1, *row_shape]`` in the plan's layout:
+        what transformers starts from, zeros except RWKV's WKV maximum (column 2 of ``wkv``),
+        which ``RwkvModel.forward`` starts at -1e30 (see the module docstring)."""
+        t = torch.zeros((1, *row_shape), dtype=dtype)
+        if self.holder == "rwkv_state" and name == "wkv":
+            t[..., 2] = -1e30
+        return t
+
     # ---- where transformers keeps them -------------------------------------------------------
     def module_of(self, model: torch.nn.Module, idx: int) -> torch.nn.Module:
         """Decoder layer ``idx``'s mixer of this kind: the module that runs the state, and
-        holds it where ``holder="module"`` (the first of :data:`MIXER_PATHS` it has)."""
-        layer = model.get_decoder().layers[idx]
+        holds it where ``holder="module"`` (``mixer``, else the first of :data:`MIXER_PATHS`
+        it has)."""
+        layer = getattr(model.get_decoder(), self.layers)[idx]
+        if self.mixer is not None:
+            return layer.get_submodule(self.mixer)
         for path in MIXER_PATHS:
             try:
                 return layer.get_submodule(path)
@@ -203,6 +243,12 @@ class StateFormat:
         if self.holder == "linear_cache":
             cache.set_linear_cache(idx, hf["ssm"])
             return
+        if self.holder == "rwkv_state":
+            _load_rwkv(cache, module, idx, hf["shift"], hf["wkv"])
+            return
+        if self.holder == "xlstm_cache":
+            cache.rnn_state[idx] = (hf["C"], hf["n"], hf["m"])
+            return
         if self.conv:
             # a first update takes the whole tensor as the state and marks it started
             cache.update_conv_state(hf["conv"], idx, conv_kernel_size=hf["conv"].shape[2])
@@ -219,6 +265,13 @@ class StateFormat:
             module.conv1d_state = module.rg_lru.recurrent_states = None
         elif self.holder == "linear_cache":
             hf = {"ssm": cache.get_linear_cache(idx)}
+        elif self.holder == "rwkv_state":
+            hf = {
+                "shift": torch.stack([cache[0][:, :, idx], cache[1][:, :, idx]], dim=1),
+                "wkv": torch.stack([s[:, :, idx] for s in cache[2:]], dim=-1),
+            }
+        elif self.holder == "xlstm_cache":
+            hf = dict(zip(("C", "n", "m"), cache.rnn_state[idx], strict=True))
         else:
             hf = {}
             if self.conv:
@@ -226,6 +279,79 @@ class StateFormat:
             if self.recurrent:
                 hf["ssm"] = cache.get_recurrent_state(idx)
         return {n: self.from_hf(n, t) for n, t in hf.items()}
+
+    # ---- a module called on one segment of a packed forward (install_varlen) ----------------
+    def swaps(self, outer: Any, own: Any, idx: int) -> list[tuple[Any, Any]]:
+        """``(packed forward's object, segment's object)`` pairs to replace in the mixer's
+        arguments: the cache, and where the model hands the mixer its layer's piece of the
+        cache rather than the cache (xLSTM: ``cache.rnn_state[layer]``), that piece."""
+        pairs = [(outer, own)]
+        if self.holder == "xlstm_cache":
+            pairs.append((outer.rnn_state[idx], own.rnn_state[idx]))
+        return pairs
+
+    def returned(self, own: Any, idx: int, out: Any) -> None:
+        """Keep the state a segment's mixer call returned where :meth:`store` reads it: xLSTM's
+        mLSTM layer returns its new ``(C, n, m)``, which ``xLSTMModel`` (not the layer) copies
+        into the cache; the other holders are written during the call."""
+        if self.holder == "xlstm_cache":
+            own.rnn_state[idx] = tuple(out[1])
+
+
+def _load_rwkv(
+    state: list[torch.Tensor],
+    block: torch.nn.Module,
+    idx: int,
+    shift: torch.Tensor,
+    wkv: torch.Tensor,
+) -> None:
+    """Write layer ``idx``'s plan states (``shift [B, 2, hidden]``, ``wkv [B, channels, 3]``)
+    into RWKV's five-tensor ``state`` list at column ``idx``, building the list (zeros, batch
+    ``B``, every layer) on the first layer loaded into it. transformers sizes all five tensors
+    by ``hidden_size``, so a config whose ``attention_hidden_size`` differs cannot take its WKV
+    state (transformers cannot run it either)."""
+    b, hidden = shift.shape[0], shift.shape[2]
+    if wkv.shape[1] != hidden:
+        raise ValueError(
+            f"RWKV layer {idx}: {wkv.shape[1]} WKV channels but hidden_size {hidden}; "
+            "transformers' RwkvModel keeps num / den / max at hidden_size channels, so it runs "
+            "only configs with attention_hidden_size == hidden_size: use such a config"
+        )
+    if not state:
+        shape = (b, hidden, block.config.num_hidden_layers)
+        state.extend(torch.zeros(shape, dtype=t.dtype) for t in (shift, shift, wkv, wkv, wkv))
+    for i in range(2):
+        state[i][:, :, idx] = shift[:, i]
+    for i in range(3):
+        state[2 + i][:, :, idx] = wkv[..., i]
+
+
+def _minimax_cache(config: Any) -> Callable[[], Any]:
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    return MiniMaxCache
+
+
+def _rwkv_state(config: Any) -> Callable[[], Any]:
+    # an empty list, which RwkvModel passes on as it is (it builds its own only for None);
+    # StateFormat.load builds the tensors once it knows the batch
+    return list
+
+
+def _xlstm_cache(config: Any) -> Callable[[], Any]:
+    from transformers.models.xlstm.modeling_xlstm import xLSTMCache
+
+    # batch 1: load replaces every layer's (C, n, m) with the batch's; in a packed forward
+    # the model copies the last segment's new state into this one, which nothing reads
+    return functools.partial(xLSTMCache, config, max_batch_size=1)
+
+
+#: the model-specific caches a forward insists on: name -> (config -> what makes an empty one)
+CACHES: dict[str, Callable[[Any], Callable[[], Any]]] = {
+    "minimax": _minimax_cache,
+    "rwkv": _rwkv_state,
+    "xlstm": _xlstm_cache,
+}
 
 
 FORMATS: dict[str, StateFormat] = {
@@ -236,27 +362,62 @@ FORMATS: dict[str, StateFormat] = {
     "rglru": StateFormat("rglru", conv_pad=0, holder="module", stepwise=True),
     "kda": StateFormat("kda"),
     "linear_attention": StateFormat(
-        "linear_attention",
-        conv=False,
-        holder="linear_cache",
-        cache="transformers.models.minimax.modeling_minimax:MiniMaxCache",
+        "linear_attention", conv=False, holder="linear_cache", cache="minimax"
+    ),
+    "rwkv4": StateFormat(
+        "rwkv4",
+        names=("shift", "wkv"),
+        holder="rwkv_state",
+        cache="rwkv",
+        argument="state",
+        layers="blocks",
+        mixer="",  # both halves of the block use the state
+        # transformers 5.24's one-token path mixes the [B, hidden] shift state into the
+        # [B, 1, hidden] input unsqueezed at the wrong dim: [B, B, hidden], right for B = 1 only
+        batched_decode=False,
+    ),
+    "mlstm": StateFormat(
+        "mlstm",
+        names=("C", "n", "m"),
+        holder="xlstm_cache",
+        cache="xlstm",
+        argument="cache",
+        layers="blocks",
+        mixer="mlstm_layer",
     ),
 }
 
 
+def _own(kinds: Any) -> set[tuple[str | None, str]]:
+    """The ``(cache, argument)`` pairs of the formats of ``kinds``, at most one."""
+    own = {(FORMATS[k].cache, FORMATS[k].argument) for k in kinds if k in FORMATS}
+    if len(own) > 1:
+        raise ValueError(
+            f"state kinds {sorted(set(kinds))} need different caches or forward arguments: "
+            f"{sorted(own, key=str)}; a model's forward takes one"
+        )
+    return own
+
+
 def cache_factory(config: Any, kinds: Any) -> Callable[[], Any]:
     """What makes an empty cache for a forward of a model whose state layers have ``kinds``:
-    ``DynamicCache(config=config)``, unless their formats name the model's own cache class
-    (MiniMax's forward raises on any cache but its ``MiniMaxCache``)."""
-    own = {FORMATS[k].cache for k in kinds if k in FORMATS and FORMATS[k].cache}
-    if len(own) > 1:
-        raise ValueError(f"state kinds {sorted(set(kinds))} need different caches: {sorted(own)}")
-    if own:
-        module, name = own.pop().split(":")
-        return getattr(importlib.import_module(module), name)
+    ``DynamicCache(config=config)``, unless their formats name the model's own cache
+    (:data:`CACHES`: MiniMax's forward raises on any cache but its ``MiniMaxCache``; RWKV's
+    takes a list of tensors, xLSTM's an ``xLSTMCache``)."""
+    for name, _ in _own(kinds):
+        if name is not None:
+            return CACHES[name](config)
     from transformers import DynamicCache
 
     return functools.partial(DynamicCache, config=config)
+
+
+def cache_argument(kinds: Any) -> str:
+    """The keyword a model whose state layers have ``kinds`` takes its cache by:
+    ``past_key_values``, RWKV's ``state``, xLSTM's ``cache``."""
+    for _, argument in _own(kinds):
+        return argument
+    return "past_key_values"
 
 
 def refusal(kind: str) -> str | None:
@@ -379,8 +540,15 @@ def install_varlen(module: torch.nn.Module, fmt: StateFormat, idx: int) -> None:
         for i, (a, b) in enumerate(pairwise(cu)):
             own = p.segment_cache(i)
             fmt.load(own, module, idx, {n: s[i : i + 1] for n, s in states.items()})
-            c_args, c_kwargs = _cut(hidden_states, args, kwargs, a, b, swap=(p.cache, own))
-            outs.append(orig(*c_args, **c_kwargs))
+            swaps = fmt.swaps(p.cache, own, idx)
+            c_args, c_kwargs = _cut(hidden_states, args, kwargs, a, b, swaps=swaps)
+            out = orig(*c_args, **c_kwargs)
+            fmt.returned(own, idx, out)
+            # a module that returns the cache it was given (RWKV's block returns its state
+            # list) hands the packed forward's on: the next layer's call swaps that one again
+            if isinstance(out, tuple):
+                out = tuple(p.cache if x is own else x for x in out)
+            outs.append(out)
             for n, s in fmt.store(own, module, idx).items():
                 states[n][i] = s[0]
         return _cat(outs)
@@ -395,16 +563,18 @@ def _cut(
     kwargs: dict,
     a: int,
     b: int,
-    swap: tuple[Any, Any] | None = None,
+    swaps: Sequence[tuple[Any, Any]] = (),
 ) -> tuple[tuple, dict]:
     """A module call's ``(args, kwargs)`` restricted to tokens ``a:b``: every ``[B, T, ...]``
-    tensor (also inside tuples, e.g. ``(cos, sin)``) sliced along T, and ``swap = (old, new)``
-    replacing the object ``old`` (a cache) by ``new``."""
+    tensor (also inside tuples, e.g. ``(cos, sin)``) sliced along T, and each ``(old, new)``
+    of ``swaps`` replacing the object ``old`` (a cache, or xLSTM's state tuple, whose tensors
+    are not per token) by ``new``, before any slicing."""
     t = hidden.shape[1]
+    swapped = {id(old): new for old, new in swaps}
 
     def cut(x: Any) -> Any:
-        if swap is not None and x is swap[0]:
-            return swap[1]
+        if id(x) in swapped:
+            return swapped[id(x)]
         if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == t:
             return x[:, a:b]
         if isinstance(x, tuple):
