@@ -562,11 +562,14 @@ def _mla_partial_kernel(
         mask=m_h[:, None] & m_dc[None, :],
         other=0.0,
     )
-    q_pe = tl.load(
-        q_pe_ptr + i_b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_dr[None, :],
-        mask=m_h[:, None] & m_dr[None, :],
-        other=0.0,
-    )
+    # a NoPE MLA (GLM-5-Next: DIM_R 0) has no rope part: no q_pe and no k_pe dot; its k_pe
+    # tiles are loads masked off entirely (m_dr is all False), read nothing and are never used
+    if DIM_R > 0:
+        q_pe = tl.load(
+            q_pe_ptr + i_b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_dr[None, :],
+            mask=m_h[:, None] & m_dr[None, :],
+            other=0.0,
+        )
 
     # scores in log2 units (exp2 is one instruction); an fp8 scale multiplies the scores and,
     # once at the end, the accumulator instead of every latent element
@@ -622,8 +625,11 @@ def _mla_partial_kernel(
                 stride_c_token, BLOCK_N,
             )  # fmt: skip
             c_t = _to_dot_dtype(tl.trans(c), q_nope.dtype, FP8)
-            s = tl.dot(q_pe, _to_dot_dtype(tl.trans(k_pe), q_nope.dtype, FP8))
-            s = tl.dot(q_nope, c_t, s)  # [BLOCK_H, BLOCK_N]
+            if DIM_R > 0:
+                s = tl.dot(q_pe, _to_dot_dtype(tl.trans(k_pe), q_nope.dtype, FP8))
+                s = tl.dot(q_nope, c_t, s)  # [BLOCK_H, BLOCK_N]
+            else:
+                s = tl.dot(q_nope, c_t)
             s = tl.where(m_n[None, :], s * qk_scale, float("-inf"))
             # a tile (or a whole split) may be all padding: keep m = -inf and weight 0
             # instead of exp2(-inf - -inf) = NaN
@@ -678,8 +684,11 @@ def _mla_partial_kernel(
             # each dot converts its own view of the tile (a 16-bit tile is read from one
             # shared-memory buffer by both)
             c_t = _to_dot_dtype(tl.trans(c), q_nope.dtype, FP8)
-            s = tl.dot(q_pe, _to_dot_dtype(tl.trans(k_pe), q_nope.dtype, FP8))
-            s = tl.dot(q_nope, c_t, s)  # [BLOCK_H, BLOCK_N]
+            if DIM_R > 0:
+                s = tl.dot(q_pe, _to_dot_dtype(tl.trans(k_pe), q_nope.dtype, FP8))
+                s = tl.dot(q_nope, c_t, s)  # [BLOCK_H, BLOCK_N]
+            else:
+                s = tl.dot(q_nope, c_t)
             s = tl.where(m_n[None, :], s * qk_scale, float("-inf"))
             # every tile holds a token below end, so m_new is finite from the first tile on
             m_new = tl.maximum(b_m, tl.max(s, axis=1))
@@ -1477,10 +1486,10 @@ def plan_mla_decode(
         )
     if q_dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q_nope must be fp16/bf16/fp32, got {q_dtype}")
-    if num_heads < 1 or kv_lora_rank < 1 or qk_rope_head_dim < 1 or block_size < 1:
+    if num_heads < 1 or kv_lora_rank < 1 or qk_rope_head_dim < 0 or block_size < 1:
         raise ValueError(
-            f"num_heads, kv_lora_rank, qk_rope_head_dim and block_size must be >= 1, got "
-            f"{num_heads}, {kv_lora_rank}, {qk_rope_head_dim}, {block_size}"
+            f"num_heads, kv_lora_rank and block_size must be >= 1 and qk_rope_head_dim >= 0 "
+            f"(0: a NoPE MLA), got {num_heads}, {kv_lora_rank}, {qk_rope_head_dim}, {block_size}"
         )
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")

@@ -140,6 +140,10 @@ def full_matrix() -> list[Case]:
         for h in (16, 32, 128):
             out.append(_case("mla", dtype=dt, heads=h, bs=64, i64=0, topk=2048))
         out.append(_case("mla", dtype=dt, heads=128, bs=64, i64=1, topk=2048))
+        # GLM-5-Next's NoPE MLA (no rope part), dense and sparse
+        for topk in (None, 2048):
+            extra = {} if topk is None else {"topk": topk}
+            out.append(_case("mla", dtype=dt, heads=64, bs=64, i64=0, dr=0, **extra))
         for d in (64, 128, 256):
             for h in (1, 8, 16):
                 out.append(_case("cache_write", dtype=dt, d=d, heads=h, i64=0))
@@ -182,6 +186,8 @@ def quick_matrix() -> list[Case]:
         # the sparse walk (token-index list, k = 2048): 16-bit at 32 heads, fp8 beyond 2**31
         c("mla", dtype="bf16", heads=32, bs=64, i64=0, topk=2048),
         c("mla", dtype="e4m3", heads=128, bs=64, i64=1, topk=2048),
+        # GLM-5-Next's NoPE MLA (latent rows with no rope part) through its top-k list
+        c("mla", dtype="bf16", heads=64, bs=64, i64=0, dr=0, topk=2048),
         c("cache_write", dtype="fp16", d=128, heads=8, i64=0),
         c("cache_write", dtype="e4m3", d=256, heads=16, i64=1),
         c("cache_write", dtype="bf16", d=64, heads=1, i64=0),
@@ -357,7 +363,8 @@ def _run_mla(p: dict, meta, index, autotune: bool) -> None:
 
     from hybridkv_kernels import mla_decode
 
-    batch, max_len, dc, dr, bs = 4, 4096, 512, 64, p["bs"]
+    # dr 0: a NoPE MLA (GLM-5-Next), whose latent rows hold no rope part
+    batch, max_len, dc, dr, bs = 4, 4096, 512, p.get("dr", 64), p["bs"]
     nblocks = _blocks_for(bs * (dc + dr), p["i64"], 4096)
     cache = torch.empty((nblocks, bs, dc + dr), dtype=_torch_dtype(p["dtype"]), device=meta)
     qdt = _q_dtype(p["dtype"])

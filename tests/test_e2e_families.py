@@ -1,11 +1,12 @@
 """End to end for every hybrid family beyond Bamba and Qwen3-Next (tests/test_e2e.py): tiny random
 Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, LFM3, RecurrentGemma,
-Kimi-Linear, Bailing hybrid (MLA with rotary and an output gate), GraniteSWA and GraniteMoeSWA
-(attention sinks in the paged kernels) served by :class:`hybridkv.e2e.engine.Engine` out of
-every layout's plan, against the same model run by transformers alone, MiniMax included (its
-own MiniMaxCache), and the pure-recurrent RWKV-4 (its five-tensor ``state`` argument) and xLSTM
-(its xLSTMCache); the families of ``REFUSED`` (GLM-5-Next's and Qwen4-Exp's sparse-attention
-indexers and Qwen4-Exp's PLE conv) refused with the reason.
+Kimi-Linear, Bailing hybrid (MLA with rotary and an output gate), GLM-5-Next (NoPE MLA with a
+sparse-attention indexer: DSA), GraniteSWA and GraniteMoeSWA (attention sinks in the paged
+kernels) served by :class:`hybridkv.e2e.engine.Engine` out of every layout's plan, against the
+same model run by transformers alone, MiniMax included (its own MiniMaxCache), and the
+pure-recurrent RWKV-4 (its five-tensor ``state`` argument) and xLSTM (its xLSTMCache); the
+families of ``REFUSED`` (Qwen4-Exp: its indexer beside GQA and its PLE conv) refused with the
+reason.
 
 The serving test runs each family on two of the five layouts (rotating; every layout is served
 by several families); ``HYBRIDKV_FULL_E2E=1`` serves every family out of every layout.
@@ -195,14 +196,15 @@ MLA_FAMILIES = [f for f in FAMILIES if "mla" in hybrid_model_for(TINY_CONFIGS[f]
 
 
 def test_mla_families():
-    assert set(MLA_FAMILIES) == {"kimi_linear", "bailing_hybrid"}
+    assert set(MLA_FAMILIES) == {"kimi_linear", "bailing_hybrid", "glm5_next"}
 
 
 @pytest.mark.parametrize("name", MLA_FAMILIES)
 def test_mla_hit_inside_a_latent_page_copies_its_first_rows(name):
     """``last``: the first turn's end state is cached at token 48, inside a 64-token latent
     page, so the second turn's hit copies that page's first 48 latent rows into a page of its
-    own (``kv_copies`` of an MLA group: no V to copy) and still matches transformers."""
+    own (``kv_copies`` of an MLA group: no V to copy; GLM-5-Next's indexer rows likewise, in
+    their own group) and still matches transformers."""
     plan = make_tiny_plan(TINY_CONFIGS[name](), "two_level", cache_state_slots=4)
     assert plan.block_size == 64
     first = _prompt(45, seed=7)  # decode ends a step at token 48: the rolling checkpoint
@@ -213,10 +215,25 @@ def test_mla_hit_inside_a_latent_page_copies_its_first_rows(name):
     _assert_matches(eng, name, "t2", second)
     hit = eng.finished["t2"].hits[0]
     assert hit.num_cached_tokens == 48 and hit.state_copies
-    assert [(gid, n) for gid, _, _, n in hit.kv_copies] == [
-        (g.group_id, 48) for g in plan.groups if g.kind == "mla"
-    ]
-    assert eng.num_kv_copies == 1
+    copied = [(g.group_id, 48) for g in plan.groups if g.kind in ("mla", "indexer")]
+    assert [(gid, n) for gid, _, _, n in hit.kv_copies] == copied
+    assert eng.num_kv_copies == len(copied) == (2 if name == "glm5_next" else 1)
+
+
+def _preemption_layout(name: str) -> str:
+    """The layout :func:`test_preemption_matches_transformers` preempts ``name`` on: rotating
+    with the family; an MLA family takes the first of its rotation with 64-token latent pages
+    (per_group, two_level: the shared-page layouts' are 128, and each prompt token is a row of
+    the MLA decode kernel, slow under the interpreter)."""
+    i, n = FAMILIES.index(name), len(LAYOUTS)
+    order = [LAYOUTS[(i + k) % n] for k in range(n)]
+    if name in MLA_FAMILIES:
+        order = [lay for lay in order if lay in ("per_group", "two_level")]
+    return order[0]
+
+
+def test_every_layout_is_preempted_in_some_family():
+    assert {_preemption_layout(name) for name in PAGED} == set(LAYOUTS)
 
 
 @pytest.mark.parametrize("name", PAGED)
@@ -225,7 +242,7 @@ def test_preemption_matches_transformers(name):
     decoding crosses the block boundary, the newest request is preempted, recomputed with its
     outputs so far, and still ends as transformers does. The layout rotates with the family
     (every layout is preempted in some family)."""
-    layout = LAYOUTS[FAMILIES.index(name) % len(LAYOUTS)]
+    layout = _preemption_layout(name)
     cfg = TINY_CONFIGS[name]()
     bs = make_tiny_plan(cfg, layout, max_num_seqs=3).block_size
     for _ in range(3):  # pack's block size depends on the memory
@@ -385,9 +402,9 @@ def test_refused_families_say_what_is_missing_and_what_is_served(name):
     message = str(err.value)
     assert "the engine serves softmax attention" in message and "mamba2" in message
     assert "rwkv4" in message and "mlstm" in message  # served now, named as such
-    if name in ("glm5_next", "qwen4_exp"):
-        assert "indexer layers: a sparse-attention indexer" in message
-        assert "no kernel scores or pools the indexer's keys" in message
+    if name == "qwen4_exp":
+        assert "indexer layers: a sparse-attention indexer beside GQA attention" in message
+        assert "take no token-index list" in message
     if name == "qwen4_exp":
         assert "ple_conv layers: Qwen4-Exp's Per-Layer Embedding" in message
 
@@ -438,3 +455,53 @@ def test_mla_rotary_by_halves_is_refused_not_served_interleaved():
     with pytest.raises(NotImplementedError, match="rope_interleave=False") as err:
         _rotate_mla(HalvesMLA(), q_pe, k_pe, rotary, 1, 6)
     assert "HalvesMLA" in str(err.value)
+
+
+def test_glm5_next_attends_sparsely_and_the_pick_matters():
+    """GLM-5-Next's DSA served: the indexer's pick (over the indexer rows in the plan's pages)
+    lists fewer tokens than the context once the context passes ``index_topk`` plus the open
+    pool, the layer sharing the pick (``indexer_types`` "shared") gets the same tensor, and the
+    tokens match transformers'. The comparison can see a wrong pick: the same weights
+    attending densely (a top-k as long as the context) end far outside the tolerance."""
+    from hybridkv.e2e import attn
+
+    name, prompt = "glm5_next", _prompt(70, seed=11)
+    model, plan = _model(name), make_tiny_plan(TINY_CONFIGS[name](), "per_group")
+    picks, shared = [], []
+    pick, forward = attn.indexer_top_k, attn.mla_forward
+
+    def spy_pick(*args):
+        out = pick(*args)
+        picks.append(out)
+        return out
+
+    def spy_forward(module, *args, token_indices=None, **kwargs):
+        if module.skip_topk:
+            shared.append(token_indices)
+        return forward(module, *args, token_indices=token_indices, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attn, "indexer_top_k", spy_pick)
+        mp.setattr(attn, "mla_forward", spy_forward)
+        eng = Engine(model, plan)
+        eng.generate({"r": prompt}, N)
+    _assert_matches(eng, name, "r", prompt)
+    text = model.config.get_text_config()
+    assert picks and len(shared) == len(picks)  # one shared layer after the indexer's
+    assert all(s is p for s, p in zip(shared, picks))
+    width = text.index_topk + text.index_kpool - 1
+    rows = torch.cat(picks)  # a row per query token: the prompt's, then the decodes'
+    assert rows.shape == (len(prompt) + N - 1, width)
+    prefill = rows[: len(prompt)]
+    listed = (prefill >= 0).sum(dim=1)
+    assert int(listed[-1]) < len(prompt) and int(listed.max()) <= width
+    assert torch.equal(listed[:8], torch.arange(1, 9))  # a short context: every token
+
+    dense_cfg = TINY_CONFIGS[name]()
+    dense_cfg.text_config.index_topk = 128  # every pool of these lengths
+    dense = build_tiny_model(dense_cfg)
+    dense.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        gap = (model(ids).logits[0, -1] - dense(ids).logits[0, -1]).abs().max().item()
+    assert gap > 100 * TOL

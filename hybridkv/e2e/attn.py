@@ -21,9 +21,12 @@ which records that argument at each call. A sliding-window group's layers pass t
 window to the kernels (the allocator frees the blocks that fall out of it, so reading them
 would read the null block).
 
-MLA layers (Kimi-Linear, Bailing hybrid) bypass the attention interface, which transformers hands
-K/V already expanded from the latent: :func:`install_mla` has the module run :func:`mla_forward`
-(latent pages, absorbed ``mla_decode_attention``) inside an engine's forward."""
+MLA layers (Kimi-Linear, Bailing hybrid, GLM-5-Next) bypass the attention interface, which
+transformers hands K/V already expanded from the latent: :func:`install_mla` has the module run
+:func:`mla_forward` (latent pages, absorbed ``mla_decode_attention``) inside an engine's forward;
+GLM-5-Next's sparse-attention layers run :func:`dsa_forward`, whose indexer
+(:func:`indexer_top_k`) keeps its per-token rows in the plan's indexer pages and hands the MLA
+each query's token list."""
 
 from __future__ import annotations
 
@@ -46,7 +49,9 @@ class PagedContext:
     tensor serves every group); ``start``: ``[B]`` tokens already cached per request (None: 0);
     ``cu_seqlens``: ``[B + 1]`` int64 offsets of a packed forward's requests (None: a batch).
     ``views``: ``layer index -> (k_cache, v_cache, group id)`` of every attention layer of
-    ``plan`` over ``buffers`` (the layer index is transformers' ``layer_idx``); ``windows``:
+    ``plan`` over ``buffers`` (the layer index is transformers' ``layer_idx``);
+    ``indexer_views``: ``layer index -> (key rows [num_blocks, block_size, 1, row], group id)``
+    of every sparse-attention indexer (GLM-5-Next's DSA); ``windows``:
     group id -> the group's sliding window (None: full attention); ``called``: ``id(module) ->
     layer index`` of the shared modules being run (:func:`track_layer_index`)."""
 
@@ -56,6 +61,7 @@ class PagedContext:
     start: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     views: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = field(init=False)
+    indexer_views: dict[int, tuple[torch.Tensor, int]] = field(init=False)
     windows: dict[int, int | None] = field(init=False)
     called: dict[int, int] = field(init=False, default_factory=dict)
     #: the last :meth:`token_positions` answer with what it was computed from: every attention
@@ -68,6 +74,13 @@ class PagedContext:
         self.views = {
             p.layer_index: (*self.plan.kv_views(self.buffers, p.layer), p.group_id)
             for p in self.plan.kv_placements
+            if p.kind != "indexer"
+        }
+        # a sparse-attention indexer's key rows share their layer's index with its MLA
+        self.indexer_views = {
+            p.layer_index: (self.plan.kv_views(self.buffers, p.layer)[0], p.group_id)
+            for p in self.plan.kv_placements
+            if p.kind == "indexer"
         }
         self.windows = {g.group_id: g.sliding_window for g in self.plan.groups}
 
@@ -257,6 +270,8 @@ def install_mla(module: torch.nn.Module) -> None:
     def forward(hidden_states, *args, **kwargs):
         if _CTX is None:
             return orig(hidden_states, *args, **kwargs)
+        if _is_dsa(module):
+            return dsa_forward(module, hidden_states, kwargs.get("prev_topk_indices"))
         rotary = kwargs.get("position_embeddings")
         if rotary is None and args and isinstance(args[0], tuple):
             rotary = args[0]  # transformers passes (cos, sin) positionally after the states
@@ -266,10 +281,141 @@ def install_mla(module: torch.nn.Module) -> None:
     module.hybridkv_mla = True  # on the module: a later wrapper would replace ``forward``
 
 
+def _is_dsa(module: torch.nn.Module) -> bool:
+    """A DeepSeek-sparse-attention MLA (transformers' ``Glm5NextTextAttention``): its own
+    indexer (``indexer``) or the previous layer's top-k (``skip_topk``)."""
+    return hasattr(module, "skip_topk") and hasattr(module, "indexer")
+
+
+def dsa_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    prev_topk: torch.Tensor | None,
+) -> tuple[torch.Tensor, None, torch.Tensor | None]:
+    """GLM-5-Next's MLA with DeepSeek sparse attention, ``hidden_states [B, T, hidden]``: the
+    layer's indexer (:func:`indexer_top_k`) picks each query token's tokens, or the layer reuses
+    the previous layer's pick (``prev_topk``, ``indexer_types`` "shared"), and the absorbed MLA
+    attends to those tokens only (the sparse walk of ``mla_decode_attention``). Returns what
+    transformers' forward does: the output, no weights, and the pick when the next layer shares
+    it (``[B * T, K]`` int32 token positions, -1 padded; transformers passes it on untouched)."""
+    m = module
+    q_resid = m.q_a_layernorm(m.q_a_proj(hidden_states))
+    if m.indexer is not None:
+        topk = indexer_top_k(m.indexer, hidden_states, q_resid)
+    elif prev_topk is None:
+        raise ValueError(
+            f"layer {m.layer_idx} shares the previous layer's top-k (indexer_types 'shared') "
+            "but none was passed on: a shared layer must follow a layer with its own indexer"
+        )
+    else:
+        topk = prev_topk
+    out = mla_forward(m, hidden_states, None, token_indices=topk, q_resid=q_resid)
+    return out, None, topk if m.next_skip_topk else None
+
+
+def indexer_top_k(
+    indexer: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor
+) -> torch.Tensor:
+    """GLM-5-Next's DSA indexer over the plan's pages: writes each new token's row (its key,
+    its k-pool gate scores and a validity flag: transformers' ``packed_states``, the
+    ``IndexerSpec`` row) into the indexer's pages, then, per request, reads the rows of its
+    whole context back, pools them (``index_kpool`` tokens a pool, softmax-weighted by the
+    gates) and scores each query token against the complete pools it can see, as
+    transformers' ``Glm5NextTextIndexer`` does. Returns ``[B * T, K]`` int32 token positions
+    (``K = index_topk``, plus ``index_kpool - 1`` with the open pool's tail), -1 padded: the
+    tokens of the top ``index_topk // index_kpool`` pools and of the open pool."""
+    ctx = _CTX
+    ix = indexer
+    b, t, _ = hidden_states.shape
+    n = b * t
+    rows, gid = ctx.indexer_views[ix.layer_idx]  # [num_blocks, block_size, 1, row]
+    bs, kpool, dim = rows.shape[1], ix.index_kpool, ix.head_dim
+    key = ix.k_norm(ix.wk(hidden_states)).reshape(n, dim)
+    gate = torch.nn.functional.linear(hidden_states, ix.index_kpool_compress_gate).reshape(n, dim)
+    packed_row = torch.cat([key, gate, key.new_ones(n, 1)], dim=-1)
+    if packed_row.shape[1] != rows.shape[-1]:
+        raise ValueError(
+            f"layer {ix.layer_idx}'s indexer rows hold {packed_row.shape[1]} elements a token "
+            f"but the plan's indexer pages {rows.shape[-1]}: the plan was made for another config"
+        )
+    seg, pos, cu = ctx.token_positions(b, t)
+    table = ctx.table(gid).to(torch.int64)
+    rows[table[seg, pos // bs], pos % bs, 0] = packed_row.to(rows.dtype)
+
+    q = ix.wq_b(q_resid).reshape(n, ix.n_heads, dim).float()
+    weights = ix.weights_proj(hidden_states.to(ix.weights_proj.weight.dtype)).float()
+    weights = weights.reshape(n, ix.n_heads) * ix.n_heads**-0.5
+    tail = kpool - 1 if ix.index_kpool_always_select_tail else 0
+    out = torch.full((n, ix.index_topk + tail), -1, dtype=torch.int32)
+    for r in range(len(cu) - 1):
+        lo, hi = int(cu[r]), int(cu[r + 1])
+        if lo == hi:
+            continue
+        length = int(pos[hi - 1]) + 1  # the request's context at the end of this forward
+        ctx_pos = torch.arange(length)
+        context = rows[table[int(seg[lo]), ctx_pos // bs], ctx_pos % bs, 0].to(key.dtype)
+        out[lo:hi] = _pick_pools(ix, context, q[lo:hi], weights[lo:hi], pos[lo:hi], tail)
+    return out
+
+
+def _pick_pools(
+    ix: torch.nn.Module,
+    context: torch.Tensor,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    query_pos: torch.Tensor,
+    tail: int,
+) -> torch.Tensor:
+    """One request's pick: ``context [L, row]`` (its indexer rows), ``q [T, H, D]`` and
+    ``weights [T, H]`` (float32) of its query tokens at ``query_pos [T]``. The same pooling,
+    scores and masking as transformers' ``Glm5NextTextIndexer`` (its pools start at the first
+    token: no padding here), so the same pools win. Up to ties: pools of equal score (every
+    head's ReLU zero) at the cut are ordered by ``torch.topk``, whose row here is the request's
+    context and in transformers the forward's (a one-shot prefill's is longer), so another pool
+    of the same score may be picked."""
+    kpool, dim = ix.index_kpool, ix.head_dim
+    length = context.shape[0]
+    num_pools = length // kpool  # complete pools; transformers keeps no other
+    keys, gates = context[:, :dim], context[:, dim : 2 * dim]
+    width = ix.index_topk + tail
+    if num_pools:
+        span = num_pools * kpool
+        grouped_keys = keys[:span].reshape(num_pools, kpool, dim)
+        logits = gates[:span].reshape(num_pools, kpool, dim).float()
+        logits = logits + ix.index_kpool_compress_ape.float()[None]
+        probs = logits.softmax(dim=1).to(grouped_keys.dtype)
+        pool_keys = (probs * grouped_keys).sum(dim=1)  # [P, D]
+        scores = torch.relu(torch.matmul(q, pool_keys.float().T) * ix.softmax_scale)  # [T, H, P]
+        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [T, P]
+        pool_end = torch.arange(num_pools) * kpool + kpool - 1
+        visible = pool_end[None, :] <= query_pos[:, None]
+        index_scores = index_scores.masked_fill(~visible, torch.finfo(index_scores.dtype).min)
+        select = min(ix.index_topk // kpool, num_pools)
+        chosen = index_scores.topk(select, dim=-1).indices  # [T, select]
+        chosen_ok = visible.gather(-1, chosen)
+        tokens = chosen[..., None] * kpool + torch.arange(kpool)  # [T, select, kpool]
+        tokens = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(1)
+    else:
+        tokens = torch.full((len(query_pos), 0), -1, dtype=torch.int64)
+    if tail:
+        seen = query_pos + 1  # tokens each query sees
+        open_count = seen % kpool
+        offsets = torch.arange(tail)
+        tail_tokens = (seen - open_count)[:, None] + offsets
+        tail_tokens = tail_tokens.masked_fill(offsets[None, :] >= open_count[:, None], -1)
+        tokens = torch.cat([tokens, tail_tokens], dim=1)
+    if tokens.shape[1] < width:
+        tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=-1)
+    return tokens[:, :width].to(torch.int32)
+
+
 def mla_forward(
     module: torch.nn.Module,
     hidden_states: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    token_indices: torch.Tensor | None = None,
+    q_resid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA over the plan's latent pages, ``hidden_states [B, T, hidden]`` ->
     ``[B, T, hidden]``: the new tokens' latents ``[c_kv, k_pe]`` are written into the pages,
@@ -282,7 +428,11 @@ def mla_forward(
     own DeepSeek-style interleaved rotary (its module's ``apply_rotary_pos_emb_interleave``) and
     ``k_pe`` is cached rotated, as transformers' cache and vLLM's keep it. A module with a
     head-wise output gate (``g_proj``: Bailing hybrid / Ling 3) multiplies each head's output by
-    ``sigmoid(g_proj(hidden))`` before ``o_proj``, as its own forward does."""
+    ``sigmoid(g_proj(hidden))`` before ``o_proj``, as its own forward does.
+
+    ``token_indices [B * T, K]`` int32 (a sparse-attention indexer's pick, -1 padded): each query
+    token attends only to the positions its row lists (:func:`dsa_forward`). ``q_resid``: the
+    query's ``q_a_layernorm(q_a_proj(hidden))`` when the caller computed it already."""
     from ..kernels import plan_mla_decode
 
     ctx = _CTX
@@ -292,7 +442,9 @@ def mla_forward(
     if m.q_lora_rank is None:
         q = m.q_proj(hidden_states)
     else:
-        q = m.q_b_proj(m.q_a_layernorm(m.q_a_proj(hidden_states)))
+        if q_resid is None:
+            q_resid = m.q_a_layernorm(m.q_a_proj(hidden_states))
+        q = m.q_b_proj(q_resid)
     q_nope, q_pe = q.view(b * t, h, d_nope + d_rope).split([d_nope, d_rope], dim=-1)
     c_kv, k_pe = m.kv_a_proj_with_mqa(hidden_states).split([m.kv_lora_rank, d_rope], dim=-1)
     if rotary is not None:
@@ -314,16 +466,18 @@ def mla_forward(
             table[seg], seq_lens, num_heads=h, kv_lora_rank=m.kv_lora_rank,
             qk_rope_head_dim=d_rope, block_size=bs, cache_dtype=cache.dtype,
             q_dtype=q_nope.dtype, scale=m.scaling, max_seq_len=int(seq_lens.max()),
+            token_indices=token_indices,
         )  # fmt: skip
         return blocks, plan
 
     shapes = (b, t, h, m.kv_lora_rank, d_rope, q_nope.dtype, float(m.scaling))
-    blocks, plan = ctx.kernel_plan(("mla", gid, *shapes), make_plan)
+    width = None if token_indices is None else token_indices.shape[1]
+    blocks, plan = ctx.kernel_plan(("mla", gid, *shapes, width), make_plan)
     cache.view(cache.shape[0], bs, -1)[blocks, pos % bs] = latent.to(cache.dtype)
 
     w = m.kv_b_proj.weight.view(h, d_nope + d_v, m.kv_lora_rank)
     q_abs = torch.einsum("xhn,hnc->xhc", q_nope, w[:, :d_nope]).contiguous()
-    out = plan.run(q_abs, q_pe.contiguous(), cache)
+    out = plan.run(q_abs, q_pe.contiguous(), cache, token_indices=token_indices)
     out = torch.einsum("xhc,hvc->xhv", out, w[:, d_nope:])
     gate_proj = getattr(m, "g_proj", None)
     if gate_proj is not None:

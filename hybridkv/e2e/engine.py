@@ -38,7 +38,9 @@ NemotronH, Zamba2 (its shared attention module is called with the decoder layer'
 LFM3's sliding windows through the kernels' window path), RecurrentGemma (RG-LRU state in the
 model's modules; local attention through the kernels' sliding-window path), Kimi-Linear and Bailing
 hybrid (KDA; MLA through :func:`.attn.mla_forward` and ``mla_decode_attention``, Bailing's with a
-rotary rope part and an output gate). Jamba's and RecurrentGemma's recurrent modules cannot
+rotary rope part and an output gate), GLM-5-Next (KDA; a NoPE MLA with DeepSeek sparse attention:
+:func:`.attn.dsa_forward` picks each query's tokens with the layer's indexer over its pages and
+the MLA walks that list). Jamba's and RecurrentGemma's recurrent modules cannot
 continue a multi-token forward from a state in transformers, so the engine steps them token by
 token (:mod:`.states`). MiniMax (lightning attention) keeps its state in its own ``MiniMaxCache``,
 which its forward insists on: the engine builds each forward's cache with
@@ -214,8 +216,9 @@ class Engine:
         attn.track_layer_index(model)
         attn.install_mla_layers(model, plan)
         self.attn_layers = self.ctx.views  # layer index -> (k_cache, v_cache, group id)
-        types = set(getattr(self.config, "layer_types", None) or [])
-        types |= set(getattr(self.config, "layers_block_type", None) or [])
+        text = self.config.get_text_config()  # a multimodal model's (GLM-5-Next) text part
+        types = set(getattr(text, "layer_types", None) or [])
+        types |= set(getattr(text, "layers_block_type", None) or [])
         # a dict mask bypasses HF's mask construction: the paged kernels bound and mask
         # attention by position, and the recurrent layers see no padding
         self.masks = dict.fromkeys(types | {"full_attention", "linear_attention"})
@@ -465,6 +468,9 @@ class Engine:
 
         for gid, src, dst, n in copies:
             self.num_kv_copies += 1
+            for rows, g in self.ctx.indexer_views.values():  # one row per token, as MLA's
+                if g == gid:
+                    rows[dst, :n] = rows[src, :n]
             for k_cache, v_cache, g in self.attn_layers.values():
                 if g != gid:
                     continue

@@ -379,10 +379,10 @@ def tiny_xlstm_config():
 
 def tiny_glm5_next_config():
     """GLM-5-Next (GLM-5.3-Flash's architecture): KDA, a NoPE MLA layer with its DSA indexer
-    (k-pool 4, top-16), an MLA layer sharing that top-k (no indexer cache), KDA; two residual
-    streams, dense MLPs, a one-block vision tower (never run). Refused by the engine
-    (:data:`REFUSED`). transformers passes a top-k on only to the very next layer, so the
-    ``shared`` layer follows its ``full`` one."""
+    (k-pool 4, top-16: prompts past 16 tokens attend sparsely), an MLA layer sharing that top-k
+    (no indexer cache), KDA; two residual streams, dense MLPs, a one-block vision tower (never
+    run). transformers passes a top-k on only to the very next layer, so the ``shared`` layer
+    follows its ``full`` one."""
     from transformers import Glm5NextConfig
 
     text = dict(
@@ -412,7 +412,9 @@ def tiny_glm5_next_config():
         mlp_layer_types=["dense"] * 4,
         index_topk=16,
         index_head_dim=16,
-        index_n_heads=4,
+        # 16 heads: a pool scores exactly 0 (every head's ReLU zero) once in 65,536, where 4
+        # heads tied pools at 0 often enough for the pick at a tie to depend on the row's length
+        index_n_heads=16,
         index_kpool=4,
         hc_mult=2,
         pad_token_id=0,
@@ -494,9 +496,6 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen4_exp": tiny_qwen4_exp_config,
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): top-k sparse attention
-#: over an indexer's keys and a PLE conv state no StateFormat hands over (GLM-5-Next, Qwen4-Exp)
-REFUSED: tuple[str, ...] = (
-    "glm5_next",
-    "qwen4_exp",
-)
+#: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp)
+REFUSED: tuple[str, ...] = ("qwen4_exp",)
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

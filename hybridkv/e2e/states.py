@@ -127,12 +127,10 @@ MIXER_PATHS = (
 #: (:func:`refusal` also names kinds with no :class:`StateFormat`)
 REFUSED: dict[str, str] = {
     "indexer": (
-        "a sparse-attention indexer (GLM-5-Next's DSA with k-pools, Qwen4-Exp's QSA) scores its "
-        "own per-token keys and each query then attends to its top-k tokens only; the paged "
-        "MLA decode kernel takes such a token-index list (token_indices), but the paged prefill "
-        "and GQA decode kernels have no token-index list, no kernel scores or pools the "
-        "indexer's keys out of pages to pick the top-k, and transformers' indexer reads its "
-        "keys from its DynamicIndexedLayer, which no StateFormat hands over"
+        "a sparse-attention indexer beside GQA attention (Qwen4-Exp's QSA) picks each query's "
+        "top-k tokens, and the paged prefill and GQA decode kernels take no token-index list "
+        "(the engine serves an indexer beside MLA, GLM-5-Next's DSA, through the MLA decode "
+        "kernel's token_indices)"
     ),
     "ple_conv": (
         "Qwen4-Exp's Per-Layer Embedding keeps a dilated conv state and the last n-gram token "
@@ -440,9 +438,16 @@ def _served() -> str:
 def check_wired(plan: Any) -> None:
     """:class:`Unservable` naming every refused layer kind of ``plan``, why, and what the
     engine serves."""
-    kinds = [p.kind for p in (*plan.kv_placements, *plan.state_placements)]
-    refused = dict.fromkeys(k for k in kinds if k in REFUSED)
-    refused |= dict.fromkeys(k for k in kinds[len(plan.kv_placements) :] if k not in FORMATS)
+    mla_layers = {p.layer_index for p in plan.kv_placements if p.kind == "mla"}
+    # an indexer beside its layer's MLA (GLM-5-Next's DSA) is served; beside GQA it is not
+    kv = [
+        p.kind
+        for p in plan.kv_placements
+        if not (p.kind == "indexer" and p.layer_index in mla_layers)
+    ]
+    states = [p.kind for p in plan.state_placements]
+    refused = dict.fromkeys(k for k in (*kv, *states) if k in REFUSED)
+    refused |= dict.fromkeys(k for k in states if k not in FORMATS)
     if refused:
         reasons = "; ".join(f"{k} layers: {refusal(k)}" for k in refused)
         raise Unservable(

@@ -865,3 +865,48 @@ def test_sparse_rows_pick_the_configs_they_name(monkeypatch):
     for arch in ((8, 0), (9, 0)):
         full = _sparse_kimi_plan(arch, monkeypatch, batch=512)
         assert full.num_splits == 1 and full._constexprs["ONE_SPLIT"] and full.part_acc is None
+
+
+@pytest.mark.parametrize(
+    "lens, k, dtype, splits",
+    [
+        pytest.param([70, 5, 129], None, torch.float32, None, id="dense-fp32"),
+        pytest.param([300, 64], None, torch.float16, 3, id="dense-fp16-split3"),
+        pytest.param([200, 3, 129], 40, torch.float32, 2, id="sparse-fp32-split2"),
+        pytest.param([150, 64, 1], 96, torch.float16, 1, id="sparse-fp16"),
+    ],
+)
+def test_nope_mla_without_a_rope_part(lens, k, dtype, splits):
+    """A NoPE MLA (GLM-5-Next's: ``qk_rope_head_dim`` 0) caches the latent alone and has no
+    ``q_pe``: dense and sparse walks match the reference over a NaN-slack strided cache whose
+    rows are exactly ``Dc`` wide, with a ``[B, H, 0]`` q_pe."""
+    torch.manual_seed(sum(lens) + (k or 0))
+    heads, dc, block_size = 12, 32, 16
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 3
+    cache = _strided_cache(num_blocks, block_size, dc, 0, dtype)
+    tables = _tables(cache, lens, dtype)
+    idx = None if k is None else _top_k(lens, k, seed=k)
+    q_nope = torch.randn(len(lens), heads, dc).to(dtype)
+    q_pe = torch.empty(len(lens), heads, 0, dtype=dtype)
+    _check(q_nope, q_pe, cache, tables, lens, 1 / math.sqrt(dc), splits, token_indices=idx)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_nope_mla_e4m3_software_decode(splits, monkeypatch):
+    """The NoPE walk over an e4m3 cache, decoded in software (sm_80) and in hardware."""
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        pytest.skip("no float8_e4m3fn in this torch")
+    torch.manual_seed(splits)
+    lens, dc = [90, 17], 64
+    cache = _strided_cache(sum(math.ceil(n / 16) for n in lens) + 2, 16, dc, 0, torch.float32)
+    tables = _tables(cache, lens, torch.float32)
+    cache = cache.clamp(-1, 1).to(fp8)
+    q_nope = torch.randn(len(lens), 16, dc).half()
+    q_pe = torch.empty(len(lens), 16, 0, dtype=torch.float16)
+    k_scale = torch.tensor(1 / 448)
+    got = []
+    for hardware in (False, True):
+        monkeypatch.setattr(mla_decode, "_fp8e4_in_hardware", lambda device, hw=hardware: hw)
+        got.append(_check(q_nope, q_pe, cache, tables, lens, 0.5, splits=splits, k_scale=k_scale))
+    assert (got[0].float() - got[1].float()).abs().max() <= 1e-3
