@@ -12,7 +12,7 @@ from typing import NoReturn
 
 from . import __version__, models
 from .alloc import AllocatorOptions, ConfigError
-from .costmodel import H100_SXM, H200
+from .costmodel import H100_SXM, H200, param_count
 from .executors import ExecutorUnavailable, add_executor_arguments, executor_options
 from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
@@ -558,9 +558,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     }
     info = _trace_info(trace)
     summary = result.summary()
+    params = param_count(model)  # what the roofline priced the steps with (cached)
     if args.json:
         config_info = _run_config(model, args)
         config_info.update(
+            params=params.to_dict(),
             layout=args.layout,
             plan_block_size=plan.block_size,
             policy=args.policy,
@@ -578,6 +580,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f", {config.allocator.resolved_eviction()} eviction"
         f"  memory={format_bytes(_cache_memory(args))}  max_num_seqs={args.max_num_seqs}  "
         f"hash unit {unit}"
+    )
+    print(
+        f"parameters (the roofline's): {params.total / 1e9:,.1f}B total, "
+        f"{params.active / 1e9:,.2f}B active ({params.source})"
     )
     print(
         f"hit rate {100 * summary['token_hit_rate']:.1f}% of prompt tokens; attention-only "

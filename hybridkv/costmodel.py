@@ -116,7 +116,9 @@ def _zoo_params() -> dict[str, ParamCount]:
 
 def param_count(model: HybridModel | str) -> ParamCount:
     """A model's parameter counts: its own (the zoo's ``params``), else the zoo entry matched on
-    its name, then its Hugging Face repos."""
+    its name, then its Hugging Face repos, else (a model read from a ``config.json``) counted
+    from its config by transformers on the meta device
+    (:func:`hybridkv.models.param_count.params_from_config`)."""
     if isinstance(model, HybridModel) and model.params is not None:
         return model.params
     names = [model] if isinstance(model, str) else [model.name, *model.hf_repo.split(",")]
@@ -125,8 +127,14 @@ def param_count(model: HybridModel | str) -> ParamCount:
         key = _normalise(n)
         if key in known:
             return known[key]
+    config = model.extra.get("hf_config") if isinstance(model, HybridModel) else None
+    if config is not None:
+        from .models.param_count import params_from_config
+
+        return params_from_config(config)
     raise KeyError(
-        f"no parameter count for {names[0]!r}; pass params=ParamCount(total, active, source) "
+        f"no parameter count for {names[0]!r}; pass params=ParamCount(total, active, source), "
+        f"or read the model from its config.json (its parameters are then counted from it) "
         f"(known: {', '.join(sorted(known))})"
     )
 

@@ -1463,6 +1463,9 @@ def parse_hf_config(
     # facts the model keeps for vLLM's naming (hybridkv.vllm_families): the architecture class
     # and, for Zamba2, how many shared attention blocks its layers cycle through
     extra: dict[str, Any] = {"architectures": _architectures(outer) or _architectures(inner)}
+    # the config itself, for what only transformers' build of it says (parameter counts:
+    # hybridkv.models.param_count); a reference, never serialised
+    extra["hf_config"] = outer
     if model_type == "zamba2" and isinstance(inner.get("num_mem_blocks"), int):
         extra["num_mem_blocks"] = inner["num_mem_blocks"]
     try:
