@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -294,20 +295,58 @@ NEW_FAMILIES = (
 )
 
 
-@register(
-    "new_families",
-    "The newest families at transformers' default sizes (not released checkpoints): what each "
-    "layer kind keeps, and the block and token capacity each layout gives them in 40 GiB.",
-)
-def new_families(ctx: Context) -> list[Path]:
+#: requests of the chat workload each new family is simulated with (small: a smoke run of one
+#: small family, whose parameters transformers builds in a fraction of a second)
+NEW_FAMILY_REQUESTS = 300
+NEW_FAMILIES_SMALL = ("lfm3",)
+
+
+def _new_family_model(family: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from hybridkv import models
+
+    return models.from_hf_config(CONFIG_MAPPING[family]().to_dict())
+
+
+def _new_family_run(task: tuple[str, str, int]) -> dict[str, Any]:
+    """``(family, layout, requests)`` -> what the simulator measured on the chat workload with
+    vLLM's ``align`` (module level: :meth:`Context.map` runs it in a worker process), and the
+    parameters the roofline priced it with (counted from the config)."""
+    from hybridkv import costmodel, traces
+    from hybridkv.layouts import make_plan
+    from hybridkv.sim import SimConfig, simulate
+
+    family, layout, n = task
+    model = _new_family_model(family)
+    try:
+        params = costmodel.param_count(model)
+    except ValueError as exc:  # transformers cannot build the config: no roofline for it
+        return {"why": f"- {family}: not simulated: {exc}"}
+    plan = make_plan(model, layout, memory="40GiB", max_num_seqs=256)
+    trace = traces.multi_turn_chat(n, seed=0)
+    config = SimConfig(checkpoint_policy="align", breakdown_every=0, params=params)
+    summary = simulate(plan, model, trace, config).summary()
+    return {
+        "hit": f"{100 * summary['token_hit_rate']:.1f}",
+        "ttft": f"{summary['ttft_p50_ms']:,.0f}",
+        "params": f"{params.total / 1e9:,.2f} / {params.active / 1e9:,.2f}",
+    }
+
+
+@register(
+    "new_families",
+    "The newest families at transformers' default sizes (not released checkpoints): what each "
+    "layer kind keeps, the block and token capacity each layout gives them in 40 GiB, and the "
+    "simulator's hit rate and TTFT on the chat workload.",
+)
+def new_families(ctx: Context) -> list[Path]:
     from hybridkv.layouts import make_plan
 
-    rows, refused = [], []
-    for family in NEW_FAMILIES:
-        model = models.from_hf_config(CONFIG_MAPPING[family]().to_dict())
+    rows, refused, runs = [], [], []
+    n = 20 if ctx.small else NEW_FAMILY_REQUESTS
+    for family in NEW_FAMILIES_SMALL if ctx.small else NEW_FAMILIES:
+        model = _new_family_model(family)
         kinds = ", ".join(f"{n} {k}" for k, n in model.layer_kinds.items())
         for layout in data.LAYOUT_ORDER:
             try:
@@ -319,6 +358,7 @@ def new_families(ctx: Context) -> list[Path]:
                 block = f"{p.block_size:,}"
                 tokens = f"{p.capacity.token_capacity:,}"
                 pct = f"{100 * p.capacity.fraction_of_ideal:.1f}"
+                runs.append((len(rows), (family, layout, n)))
                 if not model.attention_layers:  # states only: no token is cached per token
                     block, tokens, pct = "-", "no KV", "-"
             rows.append(
@@ -332,8 +372,17 @@ def new_families(ctx: Context) -> list[Path]:
                     "block": block,
                     "tokens": tokens,
                     "pct": pct,
+                    "params": "-",
+                    "hit": "-",
+                    "ttft": "-",
                 }
             )
+    unsimulated = []
+    for (i, _), measured in zip(runs, ctx.map(_new_family_run, [task for _, task in runs])):
+        why = measured.pop("why", None)
+        if why is not None and why not in unsimulated:
+            unsimulated.append(why)
+        rows[i].update(measured)
     table = markdown_table(
         rows,
         [
@@ -345,6 +394,9 @@ def new_families(ctx: Context) -> list[Path]:
             ("block", "block (tokens)"),
             ("tokens", "token capacity"),
             ("pct", "% of ideal"),
+            ("params", "params B (total / active)"),
+            ("hit", f"chat hit % ({n} req.)"),
+            ("ttft", "TTFT p50 ms"),
         ],
     )
     note = (
@@ -352,9 +404,14 @@ def new_families(ctx: Context) -> list[Path]:
         "`hybridkv.models.from_hf_config` (bf16, TP 1; 40 GiB of cache, 256 running requests' "
         "states). They are not released checkpoints' configs: Qwen4-Exp's defaults have no QSA "
         "indexer and no PLE layers. Indexer keys in transformers' per-token layout (vLLM 0.33's "
-        "pooled layout is not modelled)."
+        "pooled layout is not modelled). Simulated: `traces.multi_turn_chat(n, seed=0)` with "
+        "vLLM's `align` on each plan that fits, H100 roofline, the parameters counted from the "
+        "config by transformers on the meta device (`hybridkv.models.param_count`: routed "
+        "experts at top_k / num_experts, vision towers left out)."
     )
     why = "\n".join(["", "", "Plans that do not fit:", "", *refused]) if refused else ""
+    if unsimulated:
+        why += "\n".join(["", "", "Not simulated:", "", *unsimulated])
     return [ctx.table("new_families", f"{note}\n\n{table}{why}")]
 
 

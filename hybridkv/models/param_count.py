@@ -63,13 +63,19 @@ def _count(config_json: str) -> ParamCount:
             f"transformers {transformers.__version__} does not know model_type {model_type!r} "
             f"({exc}); {fix}"
         ) from None
-    with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(cfg)
-        except ValueError:
-            if getattr(cfg, "text_config", None) is None:
-                raise
-            model = AutoModelForImageTextToText.from_config(cfg)
+    try:
+        with torch.device("meta"):
+            try:
+                model = AutoModelForCausalLM.from_config(cfg)
+            except ValueError:
+                if getattr(cfg, "text_config", None) is None:
+                    raise
+                model = AutoModelForImageTextToText.from_config(cfg)
+    except Exception as exc:  # transformers' own code: any failure means no count
+        raise ValueError(
+            f"transformers {transformers.__version__} could not build {model_type!r} from this "
+            f"config ({type(exc).__name__}: {exc}); {fix}"
+        ) from exc
     text = cfg.get_text_config()
     num_experts = next((getattr(text, k) for k in _NUM_EXPERTS_KEYS if getattr(text, k, 0)), 0)
     top_k = getattr(text, "num_experts_per_tok", 0) or 0
