@@ -13,6 +13,7 @@ NaN-poisoned, so a read of anything nothing wrote shows up in the logits.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -32,14 +33,23 @@ TOL_SEQUENTIAL = 1e-5
 TOL_TRANSFORMERS = 1e-4  # as tests/test_e2e.py: paged kernels sum in another order
 
 
-def _cases() -> list[tuple[str, str]]:
+#: families whose packed prefill another family's run covers, left out of the default run
+#: (``HYBRIDKV_FULL_E2E=1`` runs them): GLM-5-Next packs the same NoPE MLA beside KDA as
+#: Kimi-Linear, plus its indexer, and each MLA case is among the suite's slowest
+COVERED = {"kimi_linear": "glm5_next"}
+
+
+def _cases(full: bool) -> list[tuple[str, str]]:
     """Each family on another layout (rotating), every layout used. An MLA family (Kimi-Linear,
-    Bailing hybrid) takes the first layout of its rotation with its own pool: its latent pages
-    are 64 tokens there and 128 on the shared-page layouts, and the prompts scale with them
-    (each prompt token is a row of the MLA decode kernel, slow under the interpreter)."""
+    Bailing hybrid, GLM-5-Next) takes the first layout of its rotation with its own pool: its
+    latent pages are 64 tokens there and 128 on the shared-page layouts, and the prompts scale
+    with them (each prompt token is a row of the MLA decode kernel, slow under the
+    interpreter). Without ``full``, the families of :data:`COVERED` are left out."""
     out = []
     n = len(LAYOUTS)
     for i, name in enumerate(SERVED):
+        if name in COVERED and not full:
+            continue
         order = [LAYOUTS[(i + 2 + k) % n] for k in range(n)]
         if "mla" in hybrid_model_for(TINY_CONFIGS[name]()).layer_kinds:
             order = [lay for lay in order if lay in ("per_group", "two_level")]
@@ -47,11 +57,12 @@ def _cases() -> list[tuple[str, str]]:
     return out
 
 
-CASES = _cases()
+CASES = _cases(os.environ.get("HYBRIDKV_FULL_E2E") == "1")
 
 
 def test_every_layout_is_used():
     assert {lay for _, lay in CASES} == set(LAYOUTS)
+    assert all(cover in dict(CASES) for cover in COVERED.values())
 
 
 @functools.cache
