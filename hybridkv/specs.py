@@ -20,9 +20,11 @@ from .dtypes import STATE_DTYPES, canonical_dtype, dtype_bytes
 __all__ = [
     "SPEC_KINDS",
     "AttentionSpec",
+    "CCAStateSpec",
     "FullAttentionSpec",
     "GatedDeltaNetSpec",
     "IndexerSpec",
+    "InklingConvSpec",
     "KDASpec",
     "LayerSpec",
     "LinearAttentionSpec",
@@ -704,6 +706,155 @@ class PLEConvSpec(StateSpec):
         return (self._conv(self.conv_dim, self.span + 1),)
 
 
+def _kv_heads_per_rank(kv: int, tp: int, what: str) -> int:
+    """KV heads one rank keeps, split as :class:`FullAttentionSpec` splits them (one replicated
+    head per rank when ``tp`` exceeds ``kv``; ``tp`` must divide ``kv`` or be a multiple of it)."""
+    if tp <= kv:
+        _divide(kv, tp, what, f"use a TP size that divides {kv}")
+    elif tp % kv:
+        raise ValueError(
+            f"tensor-parallel size {tp} exceeds {what}={kv} but is not a multiple of it, so KV "
+            f"heads cannot be replicated evenly; use a TP size that divides {kv} or a multiple "
+            f"of {kv}"
+        )
+    return max(1, kv // tp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InklingConvSpec(StateSpec):
+    """Inkling's four short convolutions, kept by every decoder layer beside its attention
+    (transformers' ``InklingShortConvolution``: a depthwise causal conv of kernel
+    ``conv_kernel``, no bias, plus a residual). transformers keeps them as the layer's
+    ``conv_states[0..3]`` (``cache.update_conv_state(..., state_idx=conv_idx)``):
+
+    - 0 ``k_sconv`` over the K projection, ``num_kv_heads * head_dim`` channels, before the key
+      norm and the K cache;
+    - 1 ``v_sconv`` over the V projection, the same channels;
+    - 2 ``attn_sconv`` over the attention output, ``hidden_size`` channels;
+    - 3 ``mlp_sconv`` over the MLP / MoE output, ``hidden_size`` channels.
+
+    The K / V channels are those of the layer's own attention: a ``hybrid_sliding`` layer's
+    ``swa_num_key_value_heads * swa_head_dim``, a ``hybrid`` one's ``num_key_value_heads *
+    head_dim``. transformers keeps each as ``[batch, channels, conv_kernel]`` (the whole kernel
+    window; the next token's conv reads the last ``conv_kernel - 1`` columns, which is what a
+    paged state keeps, one column less: ``tests/test_hf_cache_bytes.py``), **in float32
+    whatever the model dtype** (``InklingShortConvolution.forward`` casts its input to float32
+    before the state is written; the modules are ``_keep_in_fp32_modules_strict``). Per layer
+    and request, on one rank, in ``conv_dtype`` (:meth:`HybridModel.configure` resolves
+    ``auto`` to float32 for this kind, as transformers keeps them):
+
+    - ``k_sconv``, ``v_sconv``: ``(conv_kernel - 1 + num_spec_tokens, kv_heads_per_rank *
+      head_dim)`` each;
+    - ``attn_sconv``, ``mlp_sconv``: ``(conv_kernel - 1 + num_spec_tokens, hidden_size)``
+      each.
+
+    TP split rule (transformers' plan shards only the MLPs, no engine serves Inkling; this is
+    the rule a head-parallel port would follow): the K / V convs are per channel and feed
+    per-head attention, so they split with the KV heads exactly as the K / V cache does
+    (``max(1, num_kv_heads // tp)`` heads, replicated when TP exceeds them); the two
+    hidden-size convs run on the whole residual-stream update after the output projection's
+    all-reduce, so every rank keeps them whole (replicated).
+    """
+
+    kind: ClassVar[str] = "inkling_sconv"
+
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "num_kv_heads", "head_dim", "hidden_size", "conv_kernel")
+        _kv_heads_per_rank(self.num_kv_heads, self.tp_size, "num_kv_heads")
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        kv = self.kv_heads_per_rank * self.head_dim
+        return (
+            self._conv(kv, self.conv_kernel, name="k_sconv"),
+            self._conv(kv, self.conv_kernel, name="v_sconv"),
+            self._conv(self.hidden_size, self.conv_kernel, name="attn_sconv"),
+            self._conv(self.hidden_size, self.conv_kernel, name="mlp_sconv"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CCAStateSpec(StateSpec):
+    """ZAYA's Compressed Convolutional Attention (transformers' ``ZayaCCAProjection``): the
+    per-request state of the q / k mixing convs and of the delayed value half, kept beside the
+    layer's ordinary K / V cache (its attention is plain GQA of ``head_dim``, full or
+    sliding-window: a :class:`FullAttentionSpec` / :class:`SlidingWindowSpec` of its own).
+
+    transformers concatenates the q and k projections (``(num_heads + num_kv_heads) *
+    head_dim`` channels) and runs a depthwise conv of kernel ``time0`` then a per-head grouped
+    conv of kernel ``time1``: together they reach ``time0 + time1 - 2`` inputs back, which is
+    what the layer's ``conv_states[0]`` keeps, ``[batch, channels, time0 + time1 - 2]``
+    (exactly that; no extra column). The value is half ``v_proj_current`` of this token, half
+    ``v_proj_delayed`` of the previous one (``num_kv_heads * head_dim / 2`` channels each), so
+    ``recurrent_states[0]`` keeps the last token's delayed projection, ``[batch, num_kv_heads *
+    head_dim / 2]``. Both in the model dtype (the projections'). Per layer and request, on one
+    rank, in ``conv_dtype``:
+
+    - ``conv``: ``(time0 + time1 - 2 + num_spec_tokens, (num_heads / tp + kv_heads_per_rank) *
+      head_dim)``;
+    - ``v_delayed``: ``(1 + num_spec_tokens, min(kv_heads_per_rank * head_dim, num_kv_heads *
+      head_dim / 2))`` (a token shift: a conv of kernel 2).
+
+    TP split rule (no engine shards ZAYA; the rule a head-parallel port would follow): the
+    grouped conv mixes within a head (``groups = num_heads + num_kv_heads``), so the conv
+    channels split with the query heads and the KV heads (replicated as the K / V cache when TP
+    exceeds them). The value heads are ``cat(current, delayed).view(heads, head_dim)``: the
+    delayed channels are the last ``num_kv_heads / 2`` heads' (half of the one head when there
+    is one), so a rank keeps the delayed channels of its own heads; the state is sized for the
+    rank holding the most of them, ``min(kv_heads_per_rank * head_dim, num_kv_heads *
+    head_dim / 2)`` (one pool serves every rank). At TP 1 that is ``num_kv_heads * head_dim /
+    2``, transformers' shape.
+    """
+
+    kind: ClassVar[str] = "cca"
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    time0: int
+    time1: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "num_heads", "num_kv_heads", "head_dim", "time0", "time1")
+        if (self.num_kv_heads * self.head_dim) % 2:
+            raise ValueError(
+                f"num_kv_heads * head_dim = {self.num_kv_heads * self.head_dim} is odd; ZAYA's "
+                "value is half current, half delayed projection, so it must be even"
+            )
+        _kv_heads_per_rank(self.num_kv_heads, self.tp_size, "num_kv_heads")
+        _divide(self.num_heads, self.tp_size, "num_heads", "use a TP size that divides them")
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def conv_dim(self) -> int:
+        """q and k channels one rank convolves."""
+        return (self.num_heads // self.tp_size + self.kv_heads_per_rank) * self.head_dim
+
+    @property
+    def delayed_dim(self) -> int:
+        """Delayed value channels the fullest rank keeps."""
+        return min(self.kv_heads_per_rank * self.head_dim, self.num_kv_heads * self.head_dim // 2)
+
+    def state_tensors(self) -> tuple[StateTensor, ...]:
+        return (
+            self._conv(self.conv_dim, self.time0 + self.time1 - 1),
+            self._conv(self.delayed_dim, 2, name="v_delayed"),
+        )
+
+
 SPEC_KINDS: dict[str, type[LayerSpec]] = {
     cls.kind: cls
     for cls in (
@@ -721,6 +872,8 @@ SPEC_KINDS: dict[str, type[LayerSpec]] = {
         RWKV4Spec,
         MLSTMSpec,
         PLEConvSpec,
+        InklingConvSpec,
+        CCAStateSpec,
     )
 }
 

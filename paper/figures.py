@@ -292,6 +292,8 @@ NEW_FAMILIES = (
     "granitemoe_swa",
     "rwkv",
     "xlstm",
+    "inkling_mm_model",
+    "zaya",
 )
 
 

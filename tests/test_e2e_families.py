@@ -407,6 +407,12 @@ def test_refused_families_say_what_is_missing_and_what_is_served(name):
         assert "take no token-index list" in message
     if name == "qwen4_exp":
         assert "ple_conv layers: Qwen4-Exp's Per-Layer Embedding" in message
+    if name == "inkling":
+        assert "inkling_sconv layers: Inkling keeps four float32 short-conv states" in message
+        assert "no StateFormat hands over" in message
+    if name == "zaya":
+        assert "cca layers: ZAYA's Compressed Convolutional Attention" in message
+        assert "no StateFormat hands over" in message
 
 
 @pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa"])

@@ -1,14 +1,14 @@
 """The byte formulas of the families added from transformers (GraniteSWA, GraniteMoeSWA, RWKV,
-xLSTM, GLM-5-Next, Qwen4-Exp) against what transformers' own cache or state holds after a forward
-of a tiny
-randomly initialised model of the family, in float32 and bfloat16; and every such family
-planned through every layout, at its tiny size and at transformers' default size.
+xLSTM, GLM-5-Next, Qwen4-Exp, Inkling, ZAYA) against what transformers' own cache or state holds
+after a forward of a tiny randomly initialised model of the family, in float32 and bfloat16;
+and every such family planned through every layout, at its tiny size and at transformers'
+default size.
 
 The families served end to end are compared token for token in tests/test_e2e_families.py
 (GraniteSWA, GraniteMoeSWA, RWKV and xLSTM among them; there RWKV's and xLSTM's states also
 go through the plan's slots byte for byte); GLM-5-Next and Qwen4-Exp are refused there (the
 engine has no kernel for their indexers), so this file is where their formulas meet
-transformers.
+transformers. Inkling and ZAYA are refused there too (no StateFormat for their states).
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ def test_xlstm_state_bytes_match_transformers_cache(dtype):
             assert (BATCH, *t.shape) == tuple(h.shape), t.name
             assert f"torch.{t.dtype}" == str(h.dtype) == str(DTYPES[dtype]), t.name
         assert sum(h.nbytes for h in held) == BATCH * layer.spec.state_bytes
+
+
+#: tiny configs with a sliding-window layer (window 16)
+TINY_WINDOWED = ("granite_swa", "granitemoe_swa", "inkling", "zaya")
 
 
 def _cache_of(name: str, dtype: str):
@@ -208,18 +212,123 @@ def test_qwen4_exp_cache_bytes_match_transformers_cache(dtype):
     assert positions.shape == (3, BATCH, T) and positions.dtype == torch.int64
 
 
+def _attention_bytes(held, spec, layer_name: str, dtype: str) -> None:
+    """A full layer keeps every token, a sliding one the last ``window - 1``: per token and
+    request exactly :attr:`bytes_per_token`, in the model dtype."""
+    window = getattr(spec, "sliding_window", None)
+    tokens = T if window is None else min(T, window - 1)
+    assert held.keys.shape[2] == held.values.shape[2] == tokens, layer_name
+    assert held.keys.nbytes + held.values.nbytes == BATCH * tokens * spec.bytes_per_token
+    assert held.keys.dtype == held.values.dtype == DTYPES[dtype], layer_name
+
+
+def _decode_one(name: str, dtype: str, cache) -> None:
+    """One more token through the cache: a per-request state keeps its shape."""
+    with torch.no_grad():
+        _model(name, dtype)(input_ids=_ids()[:, :1], cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inkling_cache_bytes_match_transformers_cache(dtype):
+    """Inkling: every layer keeps K and V (full, or the last ``window - 1`` tokens of a
+    hybrid_sliding layer, whose heads are swa_*), exactly the attention specs' bytes in the
+    model dtype, and four short-conv states, conv_states[0..3] = k_sconv, v_sconv, attn_sconv,
+    mlp_sconv: each [batch, channels, kernel] in float32 whatever the model dtype, the spec's
+    tensor of the same name (``kernel - 1`` columns, float32 by default) plus the one column
+    the next token's conv never reads; after a decode step, the same shapes (per request)."""
+    cfg, cache = _cache_of("inkling", dtype)
+    hybrid = hybrid_model_for(TINY_CONFIGS["inkling"](), dtype)
+    assert hybrid.layer_kinds == {"full_attention": 1, "sliding_window": 1, "inkling_sconv": 2}
+    assert cfg.sconv_kernel_size == 3  # the tiny config's, not the default 4
+    shapes = {}
+    for layer in hybrid.layers:
+        held, spec = cache.layers[layer.index], layer.spec
+        if spec.is_attention:
+            assert (spec.kind == "sliding_window") == (
+                cfg.layer_types[layer.index] == "hybrid_sliding"
+            )
+            _attention_bytes(held, spec, layer.name, dtype)
+            continue
+        assert spec.kind == "inkling_sconv"
+        tensors = spec.state_tensors()
+        assert [t.name for t in tensors] == ["k_sconv", "v_sconv", "attn_sconv", "mlp_sconv"]
+        for idx, t in enumerate(tensors):
+            conv = held.conv_states[idx]
+            rows, channels = t.shape
+            assert tuple(conv.shape) == (BATCH, channels, rows + 1), (layer.name, t.name)
+            assert conv.dtype == torch.float32 and t.dtype == "float32"
+            assert conv[..., 1:].nbytes == BATCH * t.nbytes
+            shapes[layer.name, idx] = tuple(conv.shape)
+        assert all(held.recurrent_states[i] is None for i in range(4))
+        assert (
+            sum(c[..., 1:].nbytes for c in held.conv_states.values()) == BATCH * spec.state_bytes
+        )
+    _decode_one("inkling", dtype, cache)
+    for (name, idx), shape in shapes.items():
+        assert tuple(cache.layers[int(name.split(".")[1])].conv_states[idx].shape) == shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zaya_cache_bytes_match_transformers_cache(dtype):
+    """ZAYA: every layer keeps plain GQA K and V (full, or the last ``window - 1`` tokens of a
+    hybrid_sliding layer), exactly the attention specs' bytes, and its CCA state:
+    conv_states[0] [batch, (heads + KV heads) * head_dim, cca_time0 + cca_time1 - 2] (the q/k
+    conv window, exactly the spec's ``conv``, no extra column) and recurrent_states[0]
+    [batch, KV heads * head_dim / 2] (the last token's delayed value half, the spec's
+    ``v_delayed``), both in the model dtype; after a decode step, the same shapes."""
+    cfg, cache = _cache_of("zaya", dtype)
+    hybrid = hybrid_model_for(cfg, dtype)
+    assert hybrid.layer_kinds == {"full_attention": 1, "sliding_window": 1, "cca": 2}
+    for layer in hybrid.layers:
+        held, spec = cache.layers[layer.index], layer.spec
+        if spec.is_attention:
+            assert (spec.kind == "sliding_window") == (
+                cfg.layer_types[layer.index] == "hybrid_sliding"
+            )
+            _attention_bytes(held, spec, layer.name, dtype)
+            continue
+        assert spec.kind == "cca"
+        conv, delayed = spec.state_tensors()
+        assert (conv.name, delayed.name) == ("conv", "v_delayed")
+        held_conv, held_v = held.conv_states[0], held.recurrent_states[0]
+        rows, channels = conv.shape
+        assert rows == cfg.cca_time0 + cfg.cca_time1 - 2 == 3
+        assert tuple(held_conv.shape) == (BATCH, channels, rows)
+        assert tuple(held_v.shape) == (BATCH, delayed.shape[1]) and delayed.shape[0] == 1
+        for h, t in ((held_conv, conv), (held_v, delayed)):
+            assert h.dtype == DTYPES[dtype] and f"torch.{t.dtype}" == str(h.dtype)
+            assert h.nbytes == BATCH * t.nbytes
+        assert held_conv.nbytes + held_v.nbytes == BATCH * spec.state_bytes
+    _decode_one("zaya", dtype, cache)
+    for layer in hybrid.state_layers:
+        held, (conv, delayed) = cache.layers[layer.index], layer.spec.state_tensors()
+        assert held.conv_states[0].shape[-1] == conv.shape[0]
+        assert held.recurrent_states[0].shape[-1] == delayed.shape[1]
+
+
 @pytest.mark.parametrize(
-    "name", ["granite_swa", "granitemoe_swa", "rwkv", "xlstm", "glm5_next", "qwen4_exp"]
+    "name",
+    [
+        "granite_swa",
+        "granitemoe_swa",
+        "rwkv",
+        "xlstm",
+        "glm5_next",
+        "qwen4_exp",
+        "inkling",
+        "zaya",
+    ],
 )
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_new_families_plan_in_every_layout(name, layout):
     """Every layout plans the tiny model and transformers' default one (GraniteSWA: one full
     layer in four; RWKV and xLSTM: 32 layers of state, no attention; GLM-5-Next: 11 MLA layers
-    with their indexers among 34 KDA ones); sliding groups carry the window, and every cache
-    layer is placed."""
+    with their indexers among 34 KDA ones; Inkling: 66 layers of attention, 55 sliding, each
+    with its four short convs; ZAYA: 40 full-attention layers, each with its CCA state);
+    sliding groups carry the window, and every cache layer is placed."""
     plan = make_tiny_plan(TINY_CONFIGS[name](), layout)
     windows = {g.sliding_window for g in plan.groups if g.kind == "sliding_window"}
-    assert windows == ({16} if "granite" in name else set())
+    assert windows == ({16} if name in TINY_WINDOWED else set())
     placed = {p.layer for p in (*plan.kv_placements, *plan.state_placements)}
     assert placed == {layer.name for layer in hybrid_model_for(TINY_CONFIGS[name]()).layers}
     # an indexer's keys are a per-token kind of their own: in the shared pool they ride in their
@@ -241,14 +350,15 @@ def test_new_families_plan_in_every_layout(name, layout):
             )
         else:
             assert group.kind == "indexer"
-    full = models.from_hf_config(transformers.AutoConfig.for_model(name).to_dict())
+    full_type = {"inkling": "inkling_mm_model"}.get(name, name)
+    full = models.from_hf_config(transformers.AutoConfig.for_model(full_type).to_dict())
     big = make_plan(full, layout, memory="40GiB", max_num_seqs=64)  # GLM-5-Next: 148 MB a request
     placed = {p.layer for p in (*big.kv_placements, *big.state_placements)}
     assert placed == {layer.name for layer in full.layers}
     if full.attention_layers:
         assert big.capacity.token_capacity > 0
         windows = {g.sliding_window for g in big.groups if g.kind == "sliding_window"}
-        assert windows == ({128} if "granite" in name else set())
+        assert windows == ({128} if "granite" in name else {512} if name == "inkling" else set())
 
 
 def test_inflate_sizes_glm5_next_blocks_by_the_latent_alone():
@@ -266,3 +376,18 @@ def test_inflate_sizes_glm5_next_blocks_by_the_latent_alone():
     # a GQA model with an indexer: the block is a multiple of 64, not only of 16
     tiny = make_tiny_plan(TINY_CONFIGS["qwen4_exp"](), "inflate", block_size=None)
     assert tiny.block_size % 64 == 0
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model_type", ["inkling_mm_model", "zaya"])
+def test_inkling_and_zaya_plan_at_tp8_in_every_layout(model_type, layout):
+    """transformers' default Inkling and ZAYA on one rank of TP 8 (Inkling: one KV head a
+    rank, its hidden-size convs whole on every rank; ZAYA: one query head and a replicated KV
+    head a rank) plan in every layout, every cache layer placed, with the per-rank state."""
+    full = models.from_hf_config(transformers.AutoConfig.for_model(model_type).to_dict())
+    ranked = full.configure(tp_size=8)
+    assert ranked.state_bytes_per_seq < full.state_bytes_per_seq
+    plan = make_plan(ranked, layout, memory="40GiB", max_num_seqs=64)
+    placed = {p.layer for p in (*plan.kv_placements, *plan.state_placements)}
+    assert placed == {layer.name for layer in ranked.layers}
+    assert plan.capacity.token_capacity > 0

@@ -225,6 +225,11 @@ DEFAULT_KINDS = {
     # Qwen4ExpTextConfig() sets no indexer_* fields and no PLE layers
     "qwen4_exp": {"full_attention", "gated_deltanet"},
     "qwen4_exp_text": {"full_attention", "gated_deltanet"},
+    # Inkling: attention in every layer (one full in six, the rest sliding), four short convs
+    "inkling_mm_model": {"full_attention", "sliding_window", "inkling_sconv"},
+    "inkling_text": {"full_attention", "sliding_window", "inkling_sconv"},
+    # ZAYA: full attention and a CCA state in every layer (no hybrid_sliding by default)
+    "zaya": {"full_attention", "cca"},
 }
 # families transformers does not ship (remote-code formats), read from their own configs
 NOT_IN_TRANSFORMERS = {"minimax_text_01", "minimax_m1"}
@@ -707,6 +712,118 @@ def test_qwen4_exp_reads_every_size_field():
         models.from_hf_config({**saved, "indexer_kv_heads": 2})
 
 
+_INKLING_TEXT = dict(
+    hidden_size=1024,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=64,
+    swa_num_attention_heads=8,
+    swa_num_key_value_heads=4,
+    swa_head_dim=128,
+    sliding_window_size=256,
+    sconv_kernel_size=3,
+    dtype="bfloat16",
+)
+
+
+def test_inkling_reads_every_size_field():
+    """Inkling saved by transformers (the multimodal wrapper and its text config alike): the
+    hybrid layers full GQA, the hybrid_sliding ones windowed with their own swa_* heads, every
+    layer's four short convs over its own K/V channels and twice the hidden size, kernel
+    sconv_kernel_size (transformers' conv_kernel_size), float32 whatever the model dtype."""
+    transformers = pytest.importorskip("transformers")
+    text = transformers.InklingTextConfig(**_INKLING_TEXT).to_dict()
+    model = models.from_hf_config(text)
+    assert model.family == "inkling_text"
+    # transformers' rule: layer i slides unless (i + 1) % 6 == 0
+    assert [
+        layer.index for layer in model.attention_layers if layer.spec.kind == "full_attention"
+    ] == [5]
+    assert model.layer_kinds == {"sliding_window": 5, "inkling_sconv": 6, "full_attention": 1}
+    assert [layer.name for layer in model.layers[:2]] == ["layers.0.attn", "layers.0.mixer"]
+    full, swa = model.layer("layers.5.attn").spec, model.layer("layers.0.attn").spec
+    assert (full.num_heads, full.num_kv_heads, full.head_dim) == (16, 2, 64)
+    assert (swa.num_heads, swa.num_kv_heads, swa.head_dim, swa.sliding_window) == (8, 4, 128, 256)
+    for i, kv in ((5, 2 * 64), (0, 4 * 128)):
+        conv = model.layer(f"layers.{i}.mixer").spec
+        assert {t.name: t.shape for t in conv.state_tensors()} == {
+            "k_sconv": (2, kv),
+            "v_sconv": (2, kv),
+            "attn_sconv": (2, 1024),
+            "mlp_sconv": (2, 1024),
+        }
+        assert {t.dtype for t in conv.state_tensors()} == {"float32"}
+        assert conv.state_bytes == 2 * (2 * kv + 2 * 1024) * 4
+    assert "short-conv states read in float32" in model.doubts
+    # a server keeping them in the model dtype: --mamba-cache-dtype
+    half = model.configure(conv_dtype="bfloat16")
+    assert {layer.spec.conv_dtype for layer in half.state_layers} == {"bfloat16"}
+    wrapped = transformers.InklingConfig(text_config=_INKLING_TEXT).to_dict()
+    assert models.from_hf_config(wrapped).family == "inkling_text"
+    assert _layers(models.from_hf_config(wrapped)) == _layers(model)
+    # the checkpoint's own spellings: sconv_kernel_size, local_layer_ids, no layer_types
+    raw = {**_without(text, "layer_types", "conv_kernel_size"), "sconv_kernel_size": 5}
+    listed = models.from_hf_config({**raw, "local_layer_ids": [1, 2]})
+    assert [layer.spec.kind for layer in listed.attention_layers] == [
+        "full_attention",
+        "sliding_window",
+        "sliding_window",
+        *["full_attention"] * 3,
+    ]
+    assert {layer.spec.conv_kernel for layer in listed.state_layers} == {5}
+    both = models.from_hf_config({**raw, "conv_kernel_size": 2})
+    assert {layer.spec.conv_kernel for layer in both.state_layers} == {5}
+    assert "sconv_kernel_size 5 and conv_kernel_size 2 differ" in both.doubts
+    bare = models.from_hf_config(_without(text, "conv_kernel_size", "swa_head_dim"))
+    assert (
+        "conv_kernel_size missing: 4" in bare.doubts and "swa_head_dim missing: 128" in bare.doubts
+    )
+    mtp = models.from_hf_config({**text, "num_mtp_layers": 1})
+    assert "num_mtp_layers 1" in mtp.doubts and mtp.layers == model.layers
+    with pytest.raises(ValueError, match=r"layer_types\[2\] is 'mamba'; expected one of"):
+        models.from_hf_config({**text, "layer_types": ["hybrid"] * 2 + ["mamba"] * 4})
+    with pytest.raises(ValueError, match=r"local_layer_ids \[9\] reach outside 0..5"):
+        models.from_hf_config({**raw, "local_layer_ids": [9]})
+
+
+def test_zaya_reads_every_size_field():
+    """ZAYA saved by transformers: every layer GQA K/V of head_dim (full, or windowed for
+    hybrid_sliding) plus the CCA state: the q/k conv window of cca_time0 + cca_time1 - 2 tokens
+    over (heads + KV heads) * head_dim channels and the delayed value half, model dtype."""
+    transformers = pytest.importorskip("transformers")
+    saved = transformers.ZayaConfig(
+        hidden_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        cca_time0=2,
+        cca_time1=4,
+        layer_types=["hybrid", "hybrid_sliding"] * 2,
+        sliding_window=512,
+        dtype="bfloat16",
+    ).to_dict()
+    model = models.from_hf_config(saved)
+    assert model.family == "zaya"
+    assert model.layer_kinds == {"full_attention": 2, "cca": 4, "sliding_window": 2}
+    assert model.layer("layers.1.attn").spec.sliding_window == 512
+    attn = model.layer("layers.0.attn").spec
+    assert (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (8, 2, 128)
+    cca = model.layer("layers.0.mixer").spec
+    assert {t.name: (t.shape, t.dtype) for t in cca.state_tensors()} == {
+        "conv": ((4, 10 * 128), "bfloat16"),
+        "v_delayed": ((1, 128), "bfloat16"),
+    }
+    assert "missing" not in model.doubts
+    with pytest.raises(ValueError, match="hybrid_sliding layers but no sliding_window"):
+        models.from_hf_config(_without(saved, "sliding_window"))
+    with pytest.raises(ValueError, match="num_kv_heads \\* head_dim = 3 is odd"):
+        models.from_hf_config(
+            {**saved, "num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 3}
+        )
+
+
 def test_bailing_hybrid_reads_both_saved_forms():
     transformers = pytest.importorskip("transformers")
     saved = transformers.BailingHybridConfig().to_dict()  # head_dim overwritten with rope width
@@ -775,6 +892,9 @@ def _mamba2_fields(**override):
         ("FalconMambaForCausalLM", "falcon_mamba"),
         ("MambaForCausalLM", "mamba"),
         ("NemotronHPuzzleForCausalLM", "nemotron_h"),
+        ("InklingForConditionalGeneration", "inkling_mm_model"),
+        ("InklingForCausalLM", "inkling_text"),
+        ("ZayaForCausalLM", "zaya"),
     ],
 )
 def test_new_architectures_dispatch(arch, family):

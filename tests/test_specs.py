@@ -8,15 +8,18 @@ fp8 = 1 B), so a wrong formula cannot agree with itself.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
 from hybridkv import models
 from hybridkv.specs import (
     SPEC_KINDS,
+    CCAStateSpec,
     FullAttentionSpec,
     GatedDeltaNetSpec,
     IndexerSpec,
+    InklingConvSpec,
     KDASpec,
     LinearAttentionSpec,
     Mamba1Spec,
@@ -291,6 +294,8 @@ SPECS = [
     MLSTMSpec(num_heads=8, qk_head_dim=256, v_head_dim=512),
     IndexerSpec(index_head_dim=128, side_channels=129),
     PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=3),
+    InklingConvSpec(num_kv_heads=8, head_dim=128, hidden_size=6144, conv_kernel=4),
+    CCAStateSpec(num_heads=8, num_kv_heads=2, head_dim=128, time0=2, time1=2),
 ]
 
 
@@ -636,3 +641,46 @@ def test_ple_conv_state_by_hand():
         == 180_224
     )
     assert PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=3, tp_size=4).state_bytes == 147_456
+
+
+def test_inkling_conv_splits_kv_channels_and_replicates_the_hidden_ones():
+    """Inkling's k/v convs follow the KV heads across TP ranks (one replicated head past the
+    head count), its attn/mlp convs over the hidden size stay whole on every rank."""
+    spec = InklingConvSpec(num_kv_heads=8, head_dim=128, hidden_size=6144, conv_kernel=4)
+    assert spec.state_bytes == 3 * (2 * 8 * 128 + 2 * 6144) * 2
+    for tp, kv in ((2, 4), (8, 1), (16, 1)):
+        shapes = {t.name: t.shape for t in replace(spec, tp_size=tp).state_tensors()}
+        assert shapes["k_sconv"] == shapes["v_sconv"] == (3, kv * 128)
+        assert shapes["attn_sconv"] == shapes["mlp_sconv"] == (3, 6144)
+    rows = {t.shape[0] for t in replace(spec, num_spec_tokens=2).state_tensors()}
+    assert rows == {5}
+    with pytest.raises(ValueError, match="does not divide num_kv_heads=8"):
+        replace(spec, tp_size=3)
+    with pytest.raises(ValueError, match="exceeds num_kv_heads=8 but is not a multiple"):
+        replace(spec, tp_size=12)
+
+
+def test_cca_state_splits_by_heads_and_sizes_the_delayed_half_for_the_fullest_rank():
+    """ZAYA's CCA state: the q/k conv window (time0 + time1 - 2 tokens) over the rank's query
+    and KV heads; the delayed value half, which is the last half of the KV heads, sized for the
+    rank holding most of it."""
+    spec = CCAStateSpec(num_heads=8, num_kv_heads=2, head_dim=128, time0=2, time1=3)
+    assert {t.name: t.shape for t in spec.state_tensors()} == {
+        "conv": (3, 10 * 128),
+        "v_delayed": (1, 128),
+    }
+    assert spec.state_bytes == (3 * 1280 + 128) * 2
+    # TP 2: one KV head a rank; the second rank's head is all delayed channels
+    assert (
+        replace(spec, tp_size=2).delayed_dim == 128
+        and replace(spec, tp_size=2).conv_dim == 5 * 128
+    )
+    # TP 8: a replicated KV head, one query head a rank
+    assert replace(spec, tp_size=8).conv_dim == 2 * 128
+    one = CCAStateSpec(num_heads=4, num_kv_heads=1, head_dim=64, time0=2, time1=2, tp_size=4)
+    assert one.delayed_dim == 32  # half of the one head, on every rank
+    assert {t.shape[0] for t in replace(spec, num_spec_tokens=1).state_tensors()} == {4, 2}
+    with pytest.raises(ValueError, match="does not divide num_heads=8"):
+        replace(spec, tp_size=16)
+    with pytest.raises(ValueError, match="num_kv_heads \\* head_dim = 3 is odd"):
+        CCAStateSpec(num_heads=1, num_kv_heads=1, head_dim=3, time0=2, time1=2)

@@ -473,6 +473,64 @@ def tiny_qwen4_exp_config():
     )
 
 
+def tiny_inkling_config():
+    """Inkling: a full-attention layer (4 heads, 2 KV heads of 16) then a sliding-window one
+    (window 16) with heads of its own (4 heads, 1 KV head of 32), each with its four short
+    convs (kernel 3, not the default 4, so a kernel read from the wrong field shows); a dense
+    MLP, then a 4-expert MoE with a shared expert; a one-layer vision tower and a tiny audio
+    embedding (never run). Refused by the engine (:data:`REFUSED`)."""
+    from transformers import InklingConfig
+
+    text = dict(
+        **_COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=1,
+        swa_head_dim=32,
+        sliding_window_size=16,
+        d_rel=8,
+        rel_extent=64,
+        layer_types=["hybrid", "hybrid_sliding"],
+        sconv_kernel_size=3,
+        mlp_layer_types=["dense", "sparse"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        pad_token_id=0,
+    )
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=2)
+    audio = dict(n_mel_bins=8, mel_vocab_size=16)
+    return InklingConfig(text_config=text, vision_config=vision, audio_config=audio)
+
+
+def tiny_zaya_config():
+    """ZAYA: CCA over full attention, then over sliding-window attention (window 16); 4 heads,
+    2 KV heads of 16; conv kernels 2 and 3 (a 3-token q / k window, not the default 2, so the
+    two kernels' sum shows); a 4-expert top-1 MoE. Refused by the engine (:data:`REFUSED`)."""
+    from transformers import ZayaConfig
+
+    return ZayaConfig(
+        **_COMMON,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=64,
+        num_experts=4,
+        num_experts_per_tok=1,
+        router_hidden_size=16,
+        layer_types=["hybrid", "hybrid_sliding"],
+        sliding_window=16,
+        cca_time0=2,
+        cca_time1=3,
+    )
+
+
 TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "bamba": tiny_bamba_config,
     "qwen3_next": tiny_qwen3_next_config,
@@ -494,8 +552,11 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "xlstm": tiny_xlstm_config,
     "glm5_next": tiny_glm5_next_config,
     "qwen4_exp": tiny_qwen4_exp_config,
+    "inkling": tiny_inkling_config,
+    "zaya": tiny_zaya_config,
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): top-k sparse attention
-#: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp)
-REFUSED: tuple[str, ...] = ("qwen4_exp",)
+#: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp); Inkling's four short
+#: convs and ZAYA's CCA state, which no StateFormat hands over either
+REFUSED: tuple[str, ...] = ("qwen4_exp", "inkling", "zaya")
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

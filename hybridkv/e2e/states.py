@@ -137,6 +137,19 @@ REFUSED: dict[str, str] = {
         "ids in conv_states[1] and [2] of the GDN layer's cache, which no StateFormat hands "
         "over (the GDN format moves conv_states[0] and the recurrent state only)"
     ),
+    "inkling_sconv": (
+        "Inkling keeps four float32 short-conv states per layer (k_sconv and v_sconv on the K/V "
+        "channels, attn_sconv and mlp_sconv on the hidden size) in conv_states[0..3] of the "
+        "attention layer's cache, which no StateFormat hands over (the short_conv format moves "
+        "one conv state, transformers' relative-position bias is not in the paged kernels "
+        "either); a StateFormat for the four states and a relative-bias attention would serve it"
+    ),
+    "cca": (
+        "ZAYA's Compressed Convolutional Attention keeps its q/k conv window in conv_states[0] "
+        "and the last token's delayed value half in recurrent_states[0] of the attention "
+        "layer's cache, which no StateFormat hands over (a conv-plus-vector format for a state "
+        "that lives in an attention layer's cache would serve it)"
+    ),
 }
 
 

@@ -1207,6 +1207,130 @@ def _xlstm(c: _Config) -> list[dict[str, Any]]:
     ]
 
 
+def _inkling(c: _Config) -> list[dict[str, Any]]:
+    """Inkling (transformers' ``inkling_mm_model``, its language model ``inkling_text``): every
+    decoder layer is attention plus four short convolutions. ``layer_types`` ``hybrid`` is full
+    attention (``num_attention_heads`` / ``num_key_value_heads`` / ``head_dim``),
+    ``hybrid_sliding`` sliding-window attention with heads of its own (``swa_num_attention_heads``
+    / ``swa_num_key_value_heads`` / ``swa_head_dim``, window ``sliding_window_size``); absent,
+    transformers' rule: the layers in ``local_layer_ids`` slide, else every layer i with
+    ``(i + 1) % 6`` nonzero. The convs (``inkling_sconv``) are over the layer's own K / V
+    channels and twice the hidden size, kernel ``sconv_kernel_size`` (checkpoints) or
+    ``conv_kernel_size`` (transformers' name for the same field; ``sconv_kernel_size`` wins
+    when both are given, as InklingTextConfig's attribute map makes it). Absent sizes take
+    InklingTextConfig's defaults, said among the doubts."""
+    c.defaults_type = "inkling_text"
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        n = c.num_layers(types)
+    else:
+        n = c.num_layers()
+        local = c.integers("local_layer_ids", default=None)
+        if local is None:
+            local = [i for i in range(n) if (i + 1) % 6]
+        _check_indices(c, "local_layer_ids", local, n)
+        types = ["hybrid_sliding" if i in set(local) else "hybrid" for i in range(n)]
+    # _split's second list is the sliding layers here; every layer also keeps the convs
+    full, sliding = _split(c, types, attention={"hybrid"}, state={"hybrid_sliding"})
+    if c.has("sconv_kernel_size"):
+        kernel = c.integer("sconv_kernel_size")
+        other = c.integer("conv_kernel_size", default=None) if c.has("conv_kernel_size") else None
+        if other is not None and other != kernel:
+            c.doubts.append(
+                f"sconv_kernel_size {kernel} and conv_kernel_size {other} differ: transformers "
+                f"builds every short conv with sconv_kernel_size ({kernel}), as read"
+            )
+    else:
+        kernel = c.integer("conv_kernel_size", default=4)  # InklingTextConfig's default
+        if not c.has("conv_kernel_size") and not any("conv_kernel_size" in d for d in c.doubts):
+            c.doubts.append("conv_kernel_size missing: 4, the default of InklingTextConfig")
+    hidden = c.integer("hidden_size")
+    mixers: list[dict[str, Any]] = []
+    for layers, window in ((full, False), (sliding, True)):
+        if not layers:
+            continue
+        prefix = "swa_" if window else ""
+        heads = c.integer(f"{prefix}num_attention_heads")
+        kv_heads = c.integer(f"{prefix}num_key_value_heads")
+        head_dim = c.integer(f"{prefix}head_dim")
+        attention: dict[str, Any] = {
+            "kind": "sliding_window" if window else "full_attention",
+            "num_heads": heads,
+            "num_kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "layers": layers,
+        }
+        if window:
+            attention["sliding_window"] = c.integer("sliding_window_size", "sliding_window")
+        mixers.append(attention)
+        mixers.append(
+            {
+                "kind": "inkling_sconv",
+                "num_kv_heads": kv_heads,
+                "head_dim": head_dim,
+                "hidden_size": hidden,
+                "conv_kernel": kernel,
+                "layers": layers,
+            }
+        )
+    c.doubts.append(
+        "short-conv states read in float32, as transformers computes and keeps them whatever "
+        "the model dtype (conv dtype auto); no serving engine's layout is known to compare, "
+        "and one keeping them in the model dtype would hold half (--mamba-cache-dtype)"
+    )
+    mtp = c.integer("num_mtp_layers", default=None, minimum=0)
+    if mtp:
+        c.doubts.append(
+            f"num_mtp_layers {mtp}: the multi-token-prediction layers (attention and four "
+            "short convs each) are not read; transformers does not build them"
+        )
+    return mixers
+
+
+def _zaya(c: _Config) -> list[dict[str, Any]]:
+    """ZAYA (transformers' ``zaya``): every decoder layer is Compressed Convolutional Attention,
+    plain GQA K / V (``num_key_value_heads`` of ``head_dim``; full for ``layer_types``
+    ``hybrid``, sliding-window ``sliding_window`` for ``hybrid_sliding``; absent, every layer
+    full, as ZayaConfig) plus a per-request CCA state (``cca``): the q / k conv window of
+    ``cca_time0 + cca_time1 - 2`` tokens and the last token's delayed value half. Absent sizes
+    take ZayaConfig's defaults, said among the doubts."""
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        n = c.num_layers(types)
+    else:
+        n = c.num_layers()
+        types = ["hybrid"] * n
+    full, sliding = _split(c, types, attention={"hybrid"}, state={"hybrid_sliding"})
+    heads = c.integer("num_attention_heads")
+    # ZayaConfig always sets head_dim (default 128): no hidden_size // heads fallback
+    head_dim = c.integer("head_dim")
+    mixers: list[dict[str, Any]] = []
+    if full:
+        mixers.append(c.attention(full, head_dim=head_dim))
+    if sliding:
+        window = c.integer("sliding_window", default=None)
+        if window is None:
+            raise c.error(
+                "layer_types has hybrid_sliding layers but no sliding_window; set "
+                "sliding_window (ZayaConfig requires it too)"
+            )
+        mixers.append(
+            c.attention(sliding, head_dim=head_dim, kind="sliding_window", sliding_window=window)
+        )
+    mixers.append(
+        {
+            "kind": "cca",
+            "num_heads": heads,
+            "num_kv_heads": c.integer("num_key_value_heads", default=heads),
+            "head_dim": head_dim,
+            "time0": c.integer("cca_time0"),
+            "time1": c.integer("cca_time1"),
+            "layers": list(range(n)),
+        }
+    )
+    return mixers
+
+
 FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "qwen3_next": _qwen_gdn,
     "qwen3_5": _qwen_gdn,
@@ -1241,6 +1365,9 @@ FAMILIES: dict[str, Callable[[_Config], list[dict[str, Any]]]] = {
     "mamba2": _mamba2_only,
     "rwkv": _rwkv,
     "xlstm": _xlstm,
+    "inkling_mm_model": _inkling,
+    "inkling_text": _inkling,
+    "zaya": _zaya,
 }
 
 #: ``architectures`` entries -> model type, for configs without a (known) ``model_type``.
@@ -1283,6 +1410,9 @@ ARCHITECTURES: dict[str, str] = {
     "Mamba2ForCausalLM": "mamba2",
     "RwkvForCausalLM": "rwkv",
     "xLSTMForCausalLM": "xlstm",
+    "InklingForConditionalGeneration": "inkling_mm_model",
+    "InklingForCausalLM": "inkling_text",
+    "ZayaForCausalLM": "zaya",
 }
 
 

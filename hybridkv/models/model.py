@@ -10,6 +10,7 @@ from typing import Any
 from ..dtypes import canonical_dtype
 from ..specs import (
     AttentionSpec,
+    InklingConvSpec,
     KDASpec,
     LayerSpec,
     RGLRUSpec,
@@ -165,12 +166,17 @@ class HybridModel:
           (Qwen3.5's ``mamba_ssm_dtype``, Nemotron's ``mamba_ssm_cache_dtype``), else the conv
           dtype; KDA, RG-LRU and RWKV-4 WKV recurrent states default to float32, as their
           engines keep them (transformers' RWKV keeps num / den / max in float32).
+
+        Inkling's short-conv states (``inkling_sconv``) resolve a conv ``auto`` to float32, not
+        the model dtype: transformers, their only implementation, computes and keeps them in
+        float32 whatever the model dtype.
         """
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
         kv = canonical_dtype(kv_dtype, auto=self.dtype, what="kv_dtype")
         conv = canonical_dtype(conv_dtype, auto=self.dtype, what="conv_dtype")
         ssm_auto = ssm_dtype.strip().lower() == "auto" if isinstance(ssm_dtype, str) else False
+        conv_auto = conv_dtype.strip().lower() == "auto" if isinstance(conv_dtype, str) else False
         ssm = canonical_dtype(ssm_dtype, auto=self.ssm_dtype_declared or conv, what="ssm_dtype")
         layers = []
         for layer in self.layers:
@@ -178,12 +184,13 @@ class HybridModel:
             layer_ssm = ssm
             if ssm_auto and isinstance(spec, (KDASpec, RGLRUSpec, RWKV4Spec)):
                 layer_ssm = "float32"
+            layer_conv = "float32" if conv_auto and isinstance(spec, InklingConvSpec) else conv
             try:
                 new_spec = with_runtime(
                     spec,
                     tp_size=tp_size,
                     kv_dtype=kv,
-                    conv_dtype=conv,
+                    conv_dtype=layer_conv,
                     ssm_dtype=layer_ssm,
                     num_spec_tokens=num_spec_tokens,
                 )
