@@ -49,12 +49,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "FLASHINFER_GDN_CHECKPOINT_ALIGNMENT",
+    "GLM5_NEXT_FAMILIES",
     "GPU_FAMILIES",
     "MLA_HYBRID_ALIGNMENT",
+    "PAGED_MQA_MIN_PAGE",
     "VLLM_VERSIONS",
     "BlockSizeRule",
     "VllmRules",
     "VllmTarget",
+    "indexer_kernel_block",
 ]
 
 #: vLLM releases whose rules are modelled, newest first.
@@ -67,11 +70,32 @@ ATTENTION_KERNEL_BLOCK = 16
 #: ``Platform._align_hybrid_block_size``: TRTLLM/FlashInfer MLA decode needs the number of kernel
 #: blocks aligned to 128 / kernel block, so MLA hybrids make the manager block a multiple of 128.
 MLA_HYBRID_ALIGNMENT = 128
+#: DeepGEMM's paged MQA-logits kernels read pages of 32 or 64 cache entries
+#: (``get_paged_mqa_page_sizes`` in ``vllm/utils/deep_gemm.py``; only 64 on SM120, which is not
+#: modelled). GLM-5-Next's indexer stores one entry per ``index_kpool`` tokens, so its backend
+#: (``Glm5NextIndexerBackend`` in ``vllm/v1/attention/backends/mla/indexer.py``) takes kernel
+#: blocks of ``index_kpool`` x these, the smallest being ``32 * index_kpool`` tokens.
+PAGED_MQA_MIN_PAGE = 32
+#: Families whose indexer runs on ``Glm5NextIndexerBackend`` (k-pooled entries): HF model types.
+GLM5_NEXT_FAMILIES = frozenset({"glm5_next", "glm5_next_text"})
 #: ``vllm/v1/attention/backends/gdn_attn.py``: FlashInfer's GDN prefill emits mid-prefill states
 #: every 64 tokens.
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
 GDN_PREFILL_BACKENDS = ("auto", "flashinfer", "triton")
 MAMBA_CACHE_MODES = ("none", "align")
+
+
+def indexer_kernel_block(model: HybridModel, spec: IndexerSpec) -> int:
+    """The smallest kernel block, in tokens, of the vLLM 0.33 backend that reads ``spec``.
+
+    GLM-5-Next's indexer keeps one k-pooled entry per ``pool_tokens`` (``index_kpool``) tokens
+    and its backend takes ``index_kpool`` x DeepGEMM's smallest paged-MQA page
+    (``Glm5NextIndexerBackend.get_supported_kernel_block_sizes``): 512 tokens for the default
+    ``index_kpool`` of 16. Other indexers keep one key per token (DeepSeek-V3.2's
+    ``DeepseekV32IndexerBackend``: 64), which the spec states."""
+    if (model.family or "").strip().lower() in GLM5_NEXT_FAMILIES:
+        return spec.pool_tokens * PAGED_MQA_MIN_PAGE
+    return spec.kernel_alignment
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -203,12 +227,12 @@ class VllmTarget:
         state_blocks = 2 + spec_blocks + checkpoint_blocks if mode == "align" else 1 + spec_blocks
         max_len = self.max_model_len or model.max_position_embeddings
         # a sparse-attention indexer runs on a backend of its own, and vLLM rounds the block to
-        # the lcm of every non-SSM backend's smallest kernel block (backend_block_alignment):
-        # DeepseekV32IndexerBackend's is 64 on CUDA
+        # the lcm of every non-SSM backend's smallest kernel block (backend_block_alignment);
+        # vLLM's default block is that lcm too (_preferred_block_size_for_backends)
         kernel_block = self.kernel_block_size or ATTENTION_KERNEL_BLOCK
         for layer in model.attention_layers:
             if isinstance(layer.spec, IndexerSpec):
-                kernel_block = math.lcm(kernel_block, layer.spec.kernel_alignment)
+                kernel_block = math.lcm(kernel_block, indexer_kernel_block(model, layer.spec))
         return VllmRules(
             target=self,
             enable_prefix_caching=prefix_caching,
@@ -300,7 +324,22 @@ class VllmRules:
         block when that is larger."""
         version = f"vLLM {self.target.version}"
         block = user_block_size or self.default_block_size
-        if user_block_size is not None and user_block_size % self.kernel_block_size:
+        hybrid = self.is_hybrid and bool(state_page_bytes) and bool(page_bytes_per_token)
+        needed = unit = 0
+        why: list[str] = []
+        if hybrid:
+            unit, why = self.alignment_unit(user_block_size)
+            needed = unit * _cdiv(state_page_bytes, unit * page_bytes_per_token)
+            # vLLM then rounds to the lcm of the backends' smallest kernel blocks
+            # (backend_block_alignment): the attention's and, with a sparse indexer, its own
+            needed = self.kernel_block_size * _cdiv(needed, self.kernel_block_size)
+        # a block the hybrid alignment raises anyway is not refused: vLLM raises a --block-size
+        # that one backend (GLM-5-Next's pooled indexer: 32 x index_kpool) does not take
+        if (
+            user_block_size is not None
+            and user_block_size % self.kernel_block_size
+            and needed <= block
+        ):
             lower = max(
                 self.kernel_block_size,
                 user_block_size // self.kernel_block_size * self.kernel_block_size,
@@ -310,16 +349,11 @@ class VllmRules:
                 f"({self.kernel_block_size} tokens); use {lower} or "
                 f"{lower + self.kernel_block_size}"
             )
-        if not self.is_hybrid or not state_page_bytes or not page_bytes_per_token:
+        if not hybrid:
             what = "no recurrent state" if not state_page_bytes else "no attention layer"
             return BlockSizeRule(
                 block, block, f"{version}: {block} tokens ({what}, so no hybrid alignment)"
             )
-        unit, why = self.alignment_unit(user_block_size)
-        needed = unit * _cdiv(state_page_bytes, unit * page_bytes_per_token)
-        # vLLM then rounds to the lcm of the backends' smallest kernel blocks (one backend here);
-        # it matters only when the MLA floor of 128 is not a multiple of the kernel block.
-        needed = self.kernel_block_size * _cdiv(needed, self.kernel_block_size)
         steps = "; ".join(why)
         if needed > block:
             text = (

@@ -200,19 +200,33 @@ _NOT_SERVED = {
 _INDEXER_POOLED = (
     "vLLM 0.33 serves {arch} ({path}), but keeps its sparse-attention indexer's keys "
     "{pooled} (an MLAAttentionSpec with tokens_per_state > 1) beside a per-request "
-    "CircularBufferSpec ring of the open group's raw keys; hybridkv models the indexer in "
-    "transformers' per-token layout, so its plan is not vLLM's and is not exported"
+    "CircularBufferSpec ring of the open group's raw keys{ring}; hybridkv models the indexer "
+    "in transformers' per-token layout, so its pages are not vLLM's and are not exported{why}"
 )
 _NOT_MODELLED = {
     "glm5_next": _INDEXER_POOLED.format(
         arch="Glm5NextForConditionalGeneration",
         path="vllm/models/glm5next",
         pooled="one fp8 entry of index_head_dim + 4 bytes per index_kpool tokens",
+        ring=" (index_kpool slots of a bf16 key and gate score, more with speculative tokens)",
+        # hybridkv's inflate block size matches vLLM's (hybridkv.target.indexer_kernel_block);
+        # the rest of vLLM's KVCacheConfig does not: KpoolTailBackend takes only the BLHNC
+        # layout, so vLLM packs MLA, pooled-indexer, ring and KDA groups of different page
+        # sizes block-outermost (_get_packed_kv_cache_groups), which the export does not write
+        why=(
+            ". Its block size is vLLM's (plan --layout inflate), but vLLM packs the latent, "
+            "pooled-key, ring and KDA pages of different sizes into one block-outermost BLHNC "
+            "block (KpoolTailBackend takes no other layout; _get_packed_kv_cache_groups in "
+            "vllm/v1/core/kv_cache_planning.py), which the export does not write either; "
+            "read the plan's block size and state instead"
+        ),
     ),
     "qwen4_exp": _INDEXER_POOLED.format(
         arch="Qwen4ExpForConditionalGeneration",
         path="vllm/models/qwen4_exp",
         pooled="one compressed key per indexer_compress_ratio tokens",
+        ring="",
+        why="",
     ),
 }
 _NOT_MODELLED["glm5_next_text"] = _NOT_MODELLED["glm5_next"]

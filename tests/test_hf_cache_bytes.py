@@ -364,13 +364,15 @@ def test_new_families_plan_in_every_layout(name, layout):
 def test_inflate_sizes_glm5_next_blocks_by_the_latent_alone():
     """vLLM's block rule reads the attention's bytes per token alone (the NoPE latent: 512 x 2
     = 1,024 B), not the indexer's: GLM-5-Next at transformers' default sizes (KDA state 64 x 128
-    x 128 x 4 + 3 x 24,576 x 2 = 4,341,760 B) gets 128 x cdiv(4,341,760, 128 x 1,024) = 4,352
-    tokens, a multiple of the indexer kernel's 64 as well; the indexer's rows (514 B/token) ride
-    in the latent's page, which grows to 4,352 x (1,024 + 514) B, and the plan says so."""
+    x 128 x 4 + 3 x 24,576 x 2 = 4,341,760 B) gets 512 x cdiv(4,341,760, 512 x 1,024) = 4,608
+    tokens, 512 being the smallest kernel block of vLLM's k-pooled indexer backend (32 x
+    index_kpool 16; tests/test_vllm_parity.py derives it); the indexer's rows (514 B/token, in
+    transformers' per-token layout) ride in the latent's page, which grows to 4,608 x (1,024 +
+    514) B, and the plan says so."""
     full = models.from_hf_config(transformers.AutoConfig.for_model("glm5_next").to_dict())
     plan = make_plan(full, "inflate", memory="40GiB", max_num_seqs=64)
-    assert plan.block_size == 4_352 and plan.block_size % 64 == 0
-    assert plan.extra["page_bytes"] == 4_352 * (1_024 + 514)
+    assert plan.block_size == 4_608 and plan.block_size % 512 == 0
+    assert plan.extra["page_bytes"] == 4_608 * (1_024 + 514)
     assert any("indexer keys (514 B/token) ride in their attention" in n for n in plan.notes)
     assert plan.pack_size == 1  # one attention layer a page (its indexer beside it)
     # a GQA model with an indexer: the block is a multiple of 64, not only of 16

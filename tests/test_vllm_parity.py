@@ -311,3 +311,62 @@ def test_olmo_hybrid_gdn_exports_no_checkpoints():
 def test_version_strings_are_normalised():
     assert VllmTarget(version="v0.33.0").version == "0.33"
     assert VllmTarget(version="0.32.0").version == "0.32"
+
+
+# ---- GLM-5-Next: the k-pooled indexer's backend decides the alignment ------------------------
+
+_GLM5_KPOOL8 = dict(index_kpool=8, linear_num_heads=32)
+
+
+@pytest.mark.parametrize(
+    "text_config, kv, block",
+    [
+        pytest.param({}, "auto", 4_608, id="default-bf16-4608"),
+        pytest.param({}, "fp8", 8_704, id="default-fp8-8704"),
+        pytest.param(_GLM5_KPOOL8, "auto", 2_304, id="kpool8-bf16-2304"),
+        pytest.param(_GLM5_KPOOL8, "fp8", 4_352, id="kpool8-fp8-4352"),
+    ],
+)
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["align", "none"])
+def test_glm5_next_inflate_matches_vllm_033(text_config, kv, block, prefix_caching):
+    """vLLM 0.33 on Hopper (TP 1), worked by hand from its source:
+
+    - attention bytes per token P (``_align_hybrid_block_size``, vllm/platforms/interface.py):
+      an ``MLAAttentionSpec`` of head size ``kv_lora_rank + qk_rope_head_dim`` = 512 + 0, one
+      head: 1,024 B in bf16, 512 B in fp8. The indexer's pooled keys and its tail ring do not
+      enter it.
+    - KDA state S (``MambaStateShapeCalculator.kda_state_shape`` / ``kda_state_dtype``): float32
+      recurrent ``H x 128 x 128`` plus a bf16 conv of ``(4 - 1) x 3 * H * 128``;
+      ``H = linear_num_heads``: 64 (default) gives 4,194,304 + 147,456 = 4,341,760 B, 32 gives
+      2,097,152 + 73,728 = 2,170,880 B.
+    - alignment L: the non-SSM backends are the MLA backend (smallest kernel block 64),
+      ``Glm5NextIndexerBackend`` (``index_kpool x`` DeepGEMM's paged-MQA pages 32 / 64: smallest
+      ``32 * index_kpool``) and ``KpoolTailBackend`` (``MultipleOf(1)``). The default block is
+      their lcm (``_preferred_block_size_for_backends``), the MLA floor is 128, the rounding
+      ``backend_block_alignment`` is the lcm again, and KDA's FlashKDA checkpoint alignment (16,
+      align mode only) divides it: L = lcm(128, 64, 32 * kpool) = 512 for kpool 16, 256 for
+      kpool 8, in align and none mode alike.
+    - block = L x cdiv(S, L x P):
+      default bf16 512 x cdiv(4,341,760, 524,288) = 512 x 9 = 4,608;
+      default fp8 512 x cdiv(4,341,760, 262,144) = 512 x 17 = 8,704;
+      kpool 8 / 32 KDA heads, bf16: 256 x cdiv(2,170,880, 262,144) = 256 x 9 = 2,304;
+      kpool 8 / 32 KDA heads, fp8: 256 x cdiv(2,170,880, 131,072) = 256 x 17 = 4,352.
+
+    (hybridkv's earlier rule rounded only to DeepSeek-V3.2's 64-token indexer pages: 4,352 and
+    2,176 for the bf16 cases.) The tail ring (``index_kpool`` slots for no speculative token)
+    divides every one of these blocks, as ``Glm5NextTailCache`` asserts."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Glm5NextConfig(text_config=text_config or None).to_dict()
+    model = models.from_hf_config(config, kv_dtype=kv)
+    target = VllmTarget(enable_prefix_caching=prefix_caching)
+    plan = make_plan(model, "inflate", memory="80GiB", max_num_seqs=8, target=target)
+    kpool = transformers.Glm5NextConfig(text_config=text_config or None).text_config.index_kpool
+    heads = 32 if text_config else 64
+    state = heads * 128 * 128 * 4 + 3 * 3 * heads * 128 * 2
+    per_token = 512 * BYTES["fp8" if kv == "fp8" else "bfloat16"]
+    unit = math.lcm(128, 64, 32 * kpool)
+    assert max(layer.spec.state_bytes for layer in model.state_layers) == state
+    assert block == unit * -(-state // (unit * per_token))
+    assert plan.block_size == block
+    assert block % kpool == 0  # the tail ring of index_kpool slots divides the block
+    assert plan.vllm.mamba_cache_mode == ("align" if prefix_caching else "none")
