@@ -192,11 +192,6 @@ def test_max_model_len_and_mamba_cache_mode(capsys):
             id="align-without-prefix-caching",
         ),
         pytest.param(
-            ["plan", "--block-size", "24", "--layout", "inflate"],
-            "attention kernel block",
-            id="bad-block-inflate",
-        ),
-        pytest.param(
             ["plan", "--block-size", "24", "--layout", "per_group"],
             "kernel alignment",
             id="bad-block",
@@ -209,6 +204,27 @@ def test_errors_are_one_clear_line(argv, message, capsys):
     # notes (how a unit or a preset was read) may come first; the error is one line
     assert all(line.startswith("hybridkv: note:") for line in err[:-1]), err
     assert err[-1].startswith("hybridkv: error:") and message in err[-1]
+
+
+def test_a_block_size_off_the_kernel_block_is_raised_on_a_hybrid_refused_without_states(
+    capsys, tmp_path
+):
+    """vLLM 0.33's ``_align_hybrid_block_size`` takes ``max(kernel block, --block-size)`` as its
+    unit and rounds the block it needs up to every backend's kernel block, so on a hybrid a
+    ``--block-size`` of 24 is raised, not refused: Qwen3-Next's unit is lcm(24, 64) = 192 (align
+    mode, FlashInfer's GDN checkpoints), and 192 x cdiv(1,097,728 B, 192 x 2,048 B) = 576. A
+    model with no state (GraniteSWA, attention only) keeps the block it is given, so 24 is
+    refused there with the multiples that would work."""
+    assert main(["plan", "--block-size", "24", "--layout", "inflate"]) == 0
+    out = capsys.readouterr().out
+    assert "block size        576 tokens" in out and "--block-size 24" in out
+    from hybridkv.e2e.families import TINY_CONFIGS
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_CONFIGS["granite_swa"]().to_dict()))
+    assert main(["plan", "--model", str(path), "--block-size", "24", "--layout", "inflate"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "not a multiple of the attention kernel block (16 tokens); use 16 or 32" in err
 
 
 def test_plan_format_vllm_is_a_kv_cache_config(capsys):
