@@ -339,21 +339,31 @@ def indexer_top_k(
             f"but the plan's indexer pages {rows.shape[-1]}: the plan was made for another config"
         )
     seg, pos, cu = ctx.token_positions(b, t)
-    table = ctx.table(gid).to(torch.int64)
-    rows[table[seg, pos // bs], pos % bs, 0] = packed_row.to(rows.dtype)
+
+    def make_plan():
+        """Where the forward's new rows go, and each request's query rows and context rows
+        (the same for every indexer layer of the forward: the first one makes it)."""
+        table = ctx.table(gid).to(torch.int64)
+        write = (table[seg, pos // bs], pos % bs)
+        reads = []
+        for r in range(len(cu) - 1):
+            lo, hi = int(cu[r]), int(cu[r + 1])
+            if lo == hi:
+                continue
+            ctx_pos = torch.arange(int(pos[hi - 1]) + 1)  # the request's context at the end
+            reads.append((lo, hi, table[int(seg[lo]), ctx_pos // bs], ctx_pos % bs))
+        return write, reads
+
+    (blocks, slots), reads = ctx.kernel_plan(("indexer", gid, b, t), make_plan)
+    rows[blocks, slots, 0] = packed_row.to(rows.dtype)
 
     q = ix.wq_b(q_resid).reshape(n, ix.n_heads, dim).float()
     weights = ix.weights_proj(hidden_states.to(ix.weights_proj.weight.dtype)).float()
     weights = weights.reshape(n, ix.n_heads) * ix.n_heads**-0.5
     tail = kpool - 1 if ix.index_kpool_always_select_tail else 0
     out = torch.full((n, ix.index_topk + tail), -1, dtype=torch.int32)
-    for r in range(len(cu) - 1):
-        lo, hi = int(cu[r]), int(cu[r + 1])
-        if lo == hi:
-            continue
-        length = int(pos[hi - 1]) + 1  # the request's context at the end of this forward
-        ctx_pos = torch.arange(length)
-        context = rows[table[int(seg[lo]), ctx_pos // bs], ctx_pos % bs, 0].to(key.dtype)
+    for lo, hi, ctx_blocks, ctx_slots in reads:
+        context = rows[ctx_blocks, ctx_slots, 0].to(key.dtype)
         out[lo:hi] = _pick_pools(ix, context, q[lo:hi], weights[lo:hi], pos[lo:hi], tail)
     return out
 

@@ -82,7 +82,7 @@ def _count(config_json: str) -> ParamCount:
     total = routed = 0
     seen: set[int] = set()  # tied weights (embeddings and output head) count once
     for name, module in model.named_modules():
-        if any(part in name.split(".") or part in name for part in _TOWERS):
+        if any(part in name for part in _TOWERS):
             continue
         for p in module.parameters(recurse=False):
             if id(p) in seen:
