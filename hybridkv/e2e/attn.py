@@ -514,8 +514,8 @@ def _rotate_mla(
         raise NotImplementedError(
             f"{type(module).__name__} has rope_interleave=False in its config: its MLA rotates "
             "the rope part by halves, and the engine knows only the interleaved rotary "
-            "(apply_rotary_pos_emb_interleave); serve it with rope_interleave=True, its "
-            "transformers default"
+            "(apply_rotary_pos_emb_interleave): serving it needs a by-halves rotary in "
+            "_rotate_mla (flipping the flag would run another model than its weights)"
         )
     rotate = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb_interleave", None)
     if rotate is None:
