@@ -112,14 +112,14 @@ SEED_NUMBERS = (
     SeedNumber(
         1056,
         "seed 001 (vLLM PR #35703 benchmark)",
-        "Qwen3.6-35B-A3B, main (Qwen3.5-35B-A3B dimensions)",
-        Deployment("qwen3.5-35b-a3b"),
+        "Qwen3.6-35B-A3B, main",
+        Deployment("qwen3.6-35b-a3b"),
     ),
     SeedNumber(
         272,
         "seed 001 (vLLM PR #35703 benchmark)",
         "the same with --attn-pack-size 4",
-        Deployment("qwen3.5-35b-a3b"),
+        Deployment("qwen3.6-35b-a3b"),
         layout="pack",
         pack_size=4,
     ),
@@ -159,13 +159,16 @@ SEED_NUMBERS = (
     SeedNumber(
         784,
         "vLLM issue #36010; LMCache PR #5079 (facts sections 7-8)",
-        "Qwen3.5/3.6-27B",
-        Deployment("qwen3.5-27b"),
+        "Qwen3.6-27B (Qwen3.5-27B's dimensions, the same block)",
+        Deployment("qwen3.6-27b"),
     ),
     SeedNumber(400, "seed 000 (vLLM PR #21123)", '"~400 tokens", no model named', None),
     SeedNumber(2176, "seed 003 (vLLM PR #43258)", "a hybrid model, not named", None),
     SeedNumber(
-        2096, "vLLM issue #53749 (facts section 7)", "a NemotronH model", None, family="nemotron"
+        2096,
+        "vLLM issue #53749 (facts section 7)",
+        "NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16, TP1",
+        Deployment("nemotron-3.5-lightning-30b-a3b"),
     ),
     SeedNumber(
         8320, "vLLM issue #48401 (facts section 7)", "a NemotronH model", None, family="nemotron"
@@ -173,7 +176,7 @@ SEED_NUMBERS = (
     SeedNumber(
         864,
         "vLLM issue #51250 (facts section 7)",
-        "Qwen3.6-35B-A3B (not in the zoo)",
+        "Qwen3.6-35B-A3B, runtime not given",
         None,
         family="qwen",
     ),
@@ -198,11 +201,11 @@ HIT_RATE_ANCHORS = (
     ),
     HitRateAnchor("~95%", "vLLM issue #40696", Deployment("qwen3.5-4b"), "inflate", 552),
     HitRateAnchor("~54%", "vLLM issue #40696", Deployment("qwen3.5-4b"), "inflate", 979),
-    HitRateAnchor("52.6%", "vLLM PR #35703, main", Deployment("qwen3.5-35b-a3b"), "inflate", 2000),
+    HitRateAnchor("52.6%", "vLLM PR #35703, main", Deployment("qwen3.6-35b-a3b"), "inflate", 2000),
     HitRateAnchor(
         "94.9%",
         "vLLM PR #35703, --attn-pack-size 4",
-        Deployment("qwen3.5-35b-a3b"),
+        Deployment("qwen3.6-35b-a3b"),
         "pack",
         2000,
         4,

@@ -82,6 +82,26 @@ def test_nemotron_h_plans_its_ssm_state_in_float32():
     assert models.load("nemotron-h-8b").state_layers[0].spec.state_bytes == 4_255_744
 
 
+def test_nvfp4_configs_quantize_the_weights_not_the_zoo_cache():
+    """The Qwen3.6 files are NVIDIA's NVFP4 checkpoints' configs. Their quantization_config is not
+    read (the zoo models the BF16 releases' cache), though the 27B's declares an FP8 KV cache,
+    which vLLM's ``--kv-cache-dtype auto`` takes for that checkpoint: its block is then 1,568
+    tokens, not the 784 of the BF16 release (16 x cdiv(state page, 16 x one token's KV page));
+    aiconfigurator's Nemotron-3.5-Lightning copy has its quantization_config dropped."""
+    raw = json.loads((DATA / "qwen3.6-27b.json").read_text())
+    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+    assert raw["quantization_config"]["kv_cache_scheme"] == fp8
+    bare = {k: v for k, v in raw.items() if k != "quantization_config"}
+    assert _layers(models.from_hf_config(bare)) == _layers(models.from_hf_config(raw))
+    for kv, block in (("auto", 784), ("fp8", 1568)):
+        model = models.load("qwen3.6-27b", kv_dtype=kv)
+        state = model.state_layers[0].spec.state_bytes
+        token = model.attention_layers[0].spec.page_bytes(1)
+        assert 16 * -(-state // (16 * token)) == block, kv
+    lightning = json.loads((DATA / "nemotron-3.5-lightning-30b-a3b.json").read_text())
+    assert "quantization_config" not in lightning
+
+
 # ---- the SSM dtype each family declares (vLLM 0.33 vllm/model_executor/models/config.py) -------
 
 

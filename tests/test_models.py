@@ -169,11 +169,11 @@ def test_layer_patterns_follow_each_family_rule():
 
 
 def test_declared_ssm_dtypes():
-    """Qwen3.5 declares float32 in its config; every NemotronH model gets float32 from vLLM's
-    NemotronH hook (the config's mamba_ssm_cache_dtype, else float32); no other family has a
-    hook, so nothing else declares a dtype."""
+    """Qwen3.5 (and Qwen3.6, its architecture) declares float32 in its config; every NemotronH
+    model gets float32 from vLLM's NemotronH hook (the config's mamba_ssm_cache_dtype, else
+    float32); no other family has a hook, so nothing else declares a dtype."""
     declared = {name for name in ZOO if _entry(name)["ssm_dtype_declared"]}
-    assert declared == {n for n in ZOO if n.startswith(("qwen3.5-", "nemotron"))}
+    assert declared == {n for n in ZOO if n.startswith(("qwen3.5-", "qwen3.6-", "nemotron"))}
     assert all(_entry(n)["ssm_dtype_declared"] == "float32" for n in declared)
     for name in ("nemotron-h-8b", "nemotron-h-47b", "nemotron-h-56b", "nemotron-nano-9b-v2"):
         assert "update_mamba_ssm_cache_dtype" in _entry(name)["doubts"]
@@ -233,6 +233,11 @@ def test_zoo_file_is_the_to_dict_schema(name):
         ("Zyphra/Zamba-7B-v1", "zamba-7b-v1"),
         ("allenai/Olmo-Hybrid-7B", "olmo-hybrid-7b"),
         ("google/recurrentgemma-2b", "recurrentgemma-2b"),
+        # the Qwen3.6 / Nemotron-3.5 entries answer to the base release and the NVFP4 checkpoint
+        ("Qwen/Qwen3.6-27B", "qwen3.6-27b"),
+        ("nvidia/Qwen3.6-35B-A3B-NVFP4", "qwen3.6-35b-a3b"),
+        ("nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16", "nemotron-3.5-lightning-30b-a3b"),
+        ("NVIDIA-Nemotron-3.5-Lightning-30B-A3B-NVFP4", "nemotron-3.5-lightning-30b-a3b"),
     ],
     ids=str,
 )
@@ -619,7 +624,7 @@ def _native_config(name: str) -> dict:
             "linear_value_head_dim": g["head_v_dim"],
             "linear_conv_kernel_dim": g["conv_kernel"],
         }
-    elif name.startswith("qwen3.5"):
+    elif name.startswith(("qwen3.5", "qwen3.6")):  # Qwen3.6 is the Qwen3.5 architecture
         g = mixers["gated_deltanet"]
         moe = "-a" in name
         text = {

@@ -171,8 +171,8 @@ def test_whole_model_totals(name, kv_per_token, state_per_seq):
         pytest.param("qwen3.5-4b", {}, 2_146_304, 4096, 528, 0.76, id="qwen3.5-4b"),
         # §1.4: fp8 KV halves attn1 and doubles the block
         pytest.param("qwen3.5-4b", {"kv_dtype": "fp8"}, 2_146_304, 2048, 1056, 0.76, id="fp8"),
-        # "Qwen3.6-35B-A3B-like": Qwen3.5-35B-A3B's dims; matches the PR #35703 table
-        pytest.param("qwen3.5-35b-a3b", {}, 2_146_304, 2048, 1056, None, id="qwen3.5-35b-a3b"),
+        # "Qwen3.6-35B-A3B-like": now its real config; matches the PR #35703 table
+        pytest.param("qwen3.6-35b-a3b", {}, 2_146_304, 2048, 1056, None, id="qwen3.6-35b-a3b"),
         pytest.param(
             "nemotron-nano-12b-v2",
             {"ssm_dtype": "bfloat16"},
