@@ -327,7 +327,7 @@ def _new_family_run(task: tuple[str, str, int]) -> dict[str, Any]:
         return {"why": f"- {family}: not simulated: {exc}"}
     plan = make_plan(model, layout, memory="40GiB", max_num_seqs=256)
     trace = traces.multi_turn_chat(n, seed=0)
-    config = SimConfig(checkpoint_policy="align", breakdown_every=0, params=params)
+    config = SimConfig(checkpoint_policy="align", breakdowns=0, params=params)
     summary = simulate(plan, model, trace, config).summary()
     return {
         "hit": f"{100 * summary['token_hit_rate']:.1f}",
@@ -1156,7 +1156,7 @@ def _sim_run(task: tuple[int, str, str, str]):
     trace = _sim_trace(n, gen, tuple(sorted(params.items())))
     model = data.load(SIM_DEPLOYMENT.model, SIM_DEPLOYMENT.tp, SIM_DEPLOYMENT.kv_dtype)
     # no figure draws the byte breakdown, which took ~40% of a long run
-    config = SimConfig(checkpoint_policy=policy, breakdown_every=0)
+    config = SimConfig(checkpoint_policy=policy, breakdowns=0)
     return simulate(_sim_plan(layout), model, trace, config)
 
 

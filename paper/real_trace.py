@@ -245,7 +245,7 @@ def _run(task: tuple[int, str, str, str, str, int | None]) -> dict:
         checkpoint_policy=policy,
         checkpoint_interval=interval,
         hash_block_size=min(HASH_UNIT, plan.block_size),
-        breakdown_every=0,  # the table shows no byte breakdown; it took ~40% of a run
+        breakdowns=0,  # the table shows no byte breakdown; it took ~40% of a run
     )
     r = simulate(plan, data.load(dep.model, dep.tp, dep.kv_dtype), _trace(n, reading), config)
     s = r.summary()

@@ -98,7 +98,7 @@ def _run(task: tuple[int, float, str, str]) -> dict | None:
         checkpoint_policy=policy,
         checkpoint_interval=interval,
         hash_block_size=unit,
-        breakdown_every=0,
+        breakdowns=0,
         **extra,
     )
     t0 = time.perf_counter()

@@ -179,6 +179,28 @@ def test_memory_samples_are_bounded_and_timed(chat):
     assert np.array_equal(full.kv_bytes[idx], few.kv_bytes)
 
 
+def test_breakdowns_are_spread_over_the_requests_and_change_nothing_else(chat):
+    """``breakdowns=n`` takes at most n byte breakdowns, one per n-th of the requests finished
+    (not thinned from the step samples), in time order, each of the whole pool; how many are
+    taken changes no hit, step or TTFT."""
+    from hybridkv.sim import SimConfig
+
+    model = models.load("qwen3.5-0.8b")
+    plan = make_plan(model, "two_level", memory="1GiB", max_num_seqs=8, block_size=16)
+    runs = {n: simulate(plan, model, chat, SimConfig(breakdowns=n)) for n in (0, 5, 1000)}
+    assert runs[0].breakdown == () and runs[0].breakdown_t_s.size == 0
+    assert len(runs[5].breakdown) == 5 == runs[5].breakdown_t_s.size
+    # more breakdowns than requests: at most one per step that finishes a request
+    assert 5 < len(runs[1000].breakdown) <= len(chat.requests)
+    for r in runs.values():
+        assert np.all(np.diff(r.breakdown_t_s) >= 0) and np.all(r.breakdown_t_s <= r.sim_time_s)
+        assert all(b.total == plan.config.memory_bytes for b in r.breakdown)
+        assert r.steps == runs[0].steps and r.hit_tokens == runs[0].hit_tokens
+        assert np.array_equal(r.ttft_s, runs[0].ttft_s)
+    with pytest.raises(ValueError, match="breakdowns"):
+        SimConfig(breakdowns=-1)
+
+
 def test_ttft_counts_from_when_a_turn_is_sent():
     # a chat turn is sent think_time_s after its parent finished, not at its open-loop arrival
     model = models.load("qwen3.5-0.8b")

@@ -10,8 +10,9 @@ The MLA decode kernel's sparse walk (``token_indices``, k = 2048) is in the quic
 reported as its own kernel, ``_mla_partial_kernel (sparse)``; so are the paged decode's and
 prefill's attention-sink variants (``sinks=``, ``HAS_SINKS=True``).
 
-The subprocess takes 2-5 minutes on 2 cores with a cold Triton cache (seconds when warm); it is
-marked ``slow``.
+The subprocess takes about 7 minutes on 2 cores with a cold Triton cache (430 s, 428 compiles,
+the paged prefill's Hopper candidates the most of them; seconds when warm); it is marked
+``slow``. A wrapper call's later launches compile at the table's config only (``--quick``).
 """
 
 from __future__ import annotations
