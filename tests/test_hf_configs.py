@@ -102,6 +102,30 @@ def test_nvfp4_configs_quantize_the_weights_not_the_zoo_cache():
     assert "quantization_config" not in lightning
 
 
+def test_nemotron_3_ultra_counts_its_layers_from_its_block_list():
+    """Nemotron-3-Ultra-550B-A55B's config (aiconfigurator's BF16, FP8 and NVFP4 copies are one
+    file) has no num_hidden_layers: its 108 layers are its layers_block_type's length, as
+    transformers' NemotronHConfig derives them (48 Mamba-2, 12 attention, 48 MoE), and its
+    float32 SSM state makes vLLM 0.33's blocks 16 x cdiv(state page, 16 x one token's KV page):
+    8,304 tokens at TP1 with bf16 KV, halved by every TP doubling once the 2 KV heads are
+    split, doubled by fp8 KV."""
+    raw = json.loads((DATA / "nemotron-3-ultra-550b-a55b.json").read_text())
+    assert "num_hidden_layers" not in raw and "quantization_config" not in raw
+    parsed = models.from_hf_config(raw)
+    assert parsed.num_hidden_layers == len(raw["layers_block_type"]) == 108
+    assert parsed.layer_kinds == {"mamba2": 48, "full_attention": 12}
+    from hybridkv.layouts import make_plan
+
+    blocks = {
+        (1, "auto"): 8304, (2, "auto"): 8304, (4, "auto"): 4160, (8, "auto"): 2080,
+        (1, "fp8"): 16608, (2, "fp8"): 16608, (4, "fp8"): 8304, (8, "fp8"): 4160,
+    }  # fmt: skip
+    for (tp, kv), block in blocks.items():
+        model = models.load("nemotron-3-ultra-550b-a55b", tp_size=tp, kv_dtype=kv)
+        plan = make_plan(model, "inflate", memory="120GiB", max_num_seqs=16)
+        assert plan.block_size == block, (tp, kv)
+
+
 # ---- the SSM dtype each family declares (vLLM 0.33 vllm/model_executor/models/config.py) -------
 
 

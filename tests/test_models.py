@@ -238,6 +238,11 @@ def test_zoo_file_is_the_to_dict_schema(name):
         ("nvidia/Qwen3.6-35B-A3B-NVFP4", "qwen3.6-35b-a3b"),
         ("nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-BF16", "nemotron-3.5-lightning-30b-a3b"),
         ("NVIDIA-Nemotron-3.5-Lightning-30B-A3B-NVFP4", "nemotron-3.5-lightning-30b-a3b"),
+        # Nemotron-3-Ultra: one config for the BF16, FP8 and NVFP4 checkpoints, each an alias
+        ("nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16", "nemotron-3-ultra-550b-a55b"),
+        ("nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-FP8", "nemotron-3-ultra-550b-a55b"),
+        ("NVIDIA-Nemotron-3-Ultra-550B-A55B-NVFP4", "nemotron-3-ultra-550b-a55b"),
+        ("NVIDIA-Nemotron-3-Ultra-550B-A55B", "nemotron-3-ultra-550b-a55b"),
     ],
     ids=str,
 )
@@ -664,7 +669,12 @@ def _native_config(name: str) -> dict:
             "ssm_state_size": m["d_state"],
             "conv_kernel": m["d_conv"],
         }
-        if name in ("nemotron-3-nano-30b-a3b", "nemotron-3-super-120b-a12b"):
+        if name in (
+            "nemotron-3-nano-30b-a3b",
+            "nemotron-3-super-120b-a12b",
+            "nemotron-3-ultra-550b-a55b",
+            "nemotron-3.5-lightning-30b-a3b",
+        ):
             # these configs declare it; the others get float32 from vLLM's NemotronH default
             cfg["mamba_ssm_cache_dtype"] = z["ssm_dtype_declared"]
     elif name.startswith("jamba"):
