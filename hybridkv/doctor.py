@@ -469,17 +469,32 @@ def _remedies(
     return out
 
 
+def _per_group_plan(model: HybridModel, plan: MemoryPlan) -> MemoryPlan:
+    """per_group in ``plan``'s memory with as many slots for cached states as running
+    requests, halved while they do not fit (a large state, e.g. Nemotron-3-Ultra's 0.4 GiB a
+    request, may leave room for fewer); none at the least. ValueError if not even that fits."""
+    slots = plan.config.max_num_seqs
+    while True:
+        try:
+            return make_plan(
+                model,
+                "per_group",
+                memory=plan.config.memory_bytes,
+                max_num_seqs=plan.config.max_num_seqs,
+                cache_state_slots=slots,
+                target=plan.vllm.target,
+            )
+        except ValueError:
+            if slots == 0:
+                raise
+            slots //= 2
+
+
 def _hybridkv_remedy(model: HybridModel, plan: MemoryPlan, trace: Trace | None) -> Remedy:
     """hybridkv's per_group layout: 16-token attention blocks in their own pool, states in
     theirs, a state checkpoint at the end of every prompt."""
-    p = make_plan(
-        model,
-        "per_group",
-        memory=plan.config.memory_bytes,
-        max_num_seqs=plan.config.max_num_seqs,
-        cache_state_slots=plan.config.max_num_seqs,
-        target=plan.vllm.target,
-    )
+    p = _per_group_plan(model, plan)
+    slots = p.config.cache_state_slots
     # the policies that suit different workloads, the best on this one: a state at each
     # prompt's end (multi-turn chats), every 64 tokens inside prompts (system prompts shared by
     # prompts that then differ), or a ladder down from each prompt's end (documents asked again)
@@ -504,8 +519,8 @@ def _hybridkv_remedy(model: HybridModel, plan: MemoryPlan, trace: Trace | None) 
     return Remedy(
         "hybridkv",
         ("hybridkv layout per_group", f"--policy {name}", *flags),
-        f"{p.block_size}-token attention blocks and a separate state pool, states kept "
-        f"{where}; hybridkv's allocator, not a vLLM flag",
+        f"{p.block_size}-token attention blocks and a separate state pool with {slots:,} "
+        f"slots for cached states, states kept {where}; hybridkv's allocator, not a vLLM flag",
         p.block_size,
         p.capacity.token_capacity,
         rate,

@@ -13,6 +13,7 @@ import pytest
 from hybridkv import models
 from hybridkv.cli import main
 from hybridkv.doctor import diagnose, prefix_trace
+from hybridkv.layouts import make_plan
 from hybridkv.target import VllmTarget
 
 GIB = 2**30
@@ -201,3 +202,25 @@ def test_cli_doctor_json_and_text(capsys):
 def test_cli_doctor_refuses_contradictory_workloads(extra, message, capsys):
     assert main(["doctor", "--model", "qwen3.5-4b", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_large_state_gets_fewer_cached_state_slots_not_an_abort():
+    """Nemotron-3-Ultra's state is 0.4 GiB a request: at 120 GiB and 256 requests vLLM's
+    flags plan, but per_group with as many cached-state slots as requests (194.9 GiB) does
+    not. The doctor halves those slots until the plan fits and says how many it kept, rather
+    than stopping on that one remedy."""
+    d = _doctor(
+        "nemotron-3-ultra-550b-a55b", memory=120 * GIB, seqs=256, trace=prefix_trace(900, 800)
+    )
+    hybrid = next(r for r in d.remedies if r.key == "hybridkv")
+    assert hybrid.block_size == 16 and hybrid.token_hit_rate is not None
+    slots = int(hybrid.why.split(" slots for cached states")[0].rsplit(" ", 1)[-1])
+    assert 0 < slots < 256 and slots & (slots - 1) == 0  # halved from 256, a power of two
+    with pytest.raises(ValueError, match=r"plus 256 slots for cached states.*--cache-state-slots"):
+        make_plan(
+            models.load("nemotron-3-ultra-550b-a55b"),
+            "per_group",
+            memory=120 * GIB,
+            max_num_seqs=256,
+            cache_state_slots=256,
+        )

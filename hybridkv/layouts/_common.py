@@ -162,11 +162,14 @@ def ideal_capacity(model: HybridModel, config: PlanConfig) -> tuple[int, int]:
 
 
 def too_small(model: HybridModel, config: PlanConfig, need: int, what: str) -> ValueError:
+    cached = config.cache_state_slots
+    extra = f" plus {cached} slots for cached states" if cached else ""
+    fix = " or --cache-state-slots" if cached else ""
     return ValueError(
         f"{format_bytes(config.memory_bytes)} is too small for {model.name}: {what} needs "
         f"{format_bytes(need)} for max_num_seqs={config.max_num_seqs} "
-        f"(x{config.state_slots_per_seq} state slots each) plus one KV block; give the cache "
-        f"more memory (--gpu-memory) or lower --max-num-seqs"
+        f"(x{config.state_slots_per_seq} state slots each){extra} plus one KV block; give the "
+        f"cache more memory (--gpu-memory) or lower --max-num-seqs{fix}"
     )
 
 
