@@ -11,6 +11,8 @@ step from the block tables, slots and shapes; run once per layer with no host wo
 launch):
 
 - ``kernels/cache_write.py``: :func:`write_kv_cache`; :func:`plan_write_kv_cache`
+- ``kernels/indexer_scores.py``: :func:`indexer_scores`; :func:`plan_indexer_scores` (the
+  pool scores of GLM-5-Next's DSA indexer over its paged rows)
 - ``kernels/paged_decode.py``: :func:`paged_decode_attention`; :func:`plan_decode`
 - ``kernels/paged_prefill.py``: :func:`paged_prefill_attention`; :func:`plan_prefill`
 - ``kernels/mla_decode.py``: :func:`mla_decode_attention`; :func:`plan_mla_decode`
@@ -26,6 +28,11 @@ from __future__ import annotations
 
 from hybridkv.triton_compat import patch_interpreter_scalars
 from hybridkv_kernels.cache_write import plan_write_kv_cache, write_kv_cache, write_kv_cache_ref
+from hybridkv_kernels.indexer_scores import (
+    indexer_scores,
+    indexer_scores_ref,
+    plan_indexer_scores,
+)
 from hybridkv_kernels.mla_decode import (
     mla_decode_attention,
     mla_decode_attention_ref,
@@ -60,6 +67,7 @@ patch_interpreter_scalars()
 WRAPPERS = (
     "copy_states",
     "gather_states",
+    "indexer_scores",
     "mla_decode_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -71,6 +79,7 @@ PLANNERS = (
     "plan_copy_states",
     "plan_decode",
     "plan_gather_states",
+    "plan_indexer_scores",
     "plan_mla_decode",
     "plan_prefill",
     "plan_scatter_states",
@@ -82,6 +91,8 @@ __all__ = [
     "copy_states_ref",
     "gather_states",
     "gather_states_ref",
+    "indexer_scores",
+    "indexer_scores_ref",
     "mla_decode_attention",
     "mla_decode_attention_ref",
     "paged_decode_attention",
@@ -91,6 +102,7 @@ __all__ = [
     "plan_copy_states",
     "plan_decode",
     "plan_gather_states",
+    "plan_indexer_scores",
     "plan_mla_decode",
     "plan_prefill",
     "plan_scatter_states",

@@ -2,7 +2,8 @@
 
 No GPU is needed. The kernels' *real* launches are captured from the public wrappers
 (``paged_decode_attention``, ``paged_prefill_attention``, ``mla_decode_attention``,
-``write_kv_cache``, ``gather_states``, ``scatter_states``, ``copy_states``) instead of writing
+``write_kv_cache``, ``gather_states``, ``scatter_states``, ``copy_states``,
+``indexer_scores``) instead of writing
 their signatures by hand:
 
 1. **Capture.** In a process where ``TRITON_INTERPRET`` is not set, ``Autotuner.run``,
@@ -80,7 +81,14 @@ ARCHS = (80, 90)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 #: the kernel modules (hybridkv_kernels.<name>)
-MODULES = ("paged_decode", "paged_prefill", "mla_decode", "cache_write", "state_copy")
+MODULES = (
+    "paged_decode",
+    "paged_prefill",
+    "mla_decode",
+    "cache_write",
+    "state_copy",
+    "indexer_scores",
+)
 
 # SASS opcodes counted (the opcode's first dot-separated part)
 _MMA_OPS = ("HMMA", "HGMMA", "QGMMA", "IMMA", "IGMMA")
@@ -155,6 +163,20 @@ def full_matrix() -> list[Case]:
             for h in (1, 8, 16):
                 out.append(_case("cache_write", dtype=dt, d=d, heads=h, i64=0))
         out.append(_case("cache_write", dtype=dt, d=128, heads=8, i64=1))
+    # GLM-5-Next's DSA indexer scores: 16-bit rows, bf16 queries (the tensor-core dot) or
+    # float32 ones (the engine's: an IEEE float32 dot, for parity with transformers)
+    for dt in ("fp16", "bf16"):
+        for q in (None, "fp32"):
+            for kpool in (4, 16):
+                for h in (32, 64):
+                    extra = {} if q is None else {"q": q}
+                    out.append(
+                        _case("indexer", dtype=dt, d=128, heads=h, kpool=kpool, bs=64, i64=0,
+                              **extra)
+                    )  # fmt: skip
+            extra = {} if q is None else {"q": q}
+            out.append(_case("indexer", dtype=dt, d=64, heads=16, kpool=4, bs=16, i64=0, **extra))
+        out.append(_case("indexer", dtype=dt, d=128, heads=32, kpool=16, bs=64, i64=1))
     for op in ("gather", "scatter", "copy"):
         for row in STATE_ROWS:
             for dt in ("fp16", "bf16", "fp32"):
@@ -203,6 +225,10 @@ def quick_matrix() -> list[Case]:
         c("cache_write", dtype="e5m2", d=40, heads=3, i64=0),  # rows not a multiple of 16
         # Qwen3-Next on vLLM's inflated 576-token pages: 64-token segments
         c("decode", dtype="bf16", d=256, gqa=8, bs=576, win=0, i64=0),
+        # GLM-5-Next's DSA indexer scores over bf16 rows: bf16 queries, and the engine's
+        # float32 ones (an IEEE float32 dot) at GLM-5.3-Flash's kpool 16
+        c("indexer", dtype="bf16", d=128, heads=32, kpool=4, bs=64, i64=0),
+        c("indexer", dtype="bf16", d=128, heads=32, kpool=16, bs=64, i64=0, q="fp32"),
         c("states", op="gather", row="mamba2-ssm", dtype="fp32", i64=1),
         c("states", op="scatter", row="conv-odd", dtype="bf16", i64=0),
         c("states", op="copy", row="conv-odd", dtype="fp16", i64=0),
@@ -442,12 +468,43 @@ def _run_states(p: dict, meta, index, autotune: bool) -> None:
         _call(state_copy.copy_states, pool, ids, dst, validate=False, autotune=autotune)
 
 
+def _run_indexer(p: dict, meta, index, autotune: bool) -> None:
+    import torch
+
+    from hybridkv_kernels import indexer_scores
+
+    # a prefill's 64 query tokens at the end of a 4,096-token context beside three decodes
+    d, heads, kpool, bs = p["d"], p["heads"], p["kpool"], p["bs"]
+    ctx = [4096, 1000, 17, 4096]
+    queries = [list(range(4032, 4096)), [999], [16], [4095]]
+    width = 2 * d + 1
+    nblocks = _blocks_for(bs * width, p["i64"], 4096)
+    rows = torch.empty((nblocks, bs, 1, width), dtype=_torch_dtype(p["dtype"]), device=meta)
+    qdt = _torch_dtype(p["q"]) if "q" in p else _q_dtype(p["dtype"])
+    n = sum(len(x) for x in queries)
+    _call(
+        indexer_scores.indexer_scores,
+        torch.empty((n, heads, d), dtype=qdt, device=meta),
+        torch.empty((n, heads), dtype=torch.float32, device=meta),
+        rows,
+        torch.empty((kpool, d), dtype=torch.float32, device=meta),
+        _table(len(ctx), -(-max(ctx) // bs), index),
+        _index([r for r, x in enumerate(queries) for _ in x], torch.int32, index),
+        _index([t for x in queries for t in x], torch.int32, index),
+        _index([c // kpool for c in ctx], torch.int32, index),
+        d**-0.5,
+        validate=False,
+        autotune=autotune,
+    )
+
+
 _BUILDERS: dict[str, Callable] = {
     "decode": _run_decode,
     "prefill": _run_prefill,
     "mla": _run_mla,
     "cache_write": _run_cache_write,
     "states": _run_states,
+    "indexer": _run_indexer,
 }
 
 
@@ -544,7 +601,7 @@ def _plain(v: Any) -> Any:
 
 
 #: the constexprs a kernel's config sets (tile sizes), named in a launch's label
-_TILE_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_T", "BLOCK_H", "BLOCK", "GRID_PER_SM")
+_TILE_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_P", "BLOCK_T", "BLOCK_H", "BLOCK", "GRID_PER_SM")
 
 
 def _config_label(cfg) -> str:

@@ -368,6 +368,38 @@ def indexer_top_k(
     return out
 
 
+def _pick_from_scores(
+    scores: torch.Tensor, query_pos: torch.Tensor, kpool: int, index_topk: int, tail: int
+) -> torch.Tensor:
+    """The pick of transformers' ``Glm5NextTextIndexer`` from pool scores ``[T, P]`` (pools a
+    query token cannot see at -inf or ``finfo.min``) of query tokens at ``query_pos [T]``: the
+    tokens of the top ``index_topk // kpool`` pools (``torch.topk``; a pick of a masked pool
+    lists -1), then the open pool's first ``tail`` tokens the query sees, -1 padded to
+    ``index_topk + tail`` int32 positions a row, on ``scores``' device."""
+    device = scores.device
+    query_pos = query_pos.to(device)
+    width = index_topk + tail
+    num_pools = scores.shape[1]
+    select = min(index_topk // kpool, num_pools)
+    if select:
+        floor = torch.finfo(scores.dtype).min
+        top = scores.topk(select, dim=-1)
+        tokens = top.indices[..., None] * kpool + torch.arange(kpool, device=device)
+        tokens = tokens.masked_fill((top.values <= floor)[..., None], -1).flatten(1)
+    else:
+        tokens = torch.full((len(query_pos), 0), -1, dtype=torch.int64, device=device)
+    if tail:
+        seen = query_pos + 1  # tokens each query sees
+        open_count = seen % kpool
+        offsets = torch.arange(tail, device=device)
+        tail_tokens = (seen - open_count)[:, None] + offsets
+        tail_tokens = tail_tokens.masked_fill(offsets[None, :] >= open_count[:, None], -1)
+        tokens = torch.cat([tokens, tail_tokens], dim=1)
+    if tokens.shape[1] < width:
+        tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=-1)
+    return tokens[:, :width].to(torch.int32)
+
+
 def _pick_pools(
     ix: torch.nn.Module,
     context: torch.Tensor,
@@ -376,7 +408,7 @@ def _pick_pools(
     query_pos: torch.Tensor,
     tail: int,
 ) -> torch.Tensor:
-    """One request's pick: ``context [L, row]`` (its indexer rows), ``q [T, H, D]`` and
+    """One request's pick in torch: ``context [L, row]`` (its indexer rows), ``q [T, H, D]`` and
     ``weights [T, H]`` (float32) of its query tokens at ``query_pos [T]``. The same pooling,
     scores and masking as transformers' ``Glm5NextTextIndexer`` (its pools start at the first
     token: no padding here), so the same pools win. Up to ties: pools of equal score (every
@@ -387,36 +419,21 @@ def _pick_pools(
     length = context.shape[0]
     num_pools = length // kpool  # complete pools; transformers keeps no other
     keys, gates = context[:, :dim], context[:, dim : 2 * dim]
-    width = ix.index_topk + tail
-    if num_pools:
-        span = num_pools * kpool
-        grouped_keys = keys[:span].reshape(num_pools, kpool, dim)
-        logits = gates[:span].reshape(num_pools, kpool, dim).float()
-        logits = logits + ix.index_kpool_compress_ape.float()[None]
-        probs = logits.softmax(dim=1).to(grouped_keys.dtype)
-        pool_keys = (probs * grouped_keys).sum(dim=1)  # [P, D]
-        scores = torch.relu(torch.matmul(q, pool_keys.float().T) * ix.softmax_scale)  # [T, H, P]
-        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [T, P]
-        pool_end = torch.arange(num_pools) * kpool + kpool - 1
-        visible = pool_end[None, :] <= query_pos[:, None]
-        index_scores = index_scores.masked_fill(~visible, torch.finfo(index_scores.dtype).min)
-        select = min(ix.index_topk // kpool, num_pools)
-        chosen = index_scores.topk(select, dim=-1).indices  # [T, select]
-        chosen_ok = visible.gather(-1, chosen)
-        tokens = chosen[..., None] * kpool + torch.arange(kpool)  # [T, select, kpool]
-        tokens = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(1)
-    else:
-        tokens = torch.full((len(query_pos), 0), -1, dtype=torch.int64)
-    if tail:
-        seen = query_pos + 1  # tokens each query sees
-        open_count = seen % kpool
-        offsets = torch.arange(tail)
-        tail_tokens = (seen - open_count)[:, None] + offsets
-        tail_tokens = tail_tokens.masked_fill(offsets[None, :] >= open_count[:, None], -1)
-        tokens = torch.cat([tokens, tail_tokens], dim=1)
-    if tokens.shape[1] < width:
-        tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=-1)
-    return tokens[:, :width].to(torch.int32)
+    if not num_pools:
+        scores = torch.zeros((len(query_pos), 0), dtype=torch.float32)
+        return _pick_from_scores(scores, query_pos, kpool, ix.index_topk, tail)
+    span = num_pools * kpool
+    grouped_keys = keys[:span].reshape(num_pools, kpool, dim)
+    logits = gates[:span].reshape(num_pools, kpool, dim).float()
+    logits = logits + ix.index_kpool_compress_ape.float()[None]
+    probs = logits.softmax(dim=1).to(grouped_keys.dtype)
+    pool_keys = (probs * grouped_keys).sum(dim=1)  # [P, D]
+    scores = torch.relu(torch.matmul(q, pool_keys.float().T) * ix.softmax_scale)  # [T, H, P]
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [T, P]
+    pool_end = torch.arange(num_pools) * kpool + kpool - 1
+    visible = pool_end[None, :] <= query_pos[:, None]
+    index_scores = index_scores.masked_fill(~visible, torch.finfo(index_scores.dtype).min)
+    return _pick_from_scores(index_scores, query_pos, kpool, ix.index_topk, tail)
 
 
 def mla_forward(

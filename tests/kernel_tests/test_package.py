@@ -9,7 +9,14 @@ import pytest
 
 import hybridkv.kernels as hk
 
-MODULES = ("cache_write", "mla_decode", "paged_decode", "paged_prefill", "state_copy")
+MODULES = (
+    "cache_write",
+    "indexer_scores",
+    "mla_decode",
+    "paged_decode",
+    "paged_prefill",
+    "state_copy",
+)
 
 
 @pytest.mark.parametrize("name", sorted(hk.__all__))
@@ -24,7 +31,7 @@ def test_reexport_is_the_kernel_modules_object(name):
 
 
 def test_every_wrapper_has_its_reference_and_every_kernel_a_planner():
-    assert len(hk.WRAPPERS) == 7 and len(hk.PLANNERS) == 7
+    assert len(hk.WRAPPERS) == 8 and len(hk.PLANNERS) == 8
     refs = [n for n in hk.__all__ if n.endswith("_ref")]
     assert sorted(refs) == sorted(f"{n}_ref" for n in hk.WRAPPERS)
     planners = [n for n in hk.__all__ if n.startswith("plan_")]
