@@ -318,12 +318,24 @@ def indexer_top_k(
 ) -> torch.Tensor:
     """GLM-5-Next's DSA indexer over the plan's pages: writes each new token's row (its key,
     its k-pool gate scores and a validity flag: transformers' ``packed_states``, the
-    ``IndexerSpec`` row) into the indexer's pages, then, per request, reads the rows of its
-    whole context back, pools them (``index_kpool`` tokens a pool, softmax-weighted by the
-    gates) and scores each query token against the complete pools it can see, as
-    transformers' ``Glm5NextTextIndexer`` does. Returns ``[B * T, K]`` int32 token positions
-    (``K = index_topk``, plus ``index_kpool - 1`` with the open pool's tail), -1 padded: the
-    tokens of the top ``index_topk // index_kpool`` pools and of the open pool."""
+    ``IndexerSpec`` row) into the indexer's pages, then scores every query token of the forward
+    against the complete pools of its request's context that it can see, in one launch of
+    ``indexer_scores`` (``hybridkv_kernels.indexer_scores``: each pool's key is its tokens'
+    keys weighted by a softmax of the gates, ``index_kpool`` tokens a pool, read back from the
+    pages; then the ReLU'd head dots, weighted and summed, as transformers'
+    ``Glm5NextTextIndexer`` scores), and picks in torch (:func:`_pick_from_scores`). Returns
+    ``[B * T, K]`` int32 token positions (``K = index_topk``, plus ``index_kpool - 1`` with the
+    open pool's tail), -1 padded: the tokens of the top ``index_topk // index_kpool`` pools
+    and of the open pool.
+
+    The kernel plan (the token tiles, each request's pools) is made once per forward and
+    shared by every indexer layer (:meth:`PagedContext.kernel_plan`). The engine's picks equal
+    transformers' up to ties, as :func:`_pick_pools`' (the torch path this replaces, kept as
+    the reference the tests compare with): the kernel pools in float32 (transformers in the
+    rows' dtype: the same for float32 models) and sums in another order, so scores differ in
+    their last bits and only pools whose scores agree that closely can swap at the cut."""
+    from ..kernels import plan_indexer_scores
+
     ctx = _CTX
     ix = indexer
     b, t, _ = hidden_states.shape
@@ -341,31 +353,31 @@ def indexer_top_k(
     seg, pos, cu = ctx.token_positions(b, t)
 
     def make_plan():
-        """Where the forward's new rows go, and each request's query rows and context rows
-        (the same for every indexer layer of the forward: the first one makes it)."""
-        table = ctx.table(gid).to(torch.int64)
-        write = (table[seg, pos // bs], pos % bs)
-        reads = []
-        for r in range(len(cu) - 1):
-            lo, hi = int(cu[r]), int(cu[r + 1])
-            if lo == hi:
-                continue
-            ctx_pos = torch.arange(int(pos[hi - 1]) + 1)  # the request's context at the end
-            reads.append((lo, hi, table[int(seg[lo]), ctx_pos // bs], ctx_pos % bs))
-        return write, reads
+        """Where the forward's new rows go, and the scores' plan: each query token's request
+        and position, each request's complete pools at the end of the forward (the same for
+        every indexer layer of the forward: the first one makes it)."""
+        table = ctx.table(gid).to(torch.int32).contiguous()
+        write = (table.to(torch.int64)[seg, pos // bs], pos % bs)
+        seen = torch.zeros(len(cu) - 1, dtype=torch.int64)  # [R] context length at the end
+        seen = seen.scatter_reduce(0, seg, pos + 1, "amax")
+        scores = plan_indexer_scores(
+            table, seg.to(torch.int32), pos.to(torch.int32), (seen // kpool).to(torch.int32),
+            num_heads=ix.n_heads, head_dim=dim, kpool=kpool, block_size=bs,
+            rows_dtype=rows.dtype, q_dtype=torch.float32, softmax_scale=ix.softmax_scale,
+        )  # fmt: skip
+        return write, scores
 
-    (blocks, slots), reads = ctx.kernel_plan(("indexer", gid, b, t), make_plan)
+    plan_key = ("indexer", gid, b, t, kpool, dim, ix.n_heads, float(ix.softmax_scale))
+    (blocks, slots), plan = ctx.kernel_plan(plan_key, make_plan)
     rows[blocks, slots, 0] = packed_row.to(rows.dtype)
 
-    q = ix.wq_b(q_resid).reshape(n, ix.n_heads, dim).float()
+    q = ix.wq_b(q_resid).reshape(n, ix.n_heads, dim).float().contiguous()
     weights = ix.weights_proj(hidden_states.to(ix.weights_proj.weight.dtype)).float()
-    weights = weights.reshape(n, ix.n_heads) * ix.n_heads**-0.5
+    weights = (weights.reshape(n, ix.n_heads) * ix.n_heads**-0.5).contiguous()
+    ape = ix.index_kpool_compress_ape.detach().float().contiguous()
+    scores = plan.run(q, weights, rows, ape)  # [N, max pools of the forward's requests]
     tail = kpool - 1 if ix.index_kpool_always_select_tail else 0
-    out = torch.full((n, ix.index_topk + tail), -1, dtype=torch.int32)
-    for lo, hi, ctx_blocks, ctx_slots in reads:
-        context = rows[ctx_blocks, ctx_slots, 0].to(key.dtype)
-        out[lo:hi] = _pick_pools(ix, context, q[lo:hi], weights[lo:hi], pos[lo:hi], tail)
-    return out
+    return _pick_from_scores(scores, pos, kpool, ix.index_topk, tail)
 
 
 def _pick_from_scores(
@@ -408,7 +420,8 @@ def _pick_pools(
     query_pos: torch.Tensor,
     tail: int,
 ) -> torch.Tensor:
-    """One request's pick in torch: ``context [L, row]`` (its indexer rows), ``q [T, H, D]`` and
+    """One request's pick in torch (the engine's path before the ``indexer_scores`` kernel,
+    kept as its reference): ``context [L, row]`` (its indexer rows), ``q [T, H, D]`` and
     ``weights [T, H]`` (float32) of its query tokens at ``query_pos [T]``. The same pooling,
     scores and masking as transformers' ``Glm5NextTextIndexer`` (its pools start at the first
     token: no padding here), so the same pools win. Up to ties: pools of equal score (every
