@@ -4,9 +4,9 @@ Replays the multi-turn chat trace (``traces.multi_turn_chat(n, seed=0)``) on Qwe
 with 40 GiB of cache (256 requests at most; two state slots per request with ``align``, as vLLM
 reserves, one with ``last``/``marconi``) for every layout and checkpoint policy, and records
 the wall-clock time of :func:`hybridkv.sim.simulate` with what it measured, in
-``sim-cpu.json`` (date, machine, versions, commit). The target is 10,000 requests in under a
-minute on a 2-core CPU; since the allocator evicts what each eviction leaves unreachable, about
-half the runs miss it, ``two_level``'s by the most (``paper/figures/sim_speed.md``).
+``sim-cpu.json`` (date, machine, versions, commit). The target is 10,000 requests in at most
+30 s per run on a 2-core CPU, one run a core; it holds for 4 of the 15 runs, the slowest
+(``per_group`` / ``last``) takes about 80 s (``paper/results/alloc-redesign/README.md``).
 To compare two commits, run this in a checkout of each, back to back, and commit the earlier
 one's file as ``sim-cpu-before.json``: the table then shows both.
 """
