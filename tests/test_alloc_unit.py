@@ -8,6 +8,8 @@ import functools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridkv import models
 from hybridkv.alloc import (
@@ -786,3 +788,40 @@ def test_reset_prefix_cache_emits_all_blocks_cleared():
     assert not idx.parent and not a.cached_hashes()
     assert a.find_longest_cache_hit([*range(64), 1]) == 0
     check_consistency(a)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    parents=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=40),
+    states=st.sets(st.integers(min_value=0, max_value=40)),
+    start=st.integers(min_value=0, max_value=40),
+)
+def test_state_below_agrees_with_the_newest_first_walk(parents, states, start):
+    """``Reach.state_below`` walks a subtree oldest child first (the eviction cascade's fast
+    question); on random prefix forests with states at random units it answers what the
+    newest-first ``subtree(stop=state)`` walk answers, and ``dead_segment`` is what that walk
+    and ``segment_above`` give."""
+    from hybridkv.alloc.prefix_cache import PrefixIndex
+    from hybridkv.alloc.reach import Reach
+
+    index = PrefixIndex(16)
+    gid = 0
+    units = [bytes([i]) for i in range(len(parents) + 1)]  # unit 0 is a root
+    index.parent[(gid, units[0])] = None
+    for i, p in enumerate(parents, start=1):  # each unit's parent is an earlier unit
+        par = units[p % i]
+        index.parent[(gid, units[i])] = par
+        index.children.setdefault((gid, par), {})[units[i]] = None
+    for i in states:
+        if i < len(units):
+            index.state_units[units[i]] = 1
+    reach = Reach(index)
+    has_state = index.state_units.__contains__
+    unit = units[start % len(units)]
+    newest_first = reach.subtree(gid, [unit], stop=has_state)
+    assert reach.state_below(gid, unit) == (newest_first is None)
+    if newest_first is None:
+        assert reach.dead_segment(gid, unit) == []
+    else:
+        above, _ = reach.segment_above(gid, unit, has_state)
+        assert reach.dead_segment(gid, unit) == newest_first + above
