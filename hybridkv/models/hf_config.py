@@ -273,6 +273,17 @@ def _types(c: _Config, *keys: str) -> list[Any]:
     return c.sequence(*keys, expected="a list of layer types")
 
 
+def _layer_types(c: _Config, rule: Callable[[int], list[str]]) -> tuple[list[Any], int]:
+    """(``layer_types``, the layer count): the config's list, checked against
+    ``num_hidden_layers``; absent, ``rule(n)``, the family's own rule for ``n`` layers (as its
+    transformers config derives the list)."""
+    if c.has("layer_types"):
+        types = _types(c, "layer_types")
+        return types, c.num_layers(types)
+    n = c.num_layers()
+    return rule(n), n
+
+
 # ---- families ---------------------------------------------------------------------------------
 # Every reader returns one mixer dict per kind the model holds (kinds with no layer are left out,
 # so their fields are not required).
@@ -647,15 +658,13 @@ def _lfm3(c: _Config) -> list[dict[str, Any]]:
     """LFM3: short convs, full attention and sliding-window attention (``layer_types``, else
     transformers' Lfm3Config rule). vLLM 0.33 does not serve LFM3: sizes are transformers'
     (conv on hidden_size channels, ``head_dim`` default 128, window default 256)."""
-    if c.has("layer_types"):
-        types = _types(c, "layer_types")
-        n = c.num_layers(types)
-    else:
-        n = c.num_layers()
-        types = [
+    types, _ = _layer_types(
+        c,
+        lambda n: [
             "full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i else "conv"
             for i in range(n)
-        ]
+        ],
+    )
     full, conv = _split(
         c, types, attention={"full_attention"}, state={"conv"}, none={"sliding_attention"}
     )
@@ -686,12 +695,9 @@ def _granite_swa(c: _Config) -> list[dict[str, Any]]:
     count takes the config class's default (window 128; GraniteSWAConfig 4 KV heads,
     GraniteMoeSWAConfig one per query head), said among the doubts. The learnable per-head
     attention sinks are weights, not cache: the KV cache is plain GQA K and V."""
-    if c.has("layer_types"):
-        types = _types(c, "layer_types")
-        c.num_layers(types)
-    else:
-        n = c.num_layers()
-        types = ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    types, _ = _layer_types(
+        c, lambda n: ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n)]
+    )
     # _split's second list is the sliding layers here (no layer holds a recurrent state)
     full, window = _split(c, types, attention={"full_attention"}, state={"sliding_attention"})
     mixers = []
@@ -794,12 +800,9 @@ def _glm5_next(c: _Config) -> list[dict[str, Any]]:
     (``index_head_dim``), the k-pool gate score (``index_head_dim``) and a validity flag.
     Absent sizes take Glm5NextTextConfig's defaults, said among the doubts."""
     c.defaults_type = "glm5_next_text"
-    if c.has("layer_types"):
-        types = _types(c, "layer_types")
-        n = c.num_layers(types)
-    else:
-        n = c.num_layers()
-        types = ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+    types, n = _layer_types(
+        c, lambda n: ["indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
+    )
     indexed, kda = _split(
         c,
         types,
@@ -906,15 +909,14 @@ def _qwen4_exp(c: _Config) -> list[dict[str, Any]]:
     ``hc_count * hidden_size`` channels (kernel ``ple_conv_kernel_size``, dilation
     ``ngram_size``). Absent sizes take Qwen4ExpTextConfig's defaults, said among the doubts."""
     c.defaults_type = "qwen4_exp_text"
-    if c.has("layer_types"):
-        types = _types(c, "layer_types")
-        n = c.num_layers(types)
-    else:
-        n = c.num_layers()
+
+    def rule(n: int) -> list[str]:
         interval = c.integer("full_attention_interval", default=4)
-        types = [
+        return [
             "linear_attention" if (i + 1) % interval else "indexed_attention" for i in range(n)
         ]
+
+    types, n = _layer_types(c, rule)
     attn, gdn = _split(
         c, types, attention={"indexed_attention", "full_attention"}, state={"linear_attention"}
     )
@@ -984,15 +986,12 @@ def _bailing_hybrid(c: _Config) -> list[dict[str, Any]]:
     elsewhere (``layer_types`` when given). As transformers' BailingHybridConfig, KDA heads are
     ``num_attention_heads`` of the checkpoint's ``head_dim`` (which a saved transformers config
     keeps as ``linear_head_dim``, since it then overwrites ``head_dim`` with the rope width)."""
-    if c.has("layer_types"):
-        types = _types(c, "layer_types")
-        c.num_layers(types)
-    else:
-        n = c.num_layers()
+
+    def rule(n: int) -> list[str]:
         group = c.integer("layer_group_size", default=6)  # transformers' default
-        types = [
-            "full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(n)
-        ]
+        return ["full_attention" if (i + 1) % group == 0 else "linear_attention" for i in range(n)]
+
+    types, _ = _layer_types(c, rule)
     full, kda = _split(c, types, attention={"full_attention"}, state={"linear_attention"})
     mixers = []
     if full:
@@ -1017,14 +1016,14 @@ def _olmo_hybrid(c: _Config) -> list[dict[str, Any]]:
     every 4th layer attention, the last one at least). Linear-attention dims default as in
     transformers' OlmoHybridConfig; the attention head is hidden_size // heads as in vLLM's
     OlmoHybridAttention."""
-    if c.has("layer_types"):
-        types = _types(c, "layer_types")
-        n = c.num_layers(types)
-    else:
-        n = c.num_layers()
+
+    def rule(n: int) -> list[str]:
         types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]
         if "full_attention" not in types:
             types[-1] = "full_attention"
+        return types
+
+    types, _ = _layer_types(c, rule)
     attn, state = _split(c, types, attention={"full_attention"}, state={"linear_attention"})
     mixers = []
     if attn:
@@ -1220,16 +1219,15 @@ def _inkling(c: _Config) -> list[dict[str, Any]]:
     when both are given, as InklingTextConfig's attribute map makes it). Absent sizes take
     InklingTextConfig's defaults, said among the doubts."""
     c.defaults_type = "inkling_text"
-    if c.has("layer_types"):
-        types = _types(c, "layer_types")
-        n = c.num_layers(types)
-    else:
-        n = c.num_layers()
+
+    def rule(n: int) -> list[str]:
         local = c.integers("local_layer_ids", default=None)
         if local is None:
             local = [i for i in range(n) if (i + 1) % 6]
         _check_indices(c, "local_layer_ids", local, n)
-        types = ["hybrid_sliding" if i in set(local) else "hybrid" for i in range(n)]
+        return ["hybrid_sliding" if i in set(local) else "hybrid" for i in range(n)]
+
+    types, _ = _layer_types(c, rule)
     # _split's second list is the sliding layers here; every layer also keeps the convs
     full, sliding = _split(c, types, attention={"hybrid"}, state={"hybrid_sliding"})
     if c.has("sconv_kernel_size"):
