@@ -85,15 +85,10 @@ def build_tiny_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
     """Randomly initialised CPU causal LM for `config` (no downloads), fp32 unless ``dtype``;
     a multimodal config with no causal-LM class (GLM-5-Next) builds its image-text-to-text
     model, whose language model runs on text alone."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from ..models.param_count import language_model_from_config
 
     torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(config)
-    except ValueError:
-        if getattr(config, "text_config", None) is None:
-            raise
-        model = AutoModelForImageTextToText.from_config(config)
+    model = language_model_from_config(config)
     with torch.no_grad():
         # transformers starts learnable attention sinks (GraniteSWA) at zero; random ones make
         # a run that ignored or misapplied them differ from transformers'

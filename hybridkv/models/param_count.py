@@ -26,11 +26,26 @@ from typing import Any
 
 from .model import ParamCount
 
-__all__ = ["params_from_config"]
+__all__ = ["language_model_from_config", "params_from_config"]
 
 #: module-name parts of towers a text-only step never runs
 _TOWERS = ("visual", "vision", "audio", "image_encoder", "mm_projector", "multi_modal_projector")
 _NUM_EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def language_model_from_config(config: Any) -> Any:
+    """transformers' model for ``config`` (a ``PretrainedConfig``) that runs text: its causal LM,
+    else, for a multimodal config with no causal-LM class (GLM-5-Next), its image-text-to-text
+    model, whose language model runs on text alone. Built where the caller's torch device
+    context says (``meta`` for a count, the CPU for a tiny model)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        if getattr(config, "text_config", None) is None:
+            raise
+        return AutoModelForImageTextToText.from_config(config)
 
 
 def params_from_config(config: dict[str, Any]) -> ParamCount:
@@ -45,7 +60,7 @@ def _count(config_json: str) -> ParamCount:
     """Cached by the config's text: a sweep reads the same config once per layout."""
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     data = json.loads(config_json)
     model_type = data.get("model_type")
@@ -65,12 +80,7 @@ def _count(config_json: str) -> ParamCount:
         ) from None
     try:
         with torch.device("meta"):
-            try:
-                model = AutoModelForCausalLM.from_config(cfg)
-            except ValueError:
-                if getattr(cfg, "text_config", None) is None:
-                    raise
-                model = AutoModelForImageTextToText.from_config(cfg)
+            model = language_model_from_config(cfg)
     except Exception as exc:  # transformers' own code: any failure means no count
         raise ValueError(
             f"transformers {transformers.__version__} could not build {model_type!r} from this "
