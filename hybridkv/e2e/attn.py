@@ -330,10 +330,11 @@ def indexer_top_k(
 
     The kernel plan (the token tiles, each request's pools) is made once per forward and
     shared by every indexer layer (:meth:`PagedContext.kernel_plan`). The engine's picks equal
-    transformers' up to ties, as :func:`_pick_pools`' (the torch path this replaces, kept as
-    the reference the tests compare with): the kernel pools in float32 (transformers in the
-    rows' dtype: the same for float32 models) and sums in another order, so scores differ in
-    their last bits and only pools whose scores agree that closely can swap at the cut."""
+    transformers' up to ties, as the torch path this replaces (kept in
+    ``tests/kernel_tests/test_indexer.py`` as the reference the kernel's pick is compared
+    with): the kernel pools in float32 (transformers in the rows' dtype: the same for float32
+    models) and sums in another order, so scores differ in their last bits and only pools whose
+    scores agree that closely can swap at the cut."""
     from ..kernels import plan_indexer_scores
 
     ctx = _CTX
@@ -410,43 +411,6 @@ def _pick_from_scores(
     if tokens.shape[1] < width:
         tokens = torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=-1)
     return tokens[:, :width].to(torch.int32)
-
-
-def _pick_pools(
-    ix: torch.nn.Module,
-    context: torch.Tensor,
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    query_pos: torch.Tensor,
-    tail: int,
-) -> torch.Tensor:
-    """One request's pick in torch (the engine's path before the ``indexer_scores`` kernel,
-    kept as its reference): ``context [L, row]`` (its indexer rows), ``q [T, H, D]`` and
-    ``weights [T, H]`` (float32) of its query tokens at ``query_pos [T]``. The same pooling,
-    scores and masking as transformers' ``Glm5NextTextIndexer`` (its pools start at the first
-    token: no padding here), so the same pools win. Up to ties: pools of equal score (every
-    head's ReLU zero) at the cut are ordered by ``torch.topk``, whose row here is the request's
-    context and in transformers the forward's (a one-shot prefill's is longer), so another pool
-    of the same score may be picked."""
-    kpool, dim = ix.index_kpool, ix.head_dim
-    length = context.shape[0]
-    num_pools = length // kpool  # complete pools; transformers keeps no other
-    keys, gates = context[:, :dim], context[:, dim : 2 * dim]
-    if not num_pools:
-        scores = torch.zeros((len(query_pos), 0), dtype=torch.float32)
-        return _pick_from_scores(scores, query_pos, kpool, ix.index_topk, tail)
-    span = num_pools * kpool
-    grouped_keys = keys[:span].reshape(num_pools, kpool, dim)
-    logits = gates[:span].reshape(num_pools, kpool, dim).float()
-    logits = logits + ix.index_kpool_compress_ape.float()[None]
-    probs = logits.softmax(dim=1).to(grouped_keys.dtype)
-    pool_keys = (probs * grouped_keys).sum(dim=1)  # [P, D]
-    scores = torch.relu(torch.matmul(q, pool_keys.float().T) * ix.softmax_scale)  # [T, H, P]
-    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [T, P]
-    pool_end = torch.arange(num_pools) * kpool + kpool - 1
-    visible = pool_end[None, :] <= query_pos[:, None]
-    index_scores = index_scores.masked_fill(~visible, torch.finfo(index_scores.dtype).min)
-    return _pick_from_scores(index_scores, query_pos, kpool, ix.index_topk, tail)
 
 
 def mla_forward(

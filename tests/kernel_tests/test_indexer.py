@@ -220,6 +220,45 @@ def test_indexer_scores_on_real_plans(layout):
     _check(q, weights, rows, ape, tables, seg, pos, num_pools, d**-0.5, rows.dtype)
 
 
+def _pick_pools(
+    ix: torch.nn.Module,
+    context: torch.Tensor,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    query_pos: torch.Tensor,
+    tail: int,
+) -> torch.Tensor:
+    """One request's pick in torch (the engine's path before the ``indexer_scores`` kernel,
+    kept here as its reference): ``context [L, row]`` (its indexer rows), ``q [T, H, D]`` and
+    ``weights [T, H]`` (float32) of its query tokens at ``query_pos [T]``. The same pooling,
+    scores and masking as transformers' ``Glm5NextTextIndexer`` (its pools start at the first
+    token: no padding here), so the same pools win. Up to ties: pools of equal score (every
+    head's ReLU zero) at the cut are ordered by ``torch.topk``, whose row here is the request's
+    context and in transformers the forward's (a one-shot prefill's is longer), so another pool
+    of the same score may be picked."""
+    from hybridkv.e2e.attn import _pick_from_scores
+
+    kpool, dim = ix.index_kpool, ix.head_dim
+    length = context.shape[0]
+    num_pools = length // kpool  # complete pools; transformers keeps no other
+    keys, gates = context[:, :dim], context[:, dim : 2 * dim]
+    if not num_pools:
+        scores = torch.zeros((len(query_pos), 0), dtype=torch.float32)
+        return _pick_from_scores(scores, query_pos, kpool, ix.index_topk, tail)
+    span = num_pools * kpool
+    grouped_keys = keys[:span].reshape(num_pools, kpool, dim)
+    logits = gates[:span].reshape(num_pools, kpool, dim).float()
+    logits = logits + ix.index_kpool_compress_ape.float()[None]
+    probs = logits.softmax(dim=1).to(grouped_keys.dtype)
+    pool_keys = (probs * grouped_keys).sum(dim=1)  # [P, D]
+    scores = torch.relu(torch.matmul(q, pool_keys.float().T) * ix.softmax_scale)  # [T, H, P]
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [T, P]
+    pool_end = torch.arange(num_pools) * kpool + kpool - 1
+    visible = pool_end[None, :] <= query_pos[:, None]
+    index_scores = index_scores.masked_fill(~visible, torch.finfo(index_scores.dtype).min)
+    return _pick_from_scores(index_scores, query_pos, kpool, ix.index_topk, tail)
+
+
 def _indexer(kpool: int, d: int, topk: int, ape: torch.Tensor) -> SimpleNamespace:
     """What ``_pick_pools`` reads of transformers' ``Glm5NextTextIndexer``."""
     return SimpleNamespace(
@@ -237,7 +276,7 @@ def test_top_k_from_kernel_scores_is_the_engines_torch_pick():
     (``_pick_pools``, one request at a time over its own context); from each request's own
     columns of the kernel's scores, the very same rows. No ties: the reference scores of the
     visible pools are checked to be apart at every cut."""
-    from hybridkv.e2e.attn import _pick_from_scores, _pick_pools
+    from hybridkv.e2e.attn import _pick_from_scores
 
     torch.manual_seed(3)
     dtype, d, heads, kpool, bs, topk = torch.float32, 16, 16, 4, 6, 16
