@@ -53,7 +53,14 @@ import triton
 
 from hybridkv import models
 from hybridkv.layouts import make_plan
-from hybridkv_kernels import cache_write, mla_decode, paged_decode, paged_prefill, state_copy
+from hybridkv_kernels import (
+    cache_write,
+    indexer_scores,
+    mla_decode,
+    paged_decode,
+    paged_prefill,
+    state_copy,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -111,7 +118,22 @@ class Write:
     kv_dtype: str = "bfloat16"
 
 
+@dataclasses.dataclass(frozen=True)
+class Indexer:
+    """One forward's DSA indexer pool scores (``kernels/indexer_scores.py``) at GLM-5-Next's
+    sizes (32 index heads, ``index_head_dim`` 128, ``index_kpool`` 16, 64-token pages, bf16
+    rows): ``batch`` requests of ``context`` tokens, ``q_tokens`` query tokens each (1: decode),
+    the last ``q_tokens`` positions of the context."""
+
+    batch: int
+    context: int
+    q_tokens: int = 1
+    q_dtype: str = "float32"  # the engine's (an IEEE dot); bfloat16 runs on the tensor cores
+
+
 QWEN, NEMOTRON, KIMI = "qwen3-next-80b-a3b", "nemotron-h-8b", "kimi-linear-48b-a3b"
+#: GLM-5-Next's indexer: heads, index_head_dim, index_kpool, page tokens
+INDEXER_SIZES = (32, 128, 16, 64)
 
 
 def suite_cases() -> list:
@@ -155,6 +177,12 @@ def suite_cases() -> list:
         for batch in (8, 64, 256):
             cases.append(States(op, batch, 1 << 20))
     cases += [Write(QWEN, n) for n in (256, 4096, 32768)]
+    cases += [
+        Indexer(8, 32768),
+        Indexer(64, 8192),
+        Indexer(8, 32768, q_dtype="bfloat16"),
+        Indexer(1, 32768, q_tokens=2048),
+    ]
     return cases
 
 
@@ -185,6 +213,8 @@ def quick_cases() -> list:
         States("scatter", 2, 4096),
         States("copy", 2, 4096),
         Write(tiny, 16, kv_dtype="float16"),
+        Indexer(2, 100),
+        Indexer(1, 70, q_tokens=5, q_dtype="float16"),
     ]
 
 
@@ -555,12 +585,57 @@ def prepare_write(case: Write, device) -> Prepared:
     )
 
 
+def prepare_indexer(case: Indexer, device) -> Prepared:
+    """Rows of random keys and gates on shuffled 64-token pages; ``bytes`` counts the key and
+    gate columns of every complete pool once (what a step must read; the valid column is not
+    read), so a prefill's tiles re-reading rows from L2 can pass 100%."""
+    heads, d, kpool, bs = INDEXER_SIZES
+    if device.type != "cuda":  # the interpreter's smoke test: tiny heads and rows
+        heads, d, kpool, bs = 4, 32, 4, 16
+    rows_dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    q_dtype = _dtype(case.q_dtype)
+    pages = math.ceil(case.context / bs)
+    num_blocks = case.batch * pages + 1
+    rows = torch.randn(num_blocks, bs, 1, 2 * d + 1, device=device).to(rows_dtype)
+    tables = (torch.randperm(num_blocks - 1, device=device) + 1).to(torch.int32)
+    tables = tables[: case.batch * pages].reshape(case.batch, pages).contiguous()
+    n = case.batch * case.q_tokens
+    seg = torch.arange(case.batch, device=device).repeat_interleave(case.q_tokens)
+    pos = (case.context - case.q_tokens + torch.arange(case.q_tokens, device=device)).repeat(
+        case.batch
+    )
+    num_pools = torch.full((case.batch,), case.context // kpool, device=device)
+    q = torch.randn(n, heads, d, device=device).to(q_dtype)
+    weights = torch.randn(n, heads, device=device) * heads**-0.5
+    ape = torch.randn(kpool, d, device=device)
+    out = torch.empty(n, case.context // kpool, device=device)
+    kw = dict(
+        num_heads=heads, head_dim=d, kpool=kpool, block_size=bs, rows_dtype=rows_dtype,
+        q_dtype=q_dtype, softmax_scale=d**-0.5,
+    )  # fmt: skip
+
+    def candidates(default) -> list[dict]:
+        return [{"config": c} for c in indexer_scores.CONFIGS if c != default.config]
+
+    pooled = case.batch * (case.context // kpool) * kpool
+    plan_indexer = indexer_scores.plan_indexer_scores
+    return Prepared(
+        measure={"bytes": pooled * 2 * d * rows.element_size()},
+        block_size=bs,
+        plan=lambda **o: plan_indexer(tables, seg, pos, num_pools, **kw, **o),
+        launch=lambda p: lambda: p.run(q, weights, rows, ape, out=out),
+        candidates=candidates,
+        info=lambda p: {"config": str(p.config), "config_source": p.config_source},
+    )
+
+
 PREPARE = {
     Decode: prepare_decode,
     Prefill: prepare_prefill,
     Mla: prepare_mla,
     States: prepare_states,
     Write: prepare_write,
+    Indexer: prepare_indexer,
 }
 
 
@@ -611,7 +686,8 @@ def run_torch_states(case: States, ctx: Ctx) -> None:
 def sweep_case(row: dict, device, deadline: float) -> list[dict]:
     """Every candidate plan (configs, split counts) of the case of a benchmark row, until
     ``deadline``; one result per candidate, the best one flagged, with the default's value."""
-    cls = {"decode": Decode, "prefill": Prefill, "mla": Mla, "states": States, "write": Write}
+    cls = {"decode": Decode, "prefill": Prefill, "mla": Mla, "states": States, "write": Write,
+           "indexer": Indexer}  # fmt: skip
     cls = cls[row["case"]]
     fields = {f.name for f in dataclasses.fields(cls)}
     case = cls(
@@ -842,7 +918,12 @@ def run_set(
     for i, case in enumerate(cases, 1):
         t0 = time.time()
         first = len(ctx.rows)
-        run_case(case, ctx, seen)
+        try:
+            run_case(case, ctx, seen)
+        except Exception as e:  # one case's failure must not lose the others' numbers
+            ctx.skipped.append(f"{case}: error: {e!r}"[:400])
+            progress(f"[{i}/{len(cases)}] {case}: error: {e!r}"[:400])
+            continue
         if device.type == "cuda":
             torch.cuda.empty_cache()
         numbers = "; ".join(_summary(r) for r in ctx.rows[first:])

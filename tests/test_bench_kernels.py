@@ -17,7 +17,7 @@ def test_bench_kernels_quick(tmp_path):
     data = json.loads(path.read_text())
     rows = data["rows"]
     kernels = {r["case"] for r in rows if r["impl"] == "hybridkv"}
-    assert kernels == {"decode", "prefill", "mla", "states", "write"}
+    assert kernels == {"decode", "prefill", "mla", "states", "write", "indexer"}
     assert {r["impl"] for r in rows} >= {"hybridkv", "torch_sdpa", "torch"}
     decode = [r for r in rows if r["case"] == "decode" and r["impl"] == "hybridkv"]
     assert {r["layout"] for r in decode} == {"per_group", "inflate", "flat"}
@@ -115,3 +115,29 @@ def test_gpu_suite_smoke(tmp_path):
         "scatter_states", "copy_states",
     }  # fmt: skip
     assert "| issue | goal |" in (tmp_path / f"gpu-suite-{tag}.md").read_text()
+
+
+def test_indexer_cases_are_swept_without_a_goal():
+    """The indexer has no measured config table: the suite sweeps its cases whatever the
+    goals say, unless ``--sweep`` leaves the kind out; its sweep tries every other config."""
+    import torch
+
+    from paper import bench_kernels as bk
+    from paper.gpu_suite import _unmeasured_rows
+
+    rows = [
+        {"case": "indexer", "impl": "hybridkv", "batch": 2},
+        {"case": "decode", "impl": "hybridkv", "batch": 2},
+        {"case": "indexer", "impl": "torch", "batch": 2},
+    ]
+    assert _unmeasured_rows(rows, None) == rows[:1]
+    assert _unmeasured_rows(rows, ["indexer"]) == rows[:1]
+    assert _unmeasured_rows(rows, ["decode", "prefill"]) == []
+    row = {"case": "indexer", "impl": "hybridkv", "batch": 1, "context": 40, "q_tokens": 3,
+           "q_dtype": "float32", "ms": 1.0, "pct_copy": 1.0}  # fmt: skip
+    swept = bk.sweep_case(row, torch.device("cpu"), deadline=float("inf"))
+    from hybridkv_kernels.indexer_scores import CONFIGS
+
+    assert len(swept) == len(CONFIGS)  # the interpreter's pinned config is not in CONFIGS
+    assert {r["config"] for r in swept} == {str(c) for c in CONFIGS}
+    assert all(r["value"] > 0 for r in swept)
