@@ -59,8 +59,9 @@ issue. A tile of several pages loads its block ids one tile ahead, so nothing in
 on them. Pages that are a power of two of at most 64 tokens map keys to pages by shifts. The
 compiled loop (``python -m paper.compile_prefill_paths``) keeps one wait on its asynchronous
 warpgroup MMAs an iteration. Triton's warp specialization is not used: Triton 3.6 does not
-partition this loop on sm_90 and 3.9's Hopper pass fails on a plain TMA matmul. No default
-table row picks the Hopper path until a GPU has timed it (the GPU suite's sweep tries it first).
+partition this loop on sm_90 and 3.9's Hopper pass fails on a plain TMA matmul. Default
+table rows pick the Hopper path where the GPU suite's run 3 (an H200) timed it fastest: d 256 and
+d 128 on 16-token page segments, GQA 16 at d 128 on 64-token pages.
 
 Standalone: imports only torch and triton, so the file can be copied into another project.
 """
@@ -135,6 +136,10 @@ def tokens_per_tile(block_m: int, group: int) -> int:
     return max(1, block_m // triton.next_power_of_2(group))
 
 
+#: the installed Triton's (major, minor): register allocation, hence spills, differ by version
+_TRITON_VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
 @dataclass(frozen=True)
 class PrefillShape:
     """The shape class a launch's config is chosen by (and autotuning is keyed by)."""
@@ -165,10 +170,14 @@ class PrefillRule:
     group: tuple[int, int] = (1, 32)
     query: tuple[int, int] = (1, 1 << 40)
     caches: tuple[str, ...] = ("16bit", "fp32", "fp8", "fp8-bytes")
+    #: the newest Triton (major, minor) the row holds for: register allocation, hence spills
+    #: and speed, change between versions; a row measured on one version can stop there
+    triton: tuple[int, int] = (99, 99)
 
     def matches(self, shape: PrefillShape) -> bool:
         return (
-            self.arch[0] <= shape.arch <= self.arch[1]
+            self.triton >= _TRITON_VERSION
+            and self.arch[0] <= shape.arch <= self.arch[1]
             and self.page_align[0] <= shape.page_align <= self.page_align[1]
             and self.head_dim[0] <= shape.head_dim <= self.head_dim[1]
             and self.group[0] <= shape.group <= self.group[1]
@@ -183,11 +192,62 @@ _H200_SUITE = (
     "H200 GPU suite run 2, 2026-11-26 (paper/results/h200-suite-2/sweep-NVIDIA-H200.json), "
     "bf16, causal"
 )
+_H200_SUITE_3 = (
+    "H200 GPU suite run 3, 2026-11-27 (paper/results/h200-suite-3/sweep-NVIDIA-H200.json), "
+    "causal, one 8k-token request"
+)
 _P = PrefillConfig
 #: the default configs, first match wins. Measured rows name the shape they were measured on
 #: (one 8k-token bf16 request, so they match 16-bit caches and steps of >= 1k query tokens on
 #: sm_90+); the others are marked unmeasured and say what they are inferred from.
 _TABLE: tuple[PrefillRule, ...] = (
+    PrefillRule(
+        _P(128, 64, 8, 2, hopper=True),
+        f"{_H200_SUITE_3}: Qwen3-Next (16 q / 2 KV heads, d 256) on 16-token pages, bf16, "
+        "454.1 TFLOP/s; the generic 128/64/8/3 313.3 in the same run (359.5 in run 2), the "
+        "Hopper path's 128/32/8/3 347.1. GQA 8 and Triton <= 3.6 only: it spills at GQA 1 "
+        "and under Triton 3.9 (compile check), where the next row applies",
+        arch=(90, 1000),
+        page_align=(16, 16),
+        head_dim=(256, 256),
+        group=(8, 8),
+        query=(1024, 1 << 40),
+        caches=("16bit",),
+        triton=(3, 6),
+    ),
+    PrefillRule(
+        _P(128, 64, 8, 3, hopper=True),
+        f"{_H200_SUITE_3}: Qwen3-Next (d 256, GQA 8) on 16-token pages, e4m3 cache, "
+        "277.1 TFLOP/s; the generic 128/64/8/3 244.5, the Hopper path on 2 stages 265.9",
+        arch=(90, 1000),
+        page_align=(16, 16),
+        head_dim=(256, 256),
+        group=(8, 8),
+        query=(1024, 1 << 40),
+        caches=("fp8",),
+    ),
+    PrefillRule(
+        _P(128, 128, 8, 2, hopper=True),
+        f"{_H200_SUITE_3}, d 128, bf16, pages whose segment is 16 tokens: Nemotron-H (GQA 4) "
+        "on 16-token pages 381.8 TFLOP/s (generic 128/64/8/3: 280.1) and on 272-token pages "
+        "304.0 (286.3), GQA 1 on 16-token pages 295.7 (218.8)",
+        arch=(90, 1000),
+        page_align=(16, 16),
+        head_dim=(128, 128),
+        query=(1024, 1 << 40),
+        caches=("16bit",),
+    ),
+    PrefillRule(
+        _P(64, 64, 4, 3, hopper=True),
+        f"{_H200_SUITE_3}: GQA 16 (32 q / 2 KV heads, d 128) on 64-token pages, bf16, "
+        "427.3 TFLOP/s; generic 128/64/8/3 403.2, the Hopper path's 128/128/8/2 368.5",
+        arch=(90, 1000),
+        page_align=(64, 64),
+        head_dim=(128, 128),
+        group=(16, 16),
+        query=(1024, 1 << 40),
+        caches=("16bit",),
+    ),
     PrefillRule(
         _P(128, 64, 8, 3),
         f"{_H200_SUITE}: Qwen3-Next (16 q / 2 KV heads, d 256), one 8k request on 16-token "
@@ -458,6 +518,20 @@ _HOPPER_PATH_SPILLS: dict[tuple[str, int], frozenset[PrefillConfig]] = {
 }
 
 
+#: Hopper-path configs the sm_90 rule rejects (the spill list or the shared-memory bound) that
+#: ran fastest on pages of <= 16 tokens at GQA 8 on an H200 (GPU suite run 3, Triton 3.6) and
+#: compile without spills there, each with the newest Triton it is admitted for: 128 x 64 tiles
+#: at d 256. bf16 on 2 stages compiles to 255 registers and 0 B of spills under Triton 3.6
+#: (paper/results/compile-prefill-paths-triton3.6.md) but spills 108 B under 3.9
+#: (compile-prefill-paths.json), so it is admitted up to 3.6 only; e4m3 on 3 stages spills
+#: nothing under 3.9 (no 3.6 report) and ran there. On 576-token pages the bf16 one spills 168 B
+#: (3.6; it still ran at 477.2 TFLOP/s there, the generic 128/32/8/3 at 376.7).
+_HOPPER_PATH_VERIFIED_SMALL_PAGES: dict[tuple[str, int], dict[PrefillConfig, tuple[int, int]]] = {
+    ("16bit", 256): {_P(128, 64, 8, 2, hopper=True): (3, 6)},
+    ("fp8", 256): {_P(128, 64, 8, 3, hopper=True): (3, 9)},
+}
+
+
 def _width_class(head_dim: int) -> int:
     """The head-dim class the spill rules are measured for: 64 (and below), 128, 256."""
     return max(64, head_dim)
@@ -496,6 +570,10 @@ def config_fits(config: PrefillConfig, shape: PrefillShape) -> bool:
     if config.hopper:
         if shape.arch < 90 or shape.cache not in _HOPPER_CACHES:
             return False
+        newest = _HOPPER_PATH_VERIFIED_SMALL_PAGES.get(key, {}).get(config)
+        small_pages = shape.page_align <= 16 and shape.group == 8
+        if small_pages and newest is not None and newest >= _TRITON_VERSION:
+            return True
         if config in _HOPPER_PATH_SPILLS.get(key, ()):
             return False
     verified = _HOPPER_VERIFIED_SMALL_PAGES.get(key, ())

@@ -619,8 +619,15 @@ def prepare_indexer(case: Indexer, device) -> Prepared:
 
     pooled = case.batch * (case.context // kpool) * kpool
     plan_indexer = indexer_scores.plan_indexer_scores
+    measure = {"bytes": pooled * 2 * d * rows.element_size()}
+    if case.q_tokens > 1:  # a prefill chunk: the head dots of every visible pool
+        first = case.context - case.q_tokens
+        seen = sum(
+            min(case.context // kpool, (p + 1) // kpool) for p in range(first, case.context)
+        )
+        measure["flops"] = 2 * heads * d * case.batch * seen
     return Prepared(
-        measure={"bytes": pooled * 2 * d * rows.element_size()},
+        measure=measure,
         block_size=bs,
         plan=lambda **o: plan_indexer(tables, seg, pos, num_pools, **kw, **o),
         launch=lambda p: lambda: p.run(q, weights, rows, ape, out=out),

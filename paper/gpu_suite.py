@@ -401,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes under the interpreter")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument(
+        "--bench",
+        help="benchmark only these case kinds (e.g. prefill,indexer: a rerun after a change)",
+    )
+    ap.add_argument(
         "--sweep",
         help="sweep only these case kinds, in this order (e.g. prefill,mla,write,states)",
     )
@@ -437,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         tests = run_tests(env, args.out, tag_for_tests, args.smoke, args.tests_limit_s, say)
     cases = bk.quick_cases() if args.smoke else bk.suite_cases()
+    if args.bench:
+        benched = args.bench.split(",")
+        unknown = set(benched) - {type(c).__name__.lower() for c in cases}
+        if unknown:
+            ap.error(f"--bench: the suite has no cases of kind {sorted(unknown)}")
+        cases = [c for c in cases if type(c).__name__.lower() in benched]
     meta, rows, extra = bk.run_set(cases, device, 1 if args.smoke else None, True, say)
     meta["set"] = "quick" if args.smoke else "suite"
     tag = bk.device_tag(meta)

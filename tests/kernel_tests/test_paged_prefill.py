@@ -330,12 +330,16 @@ def test_table_rows_use_configs_and_fit_their_classes():
     for rule in paged_prefill._TABLE:
         assert rule.config in CONFIGS, rule
         assert rule.source.startswith(("H200", "unmeasured: ")), rule.source
+        if rule.triton < paged_prefill._TRITON_VERSION:
+            # a row for older Tritons matches nothing here; it must name the version it stops at
+            assert f"Triton <= {rule.triton[0]}.{rule.triton[1]}" in rule.source, rule
+            continue
         matched = [s for s in classes if rule.matches(s)]
         assert matched, f"{rule} matches no shape class"
         bad = [s for s in matched if not config_fits(rule.config, s)]
         assert not bad, f"{rule.config} does not fit {bad[0]} (row: {rule.source})"
-        if rule.source.startswith("H200"):  # measured on an H200 (bf16 caches; e4m3 too)
-            assert rule.arch[0] >= 90 and "16bit" in rule.caches, rule
+        if rule.source.startswith("H200"):  # measured on an H200 (bf16 or e4m3 caches)
+            assert rule.arch[0] >= 90 and set(rule.caches) & {"16bit", "fp8"}, rule
 
 
 def test_table_covers_the_usual_classes():
@@ -348,21 +352,37 @@ def test_table_covers_the_usual_classes():
             assert not source.startswith("no "), (shape, source)
 
 
+_HOPPER_128 = PrefillConfig(128, 128, 8, 2, hopper=True)
+
+
 @pytest.mark.parametrize(
     "hq, hkv, d, block_size, want, number",
     [
-        pytest.param(16, 2, 256, 16, PrefillConfig(128, 64, 8, 3), "359.5", id="qwen3next-bs16"),
+        # the Hopper path's 128 x 64 tile at d 256 holds up to Triton 3.6 (it spills under 3.9)
+        pytest.param(
+            16,
+            2,
+            256,
+            16,
+            *(
+                (PrefillConfig(128, 64, 8, 2, hopper=True), "454.1")
+                if paged_prefill._TRITON_VERSION <= (3, 6)
+                else (PrefillConfig(128, 64, 8, 3), "359.5")
+            ),
+            id="qwen3next-bs16",
+        ),
         pytest.param(16, 2, 256, 576, PrefillConfig(128, 32, 8, 3), "376.3", id="qwen3next-bs576"),
-        pytest.param(32, 8, 128, 16, PrefillConfig(128, 64, 8, 3), "279.4", id="nemotronh-bs16"),
-        pytest.param(32, 8, 128, 272, PrefillConfig(128, 64, 8, 3), "286.0", id="nemotronh-bs272"),
-        pytest.param(32, 2, 128, 64, PrefillConfig(128, 64, 8, 3), "403.7", id="gqa16-bs64"),
+        pytest.param(32, 8, 128, 16, _HOPPER_128, "381.8", id="nemotronh-bs16"),
+        pytest.param(32, 8, 128, 272, _HOPPER_128, "304.0", id="nemotronh-bs272"),
+        pytest.param(
+            32, 2, 128, 64, PrefillConfig(64, 64, 4, 3, hopper=True), "427.3", id="gqa16-bs64"
+        ),
     ],
 )
 def test_measured_winners_are_the_h200_defaults(hq, hkv, d, block_size, want, number, monkeypatch):
     """The GPU suite's shapes (one 8k bf16 request) on sm_90 get the sweep's best config, with
     the measurement as the source; every winner is one of CONFIGS."""
-    for winner in ((128, 64, 8, 3), (128, 32, 8, 3)):
-        assert PrefillConfig(*winner) in CONFIGS
+    assert want in CONFIGS
     monkeypatch.setattr(paged_prefill, "_capability", lambda device: (9, 0))
     meta = torch.device("meta")
     plan = plan_prefill(
