@@ -811,12 +811,12 @@ def kernels(ctx: Context) -> list[Path]:
         if goal_rows:
             text += markdown_table(goal_rows, [(c, c) for c in goal_rows[0]]) + "\n\n"
         sections.append(text + markdown_table(shown, cols))
-        bw = [r for r in rows if r.get("pct_copy") is not None]
+        # bandwidth-bound rows only: a row that also counts FLOPs (a prefill chunk) is judged
+        # by its TFLOP/s, and its bytes' share would read as a slow kernel
+        bw = [r for r in rows if r.get("pct_copy") is not None and r.get("tflops") is None]
         if bw:
-            labels = [
-                " ".join(str(r.get(k)) for k in ("case", "impl", "layout", "batch", "context"))
-                for r in bw
-            ]
+            keys = ("case", "impl", "layout", "op", "batch", "context", "tokens", "q_dtype")
+            labels = [" ".join(str(r[k]) for k in keys if r.get(k) is not None) for r in bw]
             fig, ax = plt.subplots(figsize=(7, 0.22 * len(bw) + 1.5))
             ax.barh(range(len(bw)), [r["pct_copy"] for r in bw])
             ax.set_yticks(range(len(bw)))

@@ -412,6 +412,10 @@ def test_default_config_and_the_compile_check_rule():
 
     glm = IndexerShape(arch=90, block_h=32, block_d=128, rows_bytes=2, q_bytes=4)
     assert choose_config(glm)[0] == IndexerConfig(32, 8, 2)
+    # measured on an H200 at these sizes only; elsewhere the source says it is not
+    assert choose_config(glm)[1].startswith("H200 GPU suite")
+    sm80 = IndexerShape(arch=80, block_h=32, block_d=128, rows_bytes=2, q_bytes=4)
+    assert choose_config(sm80)[1].startswith("unmeasured")
     assert [c for c in CONFIGS if config_fits(c, glm)] == [IndexerConfig(32, 8, 2)]
     bf16_q = IndexerShape(arch=80, block_h=32, block_d=128, rows_bytes=2, q_bytes=2)
     assert all(config_fits(c, bf16_q) for c in CONFIGS)
