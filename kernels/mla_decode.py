@@ -188,6 +188,7 @@ class MlaShape:
     work: int  # batch * head groups, rounded up to a power of two
     context: int  # max_seq_len (sparse: the index list's length), rounded up to a power of two
     sparse: bool = False  # walks a token-index list (then page_align is 1: rows are gathered)
+    rope: bool = True  # False: a NoPE MLA (GLM-5-Next: qk_rope_head_dim 0), no k_pe dot
 
     @property
     def fp8(self) -> bool:
@@ -364,7 +365,8 @@ def config_fits(config: MlaConfig, shape: MlaShape) -> bool:
     dot's whole operand before the MMAs):
 
     - ``acc`` 128 (32 heads at 4 warps): 16-token tiles; 32-token tiles on sm_80 with a
-      tile in one page (sm_90 spills 16 B, with 16-token pages both spill); 64-token tiles
+      tile in one page and a rope part (sm_90 spills 16 B, with 16-token pages both spill, a
+      NoPE MLA spills 4-48 B on sm_80); 64-token tiles
       spill (64/4/2: 52 B on sm_80, 292 B on sm_90, reloaded every tile).
     - ``acc`` <= 64: up to 32-token tiles at 4 warps, 64-token tiles at 8 warps (64/4/2
       spills even at 16 heads).
@@ -399,7 +401,10 @@ def config_fits(config: MlaConfig, shape: MlaShape) -> bool:
     if config.num_warps >= 8 and acc <= 32 and segments > 1 and vecs > 9:
         return False  # ptxas keeps these at 128 registers (two CTAs) and spills (16 heads)
     if acc > 64:
-        return vecs <= 9 or (vecs <= 18 and shape.arch < 90 and segments == 1)
+        # sm_80's exception holds with a rope part only: a NoPE MLA's 32-token tiles at 4
+        # warps spill there (GLM-5-Next, 32 heads a program: 4-48 B)
+        one_page_sm80 = shape.arch < 90 and segments == 1 and shape.rope
+        return vecs <= 9 or (vecs <= 18 and one_page_sm80)
     return vecs <= 18
 
 
@@ -1001,6 +1006,7 @@ def mla_shape(
         q_bytes=q_dtype.itemsize,
         page_align=page_align,
         work=_bucket(batch * triton.cdiv(num_heads, block_h)),
+        rope=qk_rope_head_dim > 0,
         context=_bucket(num_indices if sparse else max_seq_len),
         sparse=sparse,
     )
@@ -1167,6 +1173,7 @@ def _prune_for_autotune(
         work=args["tune_work"],
         context=args["tune_context"],
         sparse=bool(args.get("SPARSE", False)),
+        rope=args["DIM_R"] > 0,
     )
     kept = [c for c in configs if config_fits(_config_of(c), shape)]
     return kept or configs[:1]

@@ -580,7 +580,7 @@ def test_autotune_prune_keeps_what_fits(monkeypatch):
     args = dict(
         q_nope_ptr=torch.empty(1, 32, 512, dtype=torch.bfloat16, **meta),
         cache_ptr=torch.empty(4, 64, 576, dtype=torch.bfloat16, **meta),
-        BLOCK_H=32, BLOCK_DC=512, BLOCK_DR=64, PAGE_ALIGN=64, FP8=0, tune_work=8,
+        BLOCK_H=32, BLOCK_DC=512, BLOCK_DR=64, DIM_R=64, PAGE_ALIGN=64, FP8=0, tune_work=8,
         tune_context=32768,
     )  # fmt: skip
     configs = [
@@ -910,3 +910,19 @@ def test_nope_mla_e4m3_software_decode(splits, monkeypatch):
         monkeypatch.setattr(mla_decode, "_fp8e4_in_hardware", lambda device, hw=hardware: hw)
         got.append(_check(q_nope, q_pe, cache, tables, lens, 0.5, splits=splits, k_scale=k_scale))
     assert (got[0].float() - got[1].float()).abs().max() <= 1e-3
+
+
+def test_nope_mla_on_sm80_keeps_clear_of_the_spilling_tile():
+    """GLM-5-Next's NoPE MLA (no rope part) at 32 heads a program on sm_80: 32-token tiles at
+    4 warps spill there (the compile check: 48 B at 2 stages, 4 B at 3), where the same tiles
+    with Kimi-Linear's 64-wide rope part do not; the table then picks 64-token tiles at 8
+    warps (199 registers, no spills)."""
+    from hybridkv_kernels.mla_decode import MlaConfig, MlaShape, choose_config, config_fits
+
+    rope = MlaShape(80, 32, 512, 64, "16bit", 2, 64, 8, 32768)
+    nope = MlaShape(80, 32, 512, 16, "16bit", 2, 64, 8, 32768, rope=False)
+    assert config_fits(MlaConfig(32, 4, 2), rope)
+    assert not config_fits(MlaConfig(32, 4, 2), nope)
+    assert not config_fits(MlaConfig(32, 4, 3), nope)
+    assert choose_config(rope)[0] == MlaConfig(32, 4, 2)
+    assert choose_config(nope)[0] == MlaConfig(64, 8, 2)
