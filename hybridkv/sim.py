@@ -60,8 +60,9 @@ from .traces import Trace, answer_ids
 _C = TypeVar("_C")
 
 #: :class:`SimConfig`'s allocator options unless given: a simulated request is never refused
-#: for its length (the plan's memory decides what runs)
-SIM_ALLOCATOR = AllocatorOptions(max_model_len=1 << 20)
+#: for its length (the plan's memory decides what runs), and no KV events are built (nothing
+#: subscribes to a simulation)
+SIM_ALLOCATOR = AllocatorOptions(max_model_len=1 << 20, kv_events=False)
 
 
 def _allocator_options_as_keywords(cls: type[_C]) -> type[_C]:

@@ -790,6 +790,36 @@ def test_reset_prefix_cache_emits_all_blocks_cleared():
     check_consistency(a)
 
 
+SMALL = 230 << 20  # 230 MiB: the states and a few hundred 16-token KV blocks: the test evicts
+
+
+def test_kv_events_off_builds_none_and_changes_nothing_else():
+    """``kv_events=False`` (the simulator's default) builds no event, not even the reset's
+    ``AllBlocksCleared``, and allocates, caches, hits and evicts exactly as with events on."""
+    from hybridkv.sim import SimConfig
+
+    assert SimConfig().allocator.kv_events is False
+    runs = []
+    for events in (True, False):
+        p = plan("qwen3.5-0.8b", "per_group", memory=SMALL, ckpt_slots=2)
+        a = HybridAllocator(p, kv_events=events)
+        trace = []
+        for i in range(12):  # shared prefixes of varying length, in a pool that must evict
+            prompt = list(range(16 * (i % 5))) + [1000 + i] * 64
+            _prefill_to(a, i, prompt, [len(prompt)])
+            trace.append((a.block_ids(i), a.find_longest_cache_hit([*prompt, 7])))
+            a.free(i)
+        trace.append(sorted(a.cached_units().items()))
+        check_consistency(a)
+        trace.append(a.reset_prefix_cache())
+        runs.append((trace, a.take_events().events))
+    (with_events, emitted), (without, none) = runs
+    assert with_events == without
+    assert none == []
+    assert any(isinstance(e, BlockRemoved) for e in emitted)  # the pool did evict
+    assert emitted[-1] == AllBlocksCleared()
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     parents=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=40),

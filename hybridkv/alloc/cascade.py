@@ -102,12 +102,18 @@ class Cascade:
         # dead segments doomed already: the states of one position go together (36 of them in
         # a pack layout), and the same segment again would add nothing
         done: set[UnitKey] = set()
+        # positions whose states are doomed in every state group already: a layout with many
+        # state groups evicts one position's states one group at a time, and dooming all of
+        # them again for each (36 x 36 keys in an aggregate layout) adds nothing
+        states_doomed: set[bytes] = set()
         for e in dead:
             if e.is_state:
                 u = e.units[0]
                 if reach.has_state(u):
                     # another state group still holds u: those states are useless alone
-                    _doom(doomed, self.state, [u])
+                    if u not in states_doomed:
+                        states_doomed.add(u)
+                        _doom(doomed, self.state, [u])
                 elif full and (full[0], u) not in done:
                     done.add((full[0], u))
                     _doom(doomed, self.chain_groups, reach.dead_segment(full[0], u))

@@ -105,6 +105,15 @@ def check_consistency(a: HybridAllocator) -> None:
     states = Counter(e.units[0] for e in entries.values() if e.is_state)
     assert states == Counter(a.index.state_units), "the index's states per unit are stale"
     assert all(a.index.state_units.values()), "a unit is counted with no state"
+    # children links: exactly the parent links of KV groups' units (a state group has none)
+    state_groups = {key[0] for key, e in entries.items() if e.is_state}
+    links = {
+        (g, par, u)
+        for (g, u), par in a.index.parent.items()
+        if par is not None and g not in state_groups
+    }
+    kids = {(g, par, u) for (g, par), us in a.index.children.items() for u in us}
+    assert kids == links, "the index's children links are stale"
 
     for pool in a.pools:
         if isinstance(pool, TwoLevelPool):

@@ -118,6 +118,7 @@ class HybridAllocator:
         self._granularity = plan.checkpoint_granularity
         self.hash_fn = get_hash_fn(o.hash_algo)
         self.index = PrefixIndex(self.h)
+        self.index.emit = o.kv_events
         self.evict_unreachable = o.evict_unreachable
         self._build_pools()
         # a state group's row is its running slot and spares: a fixed width
@@ -601,14 +602,15 @@ class HybridAllocator:
         as in vLLM; returns whether it did."""
         if self.reqs:
             return False
-        self.index.emit = False
+        emit, self.index.emit = self.index.emit, False  # one event for all, below
         try:
             for p in self._pools:
                 p.evict_all_free()
         finally:
-            self.index.emit = True
+            self.index.emit = emit
         self.index.clear()
-        self.index.events.append(AllBlocksCleared())
+        if emit:
+            self.index.events.append(AllBlocksCleared())
         return True
 
     def usage(self) -> dict[str, float]:

@@ -57,7 +57,9 @@ class PrefixIndex:
         self.holders: dict[UnitKey, list[int]] = {}  # unit -> ids of the entries covering it
         self.parent: dict[UnitKey, bytes | None] = {}
         # (group, unit) -> units cached right after it, in the order they came (a dict, not a
-        # set: walks down a chain must not depend on the hash seed)
+        # set: walks down a chain must not depend on the hash seed). KV groups only: every walk
+        # goes down a full-attention or window chain, and a state group's units (one per
+        # checkpoint, up to 36 groups at once in a pack layout) would only add upkeep
         self.children: dict[UnitKey, dict[bytes, None]] = {}
         self.entries: dict[CacheKey, Entry] = {}  # entry key -> what it covers, where
         # unit -> how many groups hold a state checkpoint at it (is there a state at this
@@ -94,7 +96,8 @@ class PrefixIndex:
             if lst is None:
                 holders[k] = [bid]
                 par = parent[k] = hashes[first_unit - 1] if first_unit else None
-                self._link(gid, par, units[0])
+                if not is_state:
+                    self._link(gid, par, units[0])
                 self._stored(gid, hashes, first_unit, 1, tokens, lora_id)
             else:
                 lst.append(bid)
@@ -148,8 +151,7 @@ class PrefixIndex:
                 lst.append(bid)
                 continue
             holders[k] = [bid]
-            parent[k] = par
-            self._link(gid, par, u)
+            parent[k] = par  # no children link: see ``children``
             if self.emit:
                 if token_ids is None:
                     token_ids = tokens[unit * self.h : (unit + 1) * self.h].tolist()
@@ -201,7 +203,7 @@ class PrefixIndex:
             if len(lst) == 1:
                 del holders[k]
                 par = parent.pop(k)
-                if par is not None:
+                if par is not None and not entry.is_state:
                     kids = self.children[(gid, par)]
                     kids.pop(u, None)
                     if not kids:
