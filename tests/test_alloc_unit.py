@@ -850,6 +850,22 @@ def test_state_below_agrees_with_the_newest_first_walk(parents, states, start):
     unit = units[start % len(units)]
     newest_first = reach.subtree(gid, [unit], stop=has_state)
     assert reach.state_below(gid, unit) == (newest_first is None)
+    # with a walk limit: what one stack step per unit, oldest child first, answers (the limit
+    # counts units visited; a chain's single children are followed without the stack)
+    for limit in range(1, 6):
+        stack, seen, found = [unit], 0, False
+        while stack and seen < limit and not found:
+            x = stack.pop()
+            found = has_state(x)
+            seen += 1
+            stack.extend(reversed(index.children.get((gid, x), {})))
+        assert reach.state_below(gid, unit, limit) == found, limit
+        stack, walked = [unit], []
+        while stack and len(walked) < limit:
+            x = stack.pop()
+            walked.append(x)
+            stack.extend(index.children.get((gid, x), {}))
+        assert reach.subtree(gid, [unit], limit=limit) == walked, limit
     if newest_first is None:
         assert reach.dead_segment(gid, unit) == []
     else:

@@ -126,17 +126,26 @@ class Reach:
         eviction cascade walked in 10,000 chat requests on per_group / ``last``). Whether a
         state is there does not depend on the order."""
         has_state = self.index.state_units.__contains__
-        children = self.index.children
+        children_of = self.index.children.get
         stack = [unit]
         seen = 0
         while stack and seen < limit:
             x = stack.pop()
-            if has_state(x):
-                return True
-            seen += 1
-            kids = children.get((gid, x))
-            if kids:
-                stack.extend(reversed(kids))
+            # a run of single children (most of a chain) is followed without the stack: the
+            # same units in the same order as pushing the one child and popping it next
+            while True:
+                if has_state(x):
+                    return True
+                seen += 1
+                kids = children_of((gid, x))
+                if not kids:
+                    break
+                if len(kids) > 1:
+                    stack.extend(reversed(kids))
+                    break
+                if seen >= limit:
+                    return False
+                (x,) = kids
         return False
 
     def dead_segment(self, gid: int, unit: bytes) -> list[bytes]:
