@@ -962,9 +962,7 @@ def _fp8e4_in_hardware(device: torch.device) -> bool:
 
 
 #: Triton versions whose compiled-kernel launch API ``_Launcher`` calls directly (checked)
-_DIRECT_LAUNCH = not _INTERPRETED and (3, 6) <= tuple(
-    int(x) for x in triton.__version__.split(".")[:2]
-) <= (3, 9)
+_DIRECT_LAUNCH = not _INTERPRETED and (3, 6) <= _TRITON_VERSION <= (3, 9)
 
 
 class _Launcher:
