@@ -871,3 +871,44 @@ def test_state_below_agrees_with_the_newest_first_walk(parents, states, start):
     else:
         above, _ = reach.segment_above(gid, unit, has_state)
         assert reach.dead_segment(gid, unit) == newest_first + above
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    parents=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=40),
+    states=st.sets(st.integers(min_value=0, max_value=40)),
+    gaps=st.sets(st.integers(min_value=1, max_value=40)),
+)
+def test_state_reachable_answers_what_the_walk_answers(parents, states, gaps):
+    """``Reach.state_reachable`` (a state's chain asked at the unit's position) answers what
+    the ``state_below`` walk answers, from every unit of random prefix forests whose units
+    before each state form its chain, with random units uncached (their links gone, as
+    ``PrefixIndex.remove`` leaves them: a walk from above stops there, one from the unit itself
+    still goes down); and ``dead_segment`` is the same with or without the unit's depth."""
+    from hybridkv.alloc.prefix_cache import PrefixIndex
+    from hybridkv.alloc.reach import Reach
+
+    index = PrefixIndex(16)
+    gid = 0
+    units = [bytes([i]) for i in range(len(parents) + 1)]  # unit 0 is a root
+    chains = [[units[0]]]  # each unit's chain: the units from its root to it
+    index.parent[(gid, units[0])] = None
+    for i, p in enumerate(parents, start=1):
+        par = p % i
+        index.parent[(gid, units[i])] = units[par]
+        index.children.setdefault((gid, units[par]), {})[units[i]] = None
+        chains.append([*chains[par], units[i]])
+    for i in states:
+        if i < len(units):
+            index.state_units[units[i]] = 1
+            index.state_chains[units[i]] = (chains[i], len(chains[i]) - 1)
+    for i in sorted(gaps):
+        if i < len(units):
+            par = index.parent.pop((gid, units[i]))
+            del index.children[(gid, par)][units[i]]
+    reach = Reach(index)
+    for i, unit in enumerate(units):
+        depth = len(chains[i]) - 1
+        expected = reach.state_below(gid, unit)
+        assert reach.state_reachable(gid, unit, depth) == expected, i
+        assert reach.dead_segment(gid, unit, depth) == reach.dead_segment(gid, unit), i

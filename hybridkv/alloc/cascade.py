@@ -37,6 +37,7 @@ class Evicted(NamedTuple):
     units: list[bytes]
     is_state: bool
     above: bytes | None  # the unit before the entry on its chain (None at the root)
+    first_unit: int  # the entry's first unit's index in its chain (``above`` is one before)
 
 
 class Cascade:
@@ -73,7 +74,7 @@ class Cascade:
         gid = key[0]  # type: ignore[index]
         above = index.parent.get((gid, entry.units[0]))
         index.remove(key, bid)
-        self.pending.append(Evicted(gid, entry.units, entry.is_state, above))
+        self.pending.append(Evicted(gid, entry.units, entry.is_state, above, entry.first_unit))
 
     def settle(self) -> None:
         """Evict the free cached entries that the evictions since the last call left useless
@@ -116,7 +117,7 @@ class Cascade:
                         _doom(doomed, self.state, [u])
                 elif full and (full[0], u) not in done:
                     done.add((full[0], u))
-                    _doom(doomed, self.chain_groups, reach.dead_segment(full[0], u))
+                    _doom(doomed, self.chain_groups, reach.dead_segment(full[0], u, e.first_unit))
             elif e.group in full:
                 gone = [u for u in e.units if (e.group, u) not in parent]
                 if not gone:
@@ -126,7 +127,8 @@ class Cascade:
                 if e.above is not None and above in parent and above not in done:
                     # the chain above the gap served only what lay below it, perhaps
                     done.add(above)
-                    _doom(doomed, self.chain_groups, reach.dead_segment(e.group, e.above))
+                    segment = reach.dead_segment(e.group, e.above, e.first_unit - 1)
+                    _doom(doomed, self.chain_groups, segment)
         return doomed
 
     def _doom_everywhere(self, doomed: dict[UnitKey, None], units: list[bytes]) -> None:

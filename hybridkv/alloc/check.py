@@ -105,6 +105,14 @@ def check_consistency(a: HybridAllocator) -> None:
     states = Counter(e.units[0] for e in entries.values() if e.is_state)
     assert states == Counter(a.index.state_units), "the index's states per unit are stale"
     assert all(a.index.state_units.values()), "a unit is counted with no state"
+    # each state's chain: the unit at its own position, the unit's parent one before it
+    assert a.index.state_chains.keys() == a.index.state_units.keys(), "state chains are stale"
+    for key, e in entries.items():
+        if e.is_state:
+            chain, at = a.index.state_chains[e.units[0]]
+            assert at == e.first_unit and chain[at] == e.units[0], f"{key!r}: wrong chain"
+            parent = a.index.parent[key]
+            assert parent == (chain[at - 1] if at else None), f"{key!r}: chain disagrees"
     # children links: exactly the parent links of KV groups' units (a state group has none)
     state_groups = {key[0] for key, e in entries.items() if e.is_state}
     links = {

@@ -65,6 +65,11 @@ class PrefixIndex:
         # unit -> how many groups hold a state checkpoint at it (is there a state at this
         # position: asked for every unit of a chain when a state is evicted)
         self.state_units: dict[bytes, int] = {}
+        # state unit -> (a hash list holding its chain, its index there): the chain of every
+        # unit before it (hashes are chained, so one list names them all; request hash lists
+        # only grow). Lets :meth:`.reach.Reach.state_reachable` ask "is this state below that
+        # unit" by position instead of walking the subtree between them
+        self.state_chains: dict[bytes, tuple[list[bytes], int]] = {}
         self.events: list[Any] = []
         self.emit = True
 
@@ -87,7 +92,10 @@ class PrefixIndex:
         gid = key[0]  # type: ignore[index]
         units = hashes[first_unit : first_unit + num_units]
         if is_state and key not in self.entries:
-            self.state_units[units[0]] = self.state_units.get(units[0], 0) + 1
+            n = self.state_units.get(units[0], 0)
+            self.state_units[units[0]] = n + 1
+            if not n:
+                self.state_chains[units[0]] = (hashes, first_unit)
         self.entries[key] = Entry(bid, first_unit, units, is_state)
         holders, parent = self.holders, self.parent
         if num_units == 1:  # every state checkpoint: the hot path of align mode
@@ -141,6 +149,8 @@ class PrefixIndex:
         units = [u]
         token_ids = None
         state_units = self.state_units
+        if u not in state_units:
+            self.state_chains[u] = (hashes, unit)
         for gid, bid in gids_ids:
             k = (gid, u)
             if k not in entries:
@@ -194,6 +204,7 @@ class PrefixIndex:
                 self.state_units[units[0]] = left
             else:
                 del self.state_units[units[0]]
+                del self.state_chains[units[0]]
         gid = key[0]  # type: ignore[index]
         holders, parent = self.holders, self.parent
         gone = []
@@ -249,6 +260,7 @@ class PrefixIndex:
         self.children.clear()
         self.entries.clear()
         self.state_units.clear()
+        self.state_chains.clear()
 
     def units(self) -> dict[UnitKey, bytes | None]:
         """Cached (group, unit) -> parent unit: what a subscriber's index must equal."""

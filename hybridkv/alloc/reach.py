@@ -22,6 +22,7 @@ up a chain ends at the root or right after the first unit that is not cached.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import repeat
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,14 +149,40 @@ class Reach:
                 (x,) = kids
         return False
 
-    def dead_segment(self, gid: int, unit: bytes) -> list[bytes]:
+    def state_reachable(self, gid: int, unit: bytes, depth: int) -> bool:
+        """:meth:`state_below` without its walk, for ``unit`` at index ``depth`` of its chain:
+        a state lies at ``unit`` or at a unit after it whose chain is cached in ``gid`` from
+        ``unit`` on (exactly the units the walk can reach: a child is linked while cached).
+
+        Asked of every cached state's chain (:attr:`PrefixIndex.state_chains`) at position
+        ``depth``: a chained hash there equal to ``unit`` puts the state below it. A walk went
+        through every unit of the subtree first, thousands when running requests' chains (no
+        state yet) hang below a branch point; a few hundred states are cheaper to ask."""
+        index = self.index
+        if unit in index.state_units:
+            return True
+        cached = index.parent.__contains__
+        for chain, at in index.state_chains.values():
+            if (
+                at > depth
+                and chain[depth] == unit
+                and all(map(cached, zip(repeat(gid), chain[depth + 1 : at + 1])))
+            ):
+                return True
+        return False
+
+    def dead_segment(self, gid: int, unit: bytes, depth: int | None = None) -> list[bytes]:
         """The units of ``gid`` that no state serves once the state at ``unit`` is gone: none
         if a state lies at or below ``unit``; else ``unit``'s subtree and the cached chain
-        above it up to the previous state or branch point (exclusive)."""
+        above it up to the previous state or branch point (exclusive). ``depth``: ``unit``'s
+        index in its chain, when known (:meth:`state_reachable` then answers without a walk)."""
         has_state = self.index.state_units.__contains__
         # given up at the first state: with states every few hundred tokens (periodic),
         # collecting whole subtrees first made this quadratic
-        if self.state_below(gid, unit):
+        if depth is None:
+            if self.state_below(gid, unit):
+                return []
+        elif self.state_reachable(gid, unit, depth):
             return []
         seg = self.subtree(gid, [unit], stop=has_state)
         if seg is None:  # a state past the first SUBTREE_LIMIT units of the oldest-first walk
