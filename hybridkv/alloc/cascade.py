@@ -63,6 +63,8 @@ class Cascade:
         ]
         self.full = [g for g, _ in self.full_blocks]
         self.chain_groups = self.full + window  # the groups a dead segment is evicted from
+        # a unit a KV group evicted may be cached in another KV group still
+        self.other_kv_groups = len(self.chain_groups) > 1
         #: entries evicted since the last :meth:`settle`, oldest first
         self.pending: list[Evicted] = []
 
@@ -89,8 +91,13 @@ class Cascade:
                 if entry is None:
                     continue
                 g = key[0]
-                if not entry.is_state and any(
-                    (g, y) not in doomed and len(holders[(g, y)]) == 1 for y in entry.units
+                # (a one-unit block is keyed by its only unit, doomed: no first tokens to keep)
+                if (
+                    not entry.is_state
+                    and len(entry.units) > 1
+                    and any(
+                        (g, y) not in doomed and len(holders[(g, y)]) == 1 for y in entry.units
+                    )
                 ):
                     continue  # the block's first tokens still serve a hit inside it
                 pools[g].drop_cached(entry.block_id)
@@ -99,6 +106,7 @@ class Cascade:
         """The units whose entries ``dead`` left useless, in the order found (a dict, not a
         set: the evictions must not depend on the hash seed)."""
         parent, reach, full = self.index.parent, self.reach, self.full
+        children_of, state_units = self.index.children.get, self.index.state_units
         doomed: dict[UnitKey, None] = {}
         # dead segments doomed already: the states of one position go together (36 of them in
         # a pack layout), and the same segment again would add nothing
@@ -122,7 +130,13 @@ class Cascade:
                 gone = [u for u in e.units if (e.group, u) not in parent]
                 if not gone:
                     continue
-                self._doom_everywhere(doomed, reach.subtree(e.group, gone) or [])
+                if any(map(children_of, zip(repeat(e.group), gone))):
+                    self._doom_everywhere(doomed, reach.subtree(e.group, gone) or [])
+                elif self.other_kv_groups or any(map(state_units.__contains__, gone)):
+                    # nothing cached below the gap (the cascade's own drops, mostly): the
+                    # units themselves, uncached in this group, doom nothing here (a doomed
+                    # key matters only while its unit is cached), so only other groups'
+                    self._doom_everywhere(doomed, gone[::-1], skip=e.group)
                 above = (e.group, e.above)
                 if e.above is not None and above in parent and above not in done:
                     # the chain above the gap served only what lay below it, perhaps
@@ -131,13 +145,17 @@ class Cascade:
                     _doom(doomed, self.chain_groups, segment)
         return doomed
 
-    def _doom_everywhere(self, doomed: dict[UnitKey, None], units: list[bytes]) -> None:
-        """``units`` in every group, in group order. A state group caches a unit only where the
-        index counts a state, and only its entries are looked up: its other units are left
-        out (36 state groups made this the cascade's largest cost)."""
+    def _doom_everywhere(
+        self, doomed: dict[UnitKey, None], units: list[bytes], skip: int | None = None
+    ) -> None:
+        """``units`` in every group but ``skip``, in group order. A state group caches a unit
+        only where the index counts a state, and only its entries are looked up: its other
+        units are left out (36 state groups made this the cascade's largest cost)."""
         state_units = self.index.state_units
         with_state = [u for u in units if u in state_units]
         for g in range(self.num_groups):
+            if g == skip:
+                continue
             if g not in self.state_set:
                 _doom(doomed, [g], units)
             elif with_state:
