@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv import models, traces
+from hybridkv.alloc.hashing import token_array
 from hybridkv.doctor import prefix_trace
 from hybridkv.layouts import make_plan
 from hybridkv.replay import replay
@@ -56,8 +57,28 @@ def test_replay_reads_unknown_answers_as_the_simulator_does(plan):
     b = replay(plan, spelt, checkpoint_policy="hash_ladder")
     assert a.hits.tolist() == b.hits.tolist() and a.checkpoints == b.checkpoints > 0
     ids = traces.answer_ids(bare[3])
-    assert len(ids) == bare[3].output_length == len(set(ids)) and min(ids) >= 10**9
-    assert not set(ids) & set(traces.answer_ids(bare[4]))
+    assert len(ids) == bare[3].output_length == len(set(ids)) and min(ids) >= 2**30
+    assert max(ids) < 2**31  # int32, as the allocator hashes token ids
+    assert ids[0] != traces.answer_ids(bare[4])[0]  # answers differ from their first token
+
+
+def test_made_up_answers_stay_int32_past_17509_requests():
+    """A trace with more requests than the old id scheme fit in int32 (request 17,510 on
+    generated ids past ``2**31``, and the allocator's int32 token array raised OverflowError)
+    gets answer ids that fit, distinct per request from the first token on; ids past
+    ``2**29`` requests are refused with what to do instead."""
+
+    def bare(rid: int, n: int = 300) -> traces.Request:
+        return traces.Request(rid, 0.0, np.arange(8, dtype=np.int32), n)
+
+    ids = [traces.answer_ids(bare(rid)) for rid in (0, 17_510, 2**29 - 1)]
+    assert all(min(x) >= 2**30 and max(x) < 2**31 and len(set(x)) == 300 for x in ids)
+    assert len({x[0] for x in ids}) == 3
+    assert len(token_array(ids[1])) == 300  # no OverflowError
+    with pytest.raises(ValueError, match="request ids below 536,870,912"):
+        traces.answer_ids(bare(2**29))
+    with pytest.raises(ValueError, match="answers shorter"):
+        traces.answer_ids(bare(3, 2**29))
 
 
 def test_the_simulator_records_both_per_request(plan):

@@ -128,15 +128,34 @@ class Request:
     __hash__ = None  # type: ignore[assignment]  # mutable-looking payload; compare, don't hash
 
 
+#: the answer ids :func:`answer_ids` makes up: above every vocabulary, inside int32 (token ids
+#: are hashed as int32, as vLLM's): a request's first answer token is ``_FIRST + request_id``,
+#: the rest count up from ``_REST``
+_FIRST = 1 << 30
+_REST = _FIRST + (1 << 29)
+
+
 def answer_ids(request: Request) -> list[int]:
     """The tokens ``request`` generates as a simulator or replay feeds them back: the trace's
-    ``output_ids`` where known, else ids no prompt contains (from 10**9 up), unique per request,
-    so that no later prompt can share an answer the trace does not record."""
+    ``output_ids`` where known, else ids no prompt contains (``2**30`` and up, int32 as every
+    token id the allocator hashes). The first one is the request's own (``2**30 +
+    request_id``), so no two requests' answers agree from their first token on: a later prompt
+    or answer cannot share an answer the trace does not record (hashes chain, so one differing
+    token makes every later hash unit differ); the rest are ``2**30 + 2**29 + k``.
+
+    Request ids from ``2**29`` and answers of ``2**29`` tokens or more are refused (they would
+    leave int32)."""
     n = int(request.output_length)
-    known = [] if request.output_ids is None else np.asarray(request.output_ids[:n], np.int64)
-    known = list(map(int, known))
-    base = 1_000_000_000 + request.request_id * 65_536
-    return known + list(range(base + len(known), base + n))
+    if request.output_ids is not None:
+        return list(map(int, np.asarray(request.output_ids[:n], np.int64)))
+    rid = request.request_id
+    if not 0 <= rid < _REST - _FIRST or n >= _REST - _FIRST:
+        raise ValueError(
+            f"request {rid}: made-up answer ids cover request ids below {_REST - _FIRST:,} and "
+            f"answers shorter than that ({n:,} tokens asked); split the trace or give the "
+            "request its output_ids"
+        )
+    return [_FIRST + rid, *range(_REST + 1, _REST + n)]
 
 
 @dataclass(frozen=True, eq=False)
