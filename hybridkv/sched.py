@@ -41,10 +41,13 @@ the schedule is the same.
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import numpy as np
 
 from .alloc import HitInfo, HybridAllocator, PoolExhausted
 
@@ -161,6 +164,18 @@ class Seq:
     def tokens(self) -> list[int]:
         prompt = self.prompt.tolist() if hasattr(self.prompt, "tolist") else list(self.prompt)
         return prompt + self.outputs
+
+    def token_array(self) -> array:
+        """:meth:`tokens` as the C int32 array the allocator keeps (what an admission passes
+        it): a NumPy prompt goes over as bytes, not as a Python int per token."""
+        prompt = self.prompt
+        if isinstance(prompt, np.ndarray) and prompt.dtype == np.intc:  # a trace's prompt
+            out = array("i")
+            out.frombytes(prompt.tobytes())
+        else:  # ids past int32 raise here, as in the allocator
+            out = array("i", prompt.tolist() if isinstance(prompt, np.ndarray) else prompt)
+        out.extend(self.outputs)
+        return out
 
     def token_range(self, start: int, stop: int) -> list[int]:
         """``tokens()[start:stop]`` without building the whole list (a decode step reads one)."""
@@ -349,7 +364,7 @@ class Scheduler:
             seq = self.waiting[0]
             try:
                 hit = self.alloc.add_request(
-                    seq.rid, seq.tokens(), num_prompt_tokens=seq.prompt_len
+                    seq.rid, seq.token_array(), num_prompt_tokens=seq.prompt_len
                 )
             except PoolExhausted:
                 self.blocked = True

@@ -287,3 +287,18 @@ def test_token_range_is_a_slice_of_tokens(kind):
     for a in range(len(full) + 1):
         for b in range(a, len(full) + 2):
             assert seq.token_range(a, b) == full[a:b], (a, b)
+
+
+def test_token_array_is_tokens_as_int32():
+    """``Seq.token_array`` (what an admission hands the allocator) holds exactly ``tokens()``
+    for a trace's int32 prompt, another NumPy dtype and a list; ids past int32 raise rather
+    than wrap."""
+    rng = np.random.default_rng()
+    outputs = rng.integers(0, 2**31, 7).tolist()
+    ids = rng.integers(0, 2**31, 50)
+    for prompt in (ids.astype(np.int32), ids.astype(np.int64), ids.tolist()):
+        seq = Seq(0, prompt, 7, script=outputs)
+        seq.outputs = outputs[:4]
+        assert seq.token_array().tolist() == seq.tokens() == [*ids.tolist(), *outputs[:4]]
+    with pytest.raises(OverflowError):
+        Seq(0, ids.astype(np.int64) + 2**31, 7).token_array()

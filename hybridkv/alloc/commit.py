@@ -135,10 +135,11 @@ class Committer:
             # every group has its slot (all but a request's first step): one copy each, in
             # group order, as below; the hot path of ``last`` and ``marconi``, once a step per
             # running request and state group (36 in an aggregate layout)
+            append = copies.append  # bound once: 36 appends a call in an aggregate layout
             for gid in self.state:
                 ck = ends[gid]
                 ck[0] = position
-                copies.append((gid, blocks[gid][0], ck[1]))
+                append((gid, blocks[gid][0], ck[1]))
             return
         for gid in self.state:
             ck = r.end_ckpt.get(gid)

@@ -98,7 +98,7 @@ class PrefixIndex:
                 self.state_chains[units[0]] = (hashes, first_unit)
         self.entries[key] = Entry(bid, first_unit, units, is_state)
         holders, parent = self.holders, self.parent
-        if num_units == 1:  # every state checkpoint: the hot path of align mode
+        if num_units == 1:  # every state checkpoint and 16-token block: the hot path
             k = (gid, units[0])
             lst = holders.get(k)
             if lst is None:
@@ -106,11 +106,13 @@ class PrefixIndex:
                 par = parent[k] = hashes[first_unit - 1] if first_unit else None
                 if not is_state:
                     self._link(gid, par, units[0])
-                self._stored(gid, hashes, first_unit, 1, tokens, lora_id)
+                if self.emit:
+                    self._stored(gid, hashes, first_unit, 1, tokens, lora_id)
             else:
                 lst.append(bid)
             return
         run_start = -1
+        children = self.children
         for i, u in enumerate(units):
             k = (gid, u)
             lst = holders.get(k)
@@ -118,7 +120,12 @@ class PrefixIndex:
                 holders[k] = [bid]
                 idx = first_unit + i
                 par = parent[k] = hashes[idx - 1] if idx else None
-                self._link(gid, par, u)
+                if par is not None:  # _link, inline: once per unit of every block cached
+                    kids = children.get((gid, par))
+                    if kids is None:
+                        children[(gid, par)] = {u: None}
+                    else:
+                        kids[u] = None
                 if run_start < 0:
                     run_start = i
             else:
@@ -206,7 +213,8 @@ class PrefixIndex:
                 del self.state_units[units[0]]
                 del self.state_chains[units[0]]
         gid = key[0]  # type: ignore[index]
-        holders, parent = self.holders, self.parent
+        holders, parent, children = self.holders, self.parent, self.children
+        linked = not entry.is_state  # a state group's units have no children links
         gone = []
         for u in units:
             k = (gid, u)
@@ -214,11 +222,11 @@ class PrefixIndex:
             if len(lst) == 1:
                 del holders[k]
                 par = parent.pop(k)
-                if par is not None and not entry.is_state:
-                    kids = self.children[(gid, par)]
+                if par is not None and linked:
+                    kids = children[(gid, par)]
                     kids.pop(u, None)
                     if not kids:
-                        del self.children[(gid, par)]
+                        del children[(gid, par)]
                 gone.append(u)
             else:
                 lst.remove(bid)
