@@ -884,9 +884,10 @@ def test_state_reachable_answers_what_the_walk_answers(parents, states, gaps):
     the ``state_below`` walk answers, from every unit of random prefix forests whose units
     before each state form its chain, with random units uncached (their links gone, as
     ``PrefixIndex.remove`` leaves them: a walk from above stops there, one from the unit itself
-    still goes down); and ``dead_segment`` is the same with or without the unit's depth."""
+    still goes down), whether it walks a few units first or none; and ``dead_segment`` is the
+    same with or without the unit's depth."""
     from hybridkv.alloc.prefix_cache import PrefixIndex
-    from hybridkv.alloc.reach import Reach
+    from hybridkv.alloc.reach import WALK_FIRST, Reach
 
     index = PrefixIndex(16)
     gid = 0
@@ -910,5 +911,6 @@ def test_state_reachable_answers_what_the_walk_answers(parents, states, gaps):
     for i, unit in enumerate(units):
         depth = len(chains[i]) - 1
         expected = reach.state_below(gid, unit)
-        assert reach.state_reachable(gid, unit, depth) == expected, i
+        for walk in (0, 1, 3, WALK_FIRST):  # chains asked at once, after a few units, rarely
+            assert reach.state_reachable(gid, unit, depth, walk) == expected, (i, walk)
         assert reach.dead_segment(gid, unit, depth) == reach.dead_segment(gid, unit), i

@@ -28,11 +28,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from .prefix_cache import PrefixIndex, UnitKey
 
-__all__ = ["SUBTREE_LIMIT", "Reach"]
+__all__ = ["SUBTREE_LIMIT", "WALK_FIRST", "Reach"]
 
 #: units a subtree walk collects at most (a guard against a runaway walk; the eviction cascade
 #: has always walked with this limit, and its results depend on it only past it)
 SUBTREE_LIMIT = 1 << 20
+
+#: units :meth:`Reach.state_reachable` walks before it asks the states' chains instead
+WALK_FIRST = 128
 
 
 class Reach:
@@ -126,6 +129,11 @@ class Reach:
         their units before reaching an older branch's state (14 of the 17 million units the
         eviction cascade walked in 10,000 chat requests on per_group / ``last``). Whether a
         state is there does not depend on the order."""
+        return self._search(gid, unit, limit) is True
+
+    def _search(self, gid: int, unit: bytes, limit: int) -> bool | None:
+        """:meth:`state_below`'s walk: True at the first state, False when the subtree holds
+        none, None when it gave up after ``limit`` units with more to walk."""
         has_state = self.index.state_units.__contains__
         children_of = self.index.children.get
         stack = [unit]
@@ -145,19 +153,25 @@ class Reach:
                     stack.extend(reversed(kids))
                     break
                 if seen >= limit:
-                    return False
+                    return None
                 (x,) = kids
-        return False
+        return None if stack else False
 
-    def state_reachable(self, gid: int, unit: bytes, depth: int) -> bool:
-        """:meth:`state_below` without its walk, for ``unit`` at index ``depth`` of its chain:
-        a state lies at ``unit`` or at a unit after it whose chain is cached in ``gid`` from
-        ``unit`` on (exactly the units the walk can reach: a child is linked while cached).
+    def state_reachable(self, gid: int, unit: bytes, depth: int, walk: int = WALK_FIRST) -> bool:
+        """:meth:`state_below`, for ``unit`` at index ``depth`` of its chain, without walking
+        a large subtree: a state lies at ``unit`` or at a unit after it whose chain is cached
+        in ``gid`` from ``unit`` on (exactly the units the walk can reach: a child is linked
+        while cached).
 
-        Asked of every cached state's chain (:attr:`PrefixIndex.state_chains`) at position
-        ``depth``: a chained hash there equal to ``unit`` puts the state below it. A walk went
-        through every unit of the subtree first, thousands when running requests' chains (no
-        state yet) hang below a branch point; a few hundred states are cheaper to ask."""
+        The walk's first ``walk`` units answer most questions (with a state every
+        block, the first unit or two); past them every cached state's chain
+        (:attr:`PrefixIndex.state_chains`) is asked at position ``depth``: a chained hash
+        there equal to ``unit`` puts the state below it. Walking on went through every unit of
+        the subtree, thousands when running requests' chains (no state yet) hang below a
+        branch point; a few hundred states are cheaper to ask."""
+        found = self._search(gid, unit, walk) if walk > 0 else None
+        if found is not None:
+            return found
         index = self.index
         if unit in index.state_units:
             return True
