@@ -5,10 +5,11 @@ with 40 GiB of cache (256 requests at most; two state slots per request with ``a
 reserves, one with ``last``/``marconi``) for every layout and checkpoint policy, and records
 the wall-clock time of :func:`hybridkv.sim.simulate` with what it measured, in
 ``sim-cpu.json`` (date, machine, versions, commit). The target is 10,000 requests in at most
-30 s per run on a 2-core CPU, one run a core; it holds for 4 of the 15 runs, the slowest
-(``per_group`` / ``last``) takes about 80 s (``paper/results/alloc-redesign/README.md``).
-To compare two commits, run this in a checkout of each, back to back, and commit the earlier
-one's file as ``sim-cpu-before.json``: the table then shows both.
+30 s per run on a 2-core CPU, one run a core; how many runs meet it, measured, is in
+``paper/results/alloc-redesign/README.md`` (the latest section). On a shared 2-core machine
+the same run's time moves by up to 2x from one hour to the next, so compare two commits by
+running this in a checkout of each at the same time (one process a core, nothing else running)
+and commit the earlier one's file as ``sim-cpu-before.json``: the table then shows both.
 """
 
 from __future__ import annotations

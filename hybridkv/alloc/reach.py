@@ -189,7 +189,7 @@ class Reach:
         """The units of ``gid`` that no state serves once the state at ``unit`` is gone: none
         if a state lies at or below ``unit``; else ``unit``'s subtree and the cached chain
         above it up to the previous state or branch point (exclusive). ``depth``: ``unit``'s
-        index in its chain, when known (:meth:`state_reachable` then answers without a walk)."""
+        index in its chain, when known (:meth:`state_reachable` then answers, walking little)."""
         has_state = self.index.state_units.__contains__
         # given up at the first state: with states every few hundred tokens (periodic),
         # collecting whole subtrees first made this quadratic
