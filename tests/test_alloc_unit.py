@@ -820,6 +820,29 @@ def test_kv_events_off_builds_none_and_changes_nothing_else():
     assert emitted[-1] == AllBlocksCleared()
 
 
+def _random_forest(parents: list[int], states: set[int]):
+    """A prefix index of one group (0) holding a random forest: unit ``i``'s parent is unit
+    ``parents[i - 1] % i`` (unit 0 a root), a state at each unit of ``states``, with the chain
+    every state lies in (its units from the root). Returns the index, the units and each
+    unit's chain."""
+    from hybridkv.alloc.prefix_cache import PrefixIndex
+
+    index = PrefixIndex(16)
+    units = [bytes([i]) for i in range(len(parents) + 1)]
+    chains = [[units[0]]]  # each unit's chain: the units from its root to it
+    index.parent[(0, units[0])] = None
+    for i, p in enumerate(parents, start=1):
+        par = p % i
+        index.parent[(0, units[i])] = units[par]
+        index.children.setdefault((0, units[par]), {})[units[i]] = None
+        chains.append([*chains[par], units[i]])
+    for i in states:
+        if i < len(units):
+            index.state_units[units[i]] = 1
+            index.state_chains[units[i]] = (chains[i], len(chains[i]) - 1)
+    return index, units, chains
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     parents=st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=40),
@@ -831,20 +854,10 @@ def test_state_below_agrees_with_the_newest_first_walk(parents, states, start):
     question); on random prefix forests with states at random units it answers what the
     newest-first ``subtree(stop=state)`` walk answers, and ``dead_segment`` is what that walk
     and ``segment_above`` give."""
-    from hybridkv.alloc.prefix_cache import PrefixIndex
     from hybridkv.alloc.reach import Reach
 
-    index = PrefixIndex(16)
+    index, units, _ = _random_forest(parents, states)
     gid = 0
-    units = [bytes([i]) for i in range(len(parents) + 1)]  # unit 0 is a root
-    index.parent[(gid, units[0])] = None
-    for i, p in enumerate(parents, start=1):  # each unit's parent is an earlier unit
-        par = units[p % i]
-        index.parent[(gid, units[i])] = par
-        index.children.setdefault((gid, par), {})[units[i]] = None
-    for i in states:
-        if i < len(units):
-            index.state_units[units[i]] = 1
     reach = Reach(index)
     has_state = index.state_units.__contains__
     unit = units[start % len(units)]
@@ -886,23 +899,10 @@ def test_state_reachable_answers_what_the_walk_answers(parents, states, gaps):
     ``PrefixIndex.remove`` leaves them: a walk from above stops there, one from the unit itself
     still goes down), whether it walks a few units first or none; and ``dead_segment`` is the
     same with or without the unit's depth."""
-    from hybridkv.alloc.prefix_cache import PrefixIndex
     from hybridkv.alloc.reach import WALK_FIRST, Reach
 
-    index = PrefixIndex(16)
+    index, units, chains = _random_forest(parents, states)
     gid = 0
-    units = [bytes([i]) for i in range(len(parents) + 1)]  # unit 0 is a root
-    chains = [[units[0]]]  # each unit's chain: the units from its root to it
-    index.parent[(gid, units[0])] = None
-    for i, p in enumerate(parents, start=1):
-        par = p % i
-        index.parent[(gid, units[i])] = units[par]
-        index.children.setdefault((gid, units[par]), {})[units[i]] = None
-        chains.append([*chains[par], units[i]])
-    for i in states:
-        if i < len(units):
-            index.state_units[units[i]] = 1
-            index.state_chains[units[i]] = (chains[i], len(chains[i]) - 1)
     for i in sorted(gaps):
         if i < len(units):
             par = index.parent.pop((gid, units[i]))

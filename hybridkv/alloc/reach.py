@@ -169,11 +169,12 @@ class Reach:
         there equal to ``unit`` puts the state below it. Walking on went through every unit of
         the subtree, thousands when running requests' chains (no state yet) hang below a
         branch point; a few hundred states are cheaper to ask."""
-        found = self._search(gid, unit, walk) if walk > 0 else None
-        if found is not None:
-            return found
         index = self.index
-        if unit in index.state_units:
+        if walk > 0:
+            found = self._search(gid, unit, walk)  # its first unit is ``unit`` itself
+            if found is not None:
+                return found
+        elif unit in index.state_units:
             return True
         cached = index.parent.__contains__
         for chain, at in index.state_chains.values():
