@@ -76,8 +76,8 @@ class Capacity:
             return False
         for r in holders:
             for gid in [g for g in r.end_ckpt if pool_of[g] in pools]:
-                _, sid = r.end_ckpt.pop(gid)
-                self.ids[gid].free((sid,))
+                self.ids[gid].free((r.end_ckpt.pop(gid),))
+            r.end_copies = None
             if self.fits(needs, touch):
                 return True
         return self.fits(needs, touch)

@@ -67,8 +67,13 @@ def check_consistency(a: HybridAllocator) -> None:
             for b in blocks:
                 if b:
                     _own(a, owner, gid, b)
-        for gid, (_, sid) in r.end_ckpt.items():
+        for gid, sid in r.end_ckpt.items():
             _own(a, owner, gid, sid)
+        if r.end_copies is not None:  # the roll's copy list is the end checkpoint's
+            want = sorted((g, r.blocks[g][0], s) for g, s in r.end_ckpt.items())
+            assert sorted(r.end_copies) == want, f"request {r.req_id!r}: stale end copies"
+            assert len(r.end_ckpt) == len(a.plan.state_groups), "end copies of a partial set"
+
     for p in views.values():
         for key, bid in p.cached_items().items():
             _own(a, owner, key[0], bid)

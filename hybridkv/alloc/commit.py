@@ -129,27 +129,25 @@ class Committer:
         self.checkpoint(r, position, self.last_exports, self._held, export=True)
 
     def roll(self, r: Request, position: int) -> None:
-        """Refresh the request's private end-of-request checkpoint to ``position``."""
-        ends, copies, blocks = r.end_ckpt, self._copies, r.blocks
-        if len(ends) == len(self.state):
-            # every group has its slot (all but a request's first step): one copy each, in
-            # group order, as below; the hot path of ``last`` and ``marconi``, once a step per
-            # running request and state group (36 in an aggregate layout)
-            append = copies.append  # bound once: 36 appends a call in an aggregate layout
-            for gid in self.state:
-                ck = ends[gid]
-                ck[0] = position
-                append((gid, blocks[gid][0], ck[1]))
+        """Refresh the request's private end-of-request checkpoint to ``position``: one copy
+        per state group, running slot -> end slot, in group order."""
+        r.end_position = position
+        if r.end_copies is not None:
+            # every group has its slot (all but a request's first roll): the hot path of
+            # ``last`` and ``marconi``, once per hash unit a request runs, over 36 state
+            # groups in an aggregate layout
+            self._copies.extend(r.end_copies)
             return
+        ends, blocks = r.end_ckpt, r.blocks
         for gid in self.state:
-            ck = r.end_ckpt.get(gid)
-            if ck is None:
+            if gid not in ends:
                 dst = self.spare_or_new(r, gid)
                 if dst is None:
                     continue
-                ck = r.end_ckpt[gid] = [position, dst]
-            ck[0] = position
-            self._copies.append((gid, r.blocks[gid][0], ck[1]))
+                ends[gid] = dst
+            self._copies.append((gid, blocks[gid][0], ends[gid]))
+        if len(ends) == len(self.state):
+            r.end_copies = [(gid, blocks[gid][0], ends[gid]) for gid in self.state]
 
     # ---- checkpoints ------------------------------------------------------------------------
     def take_spare(self, r: Request, gid: int) -> int | None:
@@ -213,11 +211,12 @@ class Committer:
         if self.caching and self.partial and (r.end_ckpt or r.last_mark):
             # the partly filled last block, up to the newest state kept in it: the end state,
             # or a state periodic / hash_boundary kept inside the prompt
-            ends = [p for p, _ in r.end_ckpt.values()]
-            self.cache_tail_blocks(r, max(min(ends, default=0), r.last_mark))
+            end = r.end_position if r.end_ckpt else 0
+            self.cache_tail_blocks(r, max(end, r.last_mark))
         kept = False
         h = self.h
-        for gid, (P, sid) in r.end_ckpt.items():
+        P = r.end_position
+        for gid, sid in r.end_ckpt.items():
             pool = self.pool[gid]
             if self.caching and len(r.hashes) >= P // h:
                 key = (gid, r.hashes[P // h - 1])
@@ -232,6 +231,7 @@ class Committer:
         if kept and r.hit_unit is not None:
             self.demote_superseded(r.hit_unit)
         r.end_ckpt = {}
+        r.end_copies = None
 
     def demote_superseded(self, unit: bytes) -> None:
         """A request hit the state at ``unit`` and cached its own end state further down the

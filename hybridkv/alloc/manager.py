@@ -544,9 +544,9 @@ class HybridAllocator:
             out: list[int] = []
             for r in reqs:
                 out += r.blocks[g]
-                ck = r.end_ckpt.get(g)
-                if ck is not None:
-                    out.append(ck[1])
+                sid = r.end_ckpt.get(g)
+                if sid is not None:
+                    out.append(sid)
             return out
 
         state = set(self._state)
@@ -564,7 +564,7 @@ class HybridAllocator:
             for gid, blocks in enumerate(r.blocks):
                 if blocks:
                     out.append((gid, blocks))
-            for gid, (_, sid) in r.end_ckpt.items():
+            for gid, sid in r.end_ckpt.items():
                 out.append((gid, [sid]))
             for gid, sid in r.sources:
                 out.append((gid, [sid]))

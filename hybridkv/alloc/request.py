@@ -17,6 +17,8 @@ class Request:
         "blocks",
         "branch_at",
         "end_ckpt",
+        "end_copies",
+        "end_position",
         "extra",
         "hashes",
         "hit_unit",
@@ -57,7 +59,13 @@ class Request:
         self.row = -1
         self.limit = 0  # allocate_slots may take the fast path while num_alloc < limit
         self.work_at = INF  # num_alloc at which the next commit has caching work
-        self.end_ckpt: dict[int, list[int]] = {}  # state gid -> [position, slot], private
+        # the private end-of-request checkpoint (``last`` and its kin): state gid -> its slot,
+        # all at ``end_position``; ``end_copies`` is the commit's copy list for it (running slot
+        # -> end slot, group order), made once every state group has its slot and dropped
+        # whenever ``end_ckpt`` changes, so a roll is one list extend however many groups
+        self.end_ckpt: dict[int, int] = {}
+        self.end_position = 0
+        self.end_copies: list[tuple[int, int, int]] | None = None
         self.sources: list[tuple[int, int]] = []  # (gid, id) hits copy from, held to commit
         self.branch_at = -1  # marconi: position of this request's branch point
         self.nprompt = len(tokens)  # align: the prompt's length (vLLM's num_prompt_tokens)
