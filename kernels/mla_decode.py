@@ -118,7 +118,12 @@ and duplicates are counted twice (the reference counts them as listed, too).
 Hopper: at 64 heads the scores ``[64, BLOCK_N]`` and the output update ``[64, 512]`` are what
 wgmma takes (64 rows a warpgroup), and Triton emits wgmma on sm_90 with q and the latent tile
 read from shared memory; the 8 warps split the 512-wide accumulator over two warpgroups that
-share the tile, as FlashMLA does. Below 64 heads (Kimi-Linear's 32) Triton emits mma.sync.
+share the tile, as FlashMLA does. Below 64 heads (Kimi-Linear's 32) Triton emits mma.sync,
+unless ``plan_mla_decode(heads_per_program=64)`` pads the rows to a warpgroup's 64 (FlashMLA
+pads the same way): compiled for sm_90 (Triton 3.9) that is 73 wgmma in the loop of a 16-token
+tile at 8 warps (the only config the fit rule keeps at 64 rows), 255 registers, no spill,
+128 KB of shared memory, against 88 mma.sync at 32 rows. Not measured yet: the GPU suite's MLA
+sweep tries it (``paper.bench_kernels``), and the table takes it only if it wins there.
 Not done: TMA for the latent tiles (each segment is a 2-D box ``[SEG, latent]`` at a
 page-computed address: a host-side descriptor over the cache view takes the address math and
 the per-thread copies off the SMs and Triton pipelines it, but the score dot then reads the
@@ -949,15 +954,37 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def max_heads_per_program(capability: tuple[int, int], fp8: bool, page_align: int) -> int:
+    """The most heads a program compiles without spills (see :func:`config_fits`): 64 on sm_90
+    for 16-bit caches whose block size is a multiple of 16, else 32 (blocks of other sizes walk
+    segments shorter than a tile, whose addresses spill next to 64 heads)."""
+    return 64 if capability >= (9, 0) and not fp8 and page_align >= 16 else 32
+
+
 def heads_per_program(
     num_heads: int, capability: tuple[int, int], fp8: bool = False, page_align: int = 64
 ) -> int:
     """``BLOCK_H``: the heads of a request rounded up to a power of two (at least 16, the
-    smallest ``tl.dot``), capped at what compiles without spills (see :func:`config_fits`): 64
-    on sm_90 for 16-bit caches whose block size is a multiple of 16, else 32 (blocks of other
-    sizes walk segments shorter than a tile, whose addresses spill next to 64 heads)."""
-    limit = 64 if capability >= (9, 0) and not fp8 and page_align >= 16 else 32
+    smallest ``tl.dot``), capped at :func:`max_heads_per_program`."""
+    limit = max_heads_per_program(capability, fp8, page_align)
     return min(max(16, triton.next_power_of_2(num_heads)), limit)
+
+
+def check_heads_per_program(
+    block_h: int, num_heads: int, capability: tuple[int, int], fp8: bool, page_align: int
+) -> None:
+    """Refuse a ``heads_per_program`` override the kernel cannot run without spills, naming the
+    values it can."""
+    limit = max_heads_per_program(capability, fp8, page_align)
+    allowed = [h for h in (16, 32, 64) if h <= limit]
+    if isinstance(block_h, bool) or not isinstance(block_h, int) or block_h not in allowed:
+        arch = f"sm_{capability[0]}{capability[1]}"
+        raise ValueError(
+            f"heads_per_program={block_h!r} is not one this launch compiles without spills on "
+            f"{arch} ({'an fp8' if fp8 else 'a 16-bit or fp32'} cache, pages aligned to "
+            f"{page_align} tokens): choose one of {allowed}, or None for the rule's "
+            f"{heads_per_program(num_heads, capability, fp8, page_align)}"
+        )
 
 
 def _validate_enabled(validate: bool | None) -> bool:
@@ -990,13 +1017,19 @@ def mla_shape(
     batch: int,
     max_seq_len: int,
     num_indices: int | None = None,
+    block_h: int | None = None,
 ) -> MlaShape:
     """The :class:`MlaShape` of a launch; ``num_indices`` (K) for a sparse launch, whose
-    gathered rows each have their own address, as on pages of one token (``page_align`` 1)."""
+    gathered rows each have their own address, as on pages of one token (``page_align`` 1);
+    ``block_h`` overrides :func:`heads_per_program` (checked)."""
     major, minor = _capability(device)
     sparse = num_indices is not None
     page_align = 1 if sparse else min(block_size & -block_size, _MAX_BLOCK_N)
-    block_h = heads_per_program(num_heads, (major, minor), cache_dtype in _FP8, page_align)
+    fp8 = cache_dtype in _FP8
+    if block_h is None:
+        block_h = heads_per_program(num_heads, (major, minor), fp8, page_align)
+    else:
+        check_heads_per_program(block_h, num_heads, (major, minor), fp8, page_align)
     return MlaShape(
         arch=10 * major + minor,
         block_h=block_h,
@@ -1456,6 +1489,7 @@ def plan_mla_decode(
     num_blocks: int | None = None,
     validate: bool | None = None,
     token_indices: torch.Tensor | None = None,
+    heads_per_program: int | None = None,
 ) -> MlaDecodePlan:
     """Plan one step's MLA decode: ``block_tables [B, max_blocks] int32`` (row-contiguous),
     ``seq_lens [B] int32/int64`` (>= 1; the query is the last token) on the device the layers'
@@ -1477,6 +1511,13 @@ def plan_mla_decode(
     the context. The plan keeps the list (``plan.token_indices``) and every
     :meth:`~MlaDecodePlan.run` takes its layer's list of the same shape (the same tensor, or
     another layer's top-k); with ``validate`` the plan's list and every run's are checked.
+
+    ``heads_per_program`` (16, 32 or 64, at most :func:`max_heads_per_program`) overrides the
+    heads a program takes (``BLOCK_H``; rows past the request's heads are masked). 64 for a
+    model of 32 heads or fewer pads the score and output tiles to the 64 rows a Hopper
+    warpgroup's wgmma takes (FlashMLA pads the same way): twice the multiply-adds, half of them
+    on masked rows, issued asynchronously from shared memory instead of as mma.sync; whether
+    that is faster at Kimi-Linear's 32 heads is for the GPU suite's sweep to measure.
     """
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
@@ -1549,6 +1590,7 @@ def plan_mla_decode(
         batch=batch,
         max_seq_len=max_seq_len,
         num_indices=num_indices,
+        block_h=heads_per_program,
     )
     if autotune:
         source = "autotune"
@@ -1646,6 +1688,7 @@ def mla_decode_attention(
     config: MlaConfig | None = None,
     autotune: bool = False,
     token_indices: torch.Tensor | None = None,
+    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode, one query token per request: :func:`plan_mla_decode` and
     :meth:`MlaDecodePlan.run` in one call (plan once and run per layer to save the host work).
@@ -1659,7 +1702,8 @@ def mla_decode_attention(
     ``HYBRIDKV_VALIDATE`` environment switch) checks every block id and length the kernel will
     use (see the module's contract). An fp8 cache needs ``k_scale`` (a float32 scalar).
     ``token_indices [B, K] int32`` attends only to the listed tokens of each request (top-k
-    sparse attention; see :func:`plan_mla_decode`).
+    sparse attention; see :func:`plan_mla_decode`). ``heads_per_program`` overrides the heads
+    a program takes (see :func:`plan_mla_decode`).
     """
     cache = _latent_3d(latent_cache)
     if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
@@ -1702,6 +1746,7 @@ def mla_decode_attention(
         num_blocks=cache.shape[0],
         validate=validate,
         token_indices=token_indices,
+        heads_per_program=heads_per_program,
     )
     if quant:
         k_scale = k_scale.reshape(1).to(torch.float32)

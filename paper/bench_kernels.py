@@ -511,7 +511,8 @@ def prepare_mla(case: Mla, device) -> Prepared | None:
         # every config: the measured-fastest 64/4/2 spills, and the fit rule drops it
         splits = [default.num_splits, *_splits_around(default.num_splits)]
         configs = [default.config, *(c for c in mla_decode.CONFIGS if c != default.config)]
-        return [{"config": c, "num_splits": n} for c in configs for n in splits][1:]
+        out = [{"config": c, "num_splits": n} for c in configs for n in splits][1:]
+        return _padded_heads(default, plan) + out  # the untried hypothesis first (deadline)
 
     return Prepared(
         measure={"bytes": case.batch * case.context * spec.latent_dim * cache.element_size()},
@@ -523,8 +524,26 @@ def prepare_mla(case: Mla, device) -> Prepared | None:
             "config": str(p.config),
             "config_source": p.config_source,
             "num_splits": p.num_splits,
+            "heads_per_program": p.shape.block_h,
         },
     )
+
+
+def _padded_heads(default, plan) -> list[dict]:
+    """Where a program's rows could be padded to the 64 of a Hopper warpgroup (wgmma; sm_90,
+    16-bit caches, fewer than 64 heads), that padding with every config that fits it, at the
+    padded plan's split count and those around it; none elsewhere."""
+    if default.shape.block_h >= 64:
+        return []
+    try:
+        padded = plan(heads_per_program=64)
+    except ValueError:  # not an arch / cache where 64 rows compile without spills
+        return []
+    splits = [padded.num_splits, *_splits_around(padded.num_splits)]
+    configs = [c for c in mla_decode.CONFIGS if mla_decode.config_fits(c, padded.shape)]
+    return [
+        {"heads_per_program": 64, "config": c, "num_splits": n} for c in configs for n in splits
+    ]
 
 
 def prepare_states(case: States, device) -> Prepared:

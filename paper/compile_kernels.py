@@ -212,6 +212,8 @@ def quick_matrix() -> list[Case]:
         c("prefill", dtype="bf16", d=64, gqa=8, bs=16, win=128, i64=0, sinks=1),
         c("mla", dtype="bf16", heads=16, bs=64, i64=0),
         c("mla", dtype="bf16", heads=32, bs=64, i64=0),  # Kimi-Linear at TP1
+        # ... its 32 heads padded to a Hopper warpgroup's 64 rows (wgmma), the sweep's candidate
+        c("mla", dtype="bf16", heads=32, bs=64, i64=0, hpp=64, arch=90),
         c("mla", dtype="e4m3", heads=128, bs=64, i64=0),
         c("mla", dtype="e5m2", heads=64, bs=64, i64=1),
         # the sparse walk (token-index list, k = 2048): 16-bit at 32 heads, fp8 beyond 2**31
@@ -417,6 +419,7 @@ def _run_mla(p: dict, meta, index, autotune: bool) -> None:
         validate=False,
         autotune=autotune,
         token_indices=None if topk is None else _table(batch, topk, index),
+        heads_per_program=p.get("hpp"),
     )
 
 

@@ -141,3 +141,32 @@ def test_indexer_cases_are_swept_without_a_goal():
     assert len(swept) == len(CONFIGS)  # the interpreter's pinned config is not in CONFIGS
     assert {r["config"] for r in swept} == {str(c) for c in CONFIGS}
     assert all(r["value"] > 0 for r in swept)
+
+
+@pytest.mark.parametrize("capability, padded", [((9, 0), True), ((8, 0), False)])
+def test_mla_sweep_tries_heads_padded_to_a_warpgroup_on_hopper(capability, padded, monkeypatch):
+    """On sm_90 the MLA sweep tries Kimi-Linear's 32 heads padded to 64 rows (wgmma) first, with
+    every config that fits 64 rows; on sm_80, where 64 rows spill, it does not; every candidate
+    plans."""
+    import torch
+
+    from hybridkv_kernels import mla_decode
+    from paper import bench_kernels as bk
+
+    monkeypatch.setattr(mla_decode, "_capability", lambda device: capability)
+    case = bk.Mla(model="kimi-linear-48b-a3b", layout="per_group", batch=2, context=256)
+    prep = bk.prepare_mla(case, torch.device("cpu"))
+    default = prep.plan()
+    assert default.shape.block_h == 32
+    cands = prep.candidates(default)
+    wide = [c for c in cands if c.get("heads_per_program") == 64]
+    assert bool(wide) == padded
+    if padded:
+        assert cands[: len(wide)] == wide  # before the configs swept in earlier runs
+        fits = {str(c) for c in mla_decode.CONFIGS}
+        for c in wide:
+            plan = prep.plan(**c)
+            assert plan.shape.block_h == 64 and plan.num_head_blocks == 1
+            assert str(plan.config) in fits
+            assert prep.info(plan)["heads_per_program"] == 64
+    assert all(prep.plan(**c).shape.block_h == 32 for c in cands if c not in wide)

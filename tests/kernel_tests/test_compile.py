@@ -84,6 +84,11 @@ def test_quick_matrix_compiles_without_spills_and_fits(tmp_path):
     # GLM-5-Next's NoPE MLA (DIM_R 0: no rope part) compiles on both archs
     nope = [r for r in report["rows"] if "mla" in r["kernel"] and "DIM_R=0" in r["constexprs"]]
     assert {r["arch"] for r in nope} == {80, 90}, "the NoPE MLA walk was not compiled"
+    # Kimi-Linear's 32 heads padded to a warpgroup's 64 rows compile to wgmma on sm_90
+    padded = [
+        r for r in report["rows"] if r["kernel"] == "_mla_partial_kernel" and "hpp=64" in r["case"]
+    ]
+    assert padded and all(r["arch"] == 90 and r["sass_hgmma"] > 0 for r in padded), padded
     # the attention-sink variants (HAS_SINKS=True) of the paged decode and prefill compile too
     for name in ("_decode_partial_kernel", "_prefill_kernel"):
         with_sinks = [

@@ -206,6 +206,55 @@ def test_heads_per_program(heads, want):
     assert mla_decode.heads_per_program(heads, (9, 0), fp8=True) == min(want, 32)
 
 
+@pytest.mark.parametrize(
+    "heads, per_program, splits",
+    [(32, 64, 1), (32, 64, 3), (20, 64, 2), (16, 32, 1), (128, 16, 2)],
+)
+def test_heads_per_program_override(heads, per_program, splits, monkeypatch):
+    """``heads_per_program`` pads a program's rows (Kimi-Linear's 32 heads to the 64 rows of a
+    Hopper warpgroup) or splits a request's heads over more programs; either way the output
+    equals the reference and padding rows are never stored (the output starts as NaN)."""
+    monkeypatch.setattr(mla_decode, "_capability", lambda device: (9, 0))
+    torch.manual_seed(heads + per_program)
+    lens, block_size, dc, dr = [70, 5, 33], 16, 64, 16
+    cache = _strided_cache(14, block_size, dc, dr, torch.float16)
+    tables = _tables(cache, lens, torch.float16)
+    q_nope = torch.randn(3, heads, dc).half()
+    q_pe = torch.randn(3, heads, dr).half()
+    plan = plan_mla_decode(
+        tables, torch.tensor(lens, dtype=torch.int32), num_heads=heads, kv_lora_rank=dc,
+        qk_rope_head_dim=dr, block_size=block_size, cache_dtype=torch.float16,
+        q_dtype=torch.float16, scale=0.12, max_seq_len=max(lens), num_splits=splits,
+        heads_per_program=per_program,
+    )  # fmt: skip
+    assert plan.shape.block_h == per_program
+    assert plan.num_head_blocks == -(-heads // per_program)
+    _check(q_nope, q_pe, cache, tables, lens, 0.12, splits=splits, heads_per_program=per_program)
+
+
+@pytest.mark.parametrize(
+    "capability, dtype, block_size, per_program",
+    [
+        ((8, 0), torch.float16, 16, 64),  # mma.sync keeps q in registers: 64 rows spill
+        ((9, 0), torch.float8_e4m3fn, 16, 64),  # fp8 tiles are converted in registers
+        ((9, 0), torch.float16, 8, 64),  # segments shorter than a tile
+        ((9, 0), torch.float16, 16, 48),  # not a power of two
+        ((9, 0), torch.float16, 16, 8),  # below tl.dot's 16 rows
+    ],
+)
+def test_heads_per_program_refuses_what_does_not_compile(
+    capability, dtype, block_size, per_program, monkeypatch
+):
+    monkeypatch.setattr(mla_decode, "_capability", lambda device: capability)
+    tables = torch.zeros((1, 8), dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"heads_per_program={per_program} .*choose one of"):
+        plan_mla_decode(
+            tables, torch.tensor([40], dtype=torch.int32), num_heads=32, kv_lora_rank=64,
+            qk_rope_head_dim=16, block_size=block_size, cache_dtype=dtype,
+            q_dtype=torch.float16, scale=1.0, max_seq_len=40, heads_per_program=per_program,
+        )  # fmt: skip
+
+
 def test_mla_decode_deepseek_128_heads(monkeypatch):
     """DeepSeek-V3 at TP1: 128 heads, latent 512 + 64, one split and several."""
     monkeypatch.setattr(mla_decode, "_capability", lambda device: (9, 0))
