@@ -3,9 +3,11 @@ Falcon-H1, GraniteMoeHybrid, NemotronH, Zamba2, Qwen3.5, Jamba, LFM2, LFM3, Recu
 Kimi-Linear, Bailing hybrid (MLA with rotary and an output gate), GLM-5-Next (NoPE MLA with a
 sparse-attention indexer: DSA), GraniteSWA and GraniteMoeSWA (attention sinks in the paged
 kernels) served by :class:`hybridkv.e2e.engine.Engine` out of every layout's plan, against the
-same model run by transformers alone, MiniMax included (its own MiniMaxCache), and the
-pure-recurrent RWKV-4 (its five-tensor ``state`` argument) and xLSTM (its xLSTMCache); the
-families of ``REFUSED`` (Qwen4-Exp: its indexer beside GQA and its PLE conv) refused with the
+same model run by transformers alone, MiniMax included (its own MiniMaxCache), the
+pure-recurrent RWKV-4 (its five-tensor ``state`` argument) and xLSTM (its xLSTMCache), and ZAYA
+(GQA after Compressed Convolutional Attention, whose conv window and delayed value half live in
+the attention layer's cache); the families of ``REFUSED`` (Qwen4-Exp: its indexer beside GQA and
+its PLE conv; Inkling: its four short convs and relative-position bias) refused with the
 reason.
 
 The serving test runs each family on two of the five layouts (rotating; every layout is served
@@ -390,6 +392,93 @@ def test_rwkv_decodes_one_sequence_per_mixer_call():
     )
 
 
+def _zaya_cache(model: torch.nn.Module, ids: torch.Tensor):
+    """transformers' DynamicCache after a ZAYA forward of ``ids``: every layer's K / V and its
+    CCA state (``conv_states[0]``, ``recurrent_states[0]``)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cca_state_fills_its_slots_byte_for_byte(dtype):
+    """ZAYA's CCA state after a forward (each layer's q / k conv window ``[B, (heads + KV heads)
+    * head_dim, time0 + time1 - 2]`` and delayed value half ``[B, KV heads * head_dim / 2]``)
+    goes to the plan's layout (the engine's ``store``) with each slot's exact shape and dtype,
+    the spec's ``state_bytes`` per request and layer (the formula tests/test_hf_cache_bytes.py
+    checks against transformers), through the plan's own slots, and comes back (``load`` into
+    a fresh cache) bit for bit: the engine keeps all of it, in the plan's bytes."""
+    cfg = TINY_CONFIGS["zaya"]()
+    plan = make_tiny_plan(cfg, "per_group", dtype=dtype)
+    buffers, hybrid = plan.allocate("cpu"), hybrid_model_for(cfg, dtype)
+    model = build_tiny_model(cfg, dtype=getattr(torch, dtype))
+    held = _zaya_cache(model, torch.tensor([_prompt(9, seed=3), _prompt(9, seed=4)]))
+    fresh = states.cache_factory(cfg, [p.kind for p in plan.state_placements])()
+    specs = {layer.name: layer.spec for layer in hybrid.state_layers}  # an attention layer's
+    assert [p.layer for p in plan.state_placements] == list(specs)  # CCA state: its own spec
+    for p in plan.state_placements:
+        fmt, views = states.FORMATS[p.kind], plan.state_views(buffers, p.layer)
+        module = fmt.module_of(model, p.layer_index)
+        mine = fmt.store(held, module, p.layer_index)
+        assert set(mine) == set(views) == set(fmt.parts) == {"conv", "v_delayed"}
+        for part, t in mine.items():
+            assert (t.shape[1:], t.dtype) == (views[part].shape[1:], views[part].dtype), part
+            views[part][1:3] = t  # two slots of the plan's memory
+        assert sum(t.nbytes for t in mine.values()) == 2 * specs[p.layer].state_bytes
+        fmt.load(fresh, module, p.layer_index, {n: v[1:3] for n, v in views.items()})
+        i = p.layer_index
+        for got, ref in (
+            (fresh.get_conv_state(i), held.get_conv_state(i)),
+            (fresh.get_recurrent_state(i), held.get_recurrent_state(i)),
+        ):
+            assert got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+def test_cca_window_and_delayed_value_each_matter():
+    """The comparisons can see either half of a lost CCA state: transformers continuing 48
+    tokens in with only the q / k conv window zeroed, or only the delayed value half, ends far
+    outside the tolerance (``test_states_matter`` zeroes both at once)."""
+    model, p = _model("zaya"), torch.tensor([_prompt(54, seed=1)])
+    with torch.no_grad():
+        full = model(p).logits[0, -1]
+        for lost in ("conv_states", "recurrent_states"):
+            cache = _zaya_cache(model, p[:, :48])
+            for layer in cache.layers:
+                getattr(layer, lost)[0].zero_()
+            pos = torch.arange(48, 54)[None]
+            cont = model(p[:, 48:], position_ids=pos, cache=cache, use_cache=True).logits[0, -1]
+            assert (full - cont).abs().max().item() > 100 * TOL, lost
+
+
+def test_cca_fresh_state_is_where_transformers_starts():
+    """A fresh request's CCA state is the one transformers starts from without a cache: a zero
+    conv window and ``v_proj_delayed`` of a zero input (its bias: not zero with
+    ``attention_bias``, drawn at random here), so loading it changes nothing."""
+    cfg = TINY_CONFIGS["zaya"]()
+    cfg.attention_bias = True
+    model = build_tiny_model(cfg)
+    fmt, hidden = states.FORMATS["cca"], torch.randn(1, 5, cfg.hidden_size)
+    plan = make_tiny_plan(cfg, "per_group")
+    for p in plan.state_placements:
+        module = fmt.module_of(model, p.layer_index)
+        with torch.no_grad():
+            module.v_proj_delayed.bias.normal_()
+            ref = module(hidden, None)
+            views = plan.state_views(plan.allocate("cpu"), p.layer)
+            start = {
+                n: fmt.fresh(n, tuple(v.shape[1:]), v.dtype, module) for n, v in views.items()
+            }
+            assert start["v_delayed"].abs().min() > 0 and not start["conv"].any()
+            cache = states.cache_factory(cfg, ["cca"])()
+            fmt.load(cache, module, p.layer_index, start)
+            got = module(hidden, cache)
+        for g, r in zip(got, ref, strict=True):
+            assert torch.equal(g, r)
+
+
 @pytest.mark.parametrize("name", REFUSED)
 def test_refused_families_say_what_is_missing_and_what_is_served(name):
     """A family the engine cannot serve is refused before anything runs, with an Unservable
@@ -401,7 +490,8 @@ def test_refused_families_say_what_is_missing_and_what_is_served(name):
         Engine(_model(name), plan)
     message = str(err.value)
     assert "the engine serves softmax attention" in message and "mamba2" in message
-    assert "rwkv4" in message and "mlstm" in message  # served now, named as such
+    # served now, named as such
+    assert "rwkv4" in message and "mlstm" in message and "cca" in message
     if name == "qwen4_exp":
         assert "indexer layers: a sparse-attention indexer beside GQA attention" in message
         assert "take no token-index list" in message
@@ -409,9 +499,6 @@ def test_refused_families_say_what_is_missing_and_what_is_served(name):
         assert "ple_conv layers: Qwen4-Exp's Per-Layer Embedding" in message
     if name == "inkling":
         assert "inkling_sconv layers: Inkling keeps four float32 short-conv states" in message
-        assert "no StateFormat hands over" in message
-    if name == "zaya":
-        assert "cca layers: ZAYA's Compressed Convolutional Attention" in message
         assert "no StateFormat hands over" in message
 
 

@@ -5,10 +5,10 @@ and every such family planned through every layout, at its tiny size and at tran
 default size.
 
 The families served end to end are compared token for token in tests/test_e2e_families.py
-(GraniteSWA, GraniteMoeSWA, RWKV and xLSTM among them; there RWKV's and xLSTM's states also
-go through the plan's slots byte for byte); GLM-5-Next and Qwen4-Exp are refused there (the
-engine has no kernel for their indexers), so this file is where their formulas meet
-transformers. Inkling and ZAYA are refused there too (no StateFormat for their states).
+(GraniteSWA, GraniteMoeSWA, RWKV, xLSTM, GLM-5-Next and ZAYA among them; there RWKV's, xLSTM's
+and ZAYA's CCA states also go through the plan's slots byte for byte); Qwen4-Exp is refused
+there (no kernel for its indexer beside GQA) and Inkling too (no StateFormat for its four short
+convs), so this file is where their formulas meet transformers.
 """
 
 from __future__ import annotations

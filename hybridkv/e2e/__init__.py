@@ -91,10 +91,15 @@ def build_tiny_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
     model = language_model_from_config(config)
     with torch.no_grad():
         # transformers starts learnable attention sinks (GraniteSWA) at zero; random ones make
-        # a run that ignored or misapplied them differ from transformers'
+        # a run that ignored or misapplied them differ from transformers'. ZAYA's per-KV-head
+        # key scale (qk_norm.temp) starts at zero too, which zeroes every key: attention would
+        # then be a plain mean of the values, blind to the keys and queries (and so to the CCA
+        # conv window that makes them)
         for name, p in model.named_parameters():
             if name.rsplit(".", 1)[-1] == "sinks":
                 p.normal_(0.0, 2.0)
+            elif name.endswith("qk_norm.temp"):
+                p.normal_(0.0, 1.0)
     return model.float().to(dtype).eval()
 
 

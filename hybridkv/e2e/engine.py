@@ -47,10 +47,13 @@ which its forward insists on: the engine builds each forward's cache with
 :func:`.states.cache_factory`. RWKV-4 and xLSTM (no attention) keep their states in what their
 forwards take as ``state`` (five tensors) and ``cache`` (an ``xLSTMCache``)
 (:func:`.states.cache_argument`); transformers' RWKV one-token forward is right for one sequence
-only, so RWKV's decoders run as one packed forward of one-token segments. A plan with a layer
-kind no :class:`~.states.StateFormat` wires is refused with a :class:`~.states.Unservable` (a
-NotImplementedError) naming it and what is served (:func:`.states.check_wired`). Learnable
-attention sinks (GraniteSWA's ``s_aux``) run in the paged kernels.
+only, so RWKV's decoders run as one packed forward of one-token segments. ZAYA keeps its
+Compressed Convolutional Attention state (q / k conv window, delayed value half) in its
+attention layers' cache beside the K / V; its attention after that is plain GQA over the pages.
+A plan with a layer kind no :class:`~.states.StateFormat` wires is refused with a
+:class:`~.states.Unservable` (a NotImplementedError) naming it and what is served
+(:func:`.states.check_wired`). Learnable attention sinks (GraniteSWA's ``s_aux``) run in the
+paged kernels.
 
 Private transformers fields: only ``config._attn_implementation``, saved, set and restored by
 :meth:`Engine._paged_attention` so that the same model still runs stock attention outside the
@@ -431,7 +434,8 @@ class Engine:
         for s in self.state_layers:
             ids = torch.tensor([self.alloc.state_slot(r.rid, s.gid)], dtype=torch.int64)
             for n, pool in s.pools.items():
-                scatter_states(pool, ids, s.fmt.fresh(n, tuple(pool.shape[1:]), pool.dtype))
+                fresh = s.fmt.fresh(n, tuple(pool.shape[1:]), pool.dtype, s.module)
+                scatter_states(pool, ids, fresh)
 
     def _run_state_copies(self, copies: list[tuple[int, int, int]], *, checkpoint: bool) -> None:
         """``(group, src slot, dst slot)`` for every state layer of the group."""

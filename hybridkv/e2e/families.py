@@ -9,9 +9,9 @@ CPU under the Triton interpreter.
 :data:`hybridkv.e2e.states.REFUSED`).
 Every Mamba config keeps its chunk size at 32: transformers' torch scan pads a prefill to a
 multiple of it, and the default 256 would make every short prefill a 256-token one. Zamba2,
-LFM2, LFM3 and RecurrentGemma untie their output embedding: tied and randomly initialised, their
-greedy token is the last input token again and again, which would make token equality a weak
-check.
+LFM2, LFM3, RecurrentGemma and ZAYA untie their output embedding: tied and randomly initialised,
+their greedy token is the last input token (ZAYA: one token) again and again, which would make
+token equality a weak check.
 """
 
 from __future__ import annotations
@@ -511,7 +511,8 @@ def tiny_inkling_config():
 def tiny_zaya_config():
     """ZAYA: CCA over full attention, then over sliding-window attention (window 16); 4 heads,
     2 KV heads of 16; conv kernels 2 and 3 (a 3-token q / k window, not the default 2, so the
-    two kernels' sum shows); a 4-expert top-1 MoE. Refused by the engine (:data:`REFUSED`)."""
+    two kernels' sum shows); a 4-expert top-1 MoE. Untied output embedding (tied and random,
+    its greedy tokens repeat one token)."""
     from transformers import ZayaConfig
 
     return ZayaConfig(
@@ -528,6 +529,7 @@ def tiny_zaya_config():
         sliding_window=16,
         cca_time0=2,
         cca_time1=3,
+        tie_word_embeddings=False,
     )
 
 
@@ -557,6 +559,6 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): top-k sparse attention
 #: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp); Inkling's four short
-#: convs and ZAYA's CCA state, which no StateFormat hands over either
-REFUSED: tuple[str, ...] = ("qwen4_exp", "inkling", "zaya")
+#: convs, which no StateFormat hands over either
+REFUSED: tuple[str, ...] = ("qwen4_exp", "inkling")
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

@@ -29,6 +29,17 @@ continuations alike. Where transformers keeps a state and in which layout:
   [layer]`` is ``(C, n, m)`` ``[B, heads, qk_head_dim, v_head_dim]``, ``[B, heads, qk_head_dim]``,
   ``[B, heads, 1]``. ``xLSTMModel`` hands the tuple to the block and copies the block's new
   state back into it (``holder="xlstm_cache"``).
+- ``cca`` (ZAYA's Compressed Convolutional Attention): the ``DynamicCache`` layer of the
+  attention layer itself (a ``LinearAttentionAndFullAttentionLayer`` or its sliding-window
+  twin, K / V beside the states): ``conv_states[0]`` ``[B, (heads + kv_heads) * head_dim,
+  time0 + time1 - 2]``, the q / k window the two convs reach back, and ``recurrent_states[0]``
+  ``[B, kv_heads * head_dim / 2]``, the last token's ``v_proj_delayed`` (the next token's value
+  is half its own ``v_proj_current``, half that). The module that reads and writes them is the
+  attention's ``qkv_proj`` (``ZayaCCAProjection``); its multi-token forward prepends the
+  window it is given and takes the delayed value from the state, so it continues a state as
+  it is. What it returns (q, k, v, normed and rotated by the attention after it) is plain GQA
+  with ``head_dim`` for K and V, cached as such and attended with the usual softmax at
+  ``head_dim ** -0.5``: the paged kernels serve it unchanged.
 
 Layout conversions (plan = vLLM's layout):
 
@@ -51,13 +62,18 @@ Layout conversions (plan = vLLM's layout):
 - RWKV-4: the plan slot holds ``shift`` ``[2, hidden]`` (rows: transformers' state 0 and 1)
   and ``wkv`` ``[channels, 3]`` (columns: states 2, 3, 4, the layout of transformers' CUDA
   kernel state); the layer's column ``[:, :, layer]`` of each of the five tensors. xLSTM: ``C``,
-  ``n``, ``m`` as ``rnn_state`` holds them. Both exactly what transformers holds, byte for byte
-  (tests/test_hf_cache_bytes.py checks the spec formulas against transformers' own state).
+  ``n``, ``m`` as ``rnn_state`` holds them. ZAYA: ``conv`` ``[time0 + time1 - 2, channels]``,
+  transformers' window transposed (no extra column: ``conv_pad=0``), and ``v_delayed`` ``[1,
+  D]`` (sized as a kernel-2 conv's window), transformers' ``[B, D]`` vector. All exactly what
+  transformers holds, byte for byte (tests/test_hf_cache_bytes.py checks the spec formulas
+  against transformers' own state).
 
 Fresh states. A fresh request's state is transformers' initial one: zeros, except RWKV's WKV
-running maximum, which ``RwkvModel`` starts at -1e30 (:meth:`StateFormat.fresh`). Zero there
-would be the same recurrence only up to rounding: the maximum is the scale num and den are kept
-in, and a first key far below 0 would underflow ``exp(key - max)`` to 0 / 0.
+running maximum, which ``RwkvModel`` starts at -1e30 (:meth:`StateFormat.fresh`), and ZAYA's
+delayed value half, which ``ZayaCCAProjection`` starts as ``v_proj_delayed`` of a zero input:
+zero without ``attention_bias``, the bias with it. Zero for RWKV's maximum would be the same
+recurrence only up to rounding: the maximum is the scale num and den are kept in, and a first
+key far below 0 would underflow ``exp(key - max)`` to 0 / 0.
 
 Stepping. Two modules of transformers cannot continue a multi-token forward from a state:
 Jamba's Mamba-1 mixer (its full-sequence scan, ``mamba_selective_scan``, always starts from a
@@ -77,7 +93,9 @@ scan would carry one request's state into the next. transformers' torch mixers t
 inside the packed forward, each from its own request's state (:class:`Packed`). RWKV's state is
 used by both halves of its block (time-mix and channel-mix token shifts), so its "mixer" is the
 whole ``RwkvBlock`` (norms and projections are token-wise: running them per segment changes
-nothing); xLSTM's is the block's ``mlstm_layer``.
+nothing); xLSTM's is the block's ``mlstm_layer``; ZAYA's the attention's ``qkv_proj``, whose
+segments' queries, keys and values are concatenated back (``StateFormat.outputs``) for the
+attention to run over the packed sequence as any other.
 """
 
 from __future__ import annotations
@@ -144,12 +162,6 @@ REFUSED: dict[str, str] = {
         "one conv state, transformers' relative-position bias is not in the paged kernels "
         "either); a StateFormat for the four states and a relative-bias attention would serve it"
     ),
-    "cca": (
-        "ZAYA's Compressed Convolutional Attention keeps its q/k conv window in conv_states[0] "
-        "and the last token's delayed value half in recurrent_states[0] of the attention "
-        "layer's cache, which no StateFormat hands over (a conv-plus-vector format for a state "
-        "that lives in an attention layer's cache would serve it)"
-    ),
 }
 
 
@@ -177,7 +189,12 @@ class StateFormat:
     its layers and, in a layer, the module that runs the state (None: the first of
     :data:`MIXER_PATHS`; ``""``: the layer itself); ``batched_decode``: transformers' one-token
     forward of the kind takes a batch of states (else the engine decodes a batch as a packed
-    forward of one-token segments, each mixer call with batch 1)."""
+    forward of one-token segments, each mixer call with batch 1); ``recurrent_part``: the plan
+    view of the state transformers keeps as the cache layer's recurrent state (``"ssm"``;
+    ZAYA's ``"v_delayed"``); ``vector``: that state is one row in the plan (``[1, D]``, a
+    kernel-2 conv's window) and a ``[B, D]`` vector in transformers; ``outputs``: the mixer
+    returns a tuple whose first ``outputs`` entries are per token (ZAYA's CCA projection:
+    query, key and value), which a packed forward's segments concatenate."""
 
     kind: str
     conv: bool = True
@@ -192,12 +209,17 @@ class StateFormat:
     layers: str = "layers"
     mixer: str | None = None
     batched_decode: bool = True
+    recurrent_part: str = "ssm"
+    vector: bool = False
+    outputs: int = 1
 
     @property
     def parts(self) -> tuple[str, ...]:
         if self.names:
             return self.names
-        return tuple(n for n, has in (("conv", self.conv), ("ssm", self.recurrent)) if has)
+        return tuple(
+            n for n, has in (("conv", self.conv), (self.recurrent_part, self.recurrent)) if has
+        )
 
     # ---- plan slot tensors <-> transformers' ------------------------------------------------
     def to_hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -206,21 +228,41 @@ class StateFormat:
             hf = t.new_zeros(t.shape[0], t.shape[2], t.shape[1] + self.conv_pad)
             hf[:, :, self.conv_pad :] = t.transpose(1, 2)
             return hf
+        if self.vector and name == self.recurrent_part:  # [B, 1, D] -> [B, D]
+            return t[:, 0].clone()
         return t.transpose(-1, -2).contiguous() if self.transposed else t.clone()
 
     def from_hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`to_hf`."""
         if name == "conv":
             return t[:, :, self.conv_pad :].transpose(1, 2).contiguous()
+        if self.vector and name == self.recurrent_part:
+            return t[:, None].contiguous()
         return t.transpose(-1, -2).contiguous() if self.transposed else t.contiguous()
 
-    def fresh(self, name: str, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def fresh(
+        self,
+        name: str,
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        module: torch.nn.Module | None = None,
+    ) -> torch.Tensor:
         """A fresh request's state of part ``name``, ``[1, *row_shape]`` in the plan's layout:
         what transformers starts from, zeros except RWKV's WKV maximum (column 2 of ``wkv``),
-        which ``RwkvModel.forward`` starts at -1e30 (see the module docstring)."""
+        which ``RwkvModel.forward`` starts at -1e30, and ZAYA's delayed value half, which
+        ``ZayaCCAProjection`` starts as ``v_proj_delayed`` of a zero input (its bias, zero
+        without one) and which is computed the same way here from ``module``, the layer's
+        mixer (see the module docstring)."""
         t = torch.zeros((1, *row_shape), dtype=dtype)
         if self.holder == "rwkv_state" and name == "wkv":
             t[..., 2] = -1e30
+        if self.kind == "cca" and name == "v_delayed":
+            if module is None:
+                raise ValueError("a fresh CCA state needs its layer's CCA projection module")
+            proj = module.v_proj_delayed
+            with torch.no_grad():
+                start = proj(torch.zeros(1, 1, proj.in_features, dtype=proj.weight.dtype))
+            t.copy_(start.reshape(t.shape))
         return t
 
     # ---- where transformers keeps them -------------------------------------------------------
@@ -264,7 +306,7 @@ class StateFormat:
             # a first update takes the whole tensor as the state and marks it started
             cache.update_conv_state(hf["conv"], idx, conv_kernel_size=hf["conv"].shape[2])
         if self.recurrent:
-            cache.update_recurrent_state(hf["ssm"], idx)
+            cache.update_recurrent_state(hf[self.recurrent_part], idx)
         # a recurrent-only layer has no conv update to mark it started (public attribute)
         cache.layers[idx].has_previous_state[0] = True
 
@@ -288,7 +330,7 @@ class StateFormat:
             if self.conv:
                 hf["conv"] = cache.get_conv_state(idx)
             if self.recurrent:
-                hf["ssm"] = cache.get_recurrent_state(idx)
+                hf[self.recurrent_part] = cache.get_recurrent_state(idx)
         return {n: self.from_hf(n, t) for n, t in hf.items()}
 
     # ---- a module called on one segment of a packed forward (install_varlen) ----------------
@@ -395,6 +437,15 @@ FORMATS: dict[str, StateFormat] = {
         argument="cache",
         layers="blocks",
         mixer="mlstm_layer",
+    ),
+    "cca": StateFormat(
+        "cca",
+        names=("conv", "v_delayed"),
+        conv_pad=0,  # transformers keeps exactly the time0 + time1 - 2 columns the plan does
+        recurrent_part="v_delayed",
+        vector=True,
+        mixer="self_attn.qkv_proj",
+        outputs=3,  # query, key, value
     ),
 }
 
@@ -569,7 +620,7 @@ def install_varlen(module: torch.nn.Module, fmt: StateFormat, idx: int) -> None:
             outs.append(out)
             for n, s in fmt.store(own, module, idx).items():
                 states[n][i] = s[0]
-        return _cat(outs)
+        return _cat(outs, fmt.outputs)
 
     module.forward = forward
     module.hybridkv_varlen = True
@@ -602,9 +653,11 @@ def _cut(
     return (cut(hidden), *(cut(x) for x in args)), {k: cut(v) for k, v in kwargs.items()}
 
 
-def _cat(outs: list[Any]) -> Any:
-    """Concatenate per-segment (or per-token) outputs along T; a tuple output (RecurrentGemma's
-    block returns ``(hidden, extra)``) keeps the last call's extras."""
+def _cat(outs: list[Any], per_token: int = 1) -> Any:
+    """Concatenate per-segment (or per-token) outputs along T; a tuple output concatenates its
+    first ``per_token`` entries (ZAYA's CCA projection returns query, key and value) and keeps
+    the last call's extras (RecurrentGemma's block returns ``(hidden, extra)``)."""
     if isinstance(outs[0], tuple):
-        return (torch.cat([o[0] for o in outs], 1), *outs[-1][1:])
+        cat = [torch.cat([o[i] for o in outs], 1) for i in range(per_token)]
+        return (*cat, *outs[-1][per_token:])
     return torch.cat(outs, 1)
