@@ -498,8 +498,10 @@ def test_refused_families_say_what_is_missing_and_what_is_served(name):
     if name == "qwen4_exp":
         assert "ple_conv layers: Qwen4-Exp's Per-Layer Embedding" in message
     if name == "inkling":
-        assert "inkling_sconv layers: Inkling keeps four float32 short-conv states" in message
-        assert "no StateFormat hands over" in message
+        assert "inkling_sconv layers: Inkling's attention adds a relative-position bias" in message
+        assert "kernels take no bias term" in message
+        assert "four float32 short-conv states" in message
+        assert "no StateFormat hands them over" in message
 
 
 @pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa"])

@@ -8,7 +8,8 @@ The families served end to end are compared token for token in tests/test_e2e_fa
 (GraniteSWA, GraniteMoeSWA, RWKV, xLSTM, GLM-5-Next and ZAYA among them; there RWKV's, xLSTM's
 and ZAYA's CCA states also go through the plan's slots byte for byte); Qwen4-Exp is refused
 there (no kernel for its indexer beside GQA) and Inkling too (no StateFormat for its four short
-convs), so this file is where their formulas meet transformers.
+convs, no relative-position bias in the paged kernels), so this file is where their formulas
+meet transformers.
 """
 
 from __future__ import annotations

@@ -558,7 +558,8 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "zaya": tiny_zaya_config,
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): top-k sparse attention
-#: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp); Inkling's four short
-#: convs, which no StateFormat hands over either
+#: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp); Inkling's attention
+#: with a relative-position bias the paged kernels lack, and its four short convs, which no
+#: StateFormat hands over either
 REFUSED: tuple[str, ...] = ("qwen4_exp", "inkling")
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

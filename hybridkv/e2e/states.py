@@ -156,11 +156,21 @@ REFUSED: dict[str, str] = {
         "over (the GDN format moves conv_states[0] and the recurrent state only)"
     ),
     "inkling_sconv": (
-        "Inkling keeps four float32 short-conv states per layer (k_sconv and v_sconv on the K/V "
-        "channels, attn_sconv and mlp_sconv on the hidden size) in conv_states[0..3] of the "
-        "attention layer's cache, which no StateFormat hands over (the short_conv format moves "
-        "one conv state, transformers' relative-position bias is not in the paged kernels "
-        "either); a StateFormat for the four states and a relative-bias attention would serve it"
+        "Inkling's attention adds a relative-position bias to every logit (per head, the query "
+        "token's r_proj vector dotted with a learned [d_rel, rel_extent] table at the key's "
+        "distance, zero from rel_extent on; on full layers with log_scaling_n_floor scaled, "
+        "with the query, by a log of the position), and the paged prefill and decode kernels "
+        "take no bias term (per-head sinks only), while the engine runs attention only in "
+        "them; a bias term in both kernels (the per-token [heads, d_rel] vectors and the "
+        "table, gathered by distance) plus an engine forward for InklingAttention (it takes "
+        "its positions from the cache, which the engine's per-forward cache does not hold; "
+        "as install_mla does for MLA) would serve the attention. Its four float32 short-conv "
+        "states (k_sconv and v_sconv on the K/V channels, attn_sconv and mlp_sconv on the "
+        "hidden size: conv_states[0..3] of the attention layer's cache) are run by four "
+        "modules, and no StateFormat hands them over (a format binds one mixer module to a "
+        "state layer, which a packed forward runs per segment with all the layer's parts "
+        "loaded once): one mixer per conv state, each loading its own conv_states[i], would "
+        "hand them over"
     ),
 }
 
