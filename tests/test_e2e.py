@@ -235,3 +235,18 @@ def test_hit_on_a_state_kept_inside_the_prompt(name, policy):
 def test_engine_refuses_exports():
     with pytest.raises(ValueError, match="cannot export"):
         Engine(_model("bamba"), _plan("bamba", "pack"), prefill_checkpoint_alignment=1)
+
+
+def test_engine_builds_no_kv_events_and_refuses_a_request_for_them():
+    """The engine's scheduler drops KV events, so its allocator builds none (by default), and
+    options that ask for them are refused rather than built and thrown away."""
+    from hybridkv.alloc import AllocatorOptions
+
+    eng = Engine(_model("bamba"), _plan("bamba", "pack"))
+    assert eng.alloc.options.kv_events is False
+    with pytest.raises(ValueError, match="publishes no KV events"):
+        Engine(_model("bamba"), _plan("bamba", "pack"), kv_events=True)
+    with pytest.raises(ValueError, match="publishes no KV events"):
+        Engine(_model("bamba"), _plan("bamba", "pack"), options=AllocatorOptions())
+    quiet = Engine(_model("bamba"), _plan("bamba", "pack"), AllocatorOptions(kv_events=False))
+    assert quiet.alloc.options.kv_events is False

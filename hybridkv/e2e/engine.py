@@ -132,15 +132,25 @@ def engine_options(
       where a step ends, so it cannot export the mid-prefill checkpoints vLLM's Mamba-2 /
       FlashInfer GDN kernels do, and the scheduler splits the prefill at the checkpoint
       instead (as vLLM's does for such kernels). ``"auto"`` (the default) resolves to that;
-      a number raises ``ValueError``."""
+      a number raises ``ValueError``;
+    - ``kv_events`` is off by default: the engine publishes no KV events (its scheduler takes
+      and drops them each step), so building them would only cost time. Options that ask for
+      them raise ``ValueError``."""
     if options is None:
         limit = getattr(config, "max_position_embeddings", None)
-        options = AllocatorOptions() if limit is None else AllocatorOptions(max_model_len=limit)
+        options = AllocatorOptions(kv_events=False)
+        if limit is not None:
+            options = options.replace(max_model_len=limit)
     options = options.replace(**overrides)
     if options.prefill_checkpoint_alignment not in (AUTO, None):
         raise ValueError(
             "the engine's prefill cannot export states from inside a chunk; leave "
             "prefill_checkpoint_alignment 'auto' or None (chunks then end where states are kept)"
+        )
+    if options.kv_events:
+        raise ValueError(
+            "the engine publishes no KV events (its scheduler drops them each step); pass "
+            "kv_events=False, or drive a HybridAllocator yourself and read take_events()"
         )
     return options.replace(prefill_checkpoint_alignment=None)
 
