@@ -197,6 +197,20 @@ _H200_SUITE_3 = (
     "causal, one 8k-token request"
 )
 _P = PrefillConfig
+
+#: Hopper-path configs the sm_90 rule rejects (the spill list or the shared-memory bound) that
+#: ran fastest on pages of <= 16 tokens at GQA 8 on an H200 (GPU suite run 3, Triton 3.6) and
+#: compile without spills there, each with the newest Triton it is admitted for: 128 x 64 tiles
+#: at d 256. bf16 on 2 stages compiles to 255 registers and 0 B of spills under Triton 3.6
+#: (paper/results/compile-prefill-paths-triton3.6.md) but spills 108 B under 3.9
+#: (compile-prefill-paths.json), so it is admitted up to 3.6 only; e4m3 on 3 stages spills
+#: nothing under 3.9 (no 3.6 report) and ran there. On 576-token pages the bf16 one spills 168 B
+#: (3.6; it still ran at 477.2 TFLOP/s there, the generic 128/32/8/3 at 376.7).
+_HOPPER_PATH_VERIFIED_SMALL_PAGES: dict[tuple[str, int], dict[PrefillConfig, tuple[int, int]]] = {
+    ("16bit", 256): {_P(128, 64, 8, 2, hopper=True): (3, 6)},
+    ("fp8", 256): {_P(128, 64, 8, 3, hopper=True): (3, 9)},
+}
+
 #: the default configs, first match wins. Measured rows name the shape they were measured on
 #: (one 8k-token bf16 request, so they match 16-bit caches and steps of >= 1k query tokens on
 #: sm_90+); the others are marked unmeasured and say what they are inferred from.
@@ -213,18 +227,20 @@ _TABLE: tuple[PrefillRule, ...] = (
         group=(8, 8),
         query=(1024, 1 << 40),
         caches=("16bit",),
-        triton=(3, 6),
+        triton=_HOPPER_PATH_VERIFIED_SMALL_PAGES[("16bit", 256)][_P(128, 64, 8, 2, hopper=True)],
     ),
     PrefillRule(
         _P(128, 64, 8, 3, hopper=True),
         f"{_H200_SUITE_3}: Qwen3-Next (d 256, GQA 8) on 16-token pages, e4m3 cache, "
-        "277.1 TFLOP/s; the generic 128/64/8/3 244.5, the Hopper path on 2 stages 265.9",
+        "277.1 TFLOP/s; the generic 128/64/8/3 244.5, the Hopper path on 2 stages 265.9. "
+        "Triton <= 3.9 (the newest it compiled without spills under)",
         arch=(90, 1000),
         page_align=(16, 16),
         head_dim=(256, 256),
         group=(8, 8),
         query=(1024, 1 << 40),
         caches=("fp8",),
+        triton=_HOPPER_PATH_VERIFIED_SMALL_PAGES[("fp8", 256)][_P(128, 64, 8, 3, hopper=True)],
     ),
     PrefillRule(
         _P(128, 128, 8, 2, hopper=True),
@@ -515,20 +531,6 @@ _HOPPER_VERIFIED_SMALL_PAGES: dict[tuple[str, int], frozenset[PrefillConfig]] = 
 _HOPPER_PATH_SPILLS: dict[tuple[str, int], frozenset[PrefillConfig]] = {
     key: frozenset({_P(128, 64, 8, 2, hopper=True), _P(64, 32, 4, 3, hopper=True)})
     for key in (("16bit", 256), ("fp8", 256))
-}
-
-
-#: Hopper-path configs the sm_90 rule rejects (the spill list or the shared-memory bound) that
-#: ran fastest on pages of <= 16 tokens at GQA 8 on an H200 (GPU suite run 3, Triton 3.6) and
-#: compile without spills there, each with the newest Triton it is admitted for: 128 x 64 tiles
-#: at d 256. bf16 on 2 stages compiles to 255 registers and 0 B of spills under Triton 3.6
-#: (paper/results/compile-prefill-paths-triton3.6.md) but spills 108 B under 3.9
-#: (compile-prefill-paths.json), so it is admitted up to 3.6 only; e4m3 on 3 stages spills
-#: nothing under 3.9 (no 3.6 report) and ran there. On 576-token pages the bf16 one spills 168 B
-#: (3.6; it still ran at 477.2 TFLOP/s there, the generic 128/32/8/3 at 376.7).
-_HOPPER_PATH_VERIFIED_SMALL_PAGES: dict[tuple[str, int], dict[PrefillConfig, tuple[int, int]]] = {
-    ("16bit", 256): {_P(128, 64, 8, 2, hopper=True): (3, 6)},
-    ("fp8", 256): {_P(128, 64, 8, 3, hopper=True): (3, 9)},
 }
 
 
