@@ -17,7 +17,7 @@ from .executors import ExecutorUnavailable, add_executor_arguments, executor_opt
 from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
-from .target import GPU_FAMILIES, VLLM_VERSIONS, VllmTarget
+from .target import CACHE_FORMATS, GPU_FAMILIES, VLLM_VERSIONS, VllmTarget
 from .units import decimal_unit_note, format_bytes, parse_bytes
 
 DEFAULT_MODEL = "qwen3-next-80b-a3b"
@@ -127,7 +127,17 @@ def _target(args: argparse.Namespace) -> VllmTarget:
         gpu=family,
         gdn_prefill_backend=args.gdn_prefill_backend,
         max_model_len=args.max_model_len,
+        cache_formats=_cache_formats(args),
     )
+
+
+def _cache_formats(args: argparse.Namespace) -> str:
+    """``plan --cache-formats``; ``--format vllm`` prints vLLM's layout, so it plans vLLM's
+    formats unless told otherwise (models whose formats agree plan the same either way)."""
+    chosen = getattr(args, "cache_formats", None)
+    if chosen is not None:
+        return chosen
+    return "vllm" if getattr(args, "format", None) == "vllm" else "transformers"
 
 
 def _cache_memory(args: argparse.Namespace) -> int:
@@ -921,6 +931,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="text",
         choices=("text", "json", "vllm"),
         help="text, the plan as JSON, or the plan as vLLM's KVCacheConfig (JSON)",
+    )
+    p.add_argument(
+        "--cache-formats",
+        choices=CACHE_FORMATS,
+        default=None,
+        help="where vLLM keeps a cache in another format than transformers (GLM-5-Next's "
+        "indexer): plan transformers' (default) or vLLM's, which inflate packs as vLLM 0.33 "
+        "does (default with --format vllm)",
     )
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("compare", help="all layouts side by side")

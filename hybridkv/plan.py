@@ -112,10 +112,14 @@ class TensorPlan:
 class KVCacheGroup:
     """Layers that share one block table per request (vLLM's ``KVCacheGroupSpec``).
 
-    ``kind`` is ``full_attention``, ``sliding_window``, ``mla`` or ``state``. ``layers`` lists the
-    cache-layer names; ``padding_slots`` counts slots of the group that hold no layer (vLLM's
-    "padding layers"). For a state group ``block_size`` is the token granularity a state
-    checkpoint corresponds to (the attention block size in the shared layouts).
+    ``kind`` is ``full_attention``, ``sliding_window``, ``mla``, ``indexer``, ``state`` or
+    ``indexer_ring`` (a vLLM-format plan's GLM-5-Next tail rings: one block per request, like a
+    state, of ``block_size`` ring slots). ``layers`` lists the cache-layer names (a ring's is its
+    indexer layer's name with ``.ring``); ``padding_slots`` counts slots of the group that hold no
+    layer (vLLM's "padding layers"). For a state group ``block_size`` is the token granularity a
+    state checkpoint corresponds to (the attention block size in the shared layouts).
+    ``page_bytes`` is one layer's page; in a plan whose groups mix pages of different sizes
+    (vLLM's block-outermost packing, :attr:`MemoryPlan.kv_cache_layout`), the group's largest.
     """
 
     group_id: int
@@ -211,7 +215,13 @@ class KVPlacement:
     and element ``[t, h, d]`` of it at ``+ t * token_stride + h * head_stride + d * dsize``; the
     same for V with ``v_offset``. MLA layers have one latent (``v_offset`` is None).
     ``layer_index`` is the model's decoder layer (the ``i`` of ``layers.{i}.attn``) and ``kind``
-    the layer spec's kind (``full_attention``, ``sliding_window``, ``mla``).
+    the layer spec's kind (``full_attention``, ``sliding_window``, ``mla``, ``indexer``), or
+    ``indexer_ring`` for a GLM-5-Next tail ring in a vLLM-format plan.
+
+    ``tokens_per_state``: tokens one row stands for (vLLM's ``AttentionSpec.tokens_per_state``):
+    1, or GLM-5-Next's ``index_kpool`` for its k-pooled indexer entries in a vLLM-format plan, so
+    a block holds ``block_size // tokens_per_state`` rows (:attr:`rows_per_block`) and ``t``
+    above counts rows.
     """
 
     layer: str
@@ -231,17 +241,23 @@ class KVPlacement:
     token_stride: int
     head_stride: int
     pack_index: int = 0
+    tokens_per_state: int = 1
+
+    @property
+    def rows_per_block(self) -> int:
+        """Rows of one block: a row per token, or per ``tokens_per_state`` tokens."""
+        return self.block_size // self.tokens_per_state
 
     @property
     def k_bytes_per_block(self) -> int:
-        return self.block_size * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        return self.rows_per_block * self.num_kv_heads * self.head_dim * dtype_bytes(self.dtype)
 
     @property
     def v_bytes_per_block(self) -> int:
         if self.v_offset is None:
             return 0
         assert self.head_dim_v is not None
-        return self.block_size * self.num_kv_heads * self.head_dim_v * dtype_bytes(self.dtype)
+        return self.rows_per_block * self.num_kv_heads * self.head_dim_v * dtype_bytes(self.dtype)
 
     @property
     def id_stride(self) -> int:
@@ -271,11 +287,13 @@ class KVPlacement:
 
     def parts(self, block_id: int) -> list[tuple[str, Region]]:
         """:meth:`regions` named: ``K`` and ``V``, ``latent`` for MLA, ``indexer`` for a
-        sparse-attention indexer's keys (one row per token, like a latent)."""
+        sparse-attention indexer's keys (one row per token, like a latent, or per k-pool),
+        ``ring`` for a GLM-5-Next tail ring."""
         if self.v_offset is not None:
             names: tuple[str, ...] = ("K", "V")
         else:
-            names = ("indexer",) if self.kind == "indexer" else ("latent",)
+            part = {"indexer": "indexer", "indexer_ring": "ring"}.get(self.kind, "latent")
+            names = (part,)
         return list(zip(names, self.regions(block_id)))
 
     def element_strides(self) -> tuple[int, int, int, int]:
@@ -394,6 +412,11 @@ class MemoryPlan:
     block_size_rule: str = ""
     #: the vLLM rules this plan was made under (``config.target`` resolved for the model)
     vllm: VllmRules | None = None
+    #: vLLM's ``KVCacheLayout`` name where the plan fixes it: ``"BLHNC"`` for a plan packed
+    #: block-outermost as vLLM 0.33 packs pages of different sizes (GLM-5-Next in vLLM's cache
+    #: formats, :mod:`hybridkv.layouts.vllm_packed`); None where the export chooses (LBNHC for
+    #: ``inflate``'s equal pages, BLNHC for ``pack``'s sub-pages)
+    kv_cache_layout: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     # ---- lookups ----------------------------------------------------------------------------
@@ -548,8 +571,9 @@ class MemoryPlan:
         return buffers
 
     def kv_views(self, buffers: dict[str, torch.Tensor], layer: str):
-        """``(k_cache, v_cache)`` views ``[num_blocks, block_size, num_kv_heads, head_dim]`` of
-        one attention layer over ``buffers`` (``v_cache`` is None for MLA)."""
+        """``(k_cache, v_cache)`` views ``[num_blocks, rows_per_block, num_kv_heads, head_dim]``
+        of one attention layer over ``buffers`` (``v_cache`` is None for MLA; rows are tokens
+        unless the placement pools them, :attr:`KVPlacement.tokens_per_state`)."""
         import torch
 
         p = self.placement(layer)
@@ -564,7 +588,7 @@ class MemoryPlan:
                 raise ValueError(f"{layer}: offset {offset} is not aligned to {p.dtype}")
             return torch.as_strided(
                 typed,
-                (p.num_blocks, p.block_size, p.num_kv_heads, dim),
+                (p.num_blocks, p.rows_per_block, p.num_kv_heads, dim),
                 (sb, st, sh, 1),
                 offset // ds,
             )

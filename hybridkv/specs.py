@@ -269,15 +269,19 @@ class IndexerSpec(AttentionSpec):
       take); side channels, if any, in bfloat16 (vLLM keeps GLM-5-Next's gate scores in
       bfloat16).
 
-    Not modelled: vLLM 0.33 stores GLM-5-Next's and Qwen4-Exp's indexer keys k-pool-compressed
-    (one entry per ``index_kpool`` / ``indexer_compress_ratio`` tokens, ``tokens_per_state``)
-    plus a per-request ring of the open pool's raw keys (``CircularBufferSpec``). GLM-5-Next's:
-    an ``MLAAttentionSpec`` of one uint8 head of ``index_head_dim + 4`` bytes per ``index_kpool``
-    tokens (``Glm5NextIndexerCache``), and a ring of ``index_kpool * next_power_of_2(cdiv(
-    index_kpool + num_speculative_tokens, index_kpool))`` slots, each a bf16 key and a bf16 gate
-    score of ``index_head_dim`` (``Glm5NextTailCache``), in ``vllm/models/glm5next/common/
-    attention.py``. What these change in vLLM's block size, its indexer backend's kernel block
-    (``32 * index_kpool``), is :func:`hybridkv.target.indexer_kernel_block`'s.
+    Not this spec's layout: vLLM 0.33 stores GLM-5-Next's and Qwen4-Exp's indexer keys
+    k-pool-compressed (one entry per ``index_kpool`` / ``indexer_compress_ratio`` tokens,
+    ``tokens_per_state``) plus a per-request ring of the open pool's raw keys
+    (``CircularBufferSpec``). GLM-5-Next's: an ``MLAAttentionSpec`` of one uint8 head of
+    ``index_head_dim + 4`` bytes per ``index_kpool`` tokens (``Glm5NextIndexerCache``), and a
+    ring of ``index_kpool * next_power_of_2(cdiv(index_kpool + num_speculative_tokens,
+    index_kpool))`` slots, each a bf16 key and a bf16 gate score of ``index_head_dim``
+    (``Glm5NextTailCache``), in ``vllm/models/glm5next/common/attention.py``. What these change
+    in vLLM's block size, its indexer backend's kernel block (``32 * index_kpool``), is
+    :func:`hybridkv.target.indexer_kernel_block`'s; a plan in vLLM's cache formats
+    (``VllmTarget(cache_formats="vllm")``) lays GLM-5-Next's out from this spec's
+    ``index_head_dim`` and ``pool_tokens`` (:mod:`hybridkv.layouts.vllm_packed`). Qwen4-Exp's is
+    not modelled.
 
     TP split rule: none; the key has a single head, every rank keeps it whole (vLLM: "no tensor
     parallel, just replicated", ``max_tp_shards=1``). Kernel alignment 64 tokens: DeepGEMM's

@@ -25,6 +25,17 @@ here, each with the vLLM 0.33 file and function it follows:
   only), 0 otherwise.
 - **Mamba block size** (``MambaModelConfig``): the attention block size in ``align`` mode,
   ``max_model_len`` in ``none`` mode.
+- **GLM-5-Next's KDA** (``Glm5NextLinearAttention`` in ``vllm/models/glm5next/common/kda.py``):
+  its prefill runs on FlashKDA where ``_resolve_kda_prefill_backend`` allows (SM90 and newer,
+  bfloat16 model, ``linear_head_dim`` 128, a bounded gate: ``linear_lower_bound`` set), else on
+  Triton. Under FlashKDA its ``get_kv_cache_spec`` declares one prefill checkpoint block at an
+  alignment of 16 tokens (``kda_prefill_checkpoint_alignment`` in
+  ``vllm/model_executor/layers/mamba/kda_checkpoint.py``) in either Mamba cache mode; it does not
+  override ``get_prefill_checkpoint_alignment``, so the platform's block alignment ignores it.
+- **Cache formats** (``VllmTarget.cache_formats``): where vLLM keeps a cache in another format
+  than transformers (GLM-5-Next's k-pooled indexer keys and their tail ring), ``"transformers"``
+  (the default, what :mod:`hybridkv.e2e` serves) plans transformers' format and ``"vllm"``
+  vLLM's, packed as vLLM 0.33 packs it (:mod:`hybridkv.layouts.vllm_packed`).
 
 GPU families decide backends: on ``hopper`` (SM90) vLLM picks FlashAttention 3 (kernel blocks of
 any multiple of 16) and FlashInfer's GDN prefill (``_resolve_gdn_prefill_backend`` in
@@ -41,18 +52,21 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .specs import GatedDeltaNetSpec, IndexerSpec, Mamba2Spec, MLASpec
+from .specs import GatedDeltaNetSpec, IndexerSpec, KDASpec, Mamba2Spec, MLASpec
 from .vllm_families import find_vllm_family
 
 if TYPE_CHECKING:  # pragma: no cover
     from .models.model import HybridModel
 
 __all__ = [
+    "CACHE_FORMATS",
     "FLASHINFER_GDN_CHECKPOINT_ALIGNMENT",
+    "FLASHKDA_CHECKPOINT_ALIGNMENT",
     "GLM5_NEXT_FAMILIES",
     "GPU_FAMILIES",
     "MLA_HYBRID_ALIGNMENT",
     "PAGED_MQA_MIN_PAGE",
+    "PAGED_MQA_PAGES",
     "VLLM_VERSIONS",
     "BlockSizeRule",
     "VllmRules",
@@ -75,7 +89,8 @@ MLA_HYBRID_ALIGNMENT = 128
 #: modelled). GLM-5-Next's indexer stores one entry per ``index_kpool`` tokens, so its backend
 #: (``Glm5NextIndexerBackend`` in ``vllm/v1/attention/backends/mla/indexer.py``) takes kernel
 #: blocks of ``index_kpool`` x these, the smallest being ``32 * index_kpool`` tokens.
-PAGED_MQA_MIN_PAGE = 32
+PAGED_MQA_PAGES = (32, 64)
+PAGED_MQA_MIN_PAGE = PAGED_MQA_PAGES[0]
 #: Families whose indexer runs on ``Glm5NextIndexerBackend`` (k-pooled entries): HF model types.
 GLM5_NEXT_FAMILIES = frozenset({"glm5_next", "glm5_next_text"})
 #: ``vllm/v1/attention/backends/gdn_attn.py``: FlashInfer's GDN prefill emits mid-prefill states
@@ -83,6 +98,11 @@ GLM5_NEXT_FAMILIES = frozenset({"glm5_next", "glm5_next_text"})
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
 GDN_PREFILL_BACKENDS = ("auto", "flashinfer", "triton")
 MAMBA_CACHE_MODES = ("none", "align")
+#: ``kda_prefill_checkpoint_alignment`` (``vllm/model_executor/layers/mamba/kda_checkpoint.py``):
+#: FlashKDA's prefill emits states every 16 tokens.
+FLASHKDA_CHECKPOINT_ALIGNMENT = 16
+#: whose cache formats a plan lays out where transformers and vLLM differ (see the module doc)
+CACHE_FORMATS = ("transformers", "vllm")
 
 
 def indexer_kernel_block(model: HybridModel, spec: IndexerSpec) -> int:
@@ -96,6 +116,32 @@ def indexer_kernel_block(model: HybridModel, spec: IndexerSpec) -> int:
     if (model.family or "").strip().lower() in GLM5_NEXT_FAMILIES:
         return spec.pool_tokens * PAGED_MQA_MIN_PAGE
     return spec.kernel_alignment
+
+
+def glm5_next_kda_backend(model: HybridModel, gpu: str) -> str | None:
+    """The prefill backend vLLM 0.33 gives GLM-5-Next's KDA layers, ``"flashkda"`` or
+    ``"triton"`` (None for a model that is not GLM-5-Next or has no KDA layer).
+
+    ``_resolve_kda_prefill_backend`` (``vllm/models/glm5next/common/kda.py``, with
+    ``kda_prefill_backend`` left at ``auto``): FlashKDA on CUDA SM90/SM10x/SM12x when the model
+    dtype is bfloat16, ``linear_head_dim`` is 128 and the gate is bounded
+    (``linear_lower_bound`` set; transformers' default is -5.0, so a config without the key has
+    one)."""
+    if (model.family or "").strip().lower() not in GLM5_NEXT_FAMILIES:
+        return None
+    kda = [layer.spec for layer in model.state_layers if isinstance(layer.spec, KDASpec)]
+    if not kda:
+        return None
+    hf = model.extra.get("hf_config")
+    text = (hf.get("text_config") or hf) if isinstance(hf, dict) else {}
+    bounded = not isinstance(text, dict) or text.get("linear_lower_bound", -5.0) is not None
+    flashkda = (
+        GPU_FAMILIES[gpu] >= 90
+        and (model.dtype or "").lower() in ("bfloat16", "bf16")
+        and all(spec.head_dim == 128 for spec in kda)
+        and bounded
+    )
+    return "flashkda" if flashkda else "triton"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -120,6 +166,11 @@ class VllmTarget:
     - ``kernel_block_size``: smallest kernel block of the attention backend (``None``: 16).
     - ``max_model_len``: vLLM's ``--max-model-len`` (``None``: the model's
       ``max_position_embeddings``); it is the Mamba block size in ``none`` mode.
+    - ``cache_formats``: ``"transformers"`` (default) or ``"vllm"``: whose format a cache has
+      where the two differ (GLM-5-Next's indexer keys: transformers' per-token rows, or vLLM
+      0.33's k-pooled fp8 entries and per-request tail ring, which ``inflate`` then packs
+      block-outermost as vLLM does; see :mod:`hybridkv.layouts.vllm_packed`). Models whose
+      formats agree plan the same either way. Not a vLLM switch: vLLM always uses its own.
     """
 
     version: str = VLLM_VERSIONS[0]
@@ -129,6 +180,7 @@ class VllmTarget:
     gdn_prefill_backend: str = "auto"
     kernel_block_size: int | None = None
     max_model_len: int | None = None
+    cache_formats: str = "transformers"
 
     def __post_init__(self) -> None:
         version = str(self.version).removeprefix("v")
@@ -172,6 +224,11 @@ class VllmTarget:
             raise ValueError(
                 "FlashInfer's GDN prefill runs on Hopper (or Blackwell) only; use gpu='hopper' "
                 "or gdn_prefill_backend='triton'"
+            )
+        if self.cache_formats not in CACHE_FORMATS:
+            raise ValueError(
+                f"cache_formats must be one of {', '.join(CACHE_FORMATS)}, got "
+                f"{self.cache_formats!r}"
             )
         for name in ("kernel_block_size", "max_model_len"):
             value = getattr(self, name)
@@ -221,6 +278,10 @@ class VllmTarget:
             GatedDeltaNetSpec in state_kinds and checkpoint_alignment is not None
         ):
             checkpoint_blocks = 1
+        # GLM-5-Next's KDA layer declares one whenever its prefill runs on FlashKDA (0.33)
+        kda_backend = glm5_next_kda_backend(model, self.gpu) if new_rules else None
+        if kda_backend == "flashkda":
+            checkpoint_blocks = 1
         spec_blocks = model.num_spec_tokens
         # MambaSpec.max_memory_usage_bytes: the running state (and, in align mode, the previous
         # checkpoint and the prefill checkpoint) plus one block per speculative token
@@ -246,6 +307,7 @@ class VllmTarget:
             num_prefill_checkpoint_blocks=checkpoint_blocks,
             state_blocks_per_request=state_blocks if model.state_layers else 0,
             max_model_len=max_len,
+            kda_prefill_backend=kda_backend,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,6 +319,7 @@ class VllmTarget:
             "gdn_prefill_backend": self.gdn_prefill_backend,
             "kernel_block_size": self.kernel_block_size,
             "max_model_len": self.max_model_len,
+            "cache_formats": self.cache_formats,
         }
 
 
@@ -288,6 +351,21 @@ class VllmRules:
     num_prefill_checkpoint_blocks: int
     state_blocks_per_request: int
     max_model_len: int | None
+    #: GLM-5-Next's KDA prefill backend (``"flashkda"`` / ``"triton"``), None for other models
+    kda_prefill_backend: str | None = None
+
+    @property
+    def spec_checkpoint_alignment(self) -> int | None:
+        """``MambaSpec.prefill_checkpoint_alignment`` where it does not depend on the block:
+        Mamba-2's 1, GLM-5-Next's FlashKDA 16; None where it is the prefix-cache grid (Qwen's
+        GDN, which needs the block) or the layers declare no checkpoint block."""
+        if not self.num_prefill_checkpoint_blocks:
+            return None
+        if self.kda_prefill_backend == "flashkda":
+            return FLASHKDA_CHECKPOINT_ALIGNMENT
+        if self.checkpoint_alignment is None:  # Mamba-2 (MambaMixer2.get_kv_cache_spec)
+            return 1
+        return None
 
     @property
     def default_block_size(self) -> int:
@@ -378,6 +456,11 @@ class VllmRules:
         hits land inside a block (``hash_unit`` smaller than the block)."""
         if self.mamba_cache_mode != "align" or not self.num_prefill_checkpoint_blocks:
             return None
+        if self.kda_prefill_backend == "flashkda":
+            # the scheduler checks offsets against the spec's 16 (Scheduler.
+            # mamba_prefill_checkpoint_alignment) at hash-block-aligned positions
+            unit = hash_unit if hash_unit < block_size else block_size
+            return math.lcm(unit, FLASHKDA_CHECKPOINT_ALIGNMENT)
         if self.checkpoint_alignment is None:  # Mamba-2 (MambaMixer2.get_kv_cache_spec)
             return 1
         if hash_unit < block_size:
@@ -405,5 +488,6 @@ class VllmRules:
                 "num_prefill_checkpoint_blocks": self.num_prefill_checkpoint_blocks,
                 "state_blocks_per_request": self.state_blocks_per_request,
                 "max_model_len": self.max_model_len,
+                "kda_prefill_backend": self.kda_prefill_backend,
             },
         }

@@ -3,10 +3,11 @@
 :func:`kv_cache_config` turns a shared-pool plan into a plain, JSON-ready dict shaped like the
 dataclasses of ``vllm/v1/kv_cache_interface.py`` in vLLM 0.33.0: ``KVCacheConfig`` holding
 ``KVCacheTensor`` and ``KVCacheGroupSpec`` entries, each group with a ``FullAttentionSpec``,
-``SlidingWindowSpec``, ``MLAAttentionSpec`` or ``MambaSpec``. Every dataclass field is present,
-filled as vLLM itself fills it for the model (defaults included); :func:`vllm_objects` builds the
-real vLLM objects from the dict where vLLM is installed. The command line prints
-``json.dumps(kv_cache_config(plan, model), indent=2)``.
+``SlidingWindowSpec``, ``MLAAttentionSpec`` or ``MambaSpec``, or (GLM-5-Next, packed) a
+``UniformTypeKVCacheSpecs`` holding each layer's ``MLAAttentionSpec``, ``CircularBufferSpec`` or
+``MambaSpec``. Every dataclass field is present, filled as vLLM itself fills it for the model
+(defaults included); :func:`vllm_objects` builds the real vLLM objects from the dict where vLLM
+is installed. The command line prints ``json.dumps(kv_cache_config(plan, model), indent=2)``.
 
 The JSON shape::
 
@@ -17,6 +18,10 @@ The JSON shape::
                           "kv_cache_spec": {"kind": "MambaSpec", <every field>,
                                             "page_size_bytes": int},
                           "is_eagle_group", "host_resident", "enable_kv_transfer", "role"}, ...],
+     # a UniformTypeKVCacheSpecs group's spec nests its layers' specs:
+     #   {"kind": "UniformTypeKVCacheSpecs", <every field>, "kv_cache_specs": {layer name:
+     #    {"kind": "MLAAttentionSpec", <every field>, "page_size_bytes": int}, ...},
+     #    "page_size_bytes": their sum}
      "prefix_cache_retention_interval", "kv_cache_layout", "hash_block_size",
      "cache_hit_alignment_tokens", "hisparse_host_num_blocks", "hisparse_host_block_stride",
      "hisparse_shared_host_pool", "kv_tp_replicas"}
@@ -27,11 +32,14 @@ Conventions (the JSON has to name torch and enum values somehow):
   cache is ``"torch.uint8"`` with ``kv_quant_mode`` ``"FP8_PER_TENSOR"``, as vLLM stores it
   (``STR_DTYPE_TO_TORCH_DTYPE``). ``MLAAttentionSpec.cache_dtype_str`` is vLLM's
   ``--kv-cache-dtype`` string: ``"auto"`` when the cache keeps the model dtype, else ``"fp8"`` /
-  ``"fp8_e5m2"`` / the dtype name.
+  ``"fp8_e5m2"`` / the dtype name. GLM-5-Next's indexer entries are ``"torch.uint8"`` with
+  ``kv_quant_mode`` ``"NONE"`` and no ``cache_dtype_str`` whatever the KV dtype: vLLM stores their
+  fp8 keys and float32 scales as bytes.
 - enums (``KVQuantMode``, ``MambaAttentionBackendEnum``, ``KVCacheGroupRole``,
   ``SparseCacheRole``) are written as member names (``"NONE"``, ``"GDN_ATTN"``, ``"DEFAULT"``).
-- ``Fraction`` and ``MultipleOf`` values do not occur (vLLM leaves them at ``1`` / ``None`` for
-  these models on Hopper).
+- ``MultipleOf(n)`` (``vllm/v1/attention/backend.py``) is written ``{"MultipleOf": n}``: it
+  occurs as GLM-5-Next's indexer ``block_stride_alignment``. ``Fraction`` values do not occur
+  (vLLM leaves ``tokens_per_state`` an int for these models on Hopper).
 - two derived keys are added to every spec, neither a dataclass field: ``"kind"``, the vLLM class
   name, and ``"page_size_bytes"``, the spec's ``page_size_bytes`` property (:data:`DERIVED_KEYS`).
 - the config is one TP rank's (all ranks are identical).
@@ -41,8 +49,9 @@ Where the facts come from. The plan is the one owner of layout facts: the block 
 offset and strides) are read from the plan, never recomputed. vLLM's vocabulary is added on top:
 its layer names (:data:`VLLM_FAMILIES`, read from each family's vLLM model file), the per-layer
 spec fields vLLM's layer classes fill, and vLLM's group order (vLLM lists the buckets of layers in
-the order its layers register; the plan lists attention first). :func:`vllm_disagreements` says
-where the plan and vLLM 0.33 part ways.
+the order its layers register; the plan lists attention first, except a packed GLM-5-Next plan,
+already in vLLM's order). :func:`vllm_disagreements` says where the plan and vLLM 0.33 part
+ways.
 
 Layouts. ``inflate`` is vLLM's own layout and exports exactly as vLLM builds it: one tensor per
 group, aliasing from byte 0, ``layer_stride = page * num_blocks``, ``block_stride = page``,
@@ -57,6 +66,22 @@ under a block-compact layout whose outermost dimension is the block: these plans
 each page is). ``per_group`` (a pool per group) and ``two_level`` (large pages carved per group)
 do not export: vLLM has one pool of equal blocks that every group draws ids from.
 
+GLM-5-Next. vLLM 0.33 keeps its sparse-attention indexer in formats of its own (one fp8 entry
+per ``index_kpool`` tokens, a per-request bf16 tail ring) and, since ``KpoolTailBackend`` takes
+only ``BLHNC``, packs the latent, indexer, ring and KDA pages block-outermost
+(``_get_packed_kv_cache_groups``). A plan in vLLM's cache formats
+(``VllmTarget(cache_formats="vllm")``; the command line's ``--format vllm`` makes one) is that
+packing (:mod:`hybridkv.layouts.vllm_packed`, :attr:`~hybridkv.plan.MemoryPlan.kv_cache_layout`
+``"BLHNC"``) and exports as vLLM builds it: the plan's groups in the plan's order (vLLM's), each
+a ``UniformTypeKVCacheSpecs`` of its layers' specs (the latents' ``MLAAttentionSpec``, the
+indexers' ``MLAAttentionSpec`` with ``tokens_per_state = index_kpool`` and ``cache_role``
+``INDEXER``, the rings' ``CircularBufferSpec``, the KDA states' ``MambaSpec``), per group one
+tensor per distinct layer spec in the order the specs first appear, at the group's byte offset
+inside the block, ``layer_stride`` the spec's page and ``block_stride`` the block
+(``get_kv_cache_config_from_groups``); ring layers are named ``...self_attn.indexer.tail_cache``.
+A GLM-5-Next plan in transformers' formats (the default: per-token indexer rows riding in the
+latent's page, which :mod:`hybridkv.e2e` serves) is refused with that reason.
+
 A ``KVCacheConfig`` fixes where each layer's page is, not what is inside it: vLLM 0.33's
 FlashAttention reads an attention page as ``[tokens, heads, K | V]``, the plan's kernels as K for
 all tokens then V (see :func:`vllm_disagreements`).
@@ -64,17 +89,20 @@ all tokens then V (see :func:`vllm_disagreements`).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import canonical_dtype, dtype_bytes
+from .layouts.vllm_packed import BLOCK_OUTERMOST_LAYOUT
 from .plan import KVPlacement, StatePlacement
 from .specs import (
     AttentionSpec,
     GatedDeltaNetSpec,
+    IndexerSpec,
     KDASpec,
     LinearAttentionSpec,
     Mamba1Spec,
@@ -84,6 +112,7 @@ from .specs import (
     SlidingWindowSpec,
     StateSpec,
 )
+from .target import PAGED_MQA_PAGES
 from .vllm_families import (
     _ZAMBA2_MEM_BLOCKS,
     VLLM_FAMILIES,
@@ -173,6 +202,8 @@ FIELDS["MLAAttentionSpec"] = (
     "non_causal_multi_token_decode",
 )
 FIELDS["SlidingWindowSpec"] = (*_ATTENTION_SPEC, "sliding_window", "extra_retained_tokens")
+FIELDS["CircularBufferSpec"] = _ATTENTION_SPEC
+FIELDS["UniformTypeKVCacheSpecs"] = (*_KV_SPEC_BASE, "kv_cache_specs")
 FIELDS["MambaSpec"] = (
     *_KV_SPEC_BASE,
     "shapes",
@@ -188,9 +219,11 @@ FIELDS["MambaSpec"] = (
     "tp_replicated",
 )
 
-# KV cache layouts (``vllm/v1/kv_cache_layout.py``): inflate's, and the one packed pages need
+# KV cache layouts (``vllm/v1/kv_cache_layout.py``): inflate's, the one pack's sub-pages need,
+# and the one vLLM 0.33 resolves for GLM-5-Next (KpoolTailBackend's only one)
 _LAYER_OUTER_LAYOUT = "LBNHC"
 _BLOCK_OUTER_LAYOUT = "BLNHC"
+_PACKED_LAYOUT = BLOCK_OUTERMOST_LAYOUT
 
 # ``vllm/v1/attention/backends/registry.py``: MambaAttentionBackendEnum member per state layer
 # class (``mamba_type`` of MambaMixer, MambaMixer2, GatedDeltaNetAttention (also KDA),
@@ -240,11 +273,15 @@ def _names_and_order(model: HybridModel) -> tuple[dict[str, str], dict[str, tupl
         if not isinstance(spec, (AttentionSpec, StateSpec)):  # pragma: no cover - defensive
             raise ValueError(f"{model.name}: layer {layer.name} holds no cache")
         is_attn = isinstance(spec, AttentionSpec)
-        template = family.attention if is_attn else family.state
+        if isinstance(spec, IndexerSpec):
+            template, what = family.indexer, "sparse-attention indexer"
+        else:
+            template = family.attention if is_attn else family.state
+            what = "attention" if is_attn else "state"
         if not template:
             raise ValueError(
-                f"{model.name}: vLLM's {family.architecture} has no "
-                f"{'attention' if is_attn else 'state'} layers, but {layer.name} is one"
+                f"{model.name}: vLLM's {family.architecture} has no {what} layers, but "
+                f"{layer.name} is one"
             )
         j = 0
         if is_attn and family.key == "zamba2":
@@ -390,7 +427,9 @@ def _mamba_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup):
                 f"{plan.model_name}: layers of group {group.group_id} do not share one state "
                 "spec; vLLM's KVCacheGroupSpec needs one"
             )
-    page = first.slot_stride
+    # one layer's page, padding included: the slot stride of equal pages, the page a state takes
+    # inside a packed block (whose slot stride is the block)
+    page = group.page_bytes
     if page < unpadded:  # pragma: no cover - the plan would overlap its own states
         raise ValueError(f"{plan.model_name}: state page {page} B < state {unpadded} B")
     align = rules.mamba_cache_mode == "align"
@@ -405,13 +444,14 @@ def _mamba_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup):
             )
         block_size = rules.max_model_len
     # per-layer overrides of MambaBase.get_kv_cache_spec, resolved by the target: MambaMixer2
-    # always declares one prefill checkpoint block at alignment 1; Qwen's GDN does when it
-    # exports FlashInfer checkpoints (align mode), on the prefix-cache grid = the Mamba block
-    # size (get_mamba_prefill_checkpoint_grid without --prefix-match-unit)
+    # always declares one prefill checkpoint block at alignment 1; GLM-5-Next's KDA one at 16
+    # under FlashKDA; Qwen's GDN one when it exports FlashInfer checkpoints (align mode), on
+    # the prefix-cache grid = the Mamba block size (get_mamba_prefill_checkpoint_grid without
+    # --prefix-match-unit)
     checkpoint_blocks = rules.num_prefill_checkpoint_blocks
     checkpoint_alignment = None
     if checkpoint_blocks:
-        checkpoint_alignment = 1 if rules.checkpoint_alignment is None else block_size
+        checkpoint_alignment = rules.spec_checkpoint_alignment or block_size
     fields = {
         "block_size": block_size,
         "dcp_sharded": False,
@@ -431,6 +471,93 @@ def _mamba_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup):
         "tp_replicated": False,
     }
     return {"kind": "MambaSpec", **fields, "page_size_bytes": page}
+
+
+def _multiple_of(base: int) -> dict[str, int]:
+    """vLLM's ``MultipleOf(base)`` (``vllm/v1/attention/backend.py``) in the JSON."""
+    return {"MultipleOf": base}
+
+
+def _glm5_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -> dict:
+    """One GLM-5-Next attention-side cache of a vLLM-format plan as vLLM 0.33 specs it.
+
+    - latent (``MLAAttention.get_kv_cache_spec`` in
+      ``vllm/model_executor/layers/attention/mla_attention.py``, then
+      ``FlashInferMLASparseSM90Backend.customize_spec``): one head of the latent,
+      ``topk_buffer_width`` the model's top-k buffer (``get_sparse_topk_buffer_width``:
+      ``index_topk + index_kpool - 1`` rounded up to 128), ``is_index_group_leader`` (its layer
+      has an indexer), ``block_stride_alignment`` one latent row (``align_blocks_to_rows``);
+    - indexer keys (``DeepseekV32IndexerCache.get_kv_cache_spec`` with ``Glm5NextIndexerCache``'s
+      ``tokens_per_state``): one uint8 head of the entry's bytes, ``cache_role`` ``INDEXER``,
+      ``block_stride_alignment`` ``MultipleOf`` of ``Glm5NextIndexerBackend``'s largest kernel
+      block (``customize_attention_spec`` in ``vllm/v1/worker/utils.py``);
+    - tail ring (``Glm5NextTailCache.get_kv_cache_spec``): a ``CircularBufferSpec`` of the ring's
+      slots, two bf16 heads (key, gate score), not DCP-sharded.
+    """
+    spec = model.layer(p.layer.removesuffix(".ring")).spec
+    base: dict[str, Any] = {
+        "block_size": p.block_size,
+        "dcp_sharded": True,
+        "block_stride_alignment": None,
+        "is_draft": False,
+        "max_tp_shards": 1,
+        "num_kv_heads": p.num_kv_heads,
+        "head_size": p.head_dim,
+        "dtype": _torch_name(p.dtype),
+        "head_size_v": 0,
+        "kv_quant_mode": "NONE",
+        "page_size_padded": None,
+        "num_head_slots": None,
+        "state_content_bytes": None,
+        "tokens_per_state": p.tokens_per_state,
+    }
+    mla_tail = {
+        "sliding_window": None,
+        "attention_chunk_size": None,
+        "non_causal": False,
+        "cache_dtype_str": None,
+        "topk_buffer_width": None,
+        "alignment": None,
+        "model_version": None,
+        "cache_role": "SPARSE",
+        "is_index_group_leader": False,
+        "non_causal_multi_token_decode": False,
+    }
+    if p.kind == "indexer_ring":
+        kind = "CircularBufferSpec"
+        base.update(dcp_sharded=False, max_tp_shards=None)
+    elif p.kind == "indexer":
+        assert isinstance(spec, IndexerSpec)
+        kind = "MLAAttentionSpec"
+        base.update(
+            block_stride_alignment=_multiple_of(spec.pool_tokens * max(PAGED_MQA_PAGES)),
+            dtype="torch.uint8",  # the Indexer's k_cache dtype, whatever --kv-cache-dtype says
+            **mla_tail,
+        )
+        base["cache_role"] = "INDEXER"
+    else:
+        assert isinstance(spec, MLASpec)
+        kind = "MLAAttentionSpec"
+        fp8 = canonical_dtype(p.dtype).startswith("fp8")
+        base.update(
+            block_stride_alignment=p.token_stride,
+            kv_quant_mode="FP8_PER_TENSOR" if fp8 else "NONE",
+            **mla_tail,
+        )
+        base.update(
+            cache_dtype_str=_cache_dtype_str(p.dtype, model.dtype),
+            topk_buffer_width=-(-spec.sparse_topk // 128) * 128,
+            is_index_group_leader=True,
+        )
+    # AttentionSpec.page_size_bytes: heads x states x (head_size + head_size_v) x dtype size
+    rows = base["block_size"] // base["tokens_per_state"]
+    size = 1 if base["dtype"] == "torch.uint8" else dtype_bytes(p.dtype)
+    page = base["num_kv_heads"] * rows * (base["head_size"] + base["head_size_v"]) * size
+    if page != p.k_bytes_per_block:  # pragma: no cover - the plan and the spec disagree
+        raise AssertionError(
+            f"{p.layer}: vLLM's page {page} B, the plan's {p.k_bytes_per_block} B"
+        )
+    return {"kind": kind, **base, "page_size_bytes": page}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -525,20 +652,36 @@ def _tensors(plan: MemoryPlan, groups, names: dict[str, str]) -> tuple[list[dict
     return out, packed
 
 
+def _layer_specs(spec: dict) -> list[dict]:
+    """The per-layer specs a group's spec covers (``iter_layer_specs``)."""
+    if spec["kind"] == "UniformTypeKVCacheSpecs":
+        return list(spec["kv_cache_specs"].values())
+    return [spec]
+
+
 def _block_sizes(groups: list[dict], rules) -> tuple[int, int]:
     """(hash_block_size, cache_hit_alignment_tokens) as the engine core resolves them
     (``resolve_kv_cache_block_sizes`` / ``resolve_cache_hit_alignment_tokens`` in
-    ``vllm/v1/core/kv_cache_utils.py``, no ``--prefix-match-unit``, no DCP)."""
+    ``vllm/v1/core/kv_cache_utils.py``, no ``--prefix-match-unit``, no DCP). The hash block is
+    the gcd of the prefix-cacheable groups' blocks: a ``CircularBufferSpec`` ring is not
+    (``prefix_cacheable`` is False), so GLM-5-Next's 16-slot rings do not shrink it."""
     sizes = [g["kv_cache_spec"]["block_size"] for g in groups]
     if len(sizes) <= 1:
         return sizes[0], sizes[0]
     scheduler = math.lcm(*sizes)
     if not rules.enable_prefix_caching:
         return scheduler, scheduler
-    mamba = [g["kv_cache_spec"] for g in groups if g["kv_cache_spec"]["kind"] == "MambaSpec"]
+    mamba = [
+        s for g in groups for s in _layer_specs(g["kv_cache_spec"]) if s["kind"] == "MambaSpec"
+    ]
     if any(s["mamba_cache_mode"] != "align" for s in mamba):
         return scheduler, scheduler
-    hash_block = math.gcd(*sizes)
+    cacheable = [
+        g["kv_cache_spec"]["block_size"]
+        for g in groups
+        if all(s["kind"] != "CircularBufferSpec" for s in _layer_specs(g["kv_cache_spec"]))
+    ]
+    hash_block = math.gcd(*(cacheable or sizes))
     # partial (sub-block) hits need a Mamba block larger than the hash block
     partial = any(s["block_size"] > hash_block for s in mamba)
     return hash_block, hash_block if partial else scheduler
@@ -549,8 +692,11 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
 
     ``model`` is the model the plan was made for (configured for the same TP size and dtypes).
     Raises ``ValueError`` for a layout with more than one block pool (``per_group``,
-    ``two_level``), a plan made under another vLLM version's rules, and a family vLLM 0.33 does
-    not serve (RecurrentGemma, Zamba v1, and Bamba and MiniMax-01, which vLLM removed in 0.23).
+    ``two_level``), a plan made under another vLLM version's rules, a family vLLM 0.33 does not
+    serve (RecurrentGemma, Zamba v1, and Bamba and MiniMax-01, which vLLM removed in 0.23), a
+    cache vLLM keeps in a format hybridkv does not model (Qwen4-Exp's pooled indexer), and a
+    GLM-5-Next plan in transformers' cache formats (plan it with
+    ``VllmTarget(cache_formats="vllm")``).
     """
     _check_exportable(plan)
     if model.name != plan.model_name or model.tp_size != plan.tp_size:
@@ -559,6 +705,10 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
             f"{model.name} at TP {model.tp_size}"
         )
     names, order = _names_and_order(model)  # a family vLLM does not serve raises here
+    if plan.kv_cache_layout is not None:
+        return _packed_config(plan, model, names)
+    if any(isinstance(layer.spec, IndexerSpec) for layer in model.layers):
+        raise ValueError(_TRANSFORMERS_INDEXER.format(name=model.name))
     covered = [name for g in plan.groups for name in g.layers]
     if sorted(covered) != sorted(layer.name for layer in model.layers):
         raise ValueError(f"{plan.model_name}: the plan's groups do not cover the model's layers")
@@ -572,28 +722,40 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
             spec = _mamba_spec(plan, model, group)
         else:
             spec = _attention_spec(plan, model, group)
-        group_dicts.append(
-            {
-                "layer_names": [names[name] for name in group.layers],
-                "kv_cache_spec": spec,
-                "is_eagle_group": False,
-                "host_resident": False,
-                "enable_kv_transfer": True,
-                "role": "DEFAULT",
-            }
-        )
-    hash_block, hit_alignment = _block_sizes(group_dicts, rules)
+        group_dicts.append(_group([names[name] for name in group.layers], spec))
+    layout = _BLOCK_OUTER_LAYOUT if packed else _LAYER_OUTER_LAYOUT
+    return _config(plan, model, tensors, group_dicts, layout)
+
+
+def _group(names: list[str], spec: dict) -> dict:
+    return {
+        "layer_names": names,
+        "kv_cache_spec": spec,
+        "is_eagle_group": False,
+        "host_resident": False,
+        "enable_kv_transfer": True,
+        "role": "DEFAULT",
+    }
+
+
+def _config(
+    plan: MemoryPlan, model: HybridModel, tensors: list[dict], groups: list[dict], layout: str
+) -> dict[str, Any]:
+    rules = plan.vllm
+    assert rules is not None
+    hash_block, hit_alignment = _block_sizes(groups, rules)
     # kv_cache_groups_tp_replicas: gcd over layers of tp // max_tp_shards (1 for unset, Mamba)
     replicas = model.tp_size
-    for g in group_dicts:
-        shards = g["kv_cache_spec"].get("max_tp_shards")
-        replicas = math.gcd(replicas, max(1, model.tp_size // shards) if shards else 1)
+    for g in groups:
+        for spec in _layer_specs(g["kv_cache_spec"]):
+            shards = spec.get("max_tp_shards")
+            replicas = math.gcd(replicas, max(1, model.tp_size // shards) if shards else 1)
     return {
         "num_blocks": plan.pools[0].num_blocks,
         "kv_cache_tensors": tensors,
-        "kv_cache_groups": group_dicts,
+        "kv_cache_groups": groups,
         "prefix_cache_retention_interval": 0,
-        "kv_cache_layout": _BLOCK_OUTER_LAYOUT if packed else _LAYER_OUTER_LAYOUT,
+        "kv_cache_layout": layout,
         "hash_block_size": hash_block,
         "cache_hit_alignment_tokens": hit_alignment,
         "hisparse_host_num_blocks": None,
@@ -601,6 +763,109 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
         "hisparse_shared_host_pool": False,
         "kv_tp_replicas": replicas,
     }
+
+
+#: why a GLM-5-Next plan in transformers' cache formats does not export
+_TRANSFORMERS_INDEXER = (
+    "{name}: this plan keeps GLM-5-Next's indexer in transformers' format (per-token key, gate "
+    "score and flag rows riding in the latent's page: VllmTarget.cache_formats 'transformers', "
+    "the default, which the e2e engine serves), but vLLM 0.33 keeps one fp8 entry of "
+    "index_head_dim + 4 bytes per index_kpool tokens (Glm5NextIndexerCache) and a per-request "
+    "bf16 tail ring (Glm5NextTailCache, vllm/models/glm5next/common/attention.py), packed with "
+    "the latents and KDA states block-outermost (_get_packed_kv_cache_groups in "
+    "vllm/v1/core/kv_cache_planning.py); plan with VllmTarget(cache_formats='vllm') (the "
+    "command line's --cache-formats vllm, which --format vllm implies)"
+)
+
+
+def _packed_config(plan: MemoryPlan, model: HybridModel, names: dict[str, str]) -> dict[str, Any]:
+    """A plan packed block-outermost (:attr:`MemoryPlan.kv_cache_layout`; GLM-5-Next in vLLM's
+    cache formats, :mod:`hybridkv.layouts.vllm_packed`) as vLLM 0.33's ``KVCacheConfig``.
+
+    Groups are the plan's, in the plan's order, which is vLLM's (``_get_packed_kv_cache_groups``
+    emits its buckets in registration order); each is a ``UniformTypeKVCacheSpecs`` of its
+    layers' specs, as that function builds every group. Tensors follow
+    ``get_kv_cache_config_from_groups`` for a block-outermost layout: per group, one tensor per
+    distinct layer spec in the order the specs first appear, ``layer_stride`` the spec's page,
+    ``block_stride`` the block, ``offset`` where the plan put the spec's first page; each layer's
+    page is checked to sit where the plan put it."""
+    family = vllm_family(model)
+    rules = plan.vllm
+    assert rules is not None
+    if plan.kv_cache_layout != _PACKED_LAYOUT:
+        raise ValueError(
+            f"{plan.model_name}: layout {plan.kv_cache_layout!r} is not the one vLLM 0.33 packs "
+            f"in ({_PACKED_LAYOUT})"
+        )
+    placements = {p.layer: p for p in (*plan.kv_placements, *plan.state_placements)}
+    model_layers = {layer.name for layer in model.layers}
+    rings = {p.layer: p for p in plan.kv_placements if p.kind == "indexer_ring"}
+    if set(placements) != model_layers | set(rings):
+        raise ValueError(
+            f"{plan.model_name}: the plan's placements do not cover the model's layers"
+        )
+    vllm_names = dict(names)
+    for name, p in rings.items():
+        vllm_names[name] = family.ring.format(i=p.layer_index)
+    pool = plan.pools[0]
+    size = pool.num_blocks * pool.block_bytes
+    groups: list[dict] = []
+    tensors: list[dict] = []
+    for group in plan.groups:
+        specs: dict[str, dict] = {}
+        for name in group.layers:
+            p = placements[name]
+            if isinstance(p, StatePlacement):
+                specs[name] = _mamba_spec(plan, model, replace(group, layers=(name,)))
+            else:
+                specs[name] = _glm5_attention_spec(plan, model, p)
+        first = specs[group.layers[0]]
+        inner = {vllm_names[n]: s for n, s in specs.items()}
+        groups.append(
+            _group(
+                [vllm_names[n] for n in group.layers],
+                {
+                    "kind": "UniformTypeKVCacheSpecs",
+                    "block_size": first["block_size"],
+                    "dcp_sharded": first["dcp_sharded"],
+                    "block_stride_alignment": None,
+                    "is_draft": False,
+                    "kv_cache_specs": inner,
+                    "page_size_bytes": sum(s["page_size_bytes"] for s in specs.values()),
+                },
+            )
+        )
+        # layers_by_spec: equal specs (the same dataclass values) share a tensor
+        runs: dict[str, list[str]] = {}
+        for name in group.layers:
+            runs.setdefault(json.dumps(specs[name], sort_keys=True), []).append(name)
+        offset = 0
+        for members in runs.values():
+            page = specs[members[0]]["page_size_bytes"]
+            for k, name in enumerate(members):
+                p = placements[name]
+                start, stride = (
+                    (p.offset, p.slot_stride)
+                    if isinstance(p, StatePlacement)
+                    else (p.k_offset, p.block_stride)
+                )
+                if (start, stride) != (offset + k * page, pool.block_bytes):
+                    raise ValueError(
+                        f"{plan.model_name}: {name} sits at byte {start} of a {stride}-byte "
+                        f"block; vLLM puts it at {offset + k * page} of {pool.block_bytes}"
+                    )
+            tensors.append(
+                {
+                    "size": size,
+                    "layers": [vllm_names[n] for n in members],
+                    "layer_stride": page,
+                    "block_stride": pool.block_bytes,
+                    "offset": offset,
+                    "host_resident": False,
+                }
+            )
+            offset += len(members) * page
+    return _config(plan, model, tensors, groups, plan.kv_cache_layout)
 
 
 @dataclass(frozen=True)
@@ -613,8 +878,10 @@ class LoggedCapacity:
     pool, summed over the groups (``get_max_concurrency_for_kv_cache_config``): every attention
     group ``cdiv(max_model_len, block_size)``, every Mamba group its state blocks (``2 +
     speculative + prefill-checkpoint`` in ``align`` mode, ``1 + speculative`` otherwise:
-    ``MambaSpec.max_memory_usage_bytes``). So the logged tokens are not the pool's token slots:
-    a model with many state groups and a short ``max_model_len`` logs far fewer."""
+    ``MambaSpec.max_memory_usage_bytes``), every ring group (GLM-5-Next's tail rings) one
+    (``CircularBufferSpec.max_memory_usage_bytes``; a ``UniformTypeKVCacheSpecs`` group counts
+    its layers' largest: ``max_memory_usage_pages``). So the logged tokens are not the pool's
+    token slots: a model with many state groups and a short ``max_model_len`` logs far fewer."""
 
     tokens: int
     max_concurrency: float
@@ -623,6 +890,7 @@ class LoggedCapacity:
     state_blocks_per_request: int
     max_model_len: int
     num_blocks: int
+    ring_blocks_per_request: int = 0
 
 
 def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:
@@ -639,19 +907,22 @@ def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:
             f"{plan.model_name}: no max_model_len (neither --max-model-len nor the model's "
             "max_position_embeddings): vLLM's logged capacity is per max_model_len request"
         )
-    attention = state = 0
+    attention = state = ring = 0
     for group in config["kv_cache_groups"]:
         spec = group["kv_cache_spec"]
-        if spec["kind"] == "MambaSpec":
+        kinds = {s["kind"] for s in _layer_specs(spec)}
+        if kinds == {"MambaSpec"}:
             state += rules.state_blocks_per_request
-        elif spec["kind"] in ("FullAttentionSpec", "MLAAttentionSpec"):
+        elif kinds == {"CircularBufferSpec"}:
+            ring += 1
+        elif kinds <= {"FullAttentionSpec", "MLAAttentionSpec"}:
             attention += -(-max_len // spec["block_size"])
         else:
             raise ValueError(
-                f"{plan.model_name}: a {spec['kind']} group's blocks per request depend on "
-                "vLLM's in-flight tokens, which the plan does not model"
+                f"{plan.model_name}: a {'/'.join(sorted(kinds))} group's blocks per request "
+                "depend on vLLM's in-flight tokens, which the plan does not model"
             )
-    per_request = attention + state
+    per_request = attention + state + ring
     concurrency = config["num_blocks"] / per_request
     return LoggedCapacity(
         tokens=int(concurrency * max_len),
@@ -661,6 +932,7 @@ def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:
         state_blocks_per_request=state,
         max_model_len=max_len,
         num_blocks=config["num_blocks"],
+        ring_blocks_per_request=ring,
     )
 
 
@@ -691,8 +963,13 @@ def vllm_disagreements(plan: MemoryPlan, model: HybridModel) -> list[str]:
     """Where the exported plan differs from what vLLM 0.33 itself builds for the model (one
     sentence each; empty when they agree). Checks the grouping (members and slot order), the
     group order and the K/V order inside an attention page. (Block sizes, state blocks and the
-    Mamba cache mode are vLLM's by construction: :mod:`hybridkv.target`.)"""
+    Mamba cache mode are vLLM's by construction: :mod:`hybridkv.target`.) A plan packed
+    block-outermost (GLM-5-Next in vLLM's cache formats) is grouped, ordered and placed by
+    :mod:`hybridkv.layouts.vllm_packed`'s port of vLLM's own packing, and has no V: nothing
+    to report."""
     config = kv_cache_config(plan, model)
+    if plan.kv_cache_layout is not None:
+        return []
     names, order = _names_and_order(model)
     notes = []
     exported = [g["layer_names"] for g in config["kv_cache_groups"]]
@@ -730,6 +1007,7 @@ def vllm_objects(plan: MemoryPlan, model: HybridModel):
     try:
         import torch
         from vllm.v1 import kv_cache_interface as kvi
+        from vllm.v1.attention.backend import MultipleOf
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     except ImportError as exc:
         raise ImportError(
@@ -748,19 +1026,32 @@ def vllm_objects(plan: MemoryPlan, model: HybridModel):
         "dtype": dtype,
         "dtypes": lambda v: tuple(dtype(x) for x in v),
         "shapes": lambda v: tuple(tuple(s) for s in v),
+        # an int, or {"MultipleOf": base}
+        "block_stride_alignment": lambda v: (
+            MultipleOf(v["MultipleOf"]) if isinstance(v, dict) else v
+        ),
     }
-    groups = []
-    for g in data["kv_cache_groups"]:
-        raw = dict(g["kv_cache_spec"])
+
+    def build(raw: dict, where: str):
+        raw = dict(raw)
         kind = raw.pop("kind")
         page = raw.pop("page_size_bytes")
         kwargs = {k: enums[k](v) if k in enums and v is not None else v for k, v in raw.items()}
+        if kind == "UniformTypeKVCacheSpecs":
+            kwargs["kv_cache_specs"] = {
+                name: build(inner, name) for name, inner in raw["kv_cache_specs"].items()
+            }
         spec = getattr(kvi, kind)(**kwargs)
         if spec.page_size_bytes != page:
             raise AssertionError(
-                f"{kind} of {g['layer_names'][0]}: vLLM computes page_size_bytes "
-                f"{spec.page_size_bytes}, the export says {page}"
+                f"{kind} of {where}: vLLM computes page_size_bytes {spec.page_size_bytes}, the "
+                f"export says {page}"
             )
+        return spec
+
+    groups = []
+    for g in data["kv_cache_groups"]:
+        spec = build(g["kv_cache_spec"], g["layer_names"][0])
         groups.append(
             kvi.KVCacheGroupSpec(
                 layer_names=list(g["layer_names"]),

@@ -31,9 +31,11 @@ class VllmFamily:
 
     ``attention`` and ``state`` are format strings over ``i`` (the decoder layer), ``j`` (Zamba2's
     shared-attention index), ``n_plus_i`` (``num_hidden_layers + i``, Falcon-H1's SSM branch) and
-    ``h_plus_i`` (``number of hybrid layers + i``, Zamba2's Mamba layers). ``gdn_checkpoints``:
-    the family's GDN layer is Qwen's ``QwenGatedDeltaNetAttention``, the one that exports
-    FlashInfer prefill checkpoints (OLMo-Hybrid's and Kimi's do not).
+    ``h_plus_i`` (``number of hybrid layers + i``, Zamba2's Mamba layers). ``indexer`` and
+    ``ring``: a sparse-attention indexer's key cache and its tail ring (GLM-5-Next's
+    ``Glm5NextIndexerCache`` / ``Glm5NextTailCache``), empty for families without one.
+    ``gdn_checkpoints``: the family's GDN layer is Qwen's ``QwenGatedDeltaNetAttention``, the one
+    that exports FlashInfer prefill checkpoints (OLMo-Hybrid's and Kimi's do not).
     """
 
     key: str
@@ -42,6 +44,8 @@ class VllmFamily:
     attention: str
     state: str
     gdn_checkpoints: bool = False
+    indexer: str = ""
+    ring: str = ""
 
 
 _M = "vllm/model_executor/models/"
@@ -141,6 +145,28 @@ _FAMILIES = (
         "backbone.layers.{i}.mixer",
     ),
     VllmFamily("mamba2", "Mamba2ForCausalLM", _M + "mamba2.py", "", "backbone.layers.{i}.mixer"),
+    # Glm5NextMLAAttention (prefix layers.{i}.self_attn) builds its Indexer first, whose
+    # Glm5NextIndexerCache and Glm5NextTailCache register as indexer.k_cache and
+    # indexer.tail_cache, then its MLAAttention as attn; Glm5NextLinearAttention registers the
+    # KDA layer under the self_attn prefix itself
+    VllmFamily(
+        "glm5_next",
+        "Glm5NextForConditionalGeneration",
+        "vllm/models/glm5next/common/model.py (+ attention.py, kda.py)",
+        "language_model.model.layers.{i}.self_attn.attn",
+        "language_model.model.layers.{i}.self_attn",
+        indexer="language_model.model.layers.{i}.self_attn.indexer.k_cache",
+        ring="language_model.model.layers.{i}.self_attn.indexer.tail_cache",
+    ),
+    VllmFamily(
+        "glm5_next_text",
+        "Glm5NextForCausalLM",
+        "vllm/models/glm5next/common/model.py (+ attention.py, kda.py)",
+        "model.layers.{i}.self_attn.attn",
+        "model.layers.{i}.self_attn",
+        indexer="model.layers.{i}.self_attn.indexer.k_cache",
+        ring="model.layers.{i}.self_attn.indexer.tail_cache",
+    ),
 )
 #: vLLM's naming per family key
 VLLM_FAMILIES: dict[str, VllmFamily] = {f.key: f for f in _FAMILIES}
@@ -175,6 +201,8 @@ _FAMILY_KEYS = {
     "mamba": "mamba",
     "falcon_mamba": "mamba",
     "mamba2": "mamba2",
+    "glm5_next": "glm5_next",
+    "glm5_next_text": "glm5_next_text",
 }
 # families vLLM 0.33 does not serve, with the reason
 _REMOVED = (
@@ -196,46 +224,27 @@ _NOT_SERVED = {
     "bailing_hybrid": "vLLM 0.33 does not serve BailingHybridForCausalLM (its Ling hybrids are "
     "BailingMoeV2_5ForCausalLM / BailingMoeV3ForCausalLM, not modelled here)",
 }
-# families vLLM 0.33 serves with caches hybridkv does not model, with the reason
-_INDEXER_POOLED = (
-    "vLLM 0.33 serves {arch} ({path}), but keeps its sparse-attention indexer's keys "
-    "{pooled} (an MLAAttentionSpec with tokens_per_state > 1) beside a per-request "
-    "CircularBufferSpec ring of the open group's raw keys{ring}; hybridkv models the indexer "
-    "in transformers' per-token layout, so its pages are not vLLM's and are not exported{why}"
-)
+# families vLLM 0.33 serves with caches hybridkv does not model, with the reason (GLM-5-Next's
+# k-pooled indexer is modelled: VllmTarget(cache_formats="vllm"), hybridkv.layouts.vllm_packed)
 _NOT_MODELLED = {
-    "glm5_next": _INDEXER_POOLED.format(
-        arch="Glm5NextForConditionalGeneration",
-        path="vllm/models/glm5next",
-        pooled="one fp8 entry of index_head_dim + 4 bytes per index_kpool tokens",
-        ring=" (index_kpool slots of a bf16 key and gate score, more with speculative tokens)",
-        # hybridkv's inflate block size matches vLLM's (hybridkv.target.indexer_kernel_block);
-        # the rest of vLLM's KVCacheConfig does not: KpoolTailBackend takes only the BLHNC
-        # layout, so vLLM packs MLA, pooled-indexer, ring and KDA groups of different page
-        # sizes block-outermost (_get_packed_kv_cache_groups), which the export does not write
-        why=(
-            ". Its block size is vLLM's (plan --layout inflate), but vLLM packs the latent, "
-            "pooled-key, ring and KDA pages of different sizes into one block-outermost BLHNC "
-            "block (KpoolTailBackend takes no other layout; _get_packed_kv_cache_groups in "
-            "vllm/v1/core/kv_cache_planning.py), which the export does not write either; "
-            "read the plan's block size and state instead"
-        ),
-    ),
-    "qwen4_exp": _INDEXER_POOLED.format(
-        arch="Qwen4ExpForConditionalGeneration",
-        path="vllm/models/qwen4_exp",
-        pooled="one compressed key per indexer_compress_ratio tokens",
-        ring="",
-        why="",
+    "qwen4_exp": (
+        "vLLM 0.33 serves Qwen4ExpForConditionalGeneration (vllm/models/qwen4_exp), but keeps "
+        "its sparse-attention indexer's keys one compressed key per indexer_compress_ratio "
+        "tokens (an MLAAttentionSpec with tokens_per_state > 1) beside a per-request "
+        "CircularBufferSpec ring of the open group's raw keys; hybridkv models the indexer in "
+        "transformers' per-token layout, so its pages are not vLLM's and are not exported"
     ),
 }
-_NOT_MODELLED["glm5_next_text"] = _NOT_MODELLED["glm5_next"]
 _NOT_MODELLED["qwen4_exp_text"] = _NOT_MODELLED["qwen4_exp"]
 # Zamba2's vLLM attention names depend on num_mem_blocks, which HybridModel does not record;
 # the zoo's sources give it for these checkpoints
 _ZAMBA2_MEM_BLOCKS = {"zamba2-1.2b": 1, "zamba2-2.7b": 2}
-_TEXT_ONLY_ARCHS = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"}
-_WRAPPER_ARCHS = {"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}
+_TEXT_ONLY_ARCHS = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Glm5NextForCausalLM"}
+_WRAPPER_ARCHS = {
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+    "Glm5NextForConditionalGeneration",
+}
 
 
 def _architectures(model: HybridModel) -> set[str]:
@@ -253,10 +262,12 @@ def vllm_family(model: HybridModel) -> VllmFamily:
     """vLLM 0.33's naming for ``model``, found by ``model.family`` (a zoo family name or a
     Hugging Face ``model_type``); a family vLLM does not serve is a ``ValueError``.
 
-    A Qwen3.5 config read from ``config.json`` carries its text model type (``qwen3_5_text``)
-    whether or not the checkpoint is the multimodal wrapper; every released Qwen3.5 checkpoint is
-    (``Qwen3_5ForConditionalGeneration``, layers under ``language_model.``), so that is assumed
-    unless ``model.extra["architectures"]`` (or the model's label) names ``Qwen3_5ForCausalLM``.
+    A Qwen3.5 or GLM-5-Next config read from ``config.json`` carries its text model type
+    (``qwen3_5_text``, ``glm5_next_text``) whether or not the checkpoint is the multimodal
+    wrapper; every released checkpoint of both is (``Qwen3_5ForConditionalGeneration``,
+    ``Glm5NextForConditionalGeneration``: layers under ``language_model.``), so that is assumed
+    unless ``model.extra["architectures"]`` (or the model's label) names the causal-LM class
+    (``Qwen3_5ForCausalLM``, ``Glm5NextForCausalLM``).
     """
     family = (model.family or "").strip().lower()
     reason = _NOT_SERVED.get(family) or _NOT_MODELLED.get(family)
@@ -269,10 +280,10 @@ def vllm_family(model: HybridModel) -> VllmFamily:
             f"{model.name}: no vLLM {VLLM_VERSION} layer naming for family {model.family!r}; "
             f"known families: {', '.join(known)}"
         )
-    if key == "qwen3_5_text":
+    if key in ("qwen3_5_text", "glm5_next_text"):
         archs = _architectures(model)
         if not archs & _TEXT_ONLY_ARCHS or archs & _WRAPPER_ARCHS:
-            key = "qwen3_5"
+            key = key.removesuffix("_text")
     return VLLM_FAMILIES[key]
 
 

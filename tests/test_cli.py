@@ -242,6 +242,27 @@ def test_plan_format_vllm_is_a_kv_cache_config(capsys):
     assert "inflate" in capsys.readouterr().err
 
 
+def test_plan_format_vllm_exports_glm5_next_as_vllm_packs_it(tmp_path, capsys):
+    """``--format vllm`` plans GLM-5-Next in vLLM's cache formats (its k-pooled indexer and tail
+    ring, packed block-outermost); ``--cache-formats vllm`` shows that plan as text, and
+    ``--cache-formats transformers`` with ``--format vllm`` is refused with what to do."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(transformers.Glm5NextConfig().to_json_string())
+    argv = ["plan", "--model", str(path), "--gpu-memory", "64GiB", "--max-num-seqs", "8"]
+    assert main([*argv, "--format", "vllm"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["kv_cache_layout"] == "BLHNC" and config["num_blocks"] == 1_312
+    assert [len(g["layer_names"]) for g in config["kv_cache_groups"]] == [9, 9, 8, 8, 22, 11]
+    assert main([*argv, "--cache-formats", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "indexer_ring" in out and "BLHNC" in out
+    assert main([*argv, "--format", "vllm", "--cache-formats", "transformers"]) == 2
+    assert "plan with VllmTarget(cache_formats='vllm')" in capsys.readouterr().err
+    assert main([*argv, "--cache-formats", "vllm", "--layout", "pack"]) == 2
+    assert "which is layout 'inflate'" in capsys.readouterr().err
+
+
 def test_a_config_file_under_any_name_is_read(tmp_path, capsys):
     path = tmp_path / "my-model.cfg"
     path.write_text((ROOT / "tests/data/hf_configs/zamba-7b-v1.json").read_text())

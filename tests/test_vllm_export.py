@@ -32,6 +32,7 @@ from hybridkv.vllm_export import (
     VLLM_FAMILIES,
     kv_cache_config,
     layer_names,
+    logged_capacity,
     vllm_disagreements,
     vllm_family,
     vllm_objects,
@@ -123,6 +124,29 @@ VLLM_033_FIELDS = {
         "tokens_per_state",
         "sliding_window",
         "extra_retained_tokens",
+    ],
+    "CircularBufferSpec": [
+        "block_size",
+        "dcp_sharded",
+        "block_stride_alignment",
+        "is_draft",
+        "max_tp_shards",
+        "num_kv_heads",
+        "head_size",
+        "dtype",
+        "head_size_v",
+        "kv_quant_mode",
+        "page_size_padded",
+        "num_head_slots",
+        "state_content_bytes",
+        "tokens_per_state",
+    ],
+    "UniformTypeKVCacheSpecs": [
+        "block_size",
+        "dcp_sharded",
+        "block_stride_alignment",
+        "is_draft",
+        "kv_cache_specs",
     ],
     "MambaSpec": [
         "block_size",
@@ -517,20 +541,47 @@ def test_families_vllm_does_not_serve_are_refused(name, tp):
         kv_cache_config(plan, model)
 
 
-@pytest.mark.parametrize("name", ["glm5_next", "qwen4_exp"])
-def test_families_with_pooled_indexers_are_refused(name):
-    """vLLM 0.33 serves GLM-5-Next and Qwen4-Exp but keeps their indexer keys pooled (one entry
-    per k-pool / compress group) with a per-request ring; hybridkv's per-token indexer is
-    transformers' layout, so the export refuses and says so."""
+def test_qwen4_exp_pooled_indexer_is_refused():
+    """vLLM 0.33 serves Qwen4-Exp but keeps its indexer keys pooled (one entry per compress
+    group) with a per-request ring, which hybridkv does not model: the export refuses and says
+    so, in either cache format."""
     pytest.importorskip("transformers")
     from hybridkv.e2e import hybrid_model_for
     from hybridkv.e2e.families import TINY_CONFIGS
 
-    model = hybrid_model_for(TINY_CONFIGS[name](), "bfloat16")
+    model = hybrid_model_for(TINY_CONFIGS["qwen4_exp"](), "bfloat16")
     assert "indexer" in model.layer_kinds
+    for formats in ("transformers", "vllm"):
+        target = VllmTarget(cache_formats=formats)
+        plan = make_plan(model, "inflate", memory="1GiB", max_num_seqs=4, target=target)
+        with pytest.raises(
+            ValueError, match=r"vLLM 0\.33 serves .* but keeps its sparse-attention"
+        ):
+            kv_cache_config(plan, model)
+
+
+def test_glm5_next_in_transformers_formats_is_refused():
+    """A GLM-5-Next plan in transformers' formats (the default: per-token indexer rows riding in
+    the latent's page, what the e2e engine serves) is not vLLM's layout: the export says what
+    vLLM keeps instead, where vLLM says it, and how to plan vLLM's."""
+    pytest.importorskip("transformers")
+    from hybridkv.e2e import hybrid_model_for
+    from hybridkv.e2e.families import TINY_CONFIGS
+
+    model = hybrid_model_for(TINY_CONFIGS["glm5_next"](), "bfloat16")
     plan = make_plan(model, "inflate", memory="1GiB", max_num_seqs=4)
-    with pytest.raises(ValueError, match=r"vLLM 0\.33 serves .* but keeps its sparse-attention"):
+    assert plan.kv_cache_layout is None
+    with pytest.raises(ValueError) as exc:
         kv_cache_config(plan, model)
+    for fact in (
+        "transformers' format",
+        "Glm5NextIndexerCache",
+        "Glm5NextTailCache",
+        "_get_packed_kv_cache_groups",
+        "cache_formats='vllm'",
+        "--format vllm",
+    ):
+        assert fact in str(exc.value)
 
 
 # ---- spec fields ----------------------------------------------------------------------------
@@ -748,3 +799,363 @@ def test_vllm_planner_builds_the_same_config(name, tp):
         return [(t.size, t.layers, t.layer_stride, t.block_stride, t.offset) for t in c]
 
     assert rows(theirs.kv_cache_tensors) == rows(config.kv_cache_tensors)
+
+
+# ---- GLM-5-Next in vLLM's cache formats -----------------------------------------------------
+#
+# Hand-derived from vLLM 0.33.0's source (the layer classes in vllm/models/glm5next/common/,
+# _get_packed_kv_cache_groups, _get_kv_cache_bytes_per_block and
+# get_kv_cache_config_from_groups in vllm/v1/core/kv_cache_planning.py; see
+# hybridkv/layouts/vllm_packed.py). transformers' Glm5NextConfig defaults: 45 layers, MLA on
+# i % 4 == 3 (11 layers: 3, 7, ..., 43), KDA elsewhere (34), kv_lora_rank 512 (NoPE),
+# index_head_dim 128, index_kpool 16, index_topk 2048, 64 KDA heads of 128.
+
+_GLM = "language_model.model.layers.{}.self_attn"
+_GLM_MLA = list(range(3, 45, 4))
+_GLM_KDA = [i for i in range(45) if i % 4 != 3]
+
+
+def _glm5(text_config=None, *, kv="auto", tp=1, spec=0, memory="64GiB", **target):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Glm5NextConfig(text_config=text_config or None).to_dict()
+    model = models.from_hf_config(config, kv_dtype=kv, tp_size=tp, num_spec_tokens=spec)
+    vllm_target = VllmTarget(cache_formats="vllm", **target)
+    plan = make_plan(model, "inflate", memory=memory, max_num_seqs=8, target=vllm_target)
+    return model, plan, kv_cache_config(plan, model)
+
+
+@pytest.fixture(scope="module")
+def glm5_default():
+    return _glm5()
+
+
+def test_glm5_next_groups_and_tensors_are_vllms(glm5_default):
+    """bf16, TP 1, prefix caching (align mode), 64 GiB.
+
+    Pages (block 4,608: tests/test_vllm_parity.py derives it):
+      latent  L = 4,608 x 512 x 2                      = 4,718,592
+      indexer X = 4,608 / 16 entries x (128 + 4)       =    38,016
+      ring    R = 2 heads x 16 slots x 128 x 2         =     8,192
+      KDA       = 64x128x128x4 + 3x(3x64x128)x2 = 4,341,760, padded to L (_align_hybrid_block_size)
+    Buckets, in registration order (KDA layer 0 first; an MLA layer registers indexer.k_cache,
+    indexer.tail_cache, attn): KDA (34), indexer + latent (22: 11 of X, 11 of L), rings (11).
+    Repeats per group: _approximate_gcd([34, 11, 11], lower bound 11): padding 10 at 11, 4 at
+    12, 9 at 13, more above: 12, so the indexer + latent bucket is one group (cdiv(11, 12)).
+    anchor = 11 x (X + L) = 52,322,688; a KDA group holds anchor // L = 11 states, so
+    cdiv(34, 11) = 4 groups, KDA layers [k::4]: 9, 9, 8, 8; the rings fit one group.
+    Bytes per block: 52,322,688 up to a multiple of lcm(1,024 latent row, 4,224 indexer page at
+    its gcd(1,024, 4,608) = 512-token kernel block: 32 x 132) = 33,792: 1,549 x 33,792 =
+    52,343,808. num_blocks = 64 GiB // 52,343,808 = 1,312."""
+    _, plan, config = glm5_default
+    block_bytes = 52_343_808
+    assert block_bytes == 33_792 * 1_549 and 1_548 * 33_792 < 11 * (38_016 + 4_718_592)
+    assert config["num_blocks"] == 2**36 // block_bytes == 1_312
+    assert config["kv_cache_layout"] == "BLHNC"  # KpoolTailBackend's only supported layout
+    kda = [_GLM.format(i) for i in _GLM_KDA]
+    mla = [(_GLM.format(i) + ".indexer.k_cache", _GLM.format(i) + ".attn") for i in _GLM_MLA]
+    rings = [_GLM.format(i) + ".indexer.tail_cache" for i in _GLM_MLA]
+    expected_groups = [
+        kda[0::4],
+        kda[1::4],
+        kda[2::4],
+        kda[3::4],
+        [name for pair in mla for name in pair],
+        rings,
+    ]
+    groups = config["kv_cache_groups"]
+    assert [g["layer_names"] for g in groups] == expected_groups
+    assert [len(g) for g in expected_groups] == [9, 9, 8, 8, 22, 11]
+    size = 1_312 * block_bytes
+    L, X, R = 4_718_592, 38_016, 8_192
+    expected_tensors = [
+        (kda[0::4], L, 0),
+        (kda[1::4], L, 0),
+        (kda[2::4], L, 0),
+        (kda[3::4], L, 0),
+        ([k for k, _ in mla], X, 0),  # the indexer keys first: their spec appears first
+        ([a for _, a in mla], L, 11 * X),  # 418,176
+        (rings, R, 0),
+    ]
+    assert [
+        (t["layers"], t["layer_stride"], t["offset"]) for t in config["kv_cache_tensors"]
+    ] == expected_tensors
+    for t in config["kv_cache_tensors"]:
+        assert (t["size"], t["block_stride"], t["host_resident"]) == (size, block_bytes, False)
+    pages = [g["kv_cache_spec"]["page_size_bytes"] for g in groups]
+    assert pages == [9 * L, 9 * L, 8 * L, 8 * L, 11 * (X + L), 11 * R]
+    assert max(pages) == 52_322_688 <= block_bytes
+    # the plan owns all of it: one backing tensor, the pool's blocks, each page where vLLM puts it
+    assert plan.pools[0].block_bytes == block_bytes and plan.tensors[0].nbytes == size
+    assert plan.kv_cache_layout == "BLHNC"
+    # hash and hit granularity: the rings are not prefix-cacheable, so gcd(4,608 x 5) = 4,608,
+    # and no Mamba block exceeds it (no partial hits): both 4,608
+    assert (config["hash_block_size"], config["cache_hit_alignment_tokens"]) == (4_608, 4_608)
+    assert config["kv_tp_replicas"] == 1  # the KDA states are TP-sharded
+    assert config["prefix_cache_retention_interval"] == 0
+
+
+def test_glm5_next_spec_fields(glm5_default):
+    """Every dataclass field of each kind of layer spec, as vLLM 0.33's layers fill it."""
+    _, _, config = glm5_default
+    groups = config["kv_cache_groups"]
+    base = {"block_size": 4_608, "block_stride_alignment": None, "is_draft": False}
+    for g in groups:
+        spec = g["kv_cache_spec"]
+        first = spec["kv_cache_specs"][g["layer_names"][0]]
+        assert spec["kind"] == "UniformTypeKVCacheSpecs"  # _get_packed_kv_cache_groups' groups
+        assert list(spec["kv_cache_specs"]) == g["layer_names"]
+        assert spec["block_size"] == first["block_size"]
+        assert spec["dcp_sharded"] == first["dcp_sharded"]  # UniformTypeKVCacheSpecs.__post_init__
+        assert (spec["block_stride_alignment"], spec["is_draft"]) == (None, False)
+    mla_tail = {
+        "sliding_window": None,
+        "attention_chunk_size": None,
+        "non_causal": False,
+        "alignment": None,
+        "model_version": None,
+        "non_causal_multi_token_decode": False,
+    }
+    attention = {
+        "max_tp_shards": 1,
+        "num_kv_heads": 1,
+        "head_size_v": 0,
+        "kv_quant_mode": "NONE",
+        "page_size_padded": None,
+        "num_head_slots": None,
+        "state_content_bytes": None,
+    }
+    latent = groups[4]["kv_cache_spec"]["kv_cache_specs"][_GLM.format(3) + ".attn"]
+    assert latent == {
+        "kind": "MLAAttentionSpec",
+        **base,
+        "dcp_sharded": True,
+        # FlashInferMLASparseSM90Backend.customize_spec: blocks a whole latent row apart
+        "block_stride_alignment": 1_024,
+        **attention,
+        "head_size": 512,
+        "dtype": "torch.bfloat16",
+        "tokens_per_state": 1,
+        **mla_tail,
+        "cache_dtype_str": "auto",
+        "topk_buffer_width": 2_176,  # round_up(2,048 + 16 - 1, 128)
+        "cache_role": "SPARSE",
+        "is_index_group_leader": True,  # its MLAAttention has the indexer
+        "page_size_bytes": 4_718_592,
+    }
+    indexer = groups[4]["kv_cache_spec"]["kv_cache_specs"][_GLM.format(3) + ".indexer.k_cache"]
+    assert indexer == {
+        "kind": "MLAAttentionSpec",
+        **base,
+        "dcp_sharded": True,
+        # customize_attention_spec: Glm5NextIndexerBackend's blocks are 16 x (32, 64), all ints
+        "block_stride_alignment": {"MultipleOf": 1_024},
+        **attention,
+        "head_size": 132,  # 128 fp8 + 128 // 128 x 4 float32 scale
+        "dtype": "torch.uint8",
+        "tokens_per_state": 16,
+        **mla_tail,
+        "cache_dtype_str": None,
+        "topk_buffer_width": None,
+        "cache_role": "INDEXER",
+        "is_index_group_leader": False,
+        "page_size_bytes": 38_016,
+    }
+    ring = groups[5]["kv_cache_spec"]["kv_cache_specs"][_GLM.format(3) + ".indexer.tail_cache"]
+    assert ring == {
+        "kind": "CircularBufferSpec",
+        **base,
+        "block_size": 16,  # 16 x next_power_of_2(cdiv(16 + 0, 16))
+        "dcp_sharded": False,
+        **attention,
+        "max_tp_shards": None,
+        "num_kv_heads": 2,  # the raw key and the gate score
+        "head_size": 128,
+        "dtype": "torch.bfloat16",
+        "tokens_per_state": 1,
+        "page_size_bytes": 8_192,
+    }
+    state = groups[0]["kv_cache_spec"]["kv_cache_specs"][_GLM.format(0)]
+    assert state == {
+        "kind": "MambaSpec",
+        **base,
+        "dcp_sharded": False,
+        "shapes": [[3, 24_576], [64, 128, 128]],  # kda_state_shape: conv (k - 1, 3 x 64 x 128)
+        "dtypes": ["torch.bfloat16", "torch.float32"],
+        "page_size_padded": 4_718_592,
+        "mamba_type": "GDN_ATTN",
+        "mamba_cache_mode": "align",
+        "num_speculative_blocks": 0,
+        # Glm5NextLinearAttention.get_kv_cache_spec under FlashKDA (Hopper, bf16, head 128,
+        # bounded gate): one checkpoint block at kda_prefill_checkpoint_alignment's 16
+        "num_prefill_checkpoint_blocks": 1,
+        "prefill_checkpoint_alignment": 16,
+        "num_heads": 1,
+        "tokens_per_state": -1,
+        "tp_replicated": False,
+        "page_size_bytes": 4_718_592,
+    }
+
+
+def test_glm5_next_keys_are_vllm_fields(glm5_default):
+    _, _, config = glm5_default
+    assert list(config) == VLLM_033_FIELDS["KVCacheConfig"]
+    for tensor in config["kv_cache_tensors"]:
+        assert list(tensor) == VLLM_033_FIELDS["KVCacheTensor"]
+    for group in config["kv_cache_groups"]:
+        assert list(group) == VLLM_033_FIELDS["KVCacheGroupSpec"]
+        outer = group["kv_cache_spec"]
+        for spec in (outer, *outer["kv_cache_specs"].values()):
+            keys = list(spec)
+            assert keys[0] == "kind" and keys[-1] == "page_size_bytes"
+            assert keys[1:-1] == VLLM_033_FIELDS[spec["kind"]]
+    assert json.loads(json.dumps(config)) == config
+
+
+# (text_config, kv, tp, spec tokens) -> (block, ring, bytes per block, num_blocks), all at 64 GiB
+# and 12 repeats per group as above (the bucket counts do not change):
+_GLM5_VARIANTS = [
+    # fp8 latent (512 B/token): block 8,704 = 512 x 17; L = 8,704 x 512 = 4,456,448,
+    # X = 544 x 132 = 71,808; anchor 11 x (X + L) = 49,810,816 holds 11 states: KDA 9/9/8/8;
+    # lcm(512 fp8 row, gcd(1,024, 8,704) = 512 -> 32 x 132 = 4,224) = 16,896; 2,949 x 16,896 =
+    # 49,826,304; 2^36 // 49,826,304 = 1,379
+    pytest.param(None, "fp8", 1, 0, (8_704, 16, 49_826_304, 1_379), id="fp8"),
+    # TP 2: 32 KDA heads a rank: 2,097,152 + 3 x 12,288 x 2 = 2,170,880 B; block 512 x
+    # cdiv(2,170,880, 524,288) = 2,560; L = 2,621,440, X = 160 x 132 = 21,120; anchor
+    # 29,068,160 holds 11 states; lcm(1,024, 4,224) = 33,792: 861 x 33,792 = 29,094,912;
+    # 2^36 // 29,094,912 = 2,361
+    pytest.param(None, "auto", 2, 0, (2_560, 16, 29_094_912, 2_361), id="tp2"),
+    # index_kpool 8, 32 KDA heads: block 2,304 (test_vllm_parity); L = 2,359,296,
+    # X = 288 x 132 = 38,016, ring 8 slots (4,096 B); anchor 26,370,432 holds 11 states;
+    # kernel blocks 8 x (32, 64): gcd(512, 2,304) = 256 -> 32 x 132 = 4,224; lcm 33,792:
+    # 781 x 33,792 = 26,391,552; 2^36 // 26,391,552 = 2,603
+    pytest.param(
+        {"index_kpool": 8, "linear_num_heads": 32},
+        "auto",
+        1,
+        0,
+        (2_304, 8, 26_391_552, 2_603),
+        id="kpool8",
+    ),
+    # 3 speculative tokens, fp8: conv (3 + 3) x 24,576 x 2 = 294,912 + 4,194,304 = 4,489,216 B;
+    # block 512 x 18 = 9,216; ring 16 x next_power_of_2(cdiv(19, 16)) = 32 slots (16,384 B);
+    # L = 4,718,592, X = 576 x 132 = 76,032; anchor 52,740,864 holds 11 states; gcd(1,024,
+    # 9,216) = 1,024 -> 64 x 132 = 8,448; lcm(512, 8,448) = 16,896: 3,122 x 16,896 =
+    # 52,749,312; 2^36 // 52,749,312 = 1,302
+    pytest.param(None, "fp8", 1, 3, (9_216, 32, 52_749_312, 1_302), id="fp8-spec3"),
+]
+
+
+@pytest.mark.parametrize(("text_config", "kv", "tp", "spec", "expected"), _GLM5_VARIANTS)
+def test_glm5_next_variants(text_config, kv, tp, spec, expected):
+    block, ring, block_bytes, num_blocks = expected
+    _, plan, config = _glm5(text_config, kv=kv, tp=tp, spec=spec)
+    assert config["num_blocks"] == num_blocks == 2**36 // block_bytes
+    assert plan.block_size == block
+    sizes = [len(g["layer_names"]) for g in config["kv_cache_groups"]]
+    assert sizes == [9, 9, 8, 8, 22, 11]
+    specs = [g["kv_cache_spec"] for g in config["kv_cache_groups"]]
+    assert [s["block_size"] for s in specs] == [block] * 5 + [ring]
+    assert {t["block_stride"] for t in config["kv_cache_tensors"]} == {block_bytes}
+    latent = specs[4]["kv_cache_specs"][_GLM.format(3) + ".attn"]
+    fp8 = kv == "fp8"
+    assert latent["dtype"] == ("torch.uint8" if fp8 else "torch.bfloat16")
+    assert latent["kv_quant_mode"] == ("FP8_PER_TENSOR" if fp8 else "NONE")
+    assert latent["cache_dtype_str"] == ("fp8" if fp8 else "auto")
+    assert latent["block_stride_alignment"] == 512 * (1 if fp8 else 2)
+    state = specs[0]["kv_cache_specs"][_GLM.format(0)]
+    assert state["num_speculative_blocks"] == spec
+    assert state["page_size_padded"] == block * 512 * (1 if fp8 else 2)
+    assert specs[5]["page_size_bytes"] == 11 * 2 * ring * 128 * 2
+
+
+def test_glm5_next_without_prefix_caching():
+    """none mode: the KDA groups' block is max_model_len (32,768 here), the rest as in align
+    mode (the block does not change: tests/test_vllm_parity.py); the scheduler block is
+    lcm(32,768, 4,608, 16) = 294,912, and without prefix caching the hash block is the same."""
+    _, _, config = _glm5(enable_prefix_caching=False, max_model_len=32_768)
+    specs = [g["kv_cache_spec"] for g in config["kv_cache_groups"]]
+    assert [s["block_size"] for s in specs] == [32_768] * 4 + [4_608, 16]
+    state = specs[0]["kv_cache_specs"][_GLM.format(0)]
+    assert state["mamba_cache_mode"] == "none" and state["block_size"] == 32_768
+    assert state["num_prefill_checkpoint_blocks"] == 1  # the KDA layer declares it in any mode
+    assert config["hash_block_size"] == config["cache_hit_alignment_tokens"] == 294_912
+    assert math.lcm(32_768, 4_608, 16) == 294_912
+    assert config["num_blocks"] == 1_312  # the packing is the same
+
+
+def test_glm5_next_logged_capacity(glm5_default):
+    """get_max_concurrency_for_kv_cache_config: the latent group cdiv(1,048,576, 4,608) = 228
+    blocks a request, each KDA group 2 + 0 + 1 (the FlashKDA checkpoint block) = 3, the ring
+    group 1: 228 + 4 x 3 + 1 = 241 blocks; 1,312 / 241 x 1,048,576 tokens."""
+    model, plan, _ = glm5_default
+    logged = logged_capacity(plan, model)
+    assert (logged.attention_blocks_per_request, logged.state_blocks_per_request) == (228, 12)
+    assert logged.ring_blocks_per_request == 1 and logged.blocks_per_request == 241
+    assert logged.tokens == int(1_312 / 241 * 1_048_576)
+    assert vllm_disagreements(plan, model) == []
+
+
+def test_glm5_next_causal_lm_names():
+    """A text-only checkpoint (Glm5NextForCausalLM) has no language_model. prefix."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Glm5NextConfig().to_dict()["text_config"]
+    model = models.from_hf_config({**config, "architectures": ["Glm5NextForCausalLM"]})
+    names = layer_names(model)
+    assert names["layers.3.attn"] == "model.layers.3.self_attn.attn"
+    assert names["layers.3.indexer"] == "model.layers.3.self_attn.indexer.k_cache"
+    assert names["layers.0.mixer"] == "model.layers.0.self_attn"
+    plan = make_plan(model, "inflate", memory="64GiB", target=VllmTarget(cache_formats="vllm"))
+    rings = kv_cache_config(plan, model)["kv_cache_groups"][5]["layer_names"]
+    assert rings[0] == "model.layers.3.self_attn.indexer.tail_cache"
+
+
+_REGISTRATION_RANK = {"indexer.k_cache": 0, "indexer.tail_cache": 1, "attn": 2}
+
+
+def _registered(name: str) -> tuple[int, int]:
+    """vLLM's registration order of a GLM-5-Next cache: by decoder layer; inside an MLA layer
+    the Indexer's k_cache and tail_cache, then the MLAAttention (Glm5NextMLAAttention)."""
+    layer, _, rest = name.removeprefix("language_model.model.layers.").partition(".")
+    return int(layer), _REGISTRATION_RANK.get(rest.removeprefix("self_attn."), 0)
+
+
+def test_glm5_next_vllm_planner_builds_the_same_config():
+    """vLLM's own grouping and placement (get_kv_cache_groups with a BLHNC layout, then
+    get_kv_cache_config_from_groups), run on the exported specs in vLLM's registration order,
+    give the exported groups, tensors and num_blocks."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.core import kv_cache_planning as kp
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    cases = [(None, "auto", 1, 0, None), *(v.values for v in _GLM5_VARIANTS)]
+    for text_config, kv, tp, spec, _ in cases:
+        model, plan, _ = _glm5(text_config, kv=kv, tp=tp, spec=spec)
+        config = vllm_objects(plan, model)
+        specs = {
+            n: s for g in config.kv_cache_groups for n, s in g.kv_cache_spec.kv_cache_specs.items()
+        }
+        ordered = dict(sorted(specs.items(), key=lambda item: _registered(item[0])))
+        layout = KVCacheLayout[config.kv_cache_layout]
+        vllm_config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+            attention_config=SimpleNamespace(hisparse_config=None),
+            cache_config=SimpleNamespace(
+                get_resolved_kv_cache_layout=lambda layout=layout: layout,
+                num_gpu_blocks_override=None,
+                prefix_cache_retention_interval=0,
+            ),
+        )
+        groups = kp.get_kv_cache_groups(vllm_config, ordered)
+        assert [g.layer_names for g in groups] == [g.layer_names for g in config.kv_cache_groups]
+        assert [g.kv_cache_spec for g in groups] == [
+            g.kv_cache_spec for g in config.kv_cache_groups
+        ]
+        theirs = kp.get_kv_cache_config_from_groups(vllm_config, groups, plan.config.memory_bytes)
+        assert theirs.num_blocks == config.num_blocks
+
+        def rows(c):
+            return [(t.size, t.layers, t.layer_stride, t.block_stride, t.offset) for t in c]
+
+        assert rows(theirs.kv_cache_tensors) == rows(config.kv_cache_tensors)

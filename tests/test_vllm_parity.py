@@ -370,3 +370,38 @@ def test_glm5_next_inflate_matches_vllm_033(text_config, kv, block, prefix_cachi
     assert plan.block_size == block
     assert block % kpool == 0  # the tail ring of index_kpool slots divides the block
     assert plan.vllm.mamba_cache_mode == ("align" if prefix_caching else "none")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "gpu", "backend", "blocks"),
+    [
+        ("bfloat16", "hopper", "flashkda", 3),
+        ("float32", "hopper", "triton", 2),  # FlashKDA needs a bf16 model
+        ("bfloat16", "ampere", "triton", 2),  # ... and SM90 or newer
+    ],
+)
+def test_glm5_next_kda_checkpoint_block(dtype, gpu, backend, blocks):
+    """Glm5NextLinearAttention.get_kv_cache_spec (vllm/models/glm5next/common/kda.py): under
+    FlashKDA (_resolve_kda_prefill_backend: CUDA SM90/SM10x/SM12x, bf16 model, linear_head_dim
+    128, linear_lower_bound set; transformers' default -5.0) the KDA state declares one prefill
+    checkpoint block at kda_prefill_checkpoint_alignment's 16 tokens, so in align mode a request
+    holds MambaSpec.max_memory_usage_bytes' 2 + 0 + 1 = 3 state blocks; under Triton 2. The
+    layer does not override get_prefill_checkpoint_alignment, so the block (a multiple of 128
+    here) is not aligned to it; vLLM's scheduler checks checkpoint offsets against the spec's 16
+    (Scheduler.mamba_prefill_checkpoint_alignment)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Glm5NextConfig().to_dict()
+    config["text_config"]["dtype"] = dtype
+    model = models.from_hf_config(config)
+    rules = VllmTarget(gpu=gpu).resolve(model)
+    assert rules.kda_prefill_backend == backend
+    assert rules.state_blocks_per_request == blocks
+    assert rules.num_prefill_checkpoint_blocks == blocks - 2
+    assert rules.spec_checkpoint_alignment == (16 if backend == "flashkda" else None)
+    if backend == "flashkda":
+        # checkpoints land on hash blocks (get_mamba_prefill_checkpoint_position) 16 apart
+        assert rules.prefill_checkpoint_grid(4_608, 4_608) == 4_608
+        assert rules.prefill_checkpoint_grid(4_608, 24) == 48
+    unbounded = transformers.Glm5NextConfig().to_dict()
+    unbounded["text_config"]["linear_lower_bound"] = None
+    assert VllmTarget().resolve(models.from_hf_config(unbounded)).kda_prefill_backend == "triton"

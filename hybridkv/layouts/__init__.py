@@ -8,6 +8,10 @@
 >>> model = models.load("qwen3.5-4b")
 >>> layouts.make_plan(model, "inflate", memory="40GiB", target=no_pc).block_size
 528
+
+GLM-5-Next in vLLM's cache formats (``VllmTarget(cache_formats="vllm")``) has a vLLM layout of
+its own, pages of different sizes packed block-outermost, which ``inflate`` then plans
+(:mod:`.vllm_packed`); the other layouts refuse those formats.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ..units import parse_bytes
 from .per_group import plan_per_group
 from .shared import auto_pack_size, plan_shared
 from .two_level import plan_two_level
+from .vllm_packed import plan_vllm_packed, uses_vllm_packing
 
 LAYOUTS = ("inflate", "pack", "aggregate", "per_group", "two_level")
 
@@ -110,6 +115,15 @@ def _smallest_fit(model: HybridModel, layout: str, config: PlanConfig, tokens: i
 
 
 def plan_with_config(model: HybridModel, layout: str, config: PlanConfig) -> MemoryPlan:
+    if uses_vllm_packing(model, config.target.cache_formats):
+        # vLLM's formats of GLM-5-Next's indexer exist in vLLM's own layout only; the other
+        # layouts would silently plan transformers' formats instead
+        if layout != "inflate":
+            raise ValueError(
+                f"cache_formats='vllm' lays {model.name} out as vLLM 0.33 does, which is layout "
+                f"'inflate', not {layout!r}; use --layout inflate, or cache_formats='transformers'"
+            )
+        return plan_vllm_packed(model, config)
     if layout == "inflate":
         return plan_shared(model, config, layout="inflate", pack_size=1)
     if layout == "pack":

@@ -844,7 +844,8 @@ def _glm5_next(c: _Config) -> list[dict[str, Any]]:
             "indexer cache read in transformers' layout (per token: key, k-pool gate score and "
             "a validity flag in the model dtype); vLLM 0.33 keeps one fp8 k-pool key "
             "(index_head_dim + 4 B) per index_kpool tokens and a per-request bf16 ring of the "
-            "open pool's keys and gate scores, which hybridkv does not model"
+            "open pool's keys and gate scores, which a plan in vLLM's cache formats lays out "
+            "(VllmTarget(cache_formats='vllm'), plan --cache-formats vllm or --format vllm)"
         )
     if kda:
         lin = c.mapping("linear_attn_config")

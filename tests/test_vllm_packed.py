@@ -1,0 +1,161 @@
+"""``hybridkv.layouts.vllm_packed``: GLM-5-Next planned as vLLM 0.33 packs it.
+
+The export's tests (``tests/test_vllm_export.py``) hold the resulting ``KVCacheConfig`` to
+vLLM's numbers; these hold the plan itself together: its pages where the config says, its
+capacity worked by hand, its refusals.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hybridkv import models
+from hybridkv.layouts import make_plan
+from hybridkv.plan import KVPlacement
+from hybridkv.target import VllmTarget
+
+transformers = pytest.importorskip("transformers")
+
+VLLM = VllmTarget(cache_formats="vllm")
+
+
+def _model(text_config=None, **options):
+    config = transformers.Glm5NextConfig(text_config=text_config or None).to_dict()
+    return models.from_hf_config(config, **options)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_plan(_model(), "inflate", memory="64GiB", max_num_seqs=8, target=VLLM)
+
+
+def test_pages_of_a_block_do_not_overlap(plan):
+    """Inside one block a group's pages sit back to back from the block's start (as
+    get_kv_cache_config_from_groups puts them: a state's page padded to the latent page) and
+    within the block; groups alias each other from byte 0 (a block id is one group's at a
+    time)."""
+    block_bytes = plan.pools[0].block_bytes
+    b = 5
+    for group in plan.groups:
+        pages = []
+        for p in plan.placements_of(group.group_id):
+            regions = p.regions(b)
+            if isinstance(p, KVPlacement):
+                page = p.k_bytes_per_block
+                assert regions == [regions[0]] and regions[0].end - regions[0].start == page
+            else:
+                page = group.page_bytes  # the state's components lie inside its padded page
+                assert regions[-1].end <= regions[0].start + page
+            pages.append((regions[0].start, page))
+        pages.sort()
+        assert pages[0][0] == b * block_bytes
+        assert all(s + n == t for (s, n), (t, _) in itertools.pairwise(pages))
+        assert pages[-1][0] + pages[-1][1] <= (b + 1) * block_bytes
+        assert plan.id_data_bytes(group.group_id) <= plan.id_bytes(group.group_id) == block_bytes
+
+
+def test_placements_hold_vllms_rows(plan):
+    latent = plan.placement("layers.3.attn")
+    indexer = plan.placement("layers.3.indexer")
+    ring = plan.placement("layers.3.indexer.ring")
+    assert isinstance(latent, KVPlacement) and latent.k_bytes_per_block == 4_608 * 1_024
+    # one 132-byte entry (128 fp8 + a float32 scale) per 16 tokens: 288 rows
+    assert (indexer.tokens_per_state, indexer.rows_per_block) == (16, 288)
+    assert indexer.k_bytes_per_block == 288 * 132
+    # BLHNC: the ring's two head slots (key, gate score) each hold its 16 slots together
+    assert (ring.block_size, ring.num_kv_heads, ring.head_dim) == (16, 2, 128)
+    assert (ring.token_stride, ring.head_stride) == (256, 16 * 256)
+    assert [name for name, _ in ring.parts(1)] == ["ring"]
+    assert [name for name, _ in indexer.parts(1)] == ["indexer"]
+    buffers = plan.allocate("meta")
+    k, v = plan.kv_views(buffers, "layers.3.indexer")
+    assert v is None and tuple(k.shape) == (plan.pools[0].num_blocks, 288, 1, 132)
+    k, _ = plan.kv_views(buffers, "layers.3.indexer.ring")
+    assert tuple(k.shape) == (plan.pools[0].num_blocks, 16, 2, 128)
+    views = plan.state_views(buffers, "layers.0.mixer")
+    assert tuple(views["ssm"].shape)[1:] == (64, 128, 128)
+
+
+def test_capacity_by_hand(plan):
+    """1,312 blocks of 52,343,808 B: block 0 is the null block; 8 requests hold 1 id in each of
+    the 4 KDA groups and 1 in the ring group (40); the latent group gets the other 1,271 blocks:
+    1,271 x 4,608 = 5,856,768 tokens. The ideal, in vLLM's formats: 64 GiB less 8 x 34 x
+    4,341,760 B of state and 8 x 11 x 8,192 B of rings, at 11 x (1,024 + 132 / 16) B a token."""
+    cap = plan.capacity
+    block_bytes = 52_343_808
+    assert plan.pools[0].num_blocks == 1_312
+    assert cap.token_capacity == (1_312 - 1 - 40) * 4_608 == 5_856_768
+    assert cap.state_reserved_bytes == 40 * block_bytes
+    assert cap.kv_reserved_bytes == 1_271 * block_bytes
+    assert cap.unusable_bytes == 2**36 - 1_311 * block_bytes
+    state, rings = 8 * 34 * 4_341_760, 8 * 11 * 8_192
+    assert cap.state_bytes == state
+    assert cap.ideal_token_capacity == (2**36 - state - rings) * 16 // (11 * (16 * 1_024 + 132))
+    assert 0.98 < cap.fraction_of_ideal < 1
+
+
+def test_other_models_plan_the_same_in_either_format():
+    """Only GLM-5-Next's indexer has a vLLM format hybridkv lays out; other models (and
+    GLM-5-Next without an indexer) are planned the same in both."""
+    model = models.load("qwen3.5-4b")
+    a = make_plan(model, "inflate", memory="24GiB")
+    b = make_plan(model, "inflate", memory="24GiB", target=VLLM)
+    assert (a.groups, a.kv_placements, a.state_placements) == (
+        b.groups,
+        b.kv_placements,
+        b.state_placements,
+    )
+    assert b.kv_cache_layout is None
+
+
+@pytest.mark.parametrize("layout", ["pack", "aggregate", "per_group", "two_level"])
+def test_only_inflate_lays_out_vllms_formats(layout):
+    with pytest.raises(ValueError, match="which is layout 'inflate'"):
+        make_plan(_model(), layout, memory="64GiB", target=VLLM)
+
+
+@pytest.mark.parametrize(
+    ("options", "target", "match"),
+    [
+        ({}, VllmTarget(cache_formats="vllm", version="0.32"), "vLLM 0.32's layout"),
+        ({}, VllmTarget(cache_formats="vllm", gpu="ampere"), "none of its sparse MLA"),
+        # 540 speculative tokens: a 1,024-slot ring (16 x next_power_of_2(cdiv(556, 16))) and a
+        # block of 512 x cdiv(4,194,304 + 543 x 24,576 x 2, 512 x 1,024) = 512 x 59 = 30,208
+        ({"num_spec_tokens": 540}, VLLM, "1024-slot tail ring does not divide the 30208"),
+    ],
+    ids=["vllm-0.32", "ampere", "ring"],
+)
+def test_refusals(options, target, match):
+    with pytest.raises(ValueError, match=match):
+        make_plan(_model(**options), "inflate", memory="64GiB", target=target)
+
+
+def test_a_kernel_alignment_override_is_refused():
+    with pytest.raises(ValueError, match="fix its kernel blocks"):
+        make_plan(_model(), "inflate", memory="64GiB", target=VLLM, kernel_alignment=64)
+
+
+def test_shared_indexer_layers_are_refused():
+    """vLLM 0.33 builds an indexer on every MLA layer, ignoring indexer_types: a model whose
+    'shared' layers keep no indexer cache has no vLLM layout to plan."""
+    text = {
+        "num_hidden_layers": 8,
+        "layer_types": ["linear_attention"] * 3
+        + ["indexed_attention"]
+        + ["linear_attention"] * 3
+        + ["indexed_attention"],
+        "mlp_layer_types": ["dense"] * 8,
+        "indexer_types": ["full"] * 4 + ["shared"] * 4,
+    }
+    with pytest.raises(ValueError, match=r"MLA layers \[7\] keep no indexer cache"):
+        make_plan(_model(text), "inflate", memory="64GiB", target=VLLM)
+
+
+def test_an_open_pool_left_out_is_refused():
+    config = transformers.Glm5NextConfig().to_dict()
+    config["text_config"]["index_kpool_always_select_tail"] = False
+    model = models.from_hf_config(config)
+    with pytest.raises(ValueError, match="_validate_supported_config"):
+        make_plan(model, "inflate", memory="64GiB", target=VLLM)
