@@ -39,6 +39,14 @@ Triton's compiled launcher directly instead of re-binding ~30 arguments (``_Laun
   instruction a pair, to bf16 four): the query is scaled by a power of two into fp16's range.
   GPUs without hardware e4m3 (sm_80, A100) get the cache's bytes and decode them in the kernel
   (exactly).
+- Relative-position bias (``plan_decode(rel_dim=...)``, Inkling): a key ``d`` tokens behind
+  the query gets ``rel_states[b, h] @ rel_proj[:, d]`` added to its scaled logit (float32) for
+  ``d < rel_extent``. The one query's distances to a tile's keys are its columns of
+  ``rel_proj``, so the bias is one small dot per tile, ``[GROUP, rel_dim] x [rel_dim,
+  BLOCK_N]``, with those columns loaded by distance (zero past ``rel_extent``); nothing of size
+  ``[tokens, heads, rel_extent]`` is built. A scalar bound splits the tile loop in two: tiles
+  wholly ``rel_extent`` or more behind the query run the plain loop, so a long context pays
+  for the bias over its last ``rel_extent`` keys only. Attention sinks combine with it.
 
 Configs come from a table of measurements (``_TABLE``: the H200 sweep of 2026-11-26, each row
 with its source), keyed by the launch's shape class (:class:`DecodeShape`: page segment, head
@@ -287,6 +295,8 @@ def _decode_partial_kernel(
     k_scale_ptr,  # [1] float32 (read only when FP8)
     v_scale_ptr,  # [1] float32
     sinks_ptr,  # [Hq] float32 attention-sink logits (read only when HAS_SINKS and ONE_SPLIT)
+    rel_states_ptr,  # [B, Hq, D_REL] in q's dtype, last dim contiguous (read only when HAS_REL)
+    rel_proj_ptr,  # [D_REL, rel_extent] in q's dtype, last dim contiguous (likewise)
     part_m_ptr,  # [B, Hq, S] float32, log2 units (unused when ONE_SPLIT)
     part_l_ptr,  # [B, Hq, S] float32 (unused when ONE_SPLIT)
     part_acc_ptr,  # [B, Hq, S, Dv] float32 (unused when ONE_SPLIT)
@@ -295,6 +305,10 @@ def _decode_partial_kernel(
     block_size,
     split_len,  # tokens per split, a multiple of every BLOCK_N
     window,  # sliding window in tokens; <= 0 means full attention
+    rel_extent,  # HAS_REL: distances 0 .. rel_extent - 1 get a bias, farther keys none
+    stride_rs_b,  # rel_states' strides (HAS_REL)
+    stride_rs_h,
+    stride_rp_r,  # rel_proj's row stride (HAS_REL)
     stride_q_b,
     stride_q_h,
     stride_out_b,
@@ -320,6 +334,9 @@ def _decode_partial_kernel(
     ONE_SPLIT: tl.constexpr,  # num_splits == 1: normalise and write out directly
     Q_TO_F16: tl.constexpr,  # fp8 cache, bf16 q: run the dots in fp16 (q rescaled)
     HAS_SINKS: tl.constexpr,  # per-head sink logits join each softmax's denominator
+    HAS_REL: tl.constexpr,  # a relative-position bias rel_states @ rel_proj[:, distance]
+    D_REL: tl.constexpr,  # relative states per head (HAS_REL)
+    BLOCK_R: tl.constexpr,  # D_REL padded for tl.dot (>= 16)
     BLOCK_N: tl.constexpr,
 ):
     # a tile = PAGES segments of SEG tokens; a segment lies inside one page
@@ -381,16 +398,108 @@ def _decode_partial_kernel(
     offs_k_row = offs_seg[:, None] * stride_kc_token + offs_dk[None, :]
     offs_v_row = offs_seg[:, None] * stride_vc_token + offs_dv[None, :]
     p_table = table_ptr + i_b64 * stride_table_b
-    offs_n0 = tl.arange(0, BLOCK_N)
 
     # a one-page tile: its block id is loaded one iteration ahead (a loop-carried scalar), so
     # the K/V loads of a tile depend on no load of the same iteration and are multi-buffered.
     # A tile of several pages loads one id per row in its own iteration instead: Triton's
     # pipeliner (3.6 as well as 3.9) schedules that table load stages ahead of the K/V loads
     # it feeds, where it leaves ids spread from a per-page vector (reshape) unpipelined in 3.6
+    seg_block = 0
     if PAGES == 1:
         seg_block = tl.load(p_table + tile_lo // block_size, mask=tile_lo < end, other=0)
-    for tile in range(tile_lo, end, BLOCK_N):
+    rel_q = q  # HAS_REL: the query's relative states; else unused
+    p_rel = q_ptr
+    band_lo = end
+    if HAS_REL:
+        offs_i = tl.arange(0, BLOCK_R)
+        m_i = offs_i < D_REL
+        p_rs = rel_states_ptr + i_b64 * stride_rs_b + offs_h[:, None] * stride_rs_h
+        rel_q = tl.load(p_rs + offs_i[None, :], mask=m_g[:, None] & m_i[None, :], other=0.0)
+        # rel_proj's rows as int64 bases: only the distance is added per tile
+        p_rel = rel_proj_ptr + offs_i.to(tl.int64)[:, None] * stride_rp_r
+        # keys below seq_len - rel_extent are rel_extent or more behind the query: no bias,
+        # so the tiles wholly below it run the plain loop (a scalar bound, no per-tile test)
+        band_lo = tl.maximum(seq_len - rel_extent, 0) // BLOCK_N * BLOCK_N
+        band_lo = tl.minimum(tl.maximum(band_lo, tile_lo), end)
+    b_m, b_l, b_acc, seg_block = _decode_tiles(
+        q, rel_q, p_rel, p_k_head, p_v_head, p_table, seg_block, tile_lo, band_lo, lo, end,
+        seq_len, rel_extent, qk_scale, b_m, b_l, b_acc, block_size, stride_kc_block,
+        stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk,
+        offs_dv, m_dk, m_dv, FP8, PAGES, False, D_REL, BLOCK_R, BLOCK_N,
+    )  # fmt: skip
+    if HAS_REL:  # the tiles holding a key less than rel_extent behind the query
+        b_m, b_l, b_acc, seg_block = _decode_tiles(
+            q, rel_q, p_rel, p_k_head, p_v_head, p_table, seg_block, band_lo, end, lo, end,
+            seq_len, rel_extent, qk_scale, b_m, b_l, b_acc, block_size, stride_kc_block,
+            stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row,
+            offs_dk, offs_dv, m_dk, m_dv, FP8, PAGES, True, D_REL, BLOCK_R, BLOCK_N,
+        )  # fmt: skip
+
+    if ONE_SPLIT:
+        if HAS_SINKS:  # a sink is one more logit with no value: it only adds to the denominator
+            sink = tl.load(sinks_ptr + offs_h, mask=m_g, other=0.0) * 1.4426950408889634
+            m_fin = tl.maximum(b_m, sink)
+            corr = tl.exp2(b_m - m_fin)
+            b_l = b_l * corr + tl.exp2(sink - m_fin)
+            b_acc = b_acc * corr[:, None]
+        out = b_acc * (out_scale / b_l)[:, None]
+        tl.store(
+            out_ptr + i_b64 * stride_out_b + offs_h[:, None] * stride_out_h + offs_dv[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=m_g[:, None] & m_dv[None, :],
+        )
+    else:
+        base = (i_b64 * (GROUP * tl.num_programs(1)) + offs_h) * num_splits + i_s
+        tl.store(part_m_ptr + base, b_m, mask=m_g)
+        tl.store(part_l_ptr + base, b_l, mask=m_g)
+        tl.store(
+            part_acc_ptr + base[:, None] * HEAD_DIM_V + offs_dv[None, :],
+            b_acc * out_scale,
+            mask=m_g[:, None] & m_dv[None, :],
+        )
+
+
+@triton.jit
+def _decode_tiles(
+    q,  # [BLOCK_G, BLOCK_DK] in the dots' dtype
+    rel_q,  # BIAS: [BLOCK_G, BLOCK_R] the query's relative states
+    p_rel,  # BIAS: [BLOCK_R, 1] pointers to rel_proj's rows
+    p_k_head,  # the KV head's base in each cache
+    p_v_head,
+    p_table,  # the request's block-table row
+    seg_block,  # one-page tiles: the block id of tile ``first``, loaded ahead
+    first,  # first tile, a multiple of BLOCK_N
+    last,  # the loop stops before this key
+    lo,  # first key of the split (or window) the query sees
+    end,  # one past the split's last key
+    seq_len,
+    rel_extent,
+    qk_scale,
+    b_m,
+    b_l,
+    b_acc,
+    block_size,
+    stride_kc_block,
+    stride_kc_token,
+    stride_vc_block,
+    stride_vc_token,
+    offs_k_row,  # [BLOCK_N, BLOCK_DK] offsets inside a page segment
+    offs_v_row,  # [BLOCK_N, BLOCK_DV]
+    offs_dk,
+    offs_dv,
+    m_dk,
+    m_dv,
+    FP8: tl.constexpr,
+    PAGES: tl.constexpr,
+    BIAS: tl.constexpr,  # add rel_q @ rel_proj[:, distance] to the scores
+    D_REL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The online softmax over the tiles ``first, first + BLOCK_N, ...`` below ``last``: the
+    running ``(b_m, b_l, b_acc)`` and the next tile's block id."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for tile in range(first, last, BLOCK_N):
         if PAGES == 1:
             in_page = tile % block_size
             p_k = p_k_head + (seg_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token)
@@ -418,6 +527,15 @@ def _decode_partial_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if BIAS:
+            # the one query sits at seq_len - 1: key n is seq_len - 1 - n behind it, so the
+            # bias is one small dot with rel_proj's columns gathered by distance (zero from
+            # rel_extent on, and for masked keys past the split)
+            dist = seq_len - 1 - offs_n
+            m_d = (dist >= 0) & (dist < rel_extent) & m_n
+            m_i = tl.arange(0, BLOCK_R) < D_REL
+            proj = tl.load(p_rel + dist[None, :], mask=m_i[:, None] & m_d[None, :], other=0.0)
+            s += tl.dot(rel_q, proj) * 1.4426950408889634  # log2 units, float32
         s = tl.where(m_n[None, :], s, float("-inf"))
         # every tile holds a key in [lo, end), so m_new is finite from the first tile on
         m_new = tl.maximum(b_m, tl.max(s, axis=1))
@@ -426,29 +544,7 @@ def _decode_partial_kernel(
         b_l = b_l * alpha + tl.sum(p, axis=1)
         b_acc = b_acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         b_m = m_new
-
-    if ONE_SPLIT:
-        if HAS_SINKS:  # a sink is one more logit with no value: it only adds to the denominator
-            sink = tl.load(sinks_ptr + offs_h, mask=m_g, other=0.0) * 1.4426950408889634
-            m_fin = tl.maximum(b_m, sink)
-            corr = tl.exp2(b_m - m_fin)
-            b_l = b_l * corr + tl.exp2(sink - m_fin)
-            b_acc = b_acc * corr[:, None]
-        out = b_acc * (out_scale / b_l)[:, None]
-        tl.store(
-            out_ptr + i_b64 * stride_out_b + offs_h[:, None] * stride_out_h + offs_dv[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=m_g[:, None] & m_dv[None, :],
-        )
-    else:
-        base = (i_b64 * (GROUP * tl.num_programs(1)) + offs_h) * num_splits + i_s
-        tl.store(part_m_ptr + base, b_m, mask=m_g)
-        tl.store(part_l_ptr + base, b_l, mask=m_g)
-        tl.store(
-            part_acc_ptr + base[:, None] * HEAD_DIM_V + offs_dv[None, :],
-            b_acc * out_scale,
-            mask=m_g[:, None] & m_dv[None, :],
-        )
+    return b_m, b_l, b_acc, seg_block
 
 
 @triton.jit
@@ -708,6 +804,7 @@ def _autotuned_kernel():
             "GROUP",
             "PAGE_ALIGN",
             "FP8",
+            "HAS_REL",  # a bias launch tunes apart: its tiles also hold the bias dot
             "tune_work",
             "tune_context",
         ],
@@ -769,6 +866,7 @@ class DecodePlan:
     split_len: int
     autotune: bool
     has_sinks: bool  # run takes each layer's per-head attention-sink logits
+    rel_dim: int  # > 0: run takes each layer's relative-position bias (rel_states, rel_proj)
     block_tables: torch.Tensor = field(repr=False)
     seq_lens: torch.Tensor = field(repr=False)
     part_m: torch.Tensor | None = field(repr=False)
@@ -824,13 +922,18 @@ class DecodePlan:
         v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        rel_states: torch.Tensor | None = None,
+        rel_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode attention of one layer: ``q [B, Hq, Dk]`` over ``k_cache``/``v_cache``
         ``[num_blocks, block_size, Hkv, D]`` (any strides but the last) of the planned shape
         and dtype; fp8 caches need ``k_scale``/``v_scale`` (float32, one value each). Returns
         ``[B, Hq, Dv]`` in ``q``'s dtype (in ``out`` if given: then nothing is allocated).
         ``sinks [Hq] float32``: the layer's attention-sink logits, required when the plan was
-        made with ``sinks=True`` and refused otherwise."""
+        made with ``sinks=True`` and refused otherwise. ``rel_states [B, Hq, rel_dim]`` and
+        ``rel_proj [rel_dim, rel_extent]`` (q's dtype, last dims contiguous): the layer's
+        relative-position bias, required when the plan was made with ``rel_dim`` and refused
+        otherwise (see :func:`plan_decode`)."""
         batch, heads, dv = self.batch, self.num_heads, self.head_dim_v
         if q.shape != self._q_shape or q.dtype != self.q_dtype or q.stride(2) != 1:
             raise ValueError(
@@ -864,6 +967,13 @@ class DecodePlan:
         sinks = _check_sinks(sinks, self.has_sinks, heads, q.device)
         if sinks is None:
             sinks = self.seq_lens  # never read
+        _check_rel(rel_states, rel_proj, self.rel_dim, batch, heads, q, "B")
+        if rel_states is None:
+            rel_states = rel_proj = self.seq_lens  # never read
+            rel_ints = (0, 0, 0, 0)
+        else:
+            rs = rel_states.stride()
+            rel_ints = (rel_proj.shape[1], rs[0], rs[1], rel_proj.stride(0))
         if out is None:
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
         elif out.shape != self._out_shape or out.stride(2) != 1 or out.dtype != q.dtype:
@@ -878,9 +988,10 @@ class DecodePlan:
         parts = (out, out, out) if one_split else (self.part_m, self.part_l, self.part_acc)
         args = (
             q, k_cache, v_cache, self.block_tables, self.seq_lens, k_scale, v_scale, sinks,
-            *parts, out, self.scale, self.block_size, self.split_len, self.sliding_window,
-            qs[0], qs[1], os_[0], os_[1], self.block_tables.stride(0), ks[0], ks[1], ks[2],
-            vs[0], vs[1], vs[2], self.num_splits, self.shape.work, self.shape.context,
+            rel_states, rel_proj, *parts, out, self.scale, self.block_size, self.split_len,
+            self.sliding_window, *rel_ints, qs[0], qs[1], os_[0], os_[1],
+            self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            self.num_splits, self.shape.work, self.shape.context,
         )  # fmt: skip
         grid = (batch, self.num_kv_heads, self.num_splits)
         if self.autotune:
@@ -891,7 +1002,9 @@ class DecodePlan:
             key = (
                 self._launch_key, q.data_ptr() % 16, k_cache.data_ptr() % 16,
                 v_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
-                v_scale.data_ptr() % 16, sinks.data_ptr() % 16, qs, os_, ks, vs,
+                v_scale.data_ptr() % 16, sinks.data_ptr() % 16, rel_states.data_ptr() % 16,
+                rel_proj.data_ptr() % 16, tuple(_int_class(v) for v in rel_ints), qs, os_, ks,
+                vs,
             )  # fmt: skip
             _partial_launcher(grid, key, args, self._meta)
         if not one_split:
@@ -924,6 +1037,58 @@ def _check_sinks(
     return sinks.contiguous()
 
 
+def _check_rel(
+    rel_states: torch.Tensor | None,
+    rel_proj: torch.Tensor | None,
+    rel_dim: int,
+    rows: int,
+    num_heads: int,
+    q: torch.Tensor,
+    rows_name: str,
+) -> None:
+    """A run's relative-position bias: ``rel_states [rows, Hq, rel_dim]`` and ``rel_proj
+    [rel_dim, rel_extent]`` in ``q``'s dtype on its device with contiguous last dims, given
+    exactly when the plan was made with ``rel_dim`` (> 0)."""
+    given = (rel_states is not None, rel_proj is not None)
+    if given == (False, False):
+        if rel_dim:
+            raise ValueError(
+                f"this plan was made with rel_dim={rel_dim}: pass the layer's rel_states "
+                f"[{rows_name}, Hq, {rel_dim}] and rel_proj [{rel_dim}, rel_extent]"
+            )
+        return
+    if not rel_dim:
+        raise ValueError(
+            "rel_states/rel_proj given to a plan made without a relative bias: plan with "
+            "rel_dim=rel_states.shape[-1]"
+        )
+    if given != (True, True):
+        raise ValueError("pass rel_states and rel_proj together (the bias is their product)")
+    want = (rows, num_heads, rel_dim)
+    if rel_states.shape != want or rel_states.stride(2) != 1:
+        raise ValueError(
+            f"rel_states must be [{rows_name}={rows}, Hq={num_heads}, rel_dim={rel_dim}] (one "
+            f"row per query token) with a contiguous last dim, got {tuple(rel_states.shape)} "
+            f"strides {rel_states.stride()}"
+        )
+    if rel_proj.dim() != 2 or rel_proj.shape[0] != rel_dim or rel_proj.shape[1] < 1:
+        raise ValueError(
+            f"rel_proj must be [rel_dim={rel_dim}, rel_extent >= 1] (one column per distance), "
+            f"got {tuple(rel_proj.shape)}"
+        )
+    if rel_proj.stride(1) != 1:
+        raise ValueError(
+            f"rel_proj's last dim must be contiguous (its distances), got strides "
+            f"{rel_proj.stride()}: pass rel_proj.contiguous()"
+        )
+    for name, t in (("rel_states", rel_states), ("rel_proj", rel_proj)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must be {q.dtype} on {q.device} (q's: the bias dot runs in q's dtype, "
+                f"as the model's relative_states @ proj does), got {t.dtype} on {t.device}"
+            )
+
+
 def _check_scale(scale: torch.Tensor | None, name: str) -> None:
     if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
         raise ValueError(
@@ -952,6 +1117,7 @@ def plan_decode(
     num_blocks: int | None = None,
     validate: bool | None = None,
     sinks: bool = False,
+    rel_dim: int | None = None,
 ) -> DecodePlan:
     """Plan one step's decode: ``block_tables [B, max_blocks] int32`` (row-contiguous),
     ``seq_lens [B] int32/int64`` (>= 1; the query is the last token) on the device the layers'
@@ -966,6 +1132,11 @@ def plan_decode(
     the kernel will read (one sync; see the module's contract). ``sinks=True``: the layers
     have learnable per-head attention sinks (GPT-OSS, GraniteSWA: one more logit per head in
     each softmax's denominator, with no value), passed to each :meth:`~DecodePlan.run`.
+    ``rel_dim``: the layers add a hidden-state-conditioned relative-position bias (Inkling):
+    each :meth:`~DecodePlan.run` takes ``rel_states [B, Hq, rel_dim]`` and ``rel_proj
+    [rel_dim, rel_extent]``, and key ``k`` of a query at position ``p`` gets
+    ``rel_states[b, h] @ rel_proj[:, p - k]`` added to its scaled logit where
+    ``p - k < rel_extent`` (nothing farther back).
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
@@ -998,6 +1169,11 @@ def plan_decode(
         )
     if autotune and config is not None:
         raise ValueError("pass config= or autotune=True, not both")
+    if rel_dim is not None and not 1 <= rel_dim <= 128:
+        raise ValueError(
+            f"rel_dim must be None (no relative bias) or 1..128 (rel_states' last dim), got "
+            f"{rel_dim}"
+        )
     device = block_tables.device
     check = _validate_enabled(validate)
     if batch and (max_seq_len is None or check):
@@ -1073,6 +1249,7 @@ def plan_decode(
         split_len=split_len,
         autotune=autotune,
         has_sinks=bool(sinks),
+        rel_dim=rel_dim or 0,
         block_tables=block_tables,
         seq_lens=seq_lens,
         part_m=part_m,
@@ -1090,6 +1267,9 @@ def plan_decode(
             ONE_SPLIT=num_splits == 1,
             Q_TO_F16=cache_kind.startswith("fp8") and q_dtype == torch.bfloat16,
             HAS_SINKS=bool(sinks),
+            HAS_REL=bool(rel_dim),
+            D_REL=rel_dim or 0,
+            BLOCK_R=max(16, triton.next_power_of_2(rel_dim or 1)),
         ),
         _reduce_grid=(batch, num_heads, triton.cdiv(head_dim_v, reduce_dv)),
         _reduce_constexprs=dict(
@@ -1137,6 +1317,8 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     autotune: bool = False,
     sinks: torch.Tensor | None = None,
+    rel_states: torch.Tensor | None = None,
+    rel_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V: :func:`plan_decode` and
     :meth:`DecodePlan.run` in one call (plan once and run per layer to save the host work).
@@ -1149,6 +1331,8 @@ def paged_decode_attention(
     and length the kernel will use (see the module's contract). ``out [B, Hq, Dv]`` (contiguous
     in Dv), if given, receives the result. fp8 caches need ``k_scale``/``v_scale`` (float32
     scalars). ``sinks [Hq] float32``: per-head attention-sink logits (none by default).
+    ``rel_states [B, Hq, rel_dim]`` with ``rel_proj [rel_dim, rel_extent]`` (q's dtype): a
+    relative-position bias (see :func:`plan_decode`; none by default).
     """
     _check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
     quant = k_cache.dtype in _FP8
@@ -1173,11 +1357,15 @@ def paged_decode_attention(
         num_blocks=k_cache.shape[0],
         validate=validate,
         sinks=sinks is not None,
+        rel_dim=None if rel_states is None else rel_states.shape[-1],
     )
     if quant:
         k_scale = k_scale.reshape(1).to(torch.float32)
         v_scale = v_scale.reshape(1).to(torch.float32)
-    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out, sinks=sinks)
+    return plan.run(
+        q, k_cache, v_cache, k_scale, v_scale, out=out, sinks=sinks, rel_states=rel_states,
+        rel_proj=rel_proj,
+    )  # fmt: skip
 
 
 # ---- reference --------------------------------------------------------------------------------
@@ -1209,11 +1397,16 @@ def paged_decode_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    rel_states: torch.Tensor | None = None,
+    rel_proj: torch.Tensor | None = None,
     **_: object,
 ) -> torch.Tensor:
     """Plain torch: gather each request's visible K/V through its block table (keys below a
     sliding window are not read: their blocks may be freed), softmax in float32 (over the
-    scores and, given ``sinks [Hq]``, one sink logit per head whose weight is dropped)."""
+    scores and, given ``sinks [Hq]``, one sink logit per head whose weight is dropped). Given
+    ``rel_states [B, Hq, rel_dim]`` and ``rel_proj [rel_dim, rel_extent]``, each scaled score
+    gets ``rel_states[b, h] @ rel_proj[:, distance]`` added in float32 (none from distance
+    ``rel_extent`` on)."""
     from einops import repeat
 
     out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
@@ -1225,8 +1418,24 @@ def paged_decode_attention_ref(
         k = repeat(k, "n h d -> n (h g) d", g=group)
         v = repeat(v, "n h d -> n (h g) d", g=group)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        if rel_states is not None:
+            dist = (n - 1) - torch.arange(first, n, device=q.device)
+            scores = scores + _rel_bias_ref(rel_states[b, None], rel_proj, dist[None, :])[:, 0]
         if sinks is not None:
             scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
         weights = scores.softmax(-1)[:, : k.shape[0]]
         out[b] = torch.einsum("hn,nhd->hd", weights, v).to(q.dtype)
     return out
+
+
+def _rel_bias_ref(
+    rel_states: torch.Tensor, rel_proj: torch.Tensor, dist: torch.Tensor
+) -> torch.Tensor:
+    """``[Hq, M, N]`` float32 bias of the query tokens' ``rel_states [M, Hq, rel_dim]`` at
+    distances ``dist [M, N]`` (query position minus key position): ``rel_states @
+    rel_proj[:, dist]`` where ``0 <= dist < rel_extent``, else zero (transformers'
+    ``InklingRelativeLogits``)."""
+    extent = rel_proj.shape[1]
+    logits = (rel_states.float() @ rel_proj.float()).transpose(0, 1)  # [Hq, M, rel_extent]
+    index = dist.clamp(0, extent - 1).expand(logits.shape[0], -1, -1)
+    return logits.gather(-1, index).masked_fill((dist < 0) | (dist >= extent), 0.0)

@@ -35,6 +35,19 @@ can be captured in a CUDA graph. :func:`paged_prefill_attention` is plan + run i
   scales are folded into the scores (``k_scale``) and into the output once (``v_scale``), so a
   cached element costs one conversion, no float32 multiply. GPUs without hardware e4m3 (sm_80)
   get the cache's bytes and decode them in the kernel (exactly).
+- Relative-position bias (``plan_prefill(rel_dim=...)``, Inkling): a key ``d`` tokens behind a
+  query gets ``rel_states[t, h] @ rel_proj[:, d]`` added to its scaled logit (float32) for
+  ``0 <= d < rel_extent``. A tile's rows (query tokens x heads) are ``BLOCK_Q + BLOCK_N - 1``
+  consecutive distances away from its keys at most, so one small dot of the rows' states with
+  that band of ``rel_proj``'s columns, ``[ROWS, rel_dim] x [rel_dim, BAND]``, holds every
+  row's bias, and each row gathers its ``BLOCK_N`` (``tl.gather``); nothing of size ``[tokens,
+  heads, rel_extent]`` is built. Scalar bounds split both loops (unmasked, diagonal) in two:
+  tiles wholly ``rel_extent`` or more behind the program's first query run unbiased. The band
+  stays in registers, so bias launches run 8-warp 64 x 16 or 32 x 32 tiles (``_REL_CONFIGS``;
+  4-warp and 128-row tiles spill with it) and never the Hopper path: its 128-row tiles of
+  64-128 keys would hold 64-128 band values a thread, where the generic path's 128-row tiles
+  already spill 20-1704 B with the bias. The table skips Hopper configs for them and a given
+  one is refused.
 
 Configs come from a table of measurements (``_TABLE``: the H200 sweep of 2026-11-26, each row
 with its source), keyed by the launch's shape class (:class:`PrefillShape`: architecture, page
@@ -151,6 +164,7 @@ class PrefillShape:
     cache: str  # "16bit" | "fp32" | "fp8" (converted in hardware) | "fp8-bytes" (in software)
     query: int  # the step's longest query (new tokens of one request), rounded up to 2**k
     context: int  # max_seq_len, rounded up to a power of two
+    rel: bool = False  # the launch adds a relative-position bias (rel_dim): generic path only
 
     @property
     def fp8(self) -> bool:
@@ -173,10 +187,12 @@ class PrefillRule:
     #: the newest Triton (major, minor) the row holds for: register allocation, hence spills
     #: and speed, change between versions; a row measured on one version can stop there
     triton: tuple[int, int] = (99, 99)
+    rel: bool = False  # a row for relative-bias launches (only those), or for the others
 
     def matches(self, shape: PrefillShape) -> bool:
         return (
             self.triton >= _TRITON_VERSION
+            and self.rel == shape.rel
             and self.arch[0] <= shape.arch <= self.arch[1]
             and self.page_align[0] <= shape.page_align <= self.page_align[1]
             and self.head_dim[0] <= shape.head_dim <= self.head_dim[1]
@@ -215,6 +231,38 @@ _HOPPER_PATH_VERIFIED_SMALL_PAGES: dict[tuple[str, int], dict[PrefillConfig, tup
 #: (one 8k-token bf16 request, so they match 16-bit caches and steps of >= 1k query tokens on
 #: sm_90+); the others are marked unmeasured and say what they are inferred from.
 _TABLE: tuple[PrefillRule, ...] = (
+    PrefillRule(
+        _P(64, 16, 8, 3),
+        "unmeasured: relative-bias launches (Inkling: d 128, GQA 4 and 8), the tile that "
+        "compiles without spills with the bias (compile check: 163-194 registers at d 128 on "
+        "sm_80 / sm_90, bf16 and e4m3; 230-255 at d 256). GQA 3+: fewer heads a KV head put "
+        "more query tokens in a tile and widen the bias band (_REL_CONFIGS)",
+        head_dim=(16, 128),
+        group=(3, 32),
+        caches=("16bit", "fp32"),
+        rel=True,
+    ),
+    PrefillRule(
+        _P(64, 16, 8, 3),
+        "unmeasured: as the row above at d 256, and for fp8 caches at d >= 128 (pre-Hopper "
+        "fp8 at d 64 has no 64 x 16 tile on 8 warps: it spills there without the bias; fp32 "
+        "at d 256 overflows the 99 KB of sm_86/89)",
+        head_dim=(128, 256),
+        group=(3, 32),
+        caches=_NOT_FP32,
+        rel=True,
+    ),
+    PrefillRule(
+        _P(32, 32, 8, 3),
+        "unmeasured: relative-bias launches at GQA 1-2, d <= 128 on 16-bit caches: 64-row "
+        "tiles hold 16-32 band values a thread there and spill (8-100 B), 32 x 32 on 8 warps "
+        "holds 8 and does not (compile check: 176-183 registers)",
+        page_align=(16, 64),
+        head_dim=(16, 128),
+        group=(1, 2),
+        caches=("16bit",),
+        rel=True,
+    ),
     PrefillRule(
         _P(128, 64, 8, 2, hopper=True),
         f"{_H200_SUITE_3}: Qwen3-Next (16 q / 2 KV heads, d 256) on 16-token pages, bf16, "
@@ -534,6 +582,31 @@ _HOPPER_PATH_SPILLS: dict[tuple[str, int], frozenset[PrefillConfig]] = {
 }
 
 
+#: relative-bias launches (``rel_dim``): the configs that compile without spills, each with the
+#: widest head dim checked (``python -m paper.compile_kernels`` over every 8-warp config, d 128
+#: GQA 1/2/4/8 and d 256 GQA 8, bf16 and e4m3, sm_80 and sm_90). The bias band
+#: ``[BLOCK_M, BAND]`` float32, the rows' states and the gather's indices stay in registers
+#: beside the tile, so 4-warp tiles spill (4-152 B at d 128) and 128-row ones too (20-1704 B
+#: but GQA 8 at 16 keys); 32 x 16 is held to 128 registers and spills 8-20 B.
+_REL_CONFIGS: dict[PrefillConfig, int] = {_P(64, 16, 8, 3): 256, _P(32, 32, 8, 3): 128}
+
+
+def _rel_band_values(config: PrefillConfig, shape: PrefillShape) -> int:
+    """Float32 values of the relative bias's band a thread holds: ``BLOCK_M`` rows by ``BAND =
+    2 * max(BLOCK_Q, BLOCK_N)`` distances (``_rel_bias``)."""
+    band = 2 * max(tokens_per_tile(config.block_m, shape.group), config.block_n)
+    return config.block_m * band // (32 * config.num_warps)
+
+
+def _rel_fits(config: PrefillConfig, shape: PrefillShape) -> bool:
+    """Whether a relative-bias launch compiles without spills at ``config``: a config of
+    ``_REL_CONFIGS`` at most as wide as checked whose band is at most 8 values a thread (64 x
+    16 at GQA 2 holds 16 and spills 8 B on sm_80, at GQA 1 32 and spills 36-100 B). The Hopper
+    path is not taken (see the module's docstring)."""
+    widest = _REL_CONFIGS.get(config, 0)
+    return shape.head_dim <= widest and _rel_band_values(config, shape) <= 8
+
+
 def _width_class(head_dim: int) -> int:
     """The head-dim class the spill rules are measured for: 64 (and below), 128, 256."""
     return max(64, head_dim)
@@ -564,13 +637,15 @@ def config_fits(config: PrefillConfig, shape: PrefillShape) -> bool:
     ``_HOPPER_VERIFIED_SMALL_PAGES``."""
     if triton.next_power_of_2(shape.group) > config.block_m or shape.head_dim > 256:
         return False  # more rows than the config's, or wider than anything checked
+    if shape.rel and not _rel_fits(config, shape):
+        return False
     if shape.page_align < 16 and (config.block_n > 16 or config.block_m < 64):
         # segments of 1-8 tokens: their addresses take registers; on pages of 8 and 1 tokens
         # 32-key tiles and 32-row tiles spill 4-56 B where 16-key tiles of 64+ rows do not
         return False
     key = ("fp8" if shape.fp8 else shape.cache, _width_class(shape.head_dim))
     if config.hopper:
-        if shape.arch < 90 or shape.cache not in _HOPPER_CACHES:
+        if shape.arch < 90 or shape.cache not in _HOPPER_CACHES or shape.rel:
             return False
         newest = _HOPPER_PATH_VERIFIED_SMALL_PAGES.get(key, {}).get(config)
         small_pages = shape.page_align <= 16 and shape.group == 8
@@ -631,11 +706,17 @@ def _prefill_kernel(
     k_scale_ptr,  # [1] float32 (read only when FP8)
     v_scale_ptr,  # [1] float32
     sinks_ptr,  # [Hq] float32 attention-sink logits (read only when HAS_SINKS)
+    rel_states_ptr,  # [total_q, Hq, D_REL] in q's dtype, last dim contiguous (HAS_REL)
+    rel_proj_ptr,  # [D_REL, rel_extent] in q's dtype, last dim contiguous (HAS_REL)
     out_ptr,  # [total_q, Hq, Dv]
     sm_scale,
     batch,
     block_size,
     window,  # <= 0: full causal attention
+    rel_extent,  # HAS_REL: distances 0 .. rel_extent - 1 get a bias, farther keys none
+    stride_rs_t,  # rel_states' strides (HAS_REL)
+    stride_rs_h,
+    stride_rp_r,  # rel_proj's row stride (HAS_REL)
     stride_q_t,
     stride_q_h,
     stride_out_t,
@@ -661,6 +742,9 @@ def _prefill_kernel(
     POW2_PAGES: tl.constexpr,  # block_size == PAGE_ALIGN: page math by shifts, no division
     KV_TMA: tl.constexpr,  # one-page tiles come in by TMA through k_desc / v_desc
     HAS_SINKS: tl.constexpr,  # per-head sink logits join each softmax's denominator
+    HAS_REL: tl.constexpr,  # a relative-position bias rel_states @ rel_proj[:, distance]
+    D_REL: tl.constexpr,  # relative states per head (HAS_REL)
+    BLOCK_R: tl.constexpr,  # D_REL padded for tl.dot (>= 16)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -736,31 +820,56 @@ def _prefill_kernel(
     seg_block = _first_block_id(
         p_table, tile_lo, hi, block_size, PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, BLOCK_N
     )
-    for tile in range(tile_lo, full_end, BLOCK_N):
-        k, v, seg_block = _kv_tile(
-            p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table, seg_block, tile, lo, hi,
-            block_size, stride_kc_block, stride_kc_token, stride_vc_block, stride_vc_token,
-            offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk, m_dv, q.dtype, False, FP8, BLOCK_N,
-            PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, KV_TMA,
+    # HAS_REL: tiles wholly more than rel_extent - 1 keys behind the tile's first query get
+    # no bias; they run the plain loops, the others the biased ones (bounds, not a per-tile test)
+    plain_end = full_end
+    masked_plain_end = hi
+    rel_q = q  # HAS_REL: the rows' relative states [ROWS, BLOCK_R]; else unused
+    p_rel = q_ptr
+    if HAS_REL:
+        offs_i = tl.arange(0, BLOCK_R)
+        p_rs = rel_states_ptr + (rows_t * stride_rs_t + rows_h * stride_rs_h)[:, None]
+        m_i = offs_i < D_REL
+        rel_q = tl.load(p_rs + offs_i[None, :], mask=m_r[:, None] & m_i[None, :], other=0.0)
+        p_rel = rel_proj_ptr + offs_i.to(tl.int64)[:, None] * stride_rp_r  # int64 row bases
+        band = tl.maximum(ctx + q_first - rel_extent + 1, 0) // BLOCK_N * BLOCK_N
+        plain_end = tl.minimum(tl.maximum(band, tile_lo), full_end)
+        masked_plain_end = tl.minimum(tl.maximum(band, full_end), hi)
+    b_m, b_l, b_acc, seg_block = _attend_tiles(
+        tile_lo, plain_end, q, qk_scale, b_m, b_l, b_acc, rel_q, p_rel, rel_extent, pos_r,
+        ctx + q_first, p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table, seg_block, lo, hi,
+        window, block_size, stride_kc_block, stride_kc_token, stride_vc_block,
+        stride_vc_token, offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk, m_dv, False, False,
+        FP8, BLOCK_N, PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, KV_TMA, D_REL, BLOCK_R,
+        BLOCK_Q, GROUP_PAD,
+    )  # fmt: skip
+    if HAS_REL:
+        b_m, b_l, b_acc, seg_block = _attend_tiles(
+            plain_end, full_end, q, qk_scale, b_m, b_l, b_acc, rel_q, p_rel, rel_extent,
+            pos_r, ctx + q_first, p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table,
+            seg_block, lo, hi, window, block_size, stride_kc_block, stride_kc_token,
+            stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk,
+            m_dv, False, True, FP8, BLOCK_N, PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN,
+            KV_TMA, D_REL, BLOCK_R, BLOCK_Q, GROUP_PAD,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N]
-        b_m, b_l, b_acc = _softmax_step(s, v, b_m, b_l, b_acc)
     # seg_block now holds the ids of the tile at full_end (loaded ahead by the last full tile)
-    for tile in range(full_end, hi, BLOCK_N):
-        k, v, seg_block = _kv_tile(
-            p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table, seg_block, tile, lo, hi,
-            block_size, stride_kc_block, stride_kc_token, stride_vc_block, stride_vc_token,
-            offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk, m_dv, q.dtype, True, FP8, BLOCK_N,
-            PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, KV_TMA,
+    b_m, b_l, b_acc, seg_block = _attend_tiles(
+        full_end, masked_plain_end, q, qk_scale, b_m, b_l, b_acc, rel_q, p_rel, rel_extent,
+        pos_r, ctx + q_first, p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table, seg_block,
+        lo, hi, window, block_size, stride_kc_block, stride_kc_token, stride_vc_block,
+        stride_vc_token, offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk, m_dv, True, False,
+        FP8, BLOCK_N, PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, KV_TMA, D_REL, BLOCK_R,
+        BLOCK_Q, GROUP_PAD,
+    )  # fmt: skip
+    if HAS_REL:
+        b_m, b_l, b_acc, seg_block = _attend_tiles(
+            masked_plain_end, hi, q, qk_scale, b_m, b_l, b_acc, rel_q, p_rel, rel_extent,
+            pos_r, ctx + q_first, p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table,
+            seg_block, lo, hi, window, block_size, stride_kc_block, stride_kc_token,
+            stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk,
+            m_dv, True, True, FP8, BLOCK_N, PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN,
+            KV_TMA, D_REL, BLOCK_R, BLOCK_Q, GROUP_PAD,
         )  # fmt: skip
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N]
-        offs_n = tile + tl.arange(0, BLOCK_N)
-        visible = (offs_n[None, :] >= lo) & (offs_n[None, :] <= pos_r[:, None])
-        visible = visible & (offs_n[None, :] < hi)
-        if window > 0:
-            visible = visible & (offs_n[None, :] > pos_r[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        b_m, b_l, b_acc = _softmax_step(s, v, b_m, b_l, b_acc)
 
     out = b_acc * (out_scale / b_l)[:, None]
     tl.store(
@@ -768,6 +877,110 @@ def _prefill_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=m_r[:, None] & m_dv[None, :],
     )
+
+
+@triton.jit
+def _attend_tiles(
+    first,  # first tile, a multiple of BLOCK_N
+    last,  # the loop stops before this key
+    q,  # [ROWS, BLOCK_DK] in the dots' dtype
+    qk_scale,
+    b_m,  # the online softmax's running max, sum and accumulator
+    b_l,
+    b_acc,
+    rel_q,  # BIAS: [ROWS, BLOCK_R] the rows' relative states
+    p_rel,  # BIAS: [BLOCK_R, 1] pointers to rel_proj's rows
+    rel_extent,
+    pos_r,  # [ROWS] the rows' absolute positions
+    pos_first,  # the program's first query position
+    p_k_head,
+    p_v_head,
+    k_desc,
+    v_desc,
+    i_kvh,
+    p_table,
+    seg_block,  # the ids of tile ``first``, loaded ahead (see _first_block_id)
+    lo,
+    hi,
+    window,
+    block_size,
+    stride_kc_block,
+    stride_kc_token,
+    stride_vc_block,
+    stride_vc_token,
+    offs_k_row,
+    offs_v_row,
+    offs_dk,
+    offs_dv,
+    m_dk,
+    m_dv,
+    MASKED: tl.constexpr,  # the diagonal's tiles or a window's: causal and bounds masks
+    BIAS: tl.constexpr,  # add the relative-position bias (_rel_bias) to the scores
+    FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGES: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
+    POW2_PAGES: tl.constexpr,
+    PAGE_ALIGN: tl.constexpr,
+    KV_TMA: tl.constexpr,
+    D_REL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+):
+    """The online softmax over the tiles ``first, first + BLOCK_N, ...`` below ``last``:
+    ``(b_m, b_l, b_acc)`` and the block id(s) of the tile after them."""
+    for tile in range(first, last, BLOCK_N):
+        k, v, seg_block = _kv_tile(
+            p_k_head, p_v_head, k_desc, v_desc, i_kvh, p_table, seg_block, tile, lo, hi,
+            block_size, stride_kc_block, stride_kc_token, stride_vc_block, stride_vc_token,
+            offs_k_row, offs_v_row, offs_dk, offs_dv, m_dk, m_dv, q.dtype, MASKED, FP8,
+            BLOCK_N, PAGES, IDS_AHEAD, POW2_PAGES, PAGE_ALIGN, KV_TMA,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [ROWS, BLOCK_N]
+        if BIAS:
+            s += _rel_bias(
+                rel_q, p_rel, pos_first - tile, rel_extent, D_REL, BLOCK_R, BLOCK_Q, GROUP_PAD,
+                BLOCK_N,
+            )  # fmt: skip
+        if MASKED:
+            offs_n = tile + tl.arange(0, BLOCK_N)
+            visible = (offs_n[None, :] >= lo) & (offs_n[None, :] <= pos_r[:, None])
+            visible = visible & (offs_n[None, :] < hi)
+            if window > 0:
+                visible = visible & (offs_n[None, :] > pos_r[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        b_m, b_l, b_acc = _softmax_step(s, v, b_m, b_l, b_acc)
+    return b_m, b_l, b_acc, seg_block
+
+
+@triton.jit
+def _rel_bias(
+    rel_q,  # [ROWS, BLOCK_R] the rows' relative states
+    p_rel,  # [BLOCK_R, 1] pointers to rel_proj's rows
+    behind,  # how far the program's first query is past the tile's first key
+    rel_extent,
+    D_REL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``[ROWS, BLOCK_N]`` float32 bias in log2 units: row ``r`` (query token ``j = r //
+    GROUP_PAD`` of the program) and key ``n`` of the tile are ``behind + j - n`` apart. The
+    tile's distances span ``BLOCK_Q + BLOCK_N - 1`` consecutive values, so one small dot of the
+    rows' states with rel_proj's columns of that band, ``[ROWS, BLOCK_R] x [BLOCK_R, BAND]``,
+    holds every row's bias, and each row gathers its ``BLOCK_N`` (band column ``j - n +
+    BLOCK_N - 1``). Distances outside ``[0, rel_extent)`` load zero columns."""
+    BAND: tl.constexpr = 2 * max(BLOCK_Q, BLOCK_N)  # a power of two >= BLOCK_Q + BLOCK_N - 1
+    dist = behind - (BLOCK_N - 1) + tl.arange(0, BAND)
+    m_d = (dist >= 0) & (dist < rel_extent)
+    m_i = tl.arange(0, BLOCK_R) < D_REL
+    proj = tl.load(p_rel + dist[None, :], mask=m_i[:, None] & m_d[None, :], other=0.0)
+    band = tl.dot(rel_q, proj)  # [ROWS, BAND] float32
+    row_q = tl.arange(0, BLOCK_Q * GROUP_PAD) // GROUP_PAD
+    column = row_q[:, None] - tl.arange(0, BLOCK_N)[None, :] + (BLOCK_N - 1)
+    return tl.gather(band, column, axis=1) * 1.4426950408889634
 
 
 @triton.jit
@@ -1044,6 +1257,7 @@ def prefill_shape(
     cache_dtype: torch.dtype,
     max_query_len: int,
     max_seq_len: int,
+    rel: bool = False,
 ) -> PrefillShape:
     """The :class:`PrefillShape` of a launch."""
     major, minor = _capability(device)
@@ -1055,6 +1269,7 @@ def prefill_shape(
         cache=_cache_kind(cache_dtype, device),
         query=_bucket(max_query_len),
         context=_bucket(max_seq_len),
+        rel=rel,
     )
 
 
@@ -1138,6 +1353,7 @@ def _autotuned_kernel():
             "GROUP",
             "PAGE_ALIGN",
             "FP8",
+            "HAS_REL",  # a bias launch prunes to other configs (config_fits)
             "tune_query",
             "tune_context",
         ],
@@ -1168,6 +1384,7 @@ def _prune_for_autotune(
         cache=cache,
         query=args["tune_query"],
         context=args["tune_context"],
+        rel=bool(args["HAS_REL"]),
     )
     kept = [c for c in configs if config_fits(_config_of(c), shape)]
     return kept or configs[:1]
@@ -1199,6 +1416,7 @@ class PrefillPlan:
     config_source: str  # the table row, "autotune" or "given"
     autotune: bool
     has_sinks: bool  # run takes each layer's per-head attention-sink logits
+    rel_dim: int  # > 0: run takes each layer's relative-position bias (rel_states, rel_proj)
     grid: tuple[int, int]  # (query tiles, KV heads) of the planned config
     block_tables: torch.Tensor = field(repr=False)
     cu_seqlens_q: torch.Tensor = field(repr=False)
@@ -1256,13 +1474,18 @@ class PrefillPlan:
         v_scale: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
+        rel_states: torch.Tensor | None = None,
+        rel_proj: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of one layer: ``q [total_q, Hq, Dk]`` over ``k_cache``/``v_cache``
         ``[num_blocks, block_size, Hkv, D]`` (any strides but the last) of the planned shape
         and dtype; fp8 caches need ``k_scale``/``v_scale`` (float32, one value each). Returns
         ``[total_q, Hq, Dv]`` in ``q``'s dtype (in ``out`` if given: then nothing is
         allocated). ``sinks [Hq] float32``: the layer's attention-sink logits, required when
-        the plan was made with ``sinks=True`` and refused otherwise."""
+        the plan was made with ``sinks=True`` and refused otherwise. ``rel_states [total_q,
+        Hq, rel_dim]`` and ``rel_proj [rel_dim, rel_extent]`` (q's dtype, last dims
+        contiguous): the layer's relative-position bias, required when the plan was made with
+        ``rel_dim`` and refused otherwise (see :func:`plan_prefill`)."""
         if q.shape != self._q_shape or q.dtype != self.q_dtype or q.stride(2) != 1:
             raise ValueError(
                 f"q must be {list(self._q_shape)} {self.q_dtype} with a contiguous last dim "
@@ -1295,6 +1518,13 @@ class PrefillPlan:
         sinks = _check_sinks(sinks, self.has_sinks, self.num_heads, q.device)
         if sinks is None:
             sinks = self.seq_lens  # never read
+        _check_rel(rel_states, rel_proj, self.rel_dim, self.total_q, self.num_heads, q)
+        if rel_states is None:
+            rel_states = rel_proj = self.seq_lens  # never read
+            rel_ints = (0, 0, 0, 0)
+        else:
+            rs = rel_states.stride()
+            rel_ints = (rel_proj.shape[1], rs[0], rs[1], rel_proj.stride(0))
         if out is None:
             out = torch.empty(self._out_shape, dtype=q.dtype, device=q.device)
         elif out.shape != self._out_shape or out.stride(2) != 1 or out.dtype != q.dtype:
@@ -1314,9 +1544,9 @@ class PrefillPlan:
             meta = self._meta_tma
         args = (
             q, k_cache, v_cache, k_desc, v_desc, self.block_tables, self.seq_lens,
-            self.cu_seqlens_q, k_scale, v_scale, sinks, out, self.scale, self.batch,
-            self.block_size, self.sliding_window, qs[0], qs[1], os_[0], os_[1],
-            self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            self.cu_seqlens_q, k_scale, v_scale, sinks, rel_states, rel_proj, out, self.scale,
+            self.batch, self.block_size, self.sliding_window, *rel_ints, qs[0], qs[1], os_[0],
+            os_[1], self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
             self.shape.query, self.shape.context,
         )  # fmt: skip
         if self.autotune:
@@ -1334,7 +1564,9 @@ class PrefillPlan:
             key = (
                 self._launch_key, q.data_ptr() % 16, k_cache.data_ptr() % 16,
                 v_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
-                v_scale.data_ptr() % 16, sinks.data_ptr() % 16, qs, os_, ks, vs, tma,
+                v_scale.data_ptr() % 16, sinks.data_ptr() % 16, rel_states.data_ptr() % 16,
+                rel_proj.data_ptr() % 16, tuple(_int_class(v) for v in rel_ints), qs, os_, ks,
+                vs, tma,
             )  # fmt: skip
             _prefill_launcher((*self.grid, 1), key, args, meta)
         return out
@@ -1374,6 +1606,57 @@ def _check_sinks(
     return sinks.contiguous()
 
 
+def _check_rel(
+    rel_states: torch.Tensor | None,
+    rel_proj: torch.Tensor | None,
+    rel_dim: int,
+    rows: int,
+    num_heads: int,
+    q: torch.Tensor,
+) -> None:
+    """A run's relative-position bias: ``rel_states [total_q, Hq, rel_dim]`` and ``rel_proj
+    [rel_dim, rel_extent]`` in ``q``'s dtype on its device with contiguous last dims, given
+    exactly when the plan was made with ``rel_dim`` (> 0)."""
+    given = (rel_states is not None, rel_proj is not None)
+    if given == (False, False):
+        if rel_dim:
+            raise ValueError(
+                f"this plan was made with rel_dim={rel_dim}: pass the layer's rel_states "
+                f"[total_q, Hq, {rel_dim}] and rel_proj [{rel_dim}, rel_extent]"
+            )
+        return
+    if not rel_dim:
+        raise ValueError(
+            "rel_states/rel_proj given to a plan made without a relative bias: plan with "
+            "rel_dim=rel_states.shape[-1]"
+        )
+    if given != (True, True):
+        raise ValueError("pass rel_states and rel_proj together (the bias is their product)")
+    want = (rows, num_heads, rel_dim)
+    if rel_states.shape != want or rel_states.stride(2) != 1:
+        raise ValueError(
+            f"rel_states must be [total_q={rows}, Hq={num_heads}, rel_dim={rel_dim}] (one row "
+            f"per query token) with a contiguous last dim, got {tuple(rel_states.shape)} "
+            f"strides {rel_states.stride()}"
+        )
+    if rel_proj.dim() != 2 or rel_proj.shape[0] != rel_dim or rel_proj.shape[1] < 1:
+        raise ValueError(
+            f"rel_proj must be [rel_dim={rel_dim}, rel_extent >= 1] (one column per distance), "
+            f"got {tuple(rel_proj.shape)}"
+        )
+    if rel_proj.stride(1) != 1:
+        raise ValueError(
+            f"rel_proj's last dim must be contiguous (its distances), got strides "
+            f"{rel_proj.stride()}: pass rel_proj.contiguous()"
+        )
+    for name, t in (("rel_states", rel_states), ("rel_proj", rel_proj)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(
+                f"{name} must be {q.dtype} on {q.device} (q's: the bias dot runs in q's dtype, "
+                f"as the model's relative_states @ proj does), got {t.dtype} on {t.device}"
+            )
+
+
 def _check_scale(scale: torch.Tensor | None, name: str) -> None:
     if scale is None or scale.dtype != torch.float32 or scale.numel() != 1:
         raise ValueError(
@@ -1404,6 +1687,7 @@ def plan_prefill(
     num_blocks: int | None = None,
     validate: bool | None = None,
     sinks: bool = False,
+    rel_dim: int | None = None,
 ) -> PrefillPlan:
     """Plan one step's prefill: ``block_tables [B, max_blocks] int32`` (row-contiguous),
     ``cu_seqlens_q [B+1] int32`` (request ``r``'s queries are rows ``cu[r]:cu[r+1]`` of q) and
@@ -1421,7 +1705,13 @@ def plan_prefill(
     ``hopper=True`` (the Hopper path) needs a 16-bit or hardware-fp8 cache and, on a GPU,
     sm_90+; the interpreter runs it anywhere (the tests). ``sinks=True``: the layers have
     learnable per-head attention sinks (one more logit per head in each softmax's
-    denominator, with no value), passed to each :meth:`~PrefillPlan.run`.
+    denominator, with no value), passed to each :meth:`~PrefillPlan.run`. ``rel_dim``: the
+    layers add a hidden-state-conditioned relative-position bias (Inkling): each
+    :meth:`~PrefillPlan.run` takes ``rel_states [total_q, Hq, rel_dim]`` and ``rel_proj
+    [rel_dim, rel_extent]``, and key ``k`` of a query at position ``p`` gets ``rel_states[t, h]
+    @ rel_proj[:, p - k]`` added to its scaled logit where ``p - k < rel_extent``. Such plans
+    take the generic path (see the module's docstring): the table skips Hopper-path configs
+    for them and a given one is refused.
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
@@ -1464,6 +1754,11 @@ def plan_prefill(
         )
     if autotune and config is not None:
         raise ValueError("pass config= or autotune=True, not both")
+    if rel_dim is not None and not 1 <= rel_dim <= 128:
+        raise ValueError(
+            f"rel_dim must be None (no relative bias) or 1..128 (rel_states' last dim), got "
+            f"{rel_dim}"
+        )
     if max_seq_len is not None:
         needed = triton.cdiv(max_seq_len, block_size)
         if needed > block_tables.shape[1]:
@@ -1498,6 +1793,7 @@ def plan_prefill(
         cache_dtype=cache_dtype,
         max_query_len=query_len,
         max_seq_len=seq_len,
+        rel=bool(rel_dim),
     )
     if autotune:
         source = "autotune"
@@ -1511,6 +1807,12 @@ def plan_prefill(
             raise ValueError(
                 f"{config} takes the Hopper path, which reads 16-bit caches and fp8 converted "
                 f"in hardware, not {cache_dtype} ({shape.cache}); pick a config without hopper"
+            )
+        if config.hopper and rel_dim:
+            raise ValueError(
+                f"{config} takes the Hopper path, which takes no relative-position bias (its "
+                f"wide tiles would hold the bias band in registers): pick a config without "
+                f"hopper"
             )
         if config.hopper and device.type == "cuda" and shape.arch < 90:
             raise ValueError(
@@ -1539,6 +1841,7 @@ def plan_prefill(
         config_source=source,
         autotune=autotune,
         has_sinks=bool(sinks),
+        rel_dim=rel_dim or 0,
         grid=(tiles, num_kv_heads),
         block_tables=block_tables,
         cu_seqlens_q=cu_seqlens_q,
@@ -1555,6 +1858,9 @@ def plan_prefill(
             POW2_PAGES=block_size == shape.page_align,  # read by the Hopper path only
             KV_TMA=False,  # run turns it on where the layer's caches allow
             HAS_SINKS=bool(sinks),
+            HAS_REL=bool(rel_dim),
+            D_REL=rel_dim or 0,
+            BLOCK_R=max(16, triton.next_power_of_2(rel_dim or 1)),
         ),
     )
 
@@ -1577,6 +1883,8 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     autotune: bool = False,
     sinks: torch.Tensor | None = None,
+    rel_states: torch.Tensor | None = None,
+    rel_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [total_q, Hq, Dk]`` over each request's paged K/V:
     :func:`plan_prefill` and :meth:`PrefillPlan.run` in one call (plan once and run per layer
@@ -1591,6 +1899,8 @@ def paged_prefill_attention(
     pick the config's sequence-length class; ``config`` forces one of ``CONFIGS``;
     ``autotune=True`` tunes on the GPU. fp8 caches need ``k_scale``/``v_scale`` (float32
     scalars). ``sinks [Hq] float32``: per-head attention-sink logits (none by default).
+    ``rel_states [total_q, Hq, rel_dim]`` with ``rel_proj [rel_dim, rel_extent]`` (q's dtype):
+    a relative-position bias (see :func:`plan_prefill`; none by default).
     """
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(
@@ -1628,11 +1938,15 @@ def paged_prefill_attention(
         num_blocks=k_cache.shape[0],
         validate=validate,
         sinks=sinks is not None,
+        rel_dim=None if rel_states is None else rel_states.shape[-1],
     )
     if quant:
         k_scale = k_scale.reshape(1).to(torch.float32)
         v_scale = v_scale.reshape(1).to(torch.float32)
-    return plan.run(q, k_cache, v_cache, k_scale, v_scale, out=out, sinks=sinks)
+    return plan.run(
+        q, k_cache, v_cache, k_scale, v_scale, out=out, sinks=sinks, rel_states=rel_states,
+        rel_proj=rel_proj,
+    )  # fmt: skip
 
 
 # ---- reference --------------------------------------------------------------------------------
@@ -1650,12 +1964,17 @@ def paged_prefill_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    rel_states: torch.Tensor | None = None,
+    rel_proj: torch.Tensor | None = None,
     **_: object,
 ) -> torch.Tensor:
     """Plain torch: gather each request's K/V through its block table, causal softmax in fp32
     (with ``sinks [Hq]``, over one more logit per head whose weight is dropped). Keys no query
     of the request can see (below a sliding window) are not read: an allocator may have freed
-    their blocks. Every tensor it builds lives on ``q``'s device."""
+    their blocks. Every tensor it builds lives on ``q``'s device. Given ``rel_states
+    [total_q, Hq, rel_dim]`` and ``rel_proj [rel_dim, rel_extent]``, each scaled score gets
+    ``rel_states[t, h] @ rel_proj[:, distance]`` added in float32 (none from distance
+    ``rel_extent`` on)."""
     from einops import repeat
 
     device = q.device
@@ -1681,6 +2000,9 @@ def paged_prefill_attention_ref(
         if sliding_window:
             visible &= pos[None, :] > qpos[:, None] - sliding_window
         scores = torch.einsum("mhd,nhd->hmn", q[a:b].float(), k) * scale
+        if rel_states is not None:
+            dist = qpos[:, None] - pos[None, :]
+            scores = scores + _rel_bias_ref(rel_states[a:b], rel_proj, dist)
         scores = scores.masked_fill(~visible[None], float("-inf"))
         if sinks is not None:
             sink = sinks.to(device=device, dtype=torch.float32)[:, None, None]
@@ -1688,3 +2010,16 @@ def paged_prefill_attention_ref(
         weights = scores.softmax(-1)[..., : k.shape[0]]
         out[a:b] = torch.einsum("hmn,nhd->mhd", weights, v).to(q.dtype)
     return out
+
+
+def _rel_bias_ref(
+    rel_states: torch.Tensor, rel_proj: torch.Tensor, dist: torch.Tensor
+) -> torch.Tensor:
+    """``[Hq, M, N]`` float32 bias of the query tokens' ``rel_states [M, Hq, rel_dim]`` at
+    distances ``dist [M, N]`` (query position minus key position): ``rel_states @
+    rel_proj[:, dist]`` where ``0 <= dist < rel_extent``, else zero (transformers'
+    ``InklingRelativeLogits``)."""
+    extent = rel_proj.shape[1]
+    logits = (rel_states.float() @ rel_proj.float()).transpose(0, 1)  # [Hq, M, rel_extent]
+    index = dist.clamp(0, extent - 1).expand(logits.shape[0], -1, -1)
+    return logits.gather(-1, index).masked_fill((dist < 0) | (dist >= extent), 0.0)

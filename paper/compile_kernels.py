@@ -148,6 +148,14 @@ def full_matrix() -> list[Case]:
         for family in ("decode", "prefill"):
             for win in (0, 128):
                 out.append(_case(family, dtype=dt, d=64, gqa=8, bs=16, win=win, i64=0, sinks=1))
+        # Inkling's relative-position bias (d_rel 16): full layers (GQA 8, 1024 distances)
+        # and sliding ones (GQA 4, a 512-token window as wide as their bias)
+        for family in ("decode", "prefill"):
+            for g, win, rel in ((8, 0, 1024), (4, 512, 512)):
+                for bs in (16, 544):
+                    out.append(_case(family, dtype=dt, d=128, gqa=g, bs=bs, win=win, i64=0,
+                                     rel=rel))  # fmt: skip
+            out.append(_case(family, dtype=dt, d=128, gqa=8, bs=16, win=0, i64=1, rel=1024))
         for h in (16, 32, 64, 128):
             out.append(_case("mla", dtype=dt, heads=h, bs=64, i64=0))
         out.append(_case("mla", dtype=dt, heads=128, bs=64, i64=1))
@@ -210,6 +218,12 @@ def quick_matrix() -> list[Case]:
         # attention sinks on a sliding window (GPT-OSS / GraniteSWA's d 64, GQA 8)
         c("decode", dtype="bf16", d=64, gqa=8, bs=16, win=128, i64=0, sinks=1),
         c("prefill", dtype="bf16", d=64, gqa=8, bs=16, win=128, i64=0, sinks=1),
+        # Inkling's relative-position bias: full layers (d 128, GQA 8, 1024 distances) and
+        # sliding ones (GQA 4, a 512-token window with 512 distances)
+        c("decode", dtype="bf16", d=128, gqa=8, bs=16, win=0, i64=0, rel=1024),
+        c("decode", dtype="bf16", d=128, gqa=4, bs=16, win=512, i64=0, rel=512),
+        c("prefill", dtype="bf16", d=128, gqa=8, bs=16, win=0, i64=0, rel=1024),
+        c("prefill", dtype="bf16", d=128, gqa=4, bs=16, win=512, i64=0, rel=512),
         c("mla", dtype="bf16", heads=16, bs=64, i64=0),
         c("mla", dtype="bf16", heads=32, bs=64, i64=0),  # Kimi-Linear at TP1
         # ... its 32 heads padded to a Hopper warpgroup's 64 rows (wgmma), the sweep's candidate
@@ -321,6 +335,23 @@ def _sinks(p: dict, q_heads: int, meta):
     return torch.empty(q_heads, dtype=torch.float32, device=meta)
 
 
+#: relative states per head in the relative-bias cases (Inkling's d_rel)
+_REL_DIM = 16
+
+
+def _rel(p: dict, tokens: int, q_heads: int, dtype, meta) -> dict:
+    """``rel_states [tokens, Hq, 16]`` and ``rel_proj [16, rel]`` in the queries' dtype for a
+    case with ``rel=<extent>``, else nothing."""
+    import torch
+
+    if not p.get("rel"):
+        return {}
+    return {
+        "rel_states": torch.empty((tokens, q_heads, _REL_DIM), dtype=dtype, device=meta),
+        "rel_proj": torch.empty((_REL_DIM, p["rel"]), dtype=dtype, device=meta),
+    }
+
+
 def _run_decode(p: dict, meta, index, autotune: bool) -> None:
     import torch
 
@@ -350,6 +381,7 @@ def _run_decode(p: dict, meta, index, autotune: bool) -> None:
         validate=False,
         autotune=autotune,
         sinks=sinks,
+        **_rel(p, batch, kv_heads * p["gqa"], q.dtype, meta),
     )
 
 
@@ -392,6 +424,7 @@ def _run_prefill(p: dict, meta, index, autotune: bool) -> None:
             validate=False,
             autotune=autotune,
             sinks=sinks,
+            **_rel(p, q.shape[0], q.shape[1], q.dtype, meta),
         )
 
 

@@ -8,7 +8,8 @@ the launches of the public wrappers on meta tensors, compiles each launch's tabl
 ``triton.compile(..., target=GPUTarget("cuda", cc, 32))`` and reads registers and spills from
 ``ptxas -v``. The MLA decode kernel's sparse walk (``token_indices``, k = 2048) is in the quick
 matrix and reported as its own kernel, ``_mla_partial_kernel (sparse)``; so are the paged decode's
-and prefill's attention-sink variants (``sinks=``, ``HAS_SINKS=True``).
+and prefill's attention-sink variants (``sinks=``, ``HAS_SINKS=True``) and relative-position-bias
+variants (``rel_states=``/``rel_proj=``, ``HAS_REL=True``: Inkling's full and sliding layers).
 
 Why the defaults only: they are what a launch without autotuning runs (every launch in the
 package and its tests). The autotune candidates (``autotune=True``, a GPU only) are four times as
@@ -97,6 +98,15 @@ def test_quick_matrix_compiles_without_spills_and_fits(tmp_path):
             if name in r["kernel"] and "HAS_SINKS=True" in r.get("constexprs", "")
         ]
         assert {r["arch"] for r in with_sinks} == {80, 90}, f"{name} with sinks not compiled"
+        # ... and the relative-position-bias variants (HAS_REL=True), windowed and not
+        with_rel = [
+            r
+            for r in report["rows"]
+            if name in r["kernel"] and "HAS_REL=True" in r.get("constexprs", "")
+        ]
+        assert {(r["arch"], "win=0" in r["case"]) for r in with_rel} == {
+            (arch, full) for arch in (80, 90) for full in (True, False)
+        }, f"{name} with a relative bias not compiled"
     prov = report["provenance"]
     for key in ("date", "triton", "torch", "ptxas_sm80", "ptxas_sm90", "commit", "machine"):
         assert prov.get(key), key

@@ -599,3 +599,83 @@ def test_sinks_are_planned_for():
         with_sinks.run(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(ValueError, match=r"sinks must be \[4\] float32"):
         with_sinks.run(q, k, v, sinks=torch.zeros(4, dtype=torch.float16))
+
+
+def _rel_case(lens, hq, hkv, d, dtype, rel_dim=16, extent=50):
+    """Caches, tables, q and a relative bias: ``rel_states [B, Hq, rel_dim]`` and ``rel_proj
+    [rel_dim, extent]`` scaled so the bias moves the logits by about one."""
+    bs = 16
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    _, k_cache, v_cache = synthetic_caches("classic", num_blocks, bs, hkv, d, d, dtype)
+    tables = _fill(k_cache, v_cache, lens, dtype)
+    q = torch.randn(len(lens), hq, d).to(dtype)
+    rel_states = torch.randn(len(lens), hq, rel_dim).to(dtype)
+    rel_proj = (torch.randn(rel_dim, extent) / math.sqrt(rel_dim)).to(dtype)
+    return k_cache, v_cache, tables, q, rel_states, rel_proj
+
+
+@pytest.mark.parametrize("window", [None, 80], ids=["full", "window80"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "split3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_decode_with_relative_bias(splits, window, dtype):
+    """Inkling's relative-position bias: ``rel_states[b, h] @ rel_proj[:, distance]`` added to
+    each scaled logit for distances below rel_extent (50 here: requests of 300 and 61 tokens
+    straddle it, one of 7 lies inside it; the 80-token window is wider than it, so tiles below
+    the band run the plain loop). Compared with the torch reference; the bias matters (the
+    same launch with rel_proj zeroed gives the plain attention, beyond tolerance away)."""
+    lens, hq, hkv, d = [300, 7, 61], 6, 2, 32
+    k_cache, v_cache, tables, q, rel_states, rel_proj = _rel_case(lens, hq, hkv, d, dtype)
+    seq = torch.tensor(lens, dtype=torch.int32)
+
+    def run(proj):
+        out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype)
+        return paged_decode_attention(q, k_cache, v_cache, tables, seq, 0.2, window,
+                                      num_splits=splits, out=out, rel_states=rel_states,
+                                      rel_proj=proj)  # fmt: skip
+
+    got, zeroed = run(rel_proj), run(torch.zeros_like(rel_proj))
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, 0.2, window,
+                                      rel_states=rel_states, rel_proj=rel_proj)  # fmt: skip
+    plain = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, 0.2, window)
+    assert not torch.isnan(got).any()
+    assert (got.float() - want.float()).abs().max() <= TOL[dtype]
+    assert (zeroed.float() - plain.float()).abs().max() <= TOL[dtype]
+    assert (got.float() - zeroed.float()).abs().max() > 10 * TOL[dtype]
+
+
+def test_one_plan_serves_layers_with_their_own_relative_bias():
+    """Plan once with rel_dim, run per layer: each layer brings its own states and bank, and
+    the bank's width (rel_extent: Inkling's sliding layers use their window, full layers 1024)
+    is read from the run's rel_proj."""
+    lens, hq, hkv, d = [130, 20], 4, 2, 32
+    k_cache, v_cache, tables, q, rel_states, rel_proj = _rel_case(lens, hq, hkv, d, torch.float32)
+    plan = _plan_for(k_cache, tables, lens, q, rel_dim=16)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    for states, proj in ((rel_states, rel_proj), (-rel_states, torch.randn(16, 7))):
+        got = plan.run(q, k_cache, v_cache, rel_states=states, rel_proj=proj)
+        want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, 0.25,
+                                          rel_states=states, rel_proj=proj)  # fmt: skip
+        assert (got - want).abs().max() <= TOL[torch.float32]
+
+
+def test_relative_bias_is_planned_for():
+    q, k, v, tables, seq = _small_case()
+    states, proj = torch.zeros(2, 4, 16), torch.zeros(16, 32)
+    plain = _plan_for(k, tables, seq.tolist(), q)
+    with pytest.raises(ValueError, match="plan with rel_dim="):
+        plain.run(q, k, v, rel_states=states, rel_proj=proj)
+    planned = _plan_for(k, tables, seq.tolist(), q, rel_dim=16)
+    with pytest.raises(ValueError, match=r"pass the layer's rel_states \[B, Hq, 16\]"):
+        planned.run(q, k, v)
+    with pytest.raises(ValueError, match="pass rel_states and rel_proj together"):
+        planned.run(q, k, v, rel_states=states)
+    with pytest.raises(ValueError, match=r"rel_states must be \[B=2, Hq=4, rel_dim=16\]"):
+        planned.run(q, k, v, rel_states=torch.zeros(2, 4, 8), rel_proj=proj)
+    with pytest.raises(ValueError, match=r"rel_proj must be \[rel_dim=16, rel_extent >= 1\]"):
+        planned.run(q, k, v, rel_states=states, rel_proj=torch.zeros(8, 32))
+    with pytest.raises(ValueError, match=r"pass rel_proj\.contiguous\(\)"):
+        planned.run(q, k, v, rel_states=states, rel_proj=torch.zeros(32, 16).t())
+    with pytest.raises(ValueError, match=r"rel_proj must be torch\.float32"):
+        planned.run(q, k, v, rel_states=states, rel_proj=proj.half())
+    with pytest.raises(ValueError, match="rel_dim must be None"):
+        _plan_for(k, tables, seq.tolist(), q, rel_dim=0)

@@ -171,7 +171,7 @@ def test_plan_reused_across_two_layers():
         assert (out.float() - want.float()).abs().max() <= TOL[torch.float16]
 
 
-def _small_plan(cache_dtype=torch.float16, q_dtype=torch.float16):
+def _small_plan(cache_dtype=torch.float16, q_dtype=torch.float16, **kw):
     _, k, v = synthetic_caches("classic", 6, 16, 2, 16, 16, torch.float32)
     tables = torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32)
     plan = plan_prefill(
@@ -186,6 +186,7 @@ def _small_plan(cache_dtype=torch.float16, q_dtype=torch.float16):
         q_dtype=q_dtype,
         scale=0.25,
         total_q=5,
+        **kw,
     )
     return plan, k.to(cache_dtype), v.to(cache_dtype)
 
@@ -329,6 +330,8 @@ def test_table_rows_use_configs_and_fit_their_classes():
     classes = list(_classes())
     for rule in paged_prefill._TABLE:
         assert rule.config in CONFIGS, rule
+        if rule.rel:  # rows for relative-bias launches: test_prefill_relative_bias_...
+            continue
         assert rule.source.startswith(("H200", "unmeasured: ")), rule.source
         if rule.triton < paged_prefill._TRITON_VERSION:
             # a row for older Tritons matches nothing here; it must name the version it stops at
@@ -622,3 +625,90 @@ def test_prefill_sinks_are_planned_for():
         with_sinks.run(q, k, v)
     with pytest.raises(ValueError, match=r"sinks must be \[4\] float32"):
         with_sinks.run(q, k, v, sinks=torch.zeros(4, 1))
+
+
+#: the table's tile for relative-bias launches at GQA >= 4, and GQA 1-2's (_REL_CONFIGS)
+_REL_WIDE, _REL_NARROW = PrefillConfig(64, 16, 8, 3), PrefillConfig(32, 32, 8, 3)
+
+
+@pytest.mark.parametrize("window", [None, 64], ids=["causal", "window64"])
+@pytest.mark.parametrize(
+    ("config", "dtype", "hkv"),
+    [
+        (_REL_WIDE, torch.float32, 2),  # GQA 3: 16 query tokens a tile, as many as keys
+        (_REL_WIDE, torch.float16, 6),  # GQA 1: 64 query tokens a tile, more than keys
+        (_REL_NARROW, torch.float16, 2),  # GQA 3: 8 query tokens a tile, fewer than keys
+    ],
+    ids=["64x16-gqa3-fp32", "64x16-gqa1-fp16", "32x32-gqa3-fp16"],
+)
+def test_prefill_with_relative_bias(config, dtype, hkv, window):
+    """Inkling's relative-position bias on varlen chunks that start mid-context (60 and 65
+    tokens cached) beside a fresh prompt: every distance from 0 to 89 occurs and rel_extent is
+    45, so tiles straddle it; the 64-token window is wider than it (masked tiles below the band
+    run unbiased). Against the torch reference; the bias matters (rel_proj zeroed gives the
+    plain attention, beyond tolerance away)."""
+    lens, q_lens, hq, d, rel_dim, extent = [90, 37, 70], [30, 37, 5], 6, 32, 16, 45
+    num_blocks = sum(math.ceil(n / 16) for n in lens) + 4
+    _, k_cache, v_cache = synthetic_caches("classic", num_blocks, 16, hkv, d, d, dtype)
+    tables = _fill(k_cache, v_cache, lens, dtype)
+    cu, seq = _cu(q_lens), torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d).to(dtype)
+    rel_states = torch.randn(q.shape[0], hq, rel_dim).to(dtype)
+    rel_proj = (torch.randn(rel_dim, extent) / math.sqrt(rel_dim)).to(dtype)
+
+    def run(proj):
+        out = torch.full((q.shape[0], hq, d), float("nan"), dtype=dtype)
+        return paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq, 0.2, window,
+                                       out=out, config=config, rel_states=rel_states,
+                                       rel_proj=proj)  # fmt: skip
+
+    got, zeroed = run(rel_proj), run(torch.zeros_like(rel_proj))
+    want = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, seq, 0.2, window,
+                                       rel_states=rel_states, rel_proj=rel_proj)  # fmt: skip
+    plain = paged_prefill_attention_ref(q, k_cache, v_cache, tables, cu, seq, 0.2, window)
+    assert not torch.isnan(got).any()
+    # fp16 outputs reach ~3 where the bias sharpens a softmax: two ulps of fp16 there
+    tol = TOL[dtype] * max(1.0, want.float().abs().max().item())
+    assert (got.float() - want.float()).abs().max() <= tol
+    assert (zeroed.float() - plain.float()).abs().max() <= tol
+    assert (got.float() - zeroed.float()).abs().max() > 10 * tol
+
+
+def test_prefill_relative_bias_takes_the_generic_path():
+    """Relative-bias launches never get a Hopper-path config (the table skips them, a given
+    one is refused), and every default they get is one the compile check found spill-free
+    with the bias."""
+    rows = [rule for rule in paged_prefill._TABLE if rule.rel]
+    assert all(rule.source.startswith("unmeasured: ") for rule in rows)
+    for shape in (dataclasses.replace(s, rel=True) for s in _classes()):
+        # a row's config fits every class the row matches, and rows match rel classes only
+        assert all(config_fits(r.config, shape) for r in rows if r.matches(shape)), shape
+        assert not any(r.matches(dataclasses.replace(shape, rel=False)) for r in rows)
+        config = choose_config(shape)[0]
+        assert not config.hopper, (shape, config)
+        if config_fits(config, shape):
+            assert config in paged_prefill._REL_CONFIGS, (shape, config)
+            assert paged_prefill._rel_band_values(config, shape) <= 8
+    inkling = PrefillShape(90, 16, 8, 128, "16bit", 2048, 8192, rel=True)
+    assert choose_config(inkling)[0] == _REL_WIDE
+    assert choose_config(dataclasses.replace(inkling, rel=False))[0].hopper
+    hopper = next(c for c in CONFIGS if c.hopper)
+    with pytest.raises(ValueError, match="takes no relative-position bias"):
+        _small_plan(config=hopper, rel_dim=16)
+
+
+def test_prefill_relative_bias_is_planned_for():
+    plan, k, v = _small_plan()
+    q = torch.randn(5, 4, 16).half()
+    states, proj = torch.zeros(5, 4, 16).half(), torch.zeros(16, 8).half()
+    with pytest.raises(ValueError, match="plan with rel_dim="):
+        plan.run(q, k, v, rel_states=states, rel_proj=proj)
+    planned, _, _ = _small_plan(rel_dim=16)
+    with pytest.raises(ValueError, match=r"rel_states \[total_q, Hq, 16\]"):
+        planned.run(q, k, v)
+    with pytest.raises(ValueError, match=r"rel_states must be \[total_q=5, Hq=4, rel_dim=16\]"):
+        planned.run(q, k, v, rel_states=states[:4], rel_proj=proj)
+    with pytest.raises(ValueError, match="pass rel_states and rel_proj together"):
+        planned.run(q, k, v, rel_proj=proj)
+    with pytest.raises(ValueError, match=r"rel_states must be torch\.float16"):
+        planned.run(q, k, v, rel_states=states.float(), rel_proj=proj)
