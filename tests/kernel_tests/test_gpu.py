@@ -407,3 +407,40 @@ def test_bf16_attention_sinks(splits, window):
         _close(plan.run(qp, k_cache, v_cache, out=out, sinks=sinks), want)
         ran += 1
     assert ran >= 1
+
+
+@pytest.mark.parametrize("window", [None, 512], ids=["full", "window512"])
+@pytest.mark.parametrize("splits", [1, 4], ids=["one-split", "four-splits"])
+def test_bf16_relative_bias(splits, window):
+    """Inkling's relative-position bias in bf16 (the interpreter tests cover fp32 and fp16) at
+    its default sizes (d_rel 16, rel_extent 1024, head dim 128, GQA 8, a 512-token window on its
+    sliding layers): decode with one split and several, prefill (bias launches take the generic
+    path); requests longer and shorter than the band, a prefill chunk starting mid-context; the
+    bias moves the output beyond tolerance (a zeroed bank gives plain attention)."""
+    bs, hq, hkv, d, rel_dim, extent = 16, 64, 8, 128, 16, 1024
+    lens, q_lens = [3000, 700, 9], [64, 700, 9]
+    k_cache, v_cache, tables, seq = _paged_on_gpu("classic", lens, bs, hkv, d)
+    proj = (torch.randn(rel_dim, extent, device="cuda") / rel_dim**0.5).to(torch.bfloat16)
+    q = torch.randn(len(lens), hq, d, device="cuda", dtype=torch.bfloat16)
+    states = torch.randn(len(lens), hq, rel_dim, device="cuda", dtype=torch.bfloat16)
+    kw = dict(rel_states=states, rel_proj=proj)
+    want = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, d**-0.5, window, **kw)
+    plain = paged_decode_attention_ref(q, k_cache, v_cache, tables, seq, d**-0.5, window)
+    got = paged_decode_attention(
+        q, k_cache, v_cache, tables, seq, d**-0.5, window, num_splits=splits,
+        out=_nan(len(lens), hq, d), **kw,
+    )  # fmt: skip
+    _close(got, want)
+    assert (got.float() - plain.float()).abs().max() > 10 * BF16_TOL
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    qp = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16)
+    kw = dict(rel_states=torch.randn(int(cu[-1]), hq, rel_dim, device="cuda").bfloat16(),
+              rel_proj=proj)  # fmt: skip
+    want = paged_prefill_attention_ref(
+        qp, k_cache, v_cache, tables, cu, seq, d**-0.5, sliding_window=window, **kw
+    )
+    got = paged_prefill_attention(
+        qp, k_cache, v_cache, tables, cu, seq, d**-0.5, sliding_window=window,
+        out=_nan(int(cu[-1]), hq, d), **kw,
+    )  # fmt: skip
+    _close(got, want)
