@@ -264,34 +264,17 @@ def _check(model: HybridModel, config: PlanConfig, rules: VllmRules) -> None:
         )
 
 
-def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
-    """``inflate`` for GLM-5-Next in vLLM's cache formats: vLLM 0.33's packed layout (see the
-    module docstring)."""
-    rules = config.target.resolve(model)
-    _check(model, config, rules)
-    latents = [layer for layer in model.layers if isinstance(layer.spec, MLASpec)]
-    indexers = {
-        layer.index: layer for layer in model.layers if isinstance(layer.spec, IndexerSpec)
-    }
-    states = [layer for layer in model.layers if isinstance(layer.spec, KDASpec)]
-    latent_bpt = latents[0].spec.bytes_per_token
-    state_bytes = max((layer.spec.state_bytes for layer in states), default=0)
-    rule = rules.block_size(config.block_size, latent_bpt, state_bytes)
-    block = rule.block_size
-    attn_page = block * latent_bpt
-    # Platform._align_hybrid_block_size pads the state page to the latent page
-    state_page = max(attn_page, state_bytes) if states else 0
-    num_spec = max((layer.spec.num_spec_tokens for layer in states), default=0)
-    mamba_block = block
-    if rules.mamba_cache_mode != "align":
-        if rules.max_model_len is None:
-            raise ValueError(
-                f"{model.name}: without prefix caching vLLM's Mamba block size is max_model_len, "
-                "which neither the model nor the target gives; plan with "
-                "VllmTarget(max_model_len=...) (--max-model-len)"
-            )
-        mamba_block = rules.max_model_len
-
+def _caches(
+    model: HybridModel,
+    block: int,
+    latent_bpt: int,
+    state_page: int,
+    mamba_block: int,
+    num_spec: int,
+) -> list[_Cache]:
+    """Every cache vLLM 0.33 keeps for GLM-5-Next, in layer order (a layer's indexer before its
+    latent, as vLLM registers them): KDA states, k-pooled indexer keys with their tail rings,
+    latents, each with its page and the block-stride alignment its backend asks for."""
     caches: list[_Cache] = []
     for layer in sorted(model.layers, key=lambda c: (c.index, isinstance(c.spec, MLASpec))):
         spec = layer.spec
@@ -332,15 +315,25 @@ def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
             assert isinstance(spec, MLASpec)
             # align_blocks_to_rows: blocks a whole number of latent rows apart
             caches.append(
-                _Cache(layer.name, layer, "latent", "full", block, True, attn_page, latent_bpt)
+                _Cache(
+                    layer.name,
+                    layer,
+                    "latent",
+                    "full",
+                    block,
+                    True,
+                    block * latent_bpt,
+                    latent_bpt,
+                )
             )
-    groups = _group_caches(caches)
-    widest = max(sum(c.page for c in g) for g in groups)
-    alignment = math.lcm(*(c.alignment for c in caches))
-    block_bytes = round_up(widest, alignment)
-    num_blocks = config.memory_bytes // block_bytes
-    tensor = TensorPlan(_TENSOR, num_blocks * block_bytes)
+    return caches
 
+
+def _lay_out(
+    groups: list[list[_Cache]], block: int, num_blocks: int, block_bytes: int
+) -> tuple[list[KVPlacement], list[StatePlacement], list[KVCacheGroup]]:
+    """Each group's pages at their offsets inside a block (vLLM's
+    ``get_kv_cache_config_from_groups``) and the plan's groups."""
     kv_placements: list[KVPlacement] = []
     state_placements: list[StatePlacement] = []
     plan_groups: list[KVCacheGroup] = []
@@ -365,6 +358,46 @@ def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
                 page_bytes=max(c.page for c in members),
             )
         )
+    return kv_placements, state_placements, plan_groups
+
+
+def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
+    """``inflate`` for GLM-5-Next in vLLM's cache formats: vLLM 0.33's packed layout (see the
+    module docstring)."""
+    rules = config.target.resolve(model)
+    _check(model, config, rules)
+    latents = [layer for layer in model.layers if isinstance(layer.spec, MLASpec)]
+    indexers = {
+        layer.index: layer for layer in model.layers if isinstance(layer.spec, IndexerSpec)
+    }
+    states = [layer for layer in model.layers if isinstance(layer.spec, KDASpec)]
+    latent_bpt = latents[0].spec.bytes_per_token
+    state_bytes = max((layer.spec.state_bytes for layer in states), default=0)
+    rule = rules.block_size(config.block_size, latent_bpt, state_bytes)
+    block = rule.block_size
+    attn_page = block * latent_bpt
+    # Platform._align_hybrid_block_size pads the state page to the latent page
+    state_page = max(attn_page, state_bytes) if states else 0
+    num_spec = max((layer.spec.num_spec_tokens for layer in states), default=0)
+    mamba_block = block
+    if rules.mamba_cache_mode != "align":
+        if rules.max_model_len is None:
+            raise ValueError(
+                f"{model.name}: without prefix caching vLLM's Mamba block size is max_model_len, "
+                "which neither the model nor the target gives; plan with "
+                "VllmTarget(max_model_len=...) (--max-model-len)"
+            )
+        mamba_block = rules.max_model_len
+
+    caches = _caches(model, block, latent_bpt, state_page, mamba_block, num_spec)
+    groups = _group_caches(caches)
+    widest = max(sum(c.page for c in g) for g in groups)
+    alignment = math.lcm(*(c.alignment for c in caches))
+    block_bytes = round_up(widest, alignment)
+    num_blocks = config.memory_bytes // block_bytes
+    tensor = TensorPlan(_TENSOR, num_blocks * block_bytes)
+
+    kv_placements, state_placements, plan_groups = _lay_out(groups, block, num_blocks, block_bytes)
 
     capacity = _capacity(model, config, plan_groups, groups, num_blocks, block_bytes, block)
     pool = PoolPlan(
