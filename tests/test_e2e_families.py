@@ -4,11 +4,12 @@ Kimi-Linear, Bailing hybrid (MLA with rotary and an output gate), GLM-5-Next (No
 sparse-attention indexer: DSA), GraniteSWA and GraniteMoeSWA (attention sinks in the paged
 kernels) served by :class:`hybridkv.e2e.engine.Engine` out of every layout's plan, against the
 same model run by transformers alone, MiniMax included (its own MiniMaxCache), the
-pure-recurrent RWKV-4 (its five-tensor ``state`` argument) and xLSTM (its xLSTMCache), and ZAYA
+pure-recurrent RWKV-4 (its five-tensor ``state`` argument) and xLSTM (its xLSTMCache), ZAYA
 (GQA after Compressed Convolutional Attention, whose conv window and delayed value half live in
-the attention layer's cache); the families of ``REFUSED`` (Qwen4-Exp: its indexer beside GQA and
-its PLE conv; Inkling: its four short convs and relative-position bias) refused with the
-reason.
+the attention layer's cache) and Inkling (a relative-position bias on every logit, in the paged
+kernels, and four short-conv states in the attention layer's cache, each run by its own
+module); the families of ``REFUSED`` (Qwen4-Exp: its indexer beside GQA and its PLE conv)
+refused with the reason.
 
 The serving test runs each family on two of the five layouts (rotating; every layout is served
 by several families); ``HYBRIDKV_FULL_E2E=1`` serves every family out of every layout.
@@ -479,6 +480,126 @@ def test_cca_fresh_state_is_where_transformers_starts():
             assert torch.equal(g, r)
 
 
+#: Inkling's short convs in conv_states order (transformers' conv_idx), as the plan names them
+INKLING_CONVS = ("k_sconv", "v_sconv", "attn_sconv", "mlp_sconv")
+
+
+def _inkling_cache(model: torch.nn.Module, ids: torch.Tensor, **kwargs):
+    """transformers' DynamicCache after an Inkling forward of ``ids``: every layer's K / V and
+    its four short-conv states (``conv_states[0..3]``, ``[B, channels, kernel]`` float32)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True, **kwargs)
+    return cache
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_inkling_conv_states_fill_their_slots_byte_for_byte(dtype):
+    """Inkling's four short-conv states after a forward go to the plan's layout, each through
+    the module that runs it (``StateFormat.per_module``: k_sconv, v_sconv, attn_sconv, mlp_sconv
+    as conv_states[0..3]), float32 whatever the model dtype, in the spec's ``state_bytes`` per
+    request and layer, through the plan's own slots, and come back (``load`` into a fresh
+    cache, all four parts handed to each module's format) bit for bit but the oldest column,
+    which only feeds outputs transformers discards (zero, as the other conv formats)."""
+    cfg = TINY_CONFIGS["inkling"]()
+    plan = make_tiny_plan(cfg, "per_group", dtype=dtype)
+    buffers, hybrid = plan.allocate("cpu"), hybrid_model_for(cfg, dtype)
+    model = build_tiny_model(cfg, dtype=getattr(torch, dtype))
+    held = _inkling_cache(model, torch.tensor([_prompt(9, seed=3), _prompt(9, seed=4)]))
+    fresh = states.cache_factory(cfg, ["inkling_sconv"])()
+    specs = {layer.name: layer.spec for layer in hybrid.state_layers}  # the convs' own spec
+    for p in plan.state_placements:
+        views, i = plan.state_views(buffers, p.layer), p.layer_index
+        fmts = states.FORMATS[p.kind].per_module()
+        assert [f.parts for f in fmts] == [(n,) for n in INKLING_CONVS] == [(n,) for n in views]
+        mine = {}
+        for k, fmt in enumerate(fmts):
+            module = fmt.module_of(model, i)
+            assert module.conv_idx == fmt.state_index == k  # the module reading conv_states[k]
+            mine.update(fmt.store(held, module, i))
+        for part, t in mine.items():
+            assert (t.shape[1:], t.dtype) == (views[part].shape[1:], torch.float32), part
+            views[part][1:3] = t  # two slots of the plan's memory
+        assert sum(t.nbytes for t in mine.values()) == 2 * specs[p.layer].state_bytes
+        for fmt in fmts:
+            fmt.load(fresh, fmt.module_of(model, i), i, {n: v[1:3] for n, v in views.items()})
+        for k in range(len(INKLING_CONVS)):
+            got, ref = fresh.get_conv_state(i, state_idx=k), held.get_conv_state(i, state_idx=k)
+            assert got.dtype == ref.dtype == torch.float32 and got.shape == ref.shape
+            assert torch.equal(got[..., 1:], ref[..., 1:]) and not got[..., 0].any()
+
+
+def test_inkling_bias_log_scaling_and_each_conv_state_matter():
+    """The comparisons can see each part of Inkling's attention the engine serves: transformers
+    with the relative-position banks zeroed, or without the full layer's log scaling (tau), on
+    a 70-token prompt (past the full layer's 64 distances), and continuing 48 tokens in with
+    only one of the four short-conv states zeroed, ends far outside the tolerance
+    (``test_states_matter`` zeroes all four at once)."""
+    model, p = _model("inkling"), torch.tensor([_prompt(70, seed=1)])
+    text = model.config.get_text_config()
+    banks = [m.rel_logits_proj.proj for m in model.modules() if hasattr(m, "rel_logits_proj")]
+    with torch.no_grad():
+        full = model(p).logits[0, -1]
+        saved = [b.clone() for b in banks]
+        for b in banks:
+            b.zero_()
+        unbiased = model(p).logits[0, -1]
+        for b, old in zip(banks, saved, strict=True):
+            b.copy_(old)
+        floor, text.log_scaling_n_floor = text.log_scaling_n_floor, None
+        try:
+            unscaled = model(p).logits[0, -1]
+        finally:
+            text.log_scaling_n_floor = floor
+        assert (full - unbiased).abs().max().item() > 100 * TOL
+        assert (full - unscaled).abs().max().item() > 100 * TOL
+        full = model(p[:, :54]).logits[0, -1]
+        for k, name in enumerate(INKLING_CONVS):
+            cache = _inkling_cache(model, p[:, :48])
+            for layer in cache.layers:
+                layer.conv_states[k].zero_()
+            pos = torch.arange(48, 54)[None]
+            cont = model(p[:, 48:54], position_ids=pos, cache=cache, use_cache=True).logits[0, -1]
+            assert (full - cont).abs().max().item() > 100 * TOL, name
+
+
+def test_inkling_engine_adds_the_bias_in_the_kernels(monkeypatch):
+    """The engine's Inkling attention hands every layer's relative states and bank to the paged
+    kernels (prefill and decode, full and sliding layers), and that is what keeps it at
+    transformers' logits: the same run with the banks zeroed on their way into the kernels
+    leaves the tolerance. The prompt (70 tokens) reaches past the full layer's 64 distances."""
+    from hybridkv.e2e import attn
+
+    name, prompt = "inkling", _prompt(70, seed=5)
+    calls: list[tuple[int, int]] = []
+    real = attn.paged_attention
+
+    def spy(module, query, *args, **kwargs):
+        calls.append((query.shape[2], kwargs["rel_proj"].shape[1]))
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attn, "paged_attention", spy)
+    eng = Engine(_model(name), make_tiny_plan(TINY_CONFIGS[name](), "per_group"))
+    eng.generate({"p": prompt}, N)
+    _assert_matches(eng, name, "p", prompt)
+    cfg = TINY_CONFIGS[name]().get_text_config()
+    widths = {cfg.rel_extent, cfg.sliding_window_size}  # the full layer's bank, the sliding's
+    assert {w for _, w in calls} == widths
+    assert {t for t, _ in calls} >= {1, 64}  # decode steps and a 64-token prefill chunk
+
+    def without_bias(module, query, *args, **kwargs):
+        kwargs["rel_proj"] = torch.zeros_like(kwargs["rel_proj"])
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(attn, "paged_attention", without_bias)
+    eng = Engine(_model(name), make_tiny_plan(TINY_CONFIGS[name](), "per_group"))
+    eng.generate({"p": prompt}, N)
+    ref = _reference(name, tuple(prompt), N)[1]
+    assert max((g - r).abs().max().item() for g, r in zip(eng.finished["p"].logits, ref)) > TOL
+
+
 @pytest.mark.parametrize("name", REFUSED)
 def test_refused_families_say_what_is_missing_and_what_is_served(name):
     """A family the engine cannot serve is refused before anything runs, with an Unservable
@@ -497,11 +618,6 @@ def test_refused_families_say_what_is_missing_and_what_is_served(name):
         assert "take no token-index list" in message
     if name == "qwen4_exp":
         assert "ple_conv layers: Qwen4-Exp's Per-Layer Embedding" in message
-    if name == "inkling":
-        assert "inkling_sconv layers: Inkling's attention adds a relative-position bias" in message
-        assert "kernels take no bias term" in message
-        assert "four float32 short-conv states" in message
-        assert "no StateFormat hands them over" in message
 
 
 @pytest.mark.parametrize("name", ["granite_swa", "granitemoe_swa"])

@@ -5,11 +5,10 @@ and every such family planned through every layout, at its tiny size and at tran
 default size.
 
 The families served end to end are compared token for token in tests/test_e2e_families.py
-(GraniteSWA, GraniteMoeSWA, RWKV, xLSTM, GLM-5-Next and ZAYA among them; there RWKV's, xLSTM's
-and ZAYA's CCA states also go through the plan's slots byte for byte); Qwen4-Exp is refused
-there (no kernel for its indexer beside GQA) and Inkling too (no StateFormat for its four short
-convs, no relative-position bias in the paged kernels), so this file is where their formulas
-meet transformers.
+(GraniteSWA, GraniteMoeSWA, RWKV, xLSTM, GLM-5-Next, ZAYA and Inkling among them; there RWKV's,
+xLSTM's, ZAYA's CCA and Inkling's short-conv states also go through the plan's slots byte for
+byte); Qwen4-Exp is refused there (no kernel for its indexer beside GQA), so this file is where
+its formulas meet transformers.
 """
 
 from __future__ import annotations

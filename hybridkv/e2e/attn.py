@@ -26,7 +26,10 @@ transformers hands K/V already expanded from the latent: :func:`install_mla` has
 :func:`mla_forward` (latent pages, absorbed ``mla_decode_attention``) inside an engine's forward;
 GLM-5-Next's sparse-attention layers run :func:`dsa_forward`, whose indexer
 (:func:`indexer_top_k`) keeps its per-token rows in the plan's indexer pages and hands the MLA
-each query's token list."""
+each query's token list. Inkling's attention (a relative-position bias on every logit, which
+transformers builds densely as ``[B, heads, q, kv]``) runs :func:`relative_bias_forward`
+(:func:`install_relative_bias`): the kernels compute the bias from the query tokens' relative
+states and the layer's bank, so nothing of that size is built."""
 
 from __future__ import annotations
 
@@ -180,17 +183,27 @@ def paged_attention(
     KV cache group plans the forward's cache writes and attention
     (:meth:`PagedContext.kernel_plan`); every layer then only runs the plans on its own views.
     ``s_aux [Hq]`` (GraniteSWA's learnable per-head attention sinks, as transformers passes
-    them) joins each head's softmax as one more logit with no value, in the kernels."""
+    them) joins each head's softmax as one more logit with no value, in the kernels.
+    ``rel_states [B * T, Hq, rel_dim]`` with ``rel_proj [rel_dim, rel_extent]`` (Inkling's, from
+    :func:`relative_bias_forward`): a relative-position bias added to each logit, in the
+    kernels. A dense ``position_bias`` is refused: the kernels take the bias only that way."""
     ctx = _CTX
     if ctx is None:
         raise RuntimeError(f"{ATTN_NAME} attention called outside hybridkv.e2e.attn.set_context")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} passes a dense position_bias [B, heads, q, kv], which "
+            "the paged kernels do not take; its relative-position bias is served as the "
+            "query's relative states and the layer's bank (install_relative_bias)"
+        )
     layer = ctx.layer_of(module)
     k_cache, v_cache, gid = ctx.views[layer]
     b, hq, t, d = query.shape
     scale = scaling if scaling is not None else d**-0.5
     sinks = kwargs.get("s_aux")
+    rel_states, rel_proj = kwargs.get("rel_states"), kwargs.get("rel_proj")
     shapes = (b, t, hq, key.shape[1], d, value.shape[3], query.dtype, float(scale))
-    shapes += (sinks is not None,)
+    shapes += (sinks is not None, None if rel_states is None else rel_states.shape[-1])
     write, attend = ctx.kernel_plan(
         ("attention", gid, *shapes), lambda: _attention_plans(ctx, gid, k_cache, *shapes)
     )
@@ -200,7 +213,7 @@ def paged_attention(
     q = query.transpose(1, 2).reshape(b * t, hq, d).contiguous()
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
-    out = attend.run(q, k_cache, v_cache, sinks=sinks)
+    out = attend.run(q, k_cache, v_cache, sinks=sinks, rel_states=rel_states, rel_proj=rel_proj)
     return out.reshape(b, t, hq, out.shape[-1]), None
 
 
@@ -217,10 +230,12 @@ def _attention_plans(
     q_dtype: torch.dtype,
     scale: float,
     sinks: bool,
+    rel_dim: int | None,
 ):
     """A forward's plans for one KV cache group: the cache write of its new tokens, and decode
     (every request brings one token) or varlen prefill over the pages (``sinks``: the layers
-    pass per-head attention sinks)."""
+    pass per-head attention sinks; ``rel_dim``: a relative-position bias of that many states a
+    head)."""
     from ..kernels import plan_decode, plan_prefill, plan_write_kv_cache
 
     table = ctx.table(gid).to(torch.int32).contiguous()
@@ -237,6 +252,7 @@ def _attention_plans(
         num_heads=hq, num_kv_heads=hkv, head_dim=d, head_dim_v=dv, block_size=bs,
         cache_dtype=k_cache.dtype, q_dtype=q_dtype, scale=scale,
         sliding_window=ctx.windows[gid], max_seq_len=int(seq_lens.max()), sinks=sinks,
+        rel_dim=rel_dim,
     )  # fmt: skip
     if bool((lens == 1).all()):
         return write, plan_decode(table, seq_lens, **shared)
@@ -245,6 +261,79 @@ def _attention_plans(
         **shared,
     )  # fmt: skip
     return write, attend
+
+
+def install_relative_bias_layers(model: torch.nn.Module) -> None:
+    """:func:`install_relative_bias` on every attention module of ``model`` with a
+    hidden-state-conditioned relative-position bias (Inkling's: ``r_proj`` and
+    ``rel_logits_proj``)."""
+    for m in model.modules():
+        if hasattr(m, "rel_logits_proj") and hasattr(m, "r_proj"):
+            install_relative_bias(m)
+
+
+def install_relative_bias(module: torch.nn.Module) -> None:
+    """Have an Inkling attention module (transformers' ``InklingAttention``) run
+    :func:`relative_bias_forward` inside an engine's forward; outside, it runs unchanged.
+    Installing twice is a no-op.
+
+    Why not the attention interface: transformers builds the bias densely (``[B, heads, q,
+    kv]``) from positions it reads off its cache (``get_mask_sizes``, ``get_query_offset``),
+    which the engine's per-forward cache does not hold, and hands it over as ``position_bias``;
+    the kernels take the query tokens' relative states and the layer's bank instead."""
+    if getattr(module, "hybridkv_relative_bias", False):
+        return
+    orig = module.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        if _CTX is None:
+            return orig(hidden_states, *args, **kwargs)
+        return relative_bias_forward(
+            module, hidden_states, kwargs.get("conv_mask"), kwargs.get("cache")
+        )
+
+    module.forward = forward
+    module.hybridkv_relative_bias = True  # on the module: a later wrapper replaces ``forward``
+
+
+def relative_bias_forward(
+    module: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    conv_mask: torch.Tensor | None,
+    cache: object,
+) -> tuple[torch.Tensor, None]:
+    """Inkling's attention, ``hidden_states [B, T, hidden]`` -> ``([B, T, hidden], None)``, as
+    ``InklingAttention.forward`` computes it: q, k (after its short conv ``k_sconv``), v (after
+    ``v_sconv``) and the relative states ``r_proj(hidden)``, q / k RMS-normed per head, then
+    attention at ``1 / head_dim`` over the pages (:func:`paged_attention`) with the bias
+    ``relative_states @ rel_logits_proj.proj[:, distance]`` added in the kernels (distance
+    below the bank's width; a sliding layer's bank is its window wide). On full layers with
+    ``log_scaling_n_floor`` the query and the bias are scaled by each query position's
+    ``tau``, as transformers does: the bias through the relative states (it is linear in
+    them). The convs read and write their states in ``cache`` (:mod:`.states` hands them
+    over; a packed forward runs each per segment)."""
+    m = module
+    b, t, _ = hidden_states.shape
+    shape = (b, t, -1, m.head_dim)
+    q = m.q_norm(m.q_proj(hidden_states).view(shape))
+    k = m.k_sconv(m.k_proj(hidden_states), cache=cache, conv_mask=conv_mask)
+    v = m.v_sconv(m.v_proj(hidden_states), cache=cache, conv_mask=conv_mask)
+    k = m.k_norm(k.view(shape))
+    rel = m.r_proj(hidden_states).view(b * t, m.num_heads, -1)
+    floor = m.config.log_scaling_n_floor
+    if not m.is_sliding and floor is not None:
+        _, pos, _ = _CTX.token_positions(b, t)  # [B * T]
+        tau = 1.0 + m.config.log_scaling_alpha * torch.log(
+            ((pos + 1).float() / floor).clamp(min=1.0)
+        )
+        q = (q.float() * tau.view(b, t, 1, 1)).to(q.dtype)
+        rel = (rel.float() * tau.view(b * t, 1, 1)).to(rel.dtype)
+    out, _ = paged_attention(
+        m, q.transpose(1, 2), k.transpose(1, 2), v.view(shape).transpose(1, 2), None,
+        scaling=m.scaling, rel_states=rel.contiguous(),
+        rel_proj=m.rel_logits_proj.proj.detach().contiguous(),
+    )  # fmt: skip
+    return m.o_proj(out.reshape(b, t, -1)), None
 
 
 def install_mla_layers(model: torch.nn.Module, plan: MemoryPlan) -> None:

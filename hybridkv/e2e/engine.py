@@ -50,6 +50,10 @@ forwards take as ``state`` (five tensors) and ``cache`` (an ``xLSTMCache``)
 only, so RWKV's decoders run as one packed forward of one-token segments. ZAYA keeps its
 Compressed Convolutional Attention state (q / k conv window, delayed value half) in its
 attention layers' cache beside the K / V; its attention after that is plain GQA over the pages.
+Inkling keeps four short-conv states in its attention layers' cache, each run by its own module
+(one :class:`_StateLayer` per module), and adds a relative-position bias to every attention
+logit, computed in the paged kernels from the query tokens' relative states and the layer's
+bank (:func:`.attn.relative_bias_forward`).
 A plan with a layer kind no :class:`~.states.StateFormat` wires is refused with a
 :class:`~.states.Unservable` (a NotImplementedError) naming it and what is served
 (:func:`.states.check_wired`). Learnable attention sinks (GraniteSWA's ``s_aux``) run in the
@@ -109,8 +113,10 @@ class Request(Seq):
 
 @dataclass
 class _StateLayer:
-    """One recurrent layer: its HF layer index, state group, the plan's slot views (``part ->
-    [num_slots, ...]``), how they map to transformers and its mixer module."""
+    """One recurrent layer's state run by one module: its HF layer index, state group, the
+    plan's slot views (``part -> [num_slots, ...]``), how they map to transformers and the
+    mixer module. A layer whose parts are run by several modules (Inkling's four short convs,
+    :meth:`.states.StateFormat.per_module`) is one of these per module, same index."""
 
     idx: int
     gid: int
@@ -205,21 +211,21 @@ class Engine:
         self.ctx = attn.PagedContext(plan, self.buffers, [])
         self.state_layers: list[_StateLayer] = []
         for p in plan.state_placements:
-            fmt = FORMATS[p.kind]
             views = plan.state_views(self.buffers, p.layer)
-            module = fmt.module_of(model, p.layer_index)
-            if fmt.stepwise:
-                install_stepwise(module)
-            install_varlen(module, fmt, p.layer_index)  # after install_stepwise: it wraps it
-            self.state_layers.append(
-                _StateLayer(
-                    idx=p.layer_index,
-                    gid=p.group_id,
-                    pools={n: views[n] for n in fmt.parts},
-                    fmt=fmt,
-                    module=module,
+            for fmt in FORMATS[p.kind].per_module():
+                module = fmt.module_of(model, p.layer_index)
+                if fmt.stepwise:
+                    install_stepwise(module)
+                install_varlen(module, fmt, p.layer_index)  # after install_stepwise: it wraps it
+                self.state_layers.append(
+                    _StateLayer(
+                        idx=p.layer_index,
+                        gid=p.group_id,
+                        pools={n: views[n] for n in fmt.parts},
+                        fmt=fmt,
+                        module=module,
+                    )
                 )
-            )
         kinds = [p.kind for p in plan.state_placements]
         self.new_cache = cache_factory(self.config, kinds)
         self.cache_argument = cache_argument(kinds)  # RWKV: `state`, xLSTM: `cache`
@@ -228,13 +234,17 @@ class Engine:
         self.batched_decode = all(s.fmt.batched_decode for s in self.state_layers)
         attn.track_layer_index(model)
         attn.install_mla_layers(model, plan)
+        attn.install_relative_bias_layers(model)
         self.attn_layers = self.ctx.views  # layer index -> (k_cache, v_cache, group id)
         text = self.config.get_text_config()  # a multimodal model's (GLM-5-Next) text part
         types = set(getattr(text, "layer_types", None) or [])
         types |= set(getattr(text, "layers_block_type", None) or [])
         # a dict mask bypasses HF's mask construction: the paged kernels bound and mask
         # attention by position, and the recurrent layers see no padding
-        self.masks = dict.fromkeys(types | {"full_attention", "linear_attention"})
+        # (Inkling's model reads "sliding_attention" for its "hybrid_sliding" layers)
+        self.masks = dict.fromkeys(
+            types | {"full_attention", "sliding_attention", "linear_attention"}
+        )
         # a model without attention (RWKV, xLSTM) builds no mask (RWKV warns on one)
         self.mask_kwargs = {"attention_mask": self.masks} if plan.kv_placements else {}
         self.finished: dict[Any, Request] = {}
@@ -361,7 +371,9 @@ class Engine:
                 **self.mask_kwargs,
             )
         if not packed:
-            states = {s.idx: s.fmt.store(cache, s.module, s.idx) for s in self.state_layers}
+            states = {}
+            for s in self.state_layers:  # a layer's modules each store their own parts
+                states.setdefault(s.idx, {}).update(s.fmt.store(cache, s.module, s.idx))
         self._scatter_states(slots, states)
         if packed:
             rows = out.logits[0]
@@ -407,7 +419,7 @@ class Engine:
             if s.gid not in slots:
                 ids = [self.alloc.state_slot(r.rid, s.gid) for r in reqs]
                 slots[s.gid] = torch.tensor(ids, dtype=torch.int64)
-            states[s.idx] = {}
+            states.setdefault(s.idx, {})  # a layer run by several modules: one dict
             for n, pool in s.pools.items():
                 key = (s.gid, n, tuple(pool.shape[1:]), pool.dtype)
                 if key not in plans:
@@ -425,8 +437,8 @@ class Engine:
 
         plans: dict[tuple, object] = {}  # one scatter plan per group and state part
         for s in self.state_layers:
-            for n, t in states[s.idx].items():
-                pool = s.pools[n]
+            for n, pool in s.pools.items():
+                t = states[s.idx][n]
                 key = (s.gid, n, tuple(pool.shape[1:]), pool.dtype)
                 if key not in plans:
                     plans[key] = plan_scatter_states(

@@ -476,9 +476,13 @@ def tiny_qwen4_exp_config():
 def tiny_inkling_config():
     """Inkling: a full-attention layer (4 heads, 2 KV heads of 16) then a sliding-window one
     (window 16) with heads of its own (4 heads, 1 KV head of 32), each with its four short
-    convs (kernel 3, not the default 4, so a kernel read from the wrong field shows); a dense
-    MLP, then a 4-expert MoE with a shared expert; a one-layer vision tower and a tiny audio
-    embedding (never run). Refused by the engine (:data:`REFUSED`)."""
+    convs (kernel 3, not the default 4, so a kernel read from the wrong field shows) and its
+    relative-position bias (8 states a head, not a multiple of the kernels' 16; the full
+    layer's bank 64 distances wide, so longer prompts reach past it; the sliding layer's its
+    window); log scaling of the full layer's query and bias from position 4 on (off by
+    default: on here so its ``tau`` is served and checked); logits not divided by 24 (see
+    below); a dense MLP, then a 4-expert MoE
+    with a shared expert; a one-layer vision tower and a tiny audio embedding (never run)."""
     from transformers import InklingConfig
 
     text = dict(
@@ -495,6 +499,10 @@ def tiny_inkling_config():
         sliding_window_size=16,
         d_rel=8,
         rel_extent=64,
+        log_scaling_n_floor=4,
+        # the default 24 divides the final hidden states: logits of at most ~0.14, against
+        # which the tests' 1e-4 tolerance would be loose (other families' reach ~3)
+        logits_mup_width_multiplier=1.0,
         layer_types=["hybrid", "hybrid_sliding"],
         sconv_kernel_size=3,
         mlp_layer_types=["dense", "sparse"],
@@ -558,8 +566,6 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "zaya": tiny_zaya_config,
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): top-k sparse attention
-#: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp); Inkling's attention
-#: with a relative-position bias the paged kernels lack, and its four short convs, which no
-#: StateFormat hands over either
-REFUSED: tuple[str, ...] = ("qwen4_exp", "inkling")
+#: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp)
+REFUSED: tuple[str, ...] = ("qwen4_exp",)
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

@@ -40,6 +40,15 @@ continuations alike. Where transformers keeps a state and in which layout:
   it is. What it returns (q, k, v, normed and rotated by the attention after it) is plain GQA
   with ``head_dim`` for K and V, cached as such and attended with the usual softmax at
   ``head_dim ** -0.5``: the paged kernels serve it unchanged.
+- ``inkling_sconv`` (Inkling's four short convs): the ``DynamicCache`` layer of the attention
+  layer itself, ``conv_states[0..3]`` ``[B, channels, kernel]`` float32 (k_sconv and v_sconv on
+  the layer's K / V channels, attn_sconv and mlp_sconv on the hidden size), each read and
+  written by its own module (``InklingShortConvolution``, ``conv_idx`` 0-3: two inside the
+  attention, two in the decoder layer). A format binds one module to its state, so this kind
+  is split into one format per conv (:meth:`StateFormat.per_module`), each loading, storing
+  and, in a packed forward, running per segment its own ``conv_states[i]``. Their layout is
+  the short conv's (below). The attention they feed, with its relative-position bias, runs in
+  the paged kernels (:func:`.attn.relative_bias_forward`).
 
 Layout conversions (plan = vLLM's layout):
 
@@ -64,7 +73,8 @@ Layout conversions (plan = vLLM's layout):
   kernel state); the layer's column ``[:, :, layer]`` of each of the five tensors. xLSTM: ``C``,
   ``n``, ``m`` as ``rnn_state`` holds them. ZAYA: ``conv`` ``[time0 + time1 - 2, channels]``,
   transformers' window transposed (no extra column: ``conv_pad=0``), and ``v_delayed`` ``[1,
-  D]`` (sized as a kernel-2 conv's window), transformers' ``[B, D]`` vector. All exactly what
+  D]`` (sized as a kernel-2 conv's window), transformers' ``[B, D]`` vector. Inkling: each
+  conv ``[kernel - 1, channels]`` as any conv state. All exactly what
   transformers holds, byte for byte (tests/test_hf_cache_bytes.py checks the spec formulas
   against transformers' own state).
 
@@ -103,7 +113,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Any
 
@@ -155,23 +165,6 @@ REFUSED: dict[str, str] = {
         "ids in conv_states[1] and [2] of the GDN layer's cache, which no StateFormat hands "
         "over (the GDN format moves conv_states[0] and the recurrent state only)"
     ),
-    "inkling_sconv": (
-        "Inkling's attention adds a relative-position bias to every logit (per head, the query "
-        "token's r_proj vector dotted with a learned [d_rel, rel_extent] table at the key's "
-        "distance, zero from rel_extent on; on full layers with log_scaling_n_floor scaled, "
-        "with the query, by a log of the position), and the paged prefill and decode kernels "
-        "take no bias term (per-head sinks only), while the engine runs attention only in "
-        "them; a bias term in both kernels (the per-token [heads, d_rel] vectors and the "
-        "table, gathered by distance) plus an engine forward for InklingAttention (it takes "
-        "its positions from the cache, which the engine's per-forward cache does not hold; "
-        "as install_mla does for MLA) would serve the attention. Its four float32 short-conv "
-        "states (k_sconv and v_sconv on the K/V channels, attn_sconv and mlp_sconv on the "
-        "hidden size: conv_states[0..3] of the attention layer's cache) are run by four "
-        "modules, and no StateFormat hands them over (a format binds one mixer module to a "
-        "state layer, which a packed forward runs per segment with all the layer's parts "
-        "loaded once): one mixer per conv state, each loading its own conv_states[i], would "
-        "hand them over"
-    ),
 }
 
 
@@ -204,7 +197,12 @@ class StateFormat:
     ZAYA's ``"v_delayed"``); ``vector``: that state is one row in the plan (``[1, D]``, a
     kernel-2 conv's window) and a ``[B, D]`` vector in transformers; ``outputs``: the mixer
     returns a tuple whose first ``outputs`` entries are per token (ZAYA's CCA projection:
-    query, key and value), which a packed forward's segments concatenate."""
+    query, key and value), which a packed forward's segments concatenate. ``conv_names``: the
+    parts that are conv windows (plan ``[kernel - 1, C]``, transformers ``[C, kernel - 1 +
+    conv_pad]``); ``state_index``: which of the cache layer's ``conv_states[i]`` they are
+    (Inkling's four convs share one layer); ``modules``: for a kind whose parts are run by
+    modules of their own (Inkling's), the mixer path of each part of ``names`` in order, part
+    ``i`` being ``conv_states[i]`` (:meth:`per_module` splits the format into one per module)."""
 
     kind: str
     conv: bool = True
@@ -222,6 +220,9 @@ class StateFormat:
     recurrent_part: str = "ssm"
     vector: bool = False
     outputs: int = 1
+    conv_names: tuple[str, ...] = ("conv",)
+    state_index: int = 0
+    modules: tuple[str, ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -231,10 +232,22 @@ class StateFormat:
             n for n, has in (("conv", self.conv), (self.recurrent_part, self.recurrent)) if has
         )
 
+    def per_module(self) -> tuple[StateFormat, ...]:
+        """One format per module that runs a part of this kind's state: itself, or for a kind
+        with ``modules`` (Inkling's four short convs) one per part, each binding its module to
+        its part and ``conv_states[i]``. A packed forward runs each module per segment from
+        its own part (:func:`install_varlen`), so one layer's parts need not share a module."""
+        if not self.modules:
+            return (self,)
+        return tuple(
+            replace(self, names=(n,), conv_names=(n,), state_index=i, mixer=path, modules=())
+            for i, (n, path) in enumerate(zip(self.names, self.modules, strict=True))
+        )
+
     # ---- plan slot tensors <-> transformers' ------------------------------------------------
     def to_hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """A batch of plan states ``[B, *slot shape]`` of part ``name`` in transformers' layout."""
-        if name == "conv":  # [B, K-1, C] -> [B, C, K-1+pad]
+        if name in self.conv_names:  # [B, K-1, C] -> [B, C, K-1+pad]
             hf = t.new_zeros(t.shape[0], t.shape[2], t.shape[1] + self.conv_pad)
             hf[:, :, self.conv_pad :] = t.transpose(1, 2)
             return hf
@@ -244,7 +257,7 @@ class StateFormat:
 
     def from_hf(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`to_hf`."""
-        if name == "conv":
+        if name in self.conv_names:
             return t[:, :, self.conv_pad :].transpose(1, 2).contiguous()
         if self.vector and name == self.recurrent_part:
             return t[:, None].contiguous()
@@ -297,8 +310,9 @@ class StateFormat:
         """Hand ``states`` (``part -> [B, ...]`` in the plan's layout) to transformers as the
         already-started state of layer ``idx``. ``cache`` must be fresh (the engine builds one
         per forward): a first ``update_conv_state`` takes the tensor as the whole state, a
-        later one would append to it."""
-        hf = {n: self.to_hf(n, t) for n, t in states.items()}
+        later one would append to it. Parts of ``states`` that are not this format's (another
+        module's, of the same layer) are left to that module's format."""
+        hf = {n: self.to_hf(n, t) for n, t in states.items() if n in self.parts}
         if self.holder == "module":
             module.conv1d_state = hf["conv"]
             module.rg_lru.recurrent_states = hf["ssm"]
@@ -312,13 +326,14 @@ class StateFormat:
         if self.holder == "xlstm_cache":
             cache.rnn_state[idx] = (hf["C"], hf["n"], hf["m"])
             return
-        if self.conv:
+        i = self.state_index
+        for n in self.conv_names if self.conv else ():
             # a first update takes the whole tensor as the state and marks it started
-            cache.update_conv_state(hf["conv"], idx, conv_kernel_size=hf["conv"].shape[2])
+            cache.update_conv_state(hf[n], idx, state_idx=i, conv_kernel_size=hf[n].shape[2])
         if self.recurrent:
             cache.update_recurrent_state(hf[self.recurrent_part], idx)
         # a recurrent-only layer has no conv update to mark it started (public attribute)
-        cache.layers[idx].has_previous_state[0] = True
+        cache.layers[idx].has_previous_state[i] = True
 
     def store(self, cache: Any, module: torch.nn.Module | None, idx: int) -> dict:
         """Layer ``idx``'s updated states (``part -> [B, ...]``) in the plan's layout."""
@@ -337,8 +352,8 @@ class StateFormat:
             hf = dict(zip(("C", "n", "m"), cache.rnn_state[idx], strict=True))
         else:
             hf = {}
-            if self.conv:
-                hf["conv"] = cache.get_conv_state(idx)
+            for n in self.conv_names if self.conv else ():
+                hf[n] = cache.get_conv_state(idx, state_idx=self.state_index)
             if self.recurrent:
                 hf[self.recurrent_part] = cache.get_recurrent_state(idx)
         return {n: self.from_hf(n, t) for n, t in hf.items()}
@@ -417,6 +432,9 @@ CACHES: dict[str, Callable[[Any], Callable[[], Any]]] = {
 }
 
 
+#: Inkling's short convs, in the order of the attention layer's conv_states (and the plan's)
+_INKLING_CONVS = ("k_sconv", "v_sconv", "attn_sconv", "mlp_sconv")
+
 FORMATS: dict[str, StateFormat] = {
     "mamba2": StateFormat("mamba2"),
     "gated_deltanet": StateFormat("gated_deltanet", transposed=True),
@@ -456,6 +474,14 @@ FORMATS: dict[str, StateFormat] = {
         vector=True,
         mixer="self_attn.qkv_proj",
         outputs=3,  # query, key, value
+    ),
+    "inkling_sconv": StateFormat(
+        "inkling_sconv",
+        recurrent=False,
+        names=_INKLING_CONVS,
+        conv_names=_INKLING_CONVS,
+        # each conv's module, in conv_states order (transformers' conv_idx 0-3)
+        modules=("self_attn.k_sconv", "self_attn.v_sconv", "attn_sconv", "mlp_sconv"),
     ),
 }
 
@@ -503,8 +529,8 @@ def refusal(kind: str) -> str | None:
 
 def _served() -> str:
     return (
-        "the engine serves softmax attention (full, sliding-window with or without sinks, MLA) "
-        "and the "
+        "the engine serves softmax attention (full, sliding-window with or without sinks or "
+        "a relative-position bias, MLA) and the "
         f"state kinds {', '.join(FORMATS)}"
     )
 
