@@ -12,9 +12,10 @@ and prefill's attention-sink variants (``sinks=``, ``HAS_SINKS=True``) and relat
 variants (``rel_states=``/``rel_proj=``, ``HAS_REL=True``: Inkling's full and sliding layers).
 
 Why the defaults only: they are what a launch without autotuning runs (every launch in the
-package and its tests). The autotune candidates (``autotune=True``, a GPU only) are four times as
-many compiles: 392 rows instead of 94, about 7 minutes on 2 cores with a cold Triton cache
-against about 1.5, which put the whole suite past the 15 minutes CI has. A change to a kernel or
+package and its tests). The autotune candidates (``autotune=True``, a GPU only) are about four
+times as many compiles (392 rows against 94 when this was measured, 2026-11-27: about 7 minutes
+on 2 cores with a cold Triton cache against about 1.5), which put the whole suite past the 15
+minutes CI has. A change to a kernel or
 its candidate lists is checked with ``python -m paper.compile_kernels --quick --strict`` (every
 candidate of a wrapper call's first launch) or the full matrix, ``python -m paper.compile_kernels
 --strict`` (see ``paper/README.md``); ``config_fits``' own tests keep the spill rules those found.
