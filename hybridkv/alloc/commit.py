@@ -142,12 +142,14 @@ class Committer:
         for gid in self.state:
             if gid not in ends:
                 dst = self.spare_or_new(r, gid)
-                if dst is None:
-                    continue
-                ends[gid] = dst
-            self._copies.append((gid, blocks[gid][0], ends[gid]))
+                if dst is not None:
+                    ends[gid] = dst
+        # taking a spare pops a group's last slot, never its running one: the copies can be
+        # made after every group had its try
+        made = [(gid, blocks[gid][0], ends[gid]) for gid in self.state if gid in ends]
+        self._copies.extend(made)
         if len(ends) == len(self.state):
-            r.end_copies = [(gid, blocks[gid][0], ends[gid]) for gid in self.state]
+            r.end_copies = made
 
     # ---- checkpoints ------------------------------------------------------------------------
     def take_spare(self, r: Request, gid: int) -> int | None:
