@@ -117,8 +117,7 @@ class HybridAllocator:
         self._exports = has_state and self.policy.exports
         self._granularity = plan.checkpoint_granularity
         self.hash_fn = get_hash_fn(o.hash_algo)
-        self.index = PrefixIndex(self.h)
-        self.index.emit = o.kv_events
+        self.index = PrefixIndex(self.h, emit=o.kv_events)
         self.evict_unreachable = o.evict_unreachable
         self._build_pools()
         # a state group's row is its running slot and spares: a fixed width

@@ -51,7 +51,9 @@ class PrefixIndex:
     """Cached hash units per group, their parent links, the entries covering them, and the KV
     events describing every change."""
 
-    def __init__(self, hash_block_size: int, *, medium: str | None = MEDIUM_GPU) -> None:
+    def __init__(
+        self, hash_block_size: int, *, medium: str | None = MEDIUM_GPU, emit: bool = True
+    ) -> None:
         self.h = hash_block_size
         self.medium = medium
         self.holders: dict[UnitKey, list[int]] = {}  # unit -> ids of the entries covering it
@@ -71,7 +73,9 @@ class PrefixIndex:
         # unit" by position instead of walking the subtree between them
         self.state_chains: dict[bytes, tuple[list[bytes], int]] = {}
         self.events: list[Any] = []
-        self.emit = True
+        #: whether changes become KV events (``AllocatorOptions.kv_events``; off, the simulator
+        #: builds none: it would drop them every step)
+        self.emit = emit
 
     def __len__(self) -> int:
         return len(self.entries)
