@@ -54,6 +54,7 @@ from .alloc.marconi import tokens_as_flops
 from .costmodel import GPU, H100_SXM, ParamCount, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
+from .rare_gc import rare_cyclic_gc
 from .sched import Scheduler, SchedulerConfig, Seq, StepOutput
 from .traces import Trace, answer_ids
 
@@ -272,8 +273,21 @@ def simulate(
     on_step: Callable[[StepOutput], None] | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``plan`` (made for ``model``) and measure it. ``on_step`` sees every
-    step the scheduler ran (after it ran), e.g. to record the schedule."""
-    config = config or SimConfig()
+    step the scheduler ran (after it ran), e.g. to record the schedule. Python's cyclic
+    collector runs rarely meanwhile (:mod:`hybridkv.rare_gc`)."""
+    with rare_cyclic_gc():
+        return _simulate(plan, model, trace, config or SimConfig(), progress, on_step)
+
+
+def _simulate(
+    plan: MemoryPlan,
+    model: HybridModel,
+    trace: Trace,
+    config: SimConfig,
+    progress: bool,
+    on_step: Callable[[StepOutput], None] | None,
+) -> SimResult:
+    """:func:`simulate`'s run."""
     coster = StepCoster(model, config.gpu, params=config.params)
     options = config.allocator
     if options.marconi_flops is None:
