@@ -47,6 +47,19 @@ Triton's compiled launcher directly instead of re-binding ~30 arguments (``_Laun
   ``[tokens, heads, rel_extent]`` is built. A scalar bound splits the tile loop in two: tiles
   wholly ``rel_extent`` or more behind the query run the plain loop, so a long context pays
   for the bias over its last ``rel_extent`` keys only. Attention sinks combine with it.
+- Sparse (token-list) decode (``plan_decode(token_indices=...)``, Qwen4-Exp's QSA: each query
+  attends to the tokens of its indexer's top groups plus the open group's tail): the program
+  walks the request's ``[K]`` index list instead of the positions ``0 .. seq_len - 1``
+  (``SPARSE``, a constexpr: the dense walk compiles as before). Per tile of ``BLOCK_N``
+  entries it loads the entries, maps each to its block id (the request's table row) and slot
+  (int64 row offsets), gathers K and V rows, masks padding (-1) and runs the same online
+  softmax, whose running max is guarded so that a tile or a split of padding alone weighs
+  nothing. Splits cover the K entries; the reduce is the dense one. Every gathered row has
+  its own address, so a sparse launch's shape class has ``page_align`` 1 (no ``_TABLE`` row:
+  the first config of ``CONFIGS`` that fits, unmeasured). A prefill's query tokens run as
+  decode rows over the same block table (the engine's QSA layers: :mod:`hybridkv.e2e.attn`),
+  each row its own list, as sparse-attention prefill is commonly served; the paged prefill
+  kernel's tiles share their keys across query rows, which per-row lists do not.
 
 Configs come from a table of measurements (``_TABLE``: the H200 sweep of 2026-11-26, each row
 with its source), keyed by the launch's shape class (:class:`DecodeShape`: page segment, head
@@ -60,6 +73,12 @@ request uses (columns ``< cdiv(seq_lens[b], block_size)``) is in ``[0, num_block
 that are never read and may hold anything. Shapes, dtypes, strides and ``num_splits >= 1`` are
 always checked on the host. Outside the contract the kernel reads other memory (the next
 layer's page for a block id equal to ``num_blocks``) or drops tokens (``max_seq_len`` too small).
+
+Sparse contract (the same switch checks it, on the plan's list and on every run's): each entry
+of ``token_indices[b]`` is ``-1`` (padding, anywhere in the row) or a position in ``[0,
+seq_lens[b])``; a row's positions are distinct and every row lists at least one (with no sinks,
+a row of padding alone gives NaN). Outside it, entries below 0 are skipped and duplicates are
+weighed twice (the reference counts them as listed, too).
 
 Hopper: wgmma needs 64 rows per warpgroup while a decode tile has only the GQA group (<= 16)
 rows, so ``mma.sync`` is the right instruction here; decode is bound by HBM bandwidth, which
@@ -120,7 +139,8 @@ class DecodeShape:
     head_dim: int  # max(head_dim_k, head_dim_v) padded to a power of two (>= 16)
     cache: str  # "16bit" | "fp32" | "fp8" (converted in hardware) | "fp8-bytes" (in software)
     work: int  # batch * KV heads, rounded up to a power of two
-    context: int  # max_seq_len, rounded up to a power of two
+    context: int  # max_seq_len (sparse: the list's K), rounded up to a power of two
+    sparse: bool = False  # a token-index list: every row its own address (page_align 1)
 
     @property
     def fp8(self) -> bool:
@@ -297,6 +317,7 @@ def _decode_partial_kernel(
     sinks_ptr,  # [Hq] float32 attention-sink logits (read only when HAS_SINKS and ONE_SPLIT)
     rel_states_ptr,  # [B, Hq, D_REL] in q's dtype, last dim contiguous (read only when HAS_REL)
     rel_proj_ptr,  # [D_REL, rel_extent] in q's dtype, last dim contiguous (likewise)
+    idx_ptr,  # [B, K] int32 token positions, -1 = padding, rows contiguous (read only when SPARSE)
     part_m_ptr,  # [B, Hq, S] float32, log2 units (unused when ONE_SPLIT)
     part_l_ptr,  # [B, Hq, S] float32 (unused when ONE_SPLIT)
     part_acc_ptr,  # [B, Hq, S, Dv] float32 (unused when ONE_SPLIT)
@@ -309,6 +330,8 @@ def _decode_partial_kernel(
     stride_rs_b,  # rel_states' strides (HAS_REL)
     stride_rs_h,
     stride_rp_r,  # rel_proj's row stride (HAS_REL)
+    stride_idx_b,  # token_indices' row stride (SPARSE)
+    num_indices,  # K: the index list's length (SPARSE)
     stride_q_b,
     stride_q_h,
     stride_out_b,
@@ -337,6 +360,7 @@ def _decode_partial_kernel(
     HAS_REL: tl.constexpr,  # a relative-position bias rel_states @ rel_proj[:, distance]
     D_REL: tl.constexpr,  # relative states per head (HAS_REL)
     BLOCK_R: tl.constexpr,  # D_REL padded for tl.dot (>= 16)
+    SPARSE: tl.constexpr,  # walk the index list idx_ptr instead of the positions 0..seq_len-1
     BLOCK_N: tl.constexpr,
 ):
     # a tile = PAGES segments of SEG tokens; a segment lies inside one page
@@ -347,7 +371,10 @@ def _decode_partial_kernel(
     i_s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + i_b)
     start = i_s * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    if SPARSE:  # splits cover the index list (no window: the plan refuses one)
+        end = tl.minimum(start + split_len, num_indices)
+    else:
+        end = tl.minimum(start + split_len, seq_len)
     lo = start
     if window > 0:
         lo = tl.maximum(start, seq_len - window)
@@ -405,7 +432,7 @@ def _decode_partial_kernel(
     # pipeliner (3.6 as well as 3.9) schedules that table load stages ahead of the K/V loads
     # it feeds, where it leaves ids spread from a per-page vector (reshape) unpipelined in 3.6
     seg_block = 0
-    if PAGES == 1:
+    if PAGES == 1 and not SPARSE:
         seg_block = tl.load(p_table + tile_lo // block_size, mask=tile_lo < end, other=0)
     rel_q = q  # HAS_REL: the query's relative states; else unused
     p_rel = q_ptr
@@ -421,19 +448,29 @@ def _decode_partial_kernel(
         # so the tiles wholly below it run the plain loop (a scalar bound, no per-tile test)
         band_lo = tl.maximum(seq_len - rel_extent, 0) // BLOCK_N * BLOCK_N
         band_lo = tl.minimum(tl.maximum(band_lo, tile_lo), end)
-    b_m, b_l, b_acc, seg_block = _decode_tiles(
-        q, rel_q, p_rel, p_k_head, p_v_head, p_table, seg_block, tile_lo, band_lo, lo, end,
-        seq_len, rel_extent, qk_scale, b_m, b_l, b_acc, block_size, stride_kc_block,
-        stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk,
-        offs_dv, m_dk, m_dv, FP8, PAGES, False, D_REL, BLOCK_R, BLOCK_N,
-    )  # fmt: skip
-    if HAS_REL:  # the tiles holding a key less than rel_extent behind the query
-        b_m, b_l, b_acc, seg_block = _decode_tiles(
-            q, rel_q, p_rel, p_k_head, p_v_head, p_table, seg_block, band_lo, end, lo, end,
-            seq_len, rel_extent, qk_scale, b_m, b_l, b_acc, block_size, stride_kc_block,
-            stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row,
-            offs_dk, offs_dv, m_dk, m_dv, FP8, PAGES, True, D_REL, BLOCK_R, BLOCK_N,
+    if SPARSE:
+        # the request's list, BLOCK_N entries a tile: each entry's block id through the table
+        # row and its slot (int64 rows); padding (-1) and entries past the split read nothing
+        p_idx = idx_ptr + i_b64 * stride_idx_b
+        b_m, b_l, b_acc = _decode_sparse_tiles(
+            q, p_k_head, p_v_head, p_table, p_idx, start, end, qk_scale, b_m, b_l, b_acc,
+            block_size, stride_kc_block, stride_kc_token, stride_vc_block, stride_vc_token,
+            offs_dk, offs_dv, m_dk, m_dv, FP8, BLOCK_N,
         )  # fmt: skip
+    else:
+        b_m, b_l, b_acc, seg_block = _decode_tiles(
+            q, rel_q, p_rel, p_k_head, p_v_head, p_table, seg_block, tile_lo, band_lo, lo, end,
+            seq_len, rel_extent, qk_scale, b_m, b_l, b_acc, block_size, stride_kc_block,
+            stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row, offs_dk,
+            offs_dv, m_dk, m_dv, FP8, PAGES, False, D_REL, BLOCK_R, BLOCK_N,
+        )  # fmt: skip
+        if HAS_REL:  # the tiles holding a key less than rel_extent behind the query
+            b_m, b_l, b_acc, seg_block = _decode_tiles(
+                q, rel_q, p_rel, p_k_head, p_v_head, p_table, seg_block, band_lo, end, lo, end,
+                seq_len, rel_extent, qk_scale, b_m, b_l, b_acc, block_size, stride_kc_block,
+                stride_kc_token, stride_vc_block, stride_vc_token, offs_k_row, offs_v_row,
+                offs_dk, offs_dv, m_dk, m_dv, FP8, PAGES, True, D_REL, BLOCK_R, BLOCK_N,
+            )  # fmt: skip
 
     if ONE_SPLIT:
         if HAS_SINKS:  # a sink is one more logit with no value: it only adds to the denominator
@@ -545,6 +582,71 @@ def _decode_tiles(
         b_acc = b_acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         b_m = m_new
     return b_m, b_l, b_acc, seg_block
+
+
+@triton.jit
+def _decode_sparse_tiles(
+    q,  # [BLOCK_G, BLOCK_DK] in the dots' dtype
+    p_k_head,  # the KV head's base in each cache
+    p_v_head,
+    p_table,  # the request's block-table row
+    p_idx,  # the request's index-list row
+    first,  # first list entry of the split
+    end,  # one past the split's last entry
+    qk_scale,
+    b_m,
+    b_l,
+    b_acc,
+    block_size,
+    stride_kc_block,
+    stride_kc_token,
+    stride_vc_block,
+    stride_vc_token,
+    offs_dk,
+    offs_dv,
+    m_dk,
+    m_dv,
+    FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The online softmax over the list entries ``first .. end - 1``, ``BLOCK_N`` a tile:
+    every entry is a row of its own (a position anywhere in the context), so each gets its
+    own block id and int64 row offset, as on pages of one token. A tile (or a whole split)
+    may be padding alone: its running max stays -inf and it weighs nothing, instead of
+    ``exp2(-inf - -inf)`` = NaN."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for tile in range(first, end, BLOCK_N):
+        offs_n = tile + offs_n0
+        pos = tl.load(p_idx + offs_n, mask=offs_n < end, other=-1)  # [BLOCK_N]
+        m_n = pos >= 0
+        row_block = tl.load(p_table + pos // block_size, mask=m_n, other=0)
+        in_page = (pos % block_size).to(tl.int64)
+        k_rows = row_block.to(tl.int64) * stride_kc_block + in_page * stride_kc_token
+        v_rows = row_block.to(tl.int64) * stride_vc_block + in_page * stride_vc_token
+        k = tl.load(
+            p_k_head + k_rows[:, None] + offs_dk[None, :], mask=m_n[:, None] & m_dk[None, :],
+            other=0.0,
+        )  # fmt: skip
+        v = tl.load(
+            p_v_head + v_rows[:, None] + offs_dv[None, :], mask=m_n[:, None] & m_dv[None, :],
+            other=0.0,
+        )  # fmt: skip
+        if FP8 == 2:
+            k = _e4m3_to_f16_div256(k).to(q.dtype)
+            v = _e4m3_to_f16_div256(v).to(q.dtype)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(m_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(b_m - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        b_l = b_l * alpha + tl.sum(p, axis=1)
+        b_acc = b_acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        b_m = m_new
+    return b_m, b_l, b_acc
 
 
 @triton.jit
@@ -734,17 +836,22 @@ def decode_shape(
     batch: int,
     num_kv_heads: int,
     max_seq_len: int,
+    num_indices: int | None = None,
 ) -> DecodeShape:
-    """The :class:`DecodeShape` of a launch."""
+    """The :class:`DecodeShape` of a launch; ``num_indices`` (K of a token-index list) makes
+    it sparse: every gathered row has its own address (``page_align`` 1) and the walk covers K
+    entries."""
     major, minor = _capability(device)
+    sparse = num_indices is not None
     return DecodeShape(
         arch=10 * major + minor,
-        page_align=min(block_size & -block_size, _MAX_BLOCK_N),
+        page_align=1 if sparse else min(block_size & -block_size, _MAX_BLOCK_N),
         group=group,
         head_dim=max(16, triton.next_power_of_2(max(head_dim_k, head_dim_v))),
         cache=_cache_kind(cache_dtype, device),
         work=_bucket(batch * num_kv_heads),
-        context=_bucket(max_seq_len),
+        context=_bucket(num_indices if sparse else max_seq_len),
+        sparse=sparse,
     )
 
 
@@ -787,6 +894,60 @@ def _check_lengths(seq_lens: torch.Tensor, max_seq_len: int | None) -> torch.Ten
     return lens
 
 
+def _check_indices_tensor(token_indices: torch.Tensor, batch: int, device: torch.device) -> None:
+    """The host-side checks of an index list (no sync): shape, dtype, rows, device."""
+    if (
+        not isinstance(token_indices, torch.Tensor)
+        or token_indices.dtype != torch.int32
+        or token_indices.dim() != 2
+        or token_indices.shape[0] != batch
+    ):
+        got = (
+            f"{tuple(token_indices.shape)} {token_indices.dtype}"
+            if isinstance(token_indices, torch.Tensor)
+            else type(token_indices).__name__
+        )
+        raise ValueError(
+            f"token_indices must be an int32 [B, K] tensor with one row per request (B = "
+            f"{batch}), got {got}"
+        )
+    if token_indices.shape[1] > 1 and token_indices.stride(1) != 1:
+        raise ValueError("token_indices rows must be contiguous (.contiguous())")
+    if token_indices.device != device:
+        raise ValueError(f"token_indices is on {token_indices.device}, block_tables on {device}")
+
+
+def check_token_indices(token_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Every entry of row ``b`` is ``-1`` (padding) or a position in ``[0, seq_lens[b])``; the
+    positions of a row are distinct; every row lists at least one. Syncs with the device."""
+    idx = token_indices.detach().cpu().long()
+    lens = seq_lens.detach().cpu().long()
+    bad = (idx < -1) | (idx >= lens[:, None])
+    if bad.any():
+        b, k = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"token_indices[{b}, {k}] = {int(idx[b, k])} is outside [0, {int(lens[b])}) "
+            f"(request {b}'s seq_len) and is not -1 (padding): list positions of cached tokens "
+            f"only"
+        )
+    live = idx >= 0
+    empty = ~live.any(dim=1)
+    if empty.any():
+        b = int(empty.nonzero()[0])
+        raise ValueError(
+            f"token_indices[{b}] lists no token (all -1): every request attends to at least "
+            f"one (with no sinks, a row of padding alone has no softmax)"
+        )
+    ordered = torch.where(live, idx, -1 - torch.arange(idx.shape[1])).sort(dim=1).values
+    dup = ordered[:, 1:] == ordered[:, :-1]
+    if dup.any():
+        b, k = (int(i) for i in dup.nonzero()[0])
+        raise ValueError(
+            f"token_indices[{b}] lists position {int(ordered[b, k])} more than once: the "
+            f"kernel would weigh it twice; list each token once (as a top-k does)"
+        )
+
+
 @functools.cache
 def _autotuned_kernel():
     """The partial kernel under ``triton.autotune`` over ``CONFIGS``, keyed by the shape class
@@ -805,6 +966,7 @@ def _autotuned_kernel():
             "PAGE_ALIGN",
             "FP8",
             "HAS_REL",  # a bias launch tunes apart: its tiles also hold the bias dot
+            "SPARSE",  # a gather of listed rows tunes apart from the page walk
             "tune_work",
             "tune_context",
         ],
@@ -835,6 +997,7 @@ def _prune_for_autotune(
         cache=cache,
         work=args["tune_work"],
         context=args["tune_context"],
+        sparse=bool(args["SPARSE"]),
     )
     kept = [c for c in configs if config_fits(_config_of(c), shape)]
     return kept or configs[:1]
@@ -867,8 +1030,12 @@ class DecodePlan:
     autotune: bool
     has_sinks: bool  # run takes each layer's per-head attention-sink logits
     rel_dim: int  # > 0: run takes each layer's relative-position bias (rel_states, rel_proj)
+    num_indices: int | None  # K of a sparse plan (splits cover the list), None when dense
+    validate: bool  # run checks each layer's index list too (one sync a run)
     block_tables: torch.Tensor = field(repr=False)
     seq_lens: torch.Tensor = field(repr=False)
+    token_indices: torch.Tensor | None = field(repr=False)  # the list planned with
+    _host_lens: torch.Tensor | None = field(repr=False)  # seq_lens read back (validate)
     part_m: torch.Tensor | None = field(repr=False)
     part_l: torch.Tensor | None = field(repr=False)
     part_acc: torch.Tensor | None = field(repr=False)
@@ -907,7 +1074,7 @@ class DecodePlan:
                 tuple(
                     _int_class(v)
                     for v in (bs, self.split_len, self.sliding_window, self.num_splits,
-                              self.block_tables.stride(0))
+                              self.block_tables.stride(0), self.num_indices or 0)
                 ),
                 tuple(sorted(self._meta.items())),
             ),
@@ -924,6 +1091,7 @@ class DecodePlan:
         sinks: torch.Tensor | None = None,
         rel_states: torch.Tensor | None = None,
         rel_proj: torch.Tensor | None = None,
+        token_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode attention of one layer: ``q [B, Hq, Dk]`` over ``k_cache``/``v_cache``
         ``[num_blocks, block_size, Hkv, D]`` (any strides but the last) of the planned shape
@@ -933,8 +1101,34 @@ class DecodePlan:
         made with ``sinks=True`` and refused otherwise. ``rel_states [B, Hq, rel_dim]`` and
         ``rel_proj [rel_dim, rel_extent]`` (q's dtype, last dims contiguous): the layer's
         relative-position bias, required when the plan was made with ``rel_dim`` and refused
-        otherwise (see :func:`plan_decode`)."""
+        otherwise (see :func:`plan_decode`). A sparse plan needs this layer's ``token_indices
+        [B, K] int32`` (the planned K, rows contiguous; ``plan.token_indices`` where the layers
+        share one list); a dense plan refuses one."""
         batch, heads, dv = self.batch, self.num_heads, self.head_dim_v
+        if self.num_indices is None:
+            if token_indices is not None:
+                raise ValueError(
+                    "this plan attends to every cached token: it was made without "
+                    "token_indices. Pass the step's [B, K] list to plan_decode(token_indices="
+                    "...) for a sparse (token-list) plan"
+                )
+            idx, stride_idx = self.seq_lens, 0  # never read
+        else:
+            if token_indices is None:
+                raise ValueError(
+                    f"this plan is sparse (planned with token_indices, K = {self.num_indices}):"
+                    f" pass this layer's token_indices= [B, K] (or plan.token_indices), or plan "
+                    f"without token_indices to attend to every cached token"
+                )
+            _check_indices_tensor(token_indices, batch, self.block_tables.device)
+            if token_indices.shape[1] != self.num_indices:
+                raise ValueError(
+                    f"token_indices has K = {token_indices.shape[1]} entries a request but the "
+                    f"plan was made for K = {self.num_indices}: plan with this list"
+                )
+            if self.validate and batch:
+                check_token_indices(token_indices, self._host_lens)
+            idx, stride_idx = token_indices, token_indices.stride(0)
         if q.shape != self._q_shape or q.dtype != self.q_dtype or q.stride(2) != 1:
             raise ValueError(
                 f"q must be {list(self._q_shape)} {self.q_dtype} with a contiguous last dim "
@@ -988,8 +1182,9 @@ class DecodePlan:
         parts = (out, out, out) if one_split else (self.part_m, self.part_l, self.part_acc)
         args = (
             q, k_cache, v_cache, self.block_tables, self.seq_lens, k_scale, v_scale, sinks,
-            rel_states, rel_proj, *parts, out, self.scale, self.block_size, self.split_len,
-            self.sliding_window, *rel_ints, qs[0], qs[1], os_[0], os_[1],
+            rel_states, rel_proj, idx, *parts, out, self.scale, self.block_size, self.split_len,
+            self.sliding_window, *rel_ints, stride_idx, self.num_indices or 0, qs[0], qs[1],
+            os_[0], os_[1],
             self.block_tables.stride(0), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
             self.num_splits, self.shape.work, self.shape.context,
         )  # fmt: skip
@@ -1004,7 +1199,7 @@ class DecodePlan:
                 v_cache.data_ptr() % 16, out.data_ptr() % 16, k_scale.data_ptr() % 16,
                 v_scale.data_ptr() % 16, sinks.data_ptr() % 16, rel_states.data_ptr() % 16,
                 rel_proj.data_ptr() % 16, tuple(_int_class(v) for v in rel_ints), qs, os_, ks,
-                vs,
+                vs, idx.data_ptr() % 16, _int_class(stride_idx),
             )  # fmt: skip
             _partial_launcher(grid, key, args, self._meta)
         if not one_split:
@@ -1118,6 +1313,7 @@ def plan_decode(
     validate: bool | None = None,
     sinks: bool = False,
     rel_dim: int | None = None,
+    token_indices: torch.Tensor | None = None,
 ) -> DecodePlan:
     """Plan one step's decode: ``block_tables [B, max_blocks] int32`` (row-contiguous),
     ``seq_lens [B] int32/int64`` (>= 1; the query is the last token) on the device the layers'
@@ -1137,6 +1333,15 @@ def plan_decode(
     [rel_dim, rel_extent]``, and key ``k`` of a query at position ``p`` gets
     ``rel_states[b, h] @ rel_proj[:, p - k]`` added to its scaled logit where
     ``p - k < rel_extent`` (nothing farther back).
+
+    ``token_indices [B, K] int32`` (rows contiguous, on the tables' device) makes a sparse
+    plan: request ``b`` attends only to the positions its row lists (-1 = padding, anywhere in
+    the row; a top-k indexer's pick: Qwen4-Exp's QSA), gathered through its table row, and
+    the splits cover the K entries instead of the context. The plan keeps the list
+    (``plan.token_indices``) and every :meth:`~DecodePlan.run` takes one of the same K. A
+    sparse plan takes no sliding window and no relative bias (no model combines them; the list
+    is the only restriction); sinks combine with it. Contract (checked with ``validate``):
+    each entry ``-1`` or in ``[0, seq_lens[b])``, distinct within a row, at least one a row.
     """
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
@@ -1175,7 +1380,23 @@ def plan_decode(
             f"{rel_dim}"
         )
     device = block_tables.device
+    num_indices = None
+    if token_indices is not None:
+        _check_indices_tensor(token_indices, batch, device)
+        num_indices = token_indices.shape[1]
+        if num_indices < 1:
+            raise ValueError(
+                "token_indices has no entries (K = 0): give each request at least one token, "
+                "or plan without token_indices to attend to every cached token"
+            )
+        if sliding_window or rel_dim:
+            raise ValueError(
+                f"a sparse plan (token_indices) takes no sliding window or relative bias (got "
+                f"sliding_window={sliding_window}, rel_dim={rel_dim}): the list alone says "
+                f"which keys a query sees; plan them densely, or restrict the list itself"
+            )
     check = _validate_enabled(validate)
+    lens = None
     if batch and (max_seq_len is None or check):
         lens = _check_lengths(seq_lens, max_seq_len)
         if max_seq_len is None:
@@ -1184,6 +1405,8 @@ def plan_decode(
             if num_blocks is None:
                 raise ValueError("validate=True checks block ids: pass num_blocks (the cache's)")
             check_block_tables(block_tables, lens, num_blocks, block_size)
+            if token_indices is not None:
+                check_token_indices(token_indices, lens)
     max_seq_len = max_seq_len or 1
     needed = triton.cdiv(max_seq_len, block_size)
     if needed > block_tables.shape[1]:
@@ -1202,6 +1425,7 @@ def plan_decode(
         batch=batch,
         num_kv_heads=num_kv_heads,
         max_seq_len=max_seq_len,
+        num_indices=num_indices,
     )
     if autotune:
         source = "autotune"
@@ -1212,14 +1436,15 @@ def plan_decode(
         if config not in CONFIGS:
             raise ValueError(f"{config} is not one of CONFIGS: {', '.join(map(str, CONFIGS))}")
         source = "given"
+    walked = num_indices or max_seq_len  # sparse: the splits cover the list
     if num_splits is None:
         num_splits = choose_num_splits(
-            batch, num_kv_heads, max_seq_len, _num_sms(device),
+            batch, num_kv_heads, walked, _num_sms(device),
             per_sm=programs_per_sm(config, shape), one_wave=config.num_warps <= 2,
         )  # fmt: skip
     # each split covers a whole number of tiles of any config
-    split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
-    num_splits = triton.cdiv(max_seq_len, split_len)
+    split_len = triton.cdiv(triton.cdiv(walked, num_splits), _MAX_BLOCK_N) * _MAX_BLOCK_N
+    num_splits = triton.cdiv(walked, split_len)
     part_m = part_l = part_acc = None
     if num_splits > 1:
         f32 = dict(dtype=torch.float32, device=device)
@@ -1250,8 +1475,12 @@ def plan_decode(
         autotune=autotune,
         has_sinks=bool(sinks),
         rel_dim=rel_dim or 0,
+        num_indices=num_indices,
+        validate=check,
         block_tables=block_tables,
         seq_lens=seq_lens,
+        token_indices=token_indices,
+        _host_lens=lens if check else None,
         part_m=part_m,
         part_l=part_l,
         part_acc=part_acc,
@@ -1270,6 +1499,7 @@ def plan_decode(
             HAS_REL=bool(rel_dim),
             D_REL=rel_dim or 0,
             BLOCK_R=max(16, triton.next_power_of_2(rel_dim or 1)),
+            SPARSE=num_indices is not None,
         ),
         _reduce_grid=(batch, num_heads, triton.cdiv(head_dim_v, reduce_dv)),
         _reduce_constexprs=dict(
@@ -1319,6 +1549,7 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
     rel_states: torch.Tensor | None = None,
     rel_proj: torch.Tensor | None = None,
+    token_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its paged K/V: :func:`plan_decode` and
     :meth:`DecodePlan.run` in one call (plan once and run per layer to save the host work).
@@ -1332,7 +1563,9 @@ def paged_decode_attention(
     in Dv), if given, receives the result. fp8 caches need ``k_scale``/``v_scale`` (float32
     scalars). ``sinks [Hq] float32``: per-head attention-sink logits (none by default).
     ``rel_states [B, Hq, rel_dim]`` with ``rel_proj [rel_dim, rel_extent]`` (q's dtype): a
-    relative-position bias (see :func:`plan_decode`; none by default).
+    relative-position bias (see :func:`plan_decode`; none by default). ``token_indices [B, K]
+    int32``: each request attends only to the positions its row lists, -1 padded (a sparse
+    plan, see :func:`plan_decode`; every cached token by default).
     """
     _check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
     quant = k_cache.dtype in _FP8
@@ -1358,13 +1591,14 @@ def paged_decode_attention(
         validate=validate,
         sinks=sinks is not None,
         rel_dim=None if rel_states is None else rel_states.shape[-1],
+        token_indices=token_indices,
     )
     if quant:
         k_scale = k_scale.reshape(1).to(torch.float32)
         v_scale = v_scale.reshape(1).to(torch.float32)
     return plan.run(
         q, k_cache, v_cache, k_scale, v_scale, out=out, sinks=sinks, rel_states=rel_states,
-        rel_proj=rel_proj,
+        rel_proj=rel_proj, token_indices=token_indices,
     )  # fmt: skip
 
 
@@ -1399,6 +1633,7 @@ def paged_decode_attention_ref(
     sinks: torch.Tensor | None = None,
     rel_states: torch.Tensor | None = None,
     rel_proj: torch.Tensor | None = None,
+    token_indices: torch.Tensor | None = None,
     **_: object,
 ) -> torch.Tensor:
     """Plain torch: gather each request's visible K/V through its block table (keys below a
@@ -1406,12 +1641,29 @@ def paged_decode_attention_ref(
     scores and, given ``sinks [Hq]``, one sink logit per head whose weight is dropped). Given
     ``rel_states [B, Hq, rel_dim]`` and ``rel_proj [rel_dim, rel_extent]``, each scaled score
     gets ``rel_states[b, h] @ rel_proj[:, distance]`` added in float32 (none from distance
-    ``rel_extent`` on)."""
+    ``rel_extent`` on). Given ``token_indices [B, K]``, request ``b`` attends to the listed
+    positions only (-1 entries skipped; a position listed twice counts twice)."""
     from einops import repeat
 
     out = torch.empty(q.shape[0], q.shape[1], v_cache.shape[3], dtype=q.dtype, device=q.device)
     group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(seq_lens.tolist()):
+        if token_indices is not None:
+            listed = token_indices[b].long()
+            listed = listed[listed >= 0]
+            blocks = block_tables[b].long()[listed // k_cache.shape[1]]
+            k = k_cache[blocks, listed % k_cache.shape[1]].float()
+            v = v_cache[blocks, listed % v_cache.shape[1]].float()
+            if k_cache.dtype in _FP8 and k_scale is not None:
+                k, v = k * k_scale.float(), v * v_scale.float()
+            k = repeat(k, "n h d -> n (h g) d", g=group)
+            v = repeat(v, "n h d -> n (h g) d", g=group)
+            scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
+            weights = scores.softmax(-1)[:, : k.shape[0]]
+            out[b] = torch.einsum("hn,nhd->hd", weights, v).to(q.dtype)
+            continue
         first = max(0, n - sliding_window) if sliding_window else 0
         k = gather_kv_ref(k_cache, block_tables[b], n, k_scale, first)
         v = gather_kv_ref(v_cache, block_tables[b], n, v_scale, first)

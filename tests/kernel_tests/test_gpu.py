@@ -207,6 +207,37 @@ def test_bf16_mla_sparse_decode(heads, splits):
     assert torch.equal(got, again)
 
 
+@pytest.mark.parametrize("splits", [None, 1], ids=["auto-splits", "one-split"])
+def test_bf16_sparse_gqa_decode(splits):
+    """The GQA decode's token-list walk in bf16 (Qwen4-Exp's QSA pick: 2,048 + 63 entries of
+    a 16k context, -1 padded, and a short request), against the reference; then the unlisted
+    tokens' K and V are poisoned with NaN and the output does not change."""
+    from .test_paged_decode_sparse import _pick, _poison_unlisted
+
+    dtype, d, bs, lens, hq, hkv = torch.bfloat16, 128, 64, [16384, 300], 16, 2
+    num_blocks = sum(math.ceil(n / bs) for n in lens) + 4
+    _, k_cache, v_cache = synthetic_caches("classic", num_blocks, bs, hkv, d, d, dtype)
+    tables = _fill(k_cache, v_cache, lens, dtype)
+    idx = _pick(lens, 2048 + 63, seed=splits or 0)
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), hq, d, device="cuda", dtype=dtype)
+    args = (tables.cuda(), seq, d**-0.5)
+    out = _nan(len(lens), hq, d)
+    got = paged_decode_attention(
+        q, k_cache.cuda(), v_cache.cuda(), *args, num_splits=splits, out=out,
+        token_indices=idx.cuda(),
+    ).clone()  # fmt: skip
+    want = paged_decode_attention_ref(
+        q, k_cache.cuda(), v_cache.cuda(), *args, token_indices=idx.cuda()
+    )
+    _close(got, want)
+    _poison_unlisted(k_cache, v_cache, tables, lens, idx)
+    again = paged_decode_attention(
+        q, k_cache.cuda(), v_cache.cuda(), *args, num_splits=splits, token_indices=idx.cuda()
+    )
+    assert torch.equal(got, again)
+
+
 _FP8_CASES = [
     pytest.param(torch.float8_e4m3fn, False, id="e4m3-hw"),
     pytest.param(torch.float8_e4m3fn, True, id="e4m3-soft"),
