@@ -12,7 +12,10 @@ launch):
 
 - ``kernels/cache_write.py``: :func:`write_kv_cache`; :func:`plan_write_kv_cache`
 - ``kernels/indexer_scores.py``: :func:`indexer_scores`; :func:`plan_indexer_scores` (the
-  pool scores of GLM-5-Next's DSA indexer over its paged rows)
+  pool scores of GLM-5-Next's DSA indexer over its paged rows, and with
+  ``pool="mean_norm_rope"`` of Qwen4-Exp's QSA indexer, whose reference
+  ``hybridkv_kernels.indexer_scores.mean_norm_rope_scores_ref`` is not re-exported here: the
+  references here are the wrappers')
 - ``kernels/paged_decode.py``: :func:`paged_decode_attention`; :func:`plan_decode`
 - ``kernels/paged_prefill.py``: :func:`paged_prefill_attention`; :func:`plan_prefill`
 - ``kernels/mla_decode.py``: :func:`mla_decode_attention`; :func:`plan_mla_decode`

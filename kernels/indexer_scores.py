@@ -1,4 +1,21 @@
-"""Pool scores of a DSA indexer with k-pool compression (GLM-5-Next) over its paged rows.
+"""Pool scores of a DSA indexer with k-pool compression (GLM-5-Next; Qwen4-Exp's QSA) over its
+paged rows.
+
+Two ways of making a pool's key (``plan_indexer_scores(pool=...)``, the kernel's ``POOL``):
+``gated``, GLM-5-Next's, described below; and ``mean_norm_rope``, Qwen4-Exp's QSA indexer
+(transformers' ``Qwen4ExpTextQSAIndexer``), whose rows are the raw per-token keys ``[D]``:
+
+    pool_key[p]  = rope_p(rmsnorm(mean_j key[p, j]) * (1 + k_layernorm.weight))
+    score[t, p]  = sum_h weights[t, h] * relu(q[t, h] . pool_key[p] * softmax_scale)
+
+(the mean in float32, rounded to the rows' dtype; ``rope_p`` rotates the first ``rotary_dim``
+dims, rotate-half layout, by the model's rotary at position ``p * kpool``, the pool's first
+token, from ``cos`` / ``sin`` tables the caller passes, one row a pool; each step rounded to
+the rows' dtype as transformers computes it in that dtype; the engine passes ``weights = 1 /
+sqrt(D)`` and ``softmax_scale = 1``: transformers' ``relu(q . k).sum(heads) / sqrt(D)``). The
+rotation pairs dim ``d`` with ``d +- rotary_dim / 2``: the pooling loop also sums each row
+read at the partner's offsets (the same cache lines), so both halves of a pair are in
+registers. Everything else (tiles, page walk, the dot, visibility) is shared.
 
 GLM-5-Next's sparse attention picks, for each query token, the tokens its MLA attends to: an
 indexer scores *pools* of ``kpool`` consecutive tokens of the context and the MLA reads the
@@ -211,12 +228,17 @@ def _indexer_scores_kernel(
     q_ptr,  # [N, H, D] query tokens' indexer queries (fp32 / fp16 / bf16), last dim contiguous
     w_ptr,  # [N, H] float32 head weights (the caller's scaling included), last dim contiguous
     rows_ptr,  # [num_blocks, block_size, (1,) 2 * D + 1] indexer rows: key | gate | valid
-    ape_ptr,  # [KPOOL, D] float32 gate bias of each position in a pool, contiguous
+    ape_ptr,  # [KPOOL, D] float32 gate bias of each position in a pool (GATED only)
+    norm_ptr,  # [D] float32 pooled-key RMSNorm weight, 1 + weight (MEAN_NORM_ROPE only)
+    cos_ptr,  # [>= max_pools, ROT] float32 rotary cos at each pool's first position (likewise)
+    sin_ptr,  # [>= max_pools, ROT] float32 rotary sin, rows as cos (likewise)
     table_ptr,  # [R, max_blocks] int32 block tables, rows contiguous
     pos_ptr,  # [N] int32 each query token's position in its request
     tile_ptr,  # [num_tiles, 4] int32: first token, tokens, request, pools the tile sees
     out_ptr,  # [N, max_pools] float32 scores, last dim contiguous
     scale,  # float: softmax_scale, applied to each head's dot before the ReLU
+    eps,  # float: the pooled-key RMSNorm's epsilon (MEAN_NORM_ROPE)
+    stride_cs,  # cos / sin: row (pool) stride
     num_heads,  # H
     max_pools,  # columns of out
     block_size,  # tokens a page
@@ -227,6 +249,8 @@ def _indexer_scores_kernel(
     stride_rows_token,  # rows: token stride inside a page
     stride_table,  # block tables: request stride
     stride_out_t,  # out: token stride
+    POOL: tl.constexpr,  # 0 GATED (GLM-5-Next), 1 MEAN_NORM_ROPE (Qwen4-Exp's QSA)
+    ROT: tl.constexpr,  # MEAN_NORM_ROPE: rotary dims of the pooled key (even, <= D; 0: none)
     DIM: tl.constexpr,  # D = index_head_dim
     KPOOL: tl.constexpr,  # tokens a pool
     BLOCK_H: tl.constexpr,  # heads padded to a power of two >= 16
@@ -251,32 +275,39 @@ def _indexer_scores_kernel(
     m_h = offs_h < num_heads
 
     if i_pool * BLOCK_P < seen:
-        # pool keys of this tile, float32 online softmax per (pool, dim) in log2 units: the
-        # kpool rows of a pool are visited one position at a time, each a [BLOCK_P, D] tile
         p_table = table_ptr + request * stride_table
-        b_m = tl.full([BLOCK_P, BLOCK_D], float("-inf"), tl.float32)
-        b_l = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
-        b_acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
-        m_pd = m_p[:, None] & m_d[None, :]
-        for j in range(KPOOL):
-            tok = offs_p * KPOOL + j  # [BLOCK_P] positions: a pool may straddle pages
-            block = tl.load(p_table + tok // block_size, mask=m_p, other=0)  # [BLOCK_P]
-            base = (
-                block.to(tl.int64) * stride_rows_block
-                + (tok % block_size).to(tl.int64) * stride_rows_token
-            )  # [BLOCK_P] int64 row offsets
-            p_row = rows_ptr + base[:, None] + offs_d[None, :]  # [BLOCK_P, BLOCK_D]
-            key = tl.load(p_row, mask=m_pd, other=0.0).to(tl.float32)
-            gate = tl.load(p_row + DIM, mask=m_pd, other=0.0).to(tl.float32)
-            ape = tl.load(ape_ptr + j * DIM + offs_d, mask=m_d, other=0.0)  # [BLOCK_D]
-            g = (gate + ape[None, :]) * 1.4426950408889634
-            m_new = tl.maximum(b_m, g)
-            alpha = tl.exp2(b_m - m_new)  # 0 at j = 0 (b_m = -inf, m_new finite)
-            p = tl.exp2(g - m_new)
-            b_l = b_l * alpha + p
-            b_acc = b_acc * alpha + p * key
-            b_m = m_new
-        pool_t = tl.trans(b_acc / b_l)  # [BLOCK_D, BLOCK_P]; masked pools hold 0
+        if POOL == 1:
+            pool_t = _mean_norm_rope_pool(
+                rows_ptr, p_table, offs_p, m_p, offs_d, m_d, norm_ptr, cos_ptr, sin_ptr,
+                stride_cs, eps, block_size, stride_rows_block, stride_rows_token, DIM, KPOOL,
+                ROT, BLOCK_P, BLOCK_D,
+            )  # fmt: skip
+        else:
+            # pool keys of this tile, float32 online softmax per (pool, dim) in log2 units: the
+            # kpool rows of a pool are visited one position at a time, each a [BLOCK_P, D] tile
+            b_m = tl.full([BLOCK_P, BLOCK_D], float("-inf"), tl.float32)
+            b_l = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+            b_acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+            m_pd = m_p[:, None] & m_d[None, :]
+            for j in range(KPOOL):
+                tok = offs_p * KPOOL + j  # [BLOCK_P] positions: a pool may straddle pages
+                block = tl.load(p_table + tok // block_size, mask=m_p, other=0)  # [BLOCK_P]
+                base = (
+                    block.to(tl.int64) * stride_rows_block
+                    + (tok % block_size).to(tl.int64) * stride_rows_token
+                )  # [BLOCK_P] int64 row offsets
+                p_row = rows_ptr + base[:, None] + offs_d[None, :]  # [BLOCK_P, BLOCK_D]
+                key = tl.load(p_row, mask=m_pd, other=0.0).to(tl.float32)
+                gate = tl.load(p_row + DIM, mask=m_pd, other=0.0).to(tl.float32)
+                ape = tl.load(ape_ptr + j * DIM + offs_d, mask=m_d, other=0.0)  # [BLOCK_D]
+                g = (gate + ape[None, :]) * 1.4426950408889634
+                m_new = tl.maximum(b_m, g)
+                alpha = tl.exp2(b_m - m_new)  # 0 at j = 0 (b_m = -inf, m_new finite)
+                p = tl.exp2(g - m_new)
+                b_l = b_l * alpha + p
+                b_acc = b_acc * alpha + p * key
+                b_m = m_new
+            pool_t = tl.trans(b_acc / b_l)  # [BLOCK_D, BLOCK_P]; masked pools hold 0
         end = KPOOL * offs_p + KPOOL - 1  # [BLOCK_P] each pool's last position
         for i in range(count):
             t = first + i
@@ -300,6 +331,82 @@ def _indexer_scores_kernel(
         dead = tl.full([BLOCK_P], float("-inf"), tl.float32)
         for i in range(count):
             tl.store(out_ptr + (first + i) * stride_out_t + offs_p, dead, mask=m_store)
+
+
+@triton.jit
+def _round_to(x, like_ptr):
+    """``x`` (float32) rounded to the element type of ``like_ptr`` and back: a 16-bit model
+    rounds each step of the pooled key's transform to its dtype (a no-op for float32)."""
+    return x.to(like_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _mean_norm_rope_pool(
+    rows_ptr,  # [num_blocks, block_size, (1,) D] raw per-token keys
+    p_table,  # the request's block-table row
+    offs_p,  # [BLOCK_P] pool ids
+    m_p,  # [BLOCK_P] pools the tile scores
+    offs_d,  # [BLOCK_D]
+    m_d,
+    norm_ptr,  # [D] float32, 1 + the RMSNorm's weight
+    cos_ptr,  # [pools, ROT] float32
+    sin_ptr,
+    stride_cs,
+    eps,
+    block_size,
+    stride_rows_block,
+    stride_rows_token,
+    DIM: tl.constexpr,
+    KPOOL: tl.constexpr,
+    ROT: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Qwen4-Exp's compressed keys, ``[BLOCK_D, BLOCK_P]`` float32: each pool's ``KPOOL`` raw
+    keys averaged in float32 and rounded to the rows' dtype, RMS-normalised over ``D`` (times
+    ``1 + weight``, rounded), then rotated (rotate-half layout) by the rotary of the pool's
+    first position on the first ``ROT`` dims, each product and the sum rounded to the rows'
+    dtype as transformers computes them in it. The rotation pairs dim ``d`` with ``d +- ROT /
+    2``, which a register tile cannot fetch from another column: the pooling sums each row a
+    second time read at the partner's offsets (the same cache lines), so both halves of every
+    pair are at hand after the loop."""
+    HALF: tl.constexpr = ROT // 2
+    partner = tl.where(offs_d < HALF, offs_d + HALF, tl.where(offs_d < ROT, offs_d - HALF, offs_d))
+    m_pd = m_p[:, None] & m_d[None, :]
+    acc = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    acc_partner = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+    for j in range(KPOOL):
+        tok = offs_p * KPOOL + j  # [BLOCK_P] positions: a pool may straddle pages
+        block = tl.load(p_table + tok // block_size, mask=m_p, other=0)
+        base = (
+            block.to(tl.int64) * stride_rows_block
+            + (tok % block_size).to(tl.int64) * stride_rows_token
+        )  # [BLOCK_P] int64 row offsets
+        acc += tl.load(rows_ptr + base[:, None] + offs_d[None, :], mask=m_pd, other=0.0).to(
+            tl.float32
+        )
+        if ROT > 0:
+            acc_partner += tl.load(
+                rows_ptr + base[:, None] + partner[None, :], mask=m_pd, other=0.0
+            ).to(tl.float32)
+    mean = _round_to(acc / KPOOL, rows_ptr)
+    rstd = 1.0 / tl.sqrt(tl.sum(mean * mean, axis=1) / DIM + eps)  # [BLOCK_P]
+    w = tl.load(norm_ptr + offs_d, mask=m_d, other=0.0)
+    key = _round_to(mean * rstd[:, None] * w[None, :], rows_ptr)
+    if ROT > 0:
+        w_partner = tl.load(norm_ptr + partner, mask=m_d, other=0.0)
+        mean_partner = _round_to(acc_partner / KPOOL, rows_ptr)
+        key_partner = _round_to(mean_partner * rstd[:, None] * w_partner[None, :], rows_ptr)
+        m_rot = m_p[:, None] & (offs_d < ROT)[None, :]
+        p_cs = offs_p.to(tl.int64)[:, None] * stride_cs + offs_d[None, :]
+        cos = tl.load(cos_ptr + p_cs, mask=m_rot, other=1.0)
+        sin = tl.load(sin_ptr + p_cs, mask=m_rot, other=0.0)
+        # rotate_half: -x[d + ROT / 2] below ROT / 2, x[d - ROT / 2] from ROT / 2 to ROT
+        rotated = tl.where((offs_d < HALF)[None, :], -key_partner, key_partner)
+        roped = _round_to(_round_to(key * cos, rows_ptr) + _round_to(rotated * sin, rows_ptr),
+                          rows_ptr)  # fmt: skip
+        key = tl.where(m_rot, roped, key)
+    return tl.trans(tl.where(m_pd, key, 0.0))
 
 
 # ---- host side --------------------------------------------------------------------------------
@@ -350,7 +457,7 @@ def _autotuned_kernel():
     ]
     return triton.autotune(
         configs,
-        key=["DIM", "KPOOL", "BLOCK_H", "BLOCK_D", "IEEE"],
+        key=["POOL", "ROT", "DIM", "KPOOL", "BLOCK_H", "BLOCK_D", "IEEE"],
         prune_configs_by={"early_config_prune": _prune_for_autotune},
     )(_indexer_scores_kernel)
 
@@ -377,6 +484,12 @@ def _prune_for_autotune(
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+#: how a pool's key is made from its tokens' rows (the kernel's ``POOL``): ``gated``,
+#: GLM-5-Next's softmax of gate + ape per dim over rows ``[key | gate | valid]``; and
+#: ``mean_norm_rope``, Qwen4-Exp's QSA: the mean of raw keys (rows ``[key]``), RMS-normalised
+#: and rotated at the pool's first position
+POOLS = ("gated", "mean_norm_rope")
 
 
 def _rows_3d(rows: torch.Tensor) -> torch.Tensor:
@@ -475,6 +588,9 @@ class IndexerScoresPlan:
     config: IndexerConfig
     config_source: str  # "unmeasured: ...", "autotune", "given" or "interpreter"
     autotune: bool
+    pool: str  # one of POOLS
+    rotary_dim: int  # mean_norm_rope: the pooled key's rotated dims (0: none)
+    norm_eps: float  # mean_norm_rope: the pooled key's RMSNorm epsilon
     block_tables: torch.Tensor = field(repr=False)
     query_pos: torch.Tensor = field(repr=False)  # [N] int32 on the tables' device
     tiles: torch.Tensor = field(repr=False)  # [num_tiles, 4] int32 on the tables' device
@@ -485,16 +601,25 @@ class IndexerScoresPlan:
         q: torch.Tensor,
         weights: torch.Tensor,
         rows: torch.Tensor,
-        ape: torch.Tensor,
+        ape: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        *,
+        norm: torch.Tensor | None = None,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer's scores: ``q [N, H, D]`` (the plan's ``q_dtype``, last dim contiguous),
         ``weights [N, H]`` float32, ``rows [num_blocks, block_size, (1,) 2 * D + 1]`` (the
         plan's dtype and block size, any page and token strides, last dim contiguous),
         ``ape [kpool, D]`` float32 (contiguous). Returns ``[N, max_pools]`` float32 (in
         ``out`` if given: then nothing is allocated); see the module docstring for what a
-        score is."""
+        score is. A ``mean_norm_rope`` plan (Qwen4-Exp) takes ``rows [num_blocks,
+        block_size, (1,) D]`` (the raw keys), no ``ape``, and ``norm [D]`` (``1 + weight`` of
+        the indexer's k_layernorm), ``cos`` / ``sin [>= max_pools, rotary_dim]`` (the model's
+        rotary at each pool's first position, ``p * kpool``), all float32 with contiguous
+        last dims."""
         n, h, d = self.num_tokens, self.num_heads, self.head_dim
+        gated = self.pool == "gated"
         if q.shape != (n, h, d) or q.dtype != self.q_dtype or q.stride(2) != 1:
             raise ValueError(
                 f"q must be [{n}, {h}, {d}] {self.q_dtype} with a contiguous last dim (the "
@@ -505,28 +630,50 @@ class IndexerScoresPlan:
                 f"weights must be [{n}, {h}] float32 with a contiguous last dim (one weight a "
                 f"query token and head), got {tuple(weights.shape)} {weights.dtype}"
             )
-        if ape.shape != (self.kpool, d) or ape.dtype != torch.float32 or not ape.is_contiguous():
-            raise ValueError(
-                f"ape must be a contiguous [{self.kpool}, {d}] float32 tensor (the indexer's "
-                f"index_kpool_compress_ape, .float().contiguous()), got {tuple(ape.shape)} "
-                f"{ape.dtype}"
-            )
+        if gated:
+            if norm is not None or cos is not None or sin is not None:
+                raise ValueError(
+                    "norm / cos / sin are a mean_norm_rope plan's (Qwen4-Exp); this plan pools "
+                    "with gates: pass ape only"
+                )
+            if (
+                ape is None
+                or ape.shape != (self.kpool, d)
+                or ape.dtype != torch.float32
+                or not ape.is_contiguous()
+            ):
+                raise ValueError(
+                    f"ape must be a contiguous [{self.kpool}, {d}] float32 tensor (the "
+                    f"indexer's index_kpool_compress_ape, .float().contiguous()), got "
+                    f"{None if ape is None else (tuple(ape.shape), ape.dtype)}"
+                )
+            norm = cos = sin = ape  # never read
+        else:
+            if ape is not None:
+                raise ValueError(
+                    "ape is a gated plan's (GLM-5-Next); this mean_norm_rope plan takes norm, "
+                    "cos and sin instead"
+                )
+            _check_pool_transform(norm, cos, sin, d, self.rotary_dim, self.max_pools)
+            ape = norm  # never read
         r3 = _rows_3d(rows)
-        width = 2 * d + 1
+        width = 2 * d + 1 if gated else d
         if r3.shape[2] != width:
+            what = "[key | gate | valid]" if gated else "a raw key"
             raise ValueError(
-                f"rows hold {r3.shape[2]} elements a token but [key | gate | valid] of "
-                f"index_head_dim {d} is {width}: these are not this indexer's pages (or D is "
-                f"wrong)"
+                f"rows hold {r3.shape[2]} elements a token but {what} of index_head_dim {d} is "
+                f"{width}: these are not this indexer's pages (or D, or the pool kind, is wrong)"
             )
         if r3.shape[1] != self.block_size or r3.dtype != self.rows_dtype or r3.stride(2) != 1:
             raise ValueError(
                 f"rows must be [num_blocks, {self.block_size}, (1,) {width}] {self.rows_dtype} "
                 f"with a contiguous last dim (the plan's), got {tuple(rows.shape)} {rows.dtype}"
             )
-        devices = {t.device for t in (q, weights, r3, ape)}
+        devices = {t.device for t in (q, weights, r3, ape, norm, cos, sin)}
         if len(devices) != 1:
-            raise ValueError(f"q, weights, rows and ape must be on one device, got {devices}")
+            raise ValueError(
+                f"q, weights, rows and the pool's tensors must be on one device, got {devices}"
+            )
         if out is None:
             out = torch.empty((n, self.max_pools), dtype=torch.float32, device=q.device)
         elif out.shape != (n, self.max_pools) or out.dtype != torch.float32 or out.stride(1) != 1:
@@ -537,10 +684,10 @@ class IndexerScoresPlan:
         if n == 0 or self.max_pools == 0 or self.tiles.shape[0] == 0:
             return out
         args = (
-            q, weights, r3, ape, self.block_tables, self.query_pos, self.tiles, out,
-            self.softmax_scale, h, self.max_pools, self.block_size, q.stride(0), q.stride(1),
-            weights.stride(0), r3.stride(0), r3.stride(1), self.block_tables.stride(0),
-            out.stride(0),
+            q, weights, r3, ape, norm, cos, sin, self.block_tables, self.query_pos, self.tiles,
+            out, self.softmax_scale, self.norm_eps, cos.stride(0), h, self.max_pools,
+            self.block_size, q.stride(0), q.stride(1), weights.stride(0), r3.stride(0),
+            r3.stride(1), self.block_tables.stride(0), out.stride(0),
         )  # fmt: skip
         num_tiles = self.tiles.shape[0]
         if self.autotune:
@@ -579,6 +726,9 @@ def plan_indexer_scores(
     tokens_per_tile: int = TOKENS_PER_TILE,
     num_blocks: int | None = None,
     validate: bool | None = None,
+    pool: str = "gated",
+    rotary_dim: int = 0,
+    norm_eps: float = 1e-6,
 ) -> IndexerScoresPlan:
     """Plan one forward's indexer scores: ``block_tables [R, max_blocks] int32`` (rows
     contiguous), ``seg [N]`` (each query token's request), ``query_pos [N]`` (its position)
@@ -591,7 +741,20 @@ def plan_indexer_scores(
     max) is the scores' width. ``config`` (one of ``CONFIGS``) overrides the default;
     ``autotune=True`` tunes over ``CONFIGS`` on a GPU instead. ``tokens_per_tile`` caps the
     query tokens a program scores. ``validate`` (default: the ``HYBRIDKV_VALIDATE`` switch)
-    also checks every block id the kernel will read (needs ``num_blocks``; one more sync)."""
+    also checks every block id the kernel will read (needs ``num_blocks``; one more sync).
+    ``pool`` (one of :data:`POOLS`) says how a pool's key is made: ``gated`` (GLM-5-Next, the
+    default) or ``mean_norm_rope`` (Qwen4-Exp's QSA: rows of raw keys averaged, RMS-normalised
+    with ``norm_eps``, the first ``rotary_dim`` dims rotated at the pool's first position; see
+    :meth:`IndexerScoresPlan.run`)."""
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    if pool == "mean_norm_rope" and not (0 <= rotary_dim <= head_dim and rotary_dim % 2 == 0):
+        raise ValueError(
+            f"rotary_dim must be even and in [0, head_dim = {head_dim}] (the pooled key's "
+            f"rotated dims, rotate-half layout), got {rotary_dim}"
+        )
+    if pool == "gated" and rotary_dim:
+        raise ValueError("rotary_dim is a mean_norm_rope plan's; a gated pool rotates nothing")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError(
             f"block_tables must be an int32 [R, max_blocks] tensor, got "
@@ -684,10 +847,15 @@ def plan_indexer_scores(
         config=config,
         config_source=source,
         autotune=autotune,
+        pool=pool,
+        rotary_dim=rotary_dim,
+        norm_eps=float(norm_eps),
         block_tables=block_tables,
         query_pos=host_pos.to(device=device, dtype=torch.int32),
         tiles=tiles.to(device),
         _constexprs=dict(
+            POOL=POOLS.index(pool),
+            ROT=rotary_dim,
             DIM=head_dim,
             KPOOL=kpool,
             BLOCK_H=shape.block_h,
@@ -695,6 +863,43 @@ def plan_indexer_scores(
             IEEE=q_dtype == torch.float32,
         ),
     )
+
+
+def _check_pool_transform(
+    norm: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    dim: int,
+    rotary_dim: int,
+    max_pools: int,
+) -> None:
+    """A ``mean_norm_rope`` run's ``norm [D]``, ``cos`` / ``sin [>= max_pools, rotary_dim]``:
+    float32, contiguous last dims, cos and sin alike."""
+    if norm is None or cos is None or sin is None:
+        raise ValueError(
+            "a mean_norm_rope plan (Qwen4-Exp's QSA) needs norm [D] (1 + k_layernorm.weight) "
+            "and cos / sin [pools, rotary_dim] (the rotary at each pool's first position)"
+        )
+    if norm.shape != (dim,) or norm.dtype != torch.float32 or not norm.is_contiguous():
+        raise ValueError(
+            f"norm must be a contiguous [{dim}] float32 tensor (1 + the indexer's "
+            f"k_layernorm.weight), got {tuple(norm.shape)} {norm.dtype}"
+        )
+    for name, t in (("cos", cos), ("sin", sin)):
+        if (
+            t.dim() != 2
+            or t.shape[0] < max_pools
+            or t.shape[1] != rotary_dim
+            or t.dtype != torch.float32
+            or (rotary_dim > 1 and t.stride(1) != 1)
+        ):
+            raise ValueError(
+                f"{name} must be [>= {max_pools}, {rotary_dim}] float32 with a contiguous last "
+                f"dim (one row per pool, the rotary at its first position), got "
+                f"{tuple(t.shape)} {t.dtype}"
+            )
+    if cos.stride() != sin.stride():
+        raise ValueError(f"cos and sin must share strides, got {cos.stride()} and {sin.stride()}")
 
 
 def _check_inputs(
@@ -811,6 +1016,66 @@ def indexer_scores_ref(
         logits = context[:, d : 2 * d].reshape(pools, kpool, d) + ape.float()[None]
         pool_keys = (logits.softmax(dim=1) * keys).sum(dim=1)  # [P, D]
         pool_keys = pool_keys.to(q.dtype).float()
+        tq = tokens.to(q.device)
+        scores = torch.relu(torch.matmul(q[tq].float(), pool_keys.T) * softmax_scale)  # [T,H,P]
+        scores = torch.matmul(weights[tq].float().unsqueeze(-2), scores).squeeze(-2)  # [T, P]
+        end = torch.arange(pools) * kpool + kpool - 1
+        visible = (end[None, :] <= query_pos[tokens][:, None]).to(q.device)
+        out[tq, :pools] = scores.masked_fill(~visible, float("-inf"))
+    return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def mean_norm_rope_scores_ref(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    block_tables: torch.Tensor,
+    seg: torch.Tensor,
+    query_pos: torch.Tensor,
+    num_pools: torch.Tensor,
+    softmax_scale: float,
+    kpool: int,
+    norm_eps: float = 1e-6,
+    max_pools: int | None = None,
+) -> torch.Tensor:
+    """Plain torch, per request, of a ``mean_norm_rope`` plan (Qwen4-Exp's QSA indexer,
+    transformers' ``Qwen4ExpTextQSAIndexer``): gather the raw keys of its ``num_pools * kpool``
+    tokens (``rows [num_blocks, block_size, (1,) D]``) through its block table, average each
+    pool's in float32 and round to the rows' dtype, RMS-normalise (times ``norm``, ``1 +
+    k_layernorm.weight``; rounded), rotate the first ``cos.shape[1]`` dims by ``cos`` / ``sin``
+    (rows: pools; rotate-half, in the rows' dtype), then score as :func:`indexer_scores_ref`
+    (keys rounded to ``q``'s dtype, ReLU of each head's scaled dot, weighted head sum, -inf
+    where a pool is not wholly visible). Returns ``[N, max_pools]`` float32."""
+    n, _, d = q.shape
+    r3 = _rows_3d(rows)
+    block_size, rot = r3.shape[1], cos.shape[1]
+    seg, query_pos, num_pools = seg.cpu().long(), query_pos.cpu().long(), num_pools.cpu().long()
+    if max_pools is None:
+        max_pools = int(num_pools.max()) if num_pools.numel() else 0
+    out = torch.full((n, max_pools), float("-inf"), dtype=torch.float32, device=q.device)
+    for r in range(num_pools.numel()):
+        tokens = (seg == r).nonzero().flatten()
+        pools = int(num_pools[r])
+        if tokens.numel() == 0 or pools == 0:
+            continue
+        ctx = torch.arange(pools * kpool)
+        blocks = block_tables[r].cpu().long()[ctx // block_size]
+        keys = r3[blocks.to(r3.device), (ctx % block_size).to(r3.device)].reshape(pools, kpool, d)
+        pooled = keys.float().mean(dim=1).to(r3.dtype)
+        x = pooled.float()
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps) * norm).to(r3.dtype)
+        c, s = cos[:pools].to(r3.dtype), sin[:pools].to(r3.dtype)
+        k_rope = normed[:, :rot]
+        roped = torch.cat([k_rope * c + _rotate_half(k_rope) * s, normed[:, rot:]], dim=-1)
+        pool_keys = roped.to(q.dtype).float()
         tq = tokens.to(q.device)
         scores = torch.relu(torch.matmul(q[tq].float(), pool_keys.T) * softmax_scale)  # [T,H,P]
         scores = torch.matmul(weights[tq].float().unsqueeze(-2), scores).squeeze(-2)  # [T, P]
