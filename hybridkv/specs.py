@@ -694,7 +694,12 @@ class PLEConvSpec(StateSpec):
     TP split rule: none; vLLM sizes it at ``tp_world_size=1`` (``tp_replicated=True``), every
     rank keeps it whole. Not a state here: transformers' ``conv_states[2]``, the last
     ``ngram_size - 1`` token ids (int64) the n-gram hash reads; vLLM rebuilds them at every step
-    from the request's tokens (``Qwen4ExpModelState.ngram_context``), which are not cache.
+    from the request's tokens (``Qwen4ExpModelState.ngram_context``), which are not cache, and
+    so does hybridkv's engine (:mod:`hybridkv.e2e.states`, ``StateFormat.derived``): they are a
+    function of the request's tokens before the forward, which a server holds anyway (a prefix
+    hit's tokens are its prompt's), so no slot needs them. These two are all the per-request
+    state the PLE module keeps across forwards (``tests/test_e2e_qwen4.py`` checks each byte
+    for byte against transformers' cache).
     """
 
     kind: ClassVar[str] = "ple_conv"
@@ -714,7 +719,9 @@ class PLEConvSpec(StateSpec):
         return (self.conv_kernel - 1) * self.dilation
 
     def state_tensors(self) -> tuple[StateTensor, ...]:
-        return (self._conv(self.conv_dim, self.span + 1),)
+        # named "ple", not "conv": the layer's GDN state has a "conv" of its own, and the
+        # engine keeps a layer's parts of every kind in one dict (hybridkv.e2e.states)
+        return (self._conv(self.conv_dim, self.span + 1, name="ple"),)
 
 
 def _kv_heads_per_rank(kv: int, tp: int, what: str) -> int:

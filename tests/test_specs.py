@@ -629,7 +629,7 @@ def test_ple_conv_state_by_hand():
     spec = PLEConvSpec(conv_dim=8192, conv_kernel=4, dilation=3)
     assert spec.span == 9
     assert [(t.name, t.shape, t.dtype) for t in spec.state_tensors()] == [
-        ("conv", (9, 8192), "bfloat16")
+        ("ple", (9, 8192), "bfloat16")
     ]
     assert spec.state_bytes == 147_456
     assert (

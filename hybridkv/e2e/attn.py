@@ -29,7 +29,11 @@ GLM-5-Next's sparse-attention layers run :func:`dsa_forward`, whose indexer
 each query's token list. Inkling's attention (a relative-position bias on every logit, which
 transformers builds densely as ``[B, heads, q, kv]``) runs :func:`relative_bias_forward`
 (:func:`install_relative_bias`): the kernels compute the bias from the query tokens' relative
-states and the layer's bank, so nothing of that size is built."""
+states and the layer's bank, so nothing of that size is built. Qwen4-Exp's indexed attention
+(gated GQA behind a QSA indexer) runs :func:`qsa_forward` (:func:`install_qsa`): its indexer
+(:func:`qsa_top_k`) keeps one raw key a token in the plan's indexer pages, scores the
+mean-pooled, normalised and rotated groups with ``indexer_scores`` and hands the GQA each query
+token's list, which the decode kernel's sparse walk attends to, one row per query token."""
 
 from __future__ import annotations
 
@@ -186,7 +190,10 @@ def paged_attention(
     them) joins each head's softmax as one more logit with no value, in the kernels.
     ``rel_states [B * T, Hq, rel_dim]`` with ``rel_proj [rel_dim, rel_extent]`` (Inkling's, from
     :func:`relative_bias_forward`): a relative-position bias added to each logit, in the
-    kernels. A dense ``position_bias`` is refused: the kernels take the bias only that way."""
+    kernels. A dense ``position_bias`` is refused: the kernels take the bias only that way.
+    ``token_indices [B * T, K]`` int32 (Qwen4-Exp's QSA pick, from :func:`qsa_forward`): each
+    query token attends only to the positions its row lists (-1 padded), every query token a
+    row of the decode kernel's sparse walk, prefill included."""
     ctx = _CTX
     if ctx is None:
         raise RuntimeError(f"{ATTN_NAME} attention called outside hybridkv.e2e.attn.set_context")
@@ -204,8 +211,11 @@ def paged_attention(
     rel_states, rel_proj = kwargs.get("rel_states"), kwargs.get("rel_proj")
     shapes = (b, t, hq, key.shape[1], d, value.shape[3], query.dtype, float(scale))
     shapes += (sinks is not None, None if rel_states is None else rel_states.shape[-1])
+    token_indices = kwargs.get("token_indices")
+    width = None if token_indices is None else token_indices.shape[1]
     write, attend = ctx.kernel_plan(
-        ("attention", gid, *shapes), lambda: _attention_plans(ctx, gid, k_cache, *shapes)
+        ("attention", gid, *shapes, width),
+        lambda: _attention_plans(ctx, gid, k_cache, *shapes, token_indices=token_indices),
     )
     k = key.transpose(1, 2).reshape(b * t, key.shape[1], d).contiguous()
     v = value.transpose(1, 2).reshape(b * t, value.shape[1], value.shape[3]).contiguous()
@@ -213,7 +223,12 @@ def paged_attention(
     q = query.transpose(1, 2).reshape(b * t, hq, d).contiguous()
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).contiguous()
-    out = attend.run(q, k_cache, v_cache, sinks=sinks, rel_states=rel_states, rel_proj=rel_proj)
+    if token_indices is not None:
+        out = attend.run(q, k_cache, v_cache, sinks=sinks, token_indices=token_indices)
+    else:
+        out = attend.run(
+            q, k_cache, v_cache, sinks=sinks, rel_states=rel_states, rel_proj=rel_proj
+        )
     return out.reshape(b, t, hq, out.shape[-1]), None
 
 
@@ -231,11 +246,14 @@ def _attention_plans(
     scale: float,
     sinks: bool,
     rel_dim: int | None,
+    token_indices: torch.Tensor | None = None,
 ):
     """A forward's plans for one KV cache group: the cache write of its new tokens, and decode
     (every request brings one token) or varlen prefill over the pages (``sinks``: the layers
     pass per-head attention sinks; ``rel_dim``: a relative-position bias of that many states a
-    head)."""
+    head). With ``token_indices [B * T, K]`` (a QSA pick; every layer of the group passes its
+    own list of that K to the plan's ``run``) every query token is one row of a sparse decode
+    plan over its request's table row, its position + 1 the length, prefill or not."""
     from ..kernels import plan_decode, plan_prefill, plan_write_kv_cache
 
     table = ctx.table(gid).to(torch.int32).contiguous()
@@ -246,6 +264,15 @@ def _attention_plans(
         slots, num_heads=hkv, head_dim=d, head_dim_v=dv, block_size=bs,
         num_blocks=k_cache.shape[0], key_dtype=q_dtype, cache_dtype=k_cache.dtype,
     )  # fmt: skip
+    if token_indices is not None:
+        rows = (pos + 1).to(torch.int32)
+        attend = plan_decode(
+            table[seg].contiguous(), rows, num_heads=hq, num_kv_heads=hkv, head_dim=d,
+            head_dim_v=dv, block_size=bs, cache_dtype=k_cache.dtype, q_dtype=q_dtype,
+            scale=scale, sliding_window=ctx.windows[gid], max_seq_len=int(rows.max()),
+            sinks=sinks, rel_dim=rel_dim, token_indices=token_indices,
+        )  # fmt: skip
+        return write, attend
     lens = cu.diff()
     seq_lens = (pos[cu[1:] - 1] + 1).to(torch.int32)  # [R]: each request's last position + 1
     shared = dict(
@@ -334,6 +361,192 @@ def relative_bias_forward(
         rel_proj=m.rel_logits_proj.proj.detach().contiguous(),
     )  # fmt: skip
     return m.o_proj(out.reshape(b, t, -1)), None
+
+
+def install_qsa_layers(model: torch.nn.Module, plan: MemoryPlan) -> None:
+    """:func:`install_qsa` on the attention module of every layer of ``plan`` whose indexer sits
+    beside GQA (an ``indexer`` placement without an MLA one: Qwen4-Exp's QSA), with the
+    model's rotary embedding (the pooled keys' rotation needs positions of past tokens)."""
+    mla = {p.layer_index for p in plan.kv_placements if p.kind == "mla"}
+    layers = [
+        p.layer_index
+        for p in plan.kv_placements
+        if p.kind == "indexer" and p.layer_index not in mla
+    ]
+    if not layers:
+        return
+    decoder = model.get_decoder()
+    rotary = getattr(decoder, "rotary_emb", None)
+    for i in layers:
+        module = decoder.layers[i].self_attn
+        if not _is_qsa(module) or rotary is None:
+            raise NotImplementedError(
+                f"layer {i} has an indexer beside GQA attention, but its attention "
+                f"({type(module).__name__}) is not Qwen4-Exp's QSA (an indexer with "
+                f"index_qk_proj and compress_ratio, and a rotary_emb on the decoder): the "
+                f"engine serves no other GQA indexer"
+            )
+        install_qsa(module, rotary)
+
+
+def _is_qsa(module: torch.nn.Module) -> bool:
+    """Qwen4-Exp's indexed attention (transformers' ``Qwen4ExpTextAttention``)."""
+    ix = getattr(module, "indexer", None)
+    return ix is not None and hasattr(ix, "index_qk_proj") and hasattr(ix, "compress_ratio")
+
+
+def install_qsa(module: torch.nn.Module, rotary: torch.nn.Module) -> None:
+    """Have a Qwen4-Exp indexed-attention module run :func:`qsa_forward` inside an engine's
+    forward; outside, it runs unchanged. Installing twice is a no-op.
+
+    Why not the attention interface alone: transformers' module runs its indexer first, over
+    keys it keeps in its cache (``update_indexer``) and positions it keeps on the first indexed
+    layer, and hands the interface a dense ``[B, 1, T, kv]`` mask of the pick; the engine keeps
+    the keys in the plan's indexer pages, scores them with ``indexer_scores`` and hands the
+    attention a token list instead (:func:`paged_attention`'s ``token_indices``)."""
+    if getattr(module, "hybridkv_qsa", False):
+        return
+    orig = module.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        if _CTX is None:
+            return orig(hidden_states, *args, **kwargs)
+        rotary_states = kwargs.get("position_embeddings")
+        if rotary_states is None:
+            rotary_states = args[0]  # transformers passes (cos, sin) after the states
+        return qsa_forward(module, rotary, hidden_states, rotary_states)
+
+    module.forward = forward
+    module.hybridkv_qsa = True  # on the module: a later wrapper would replace ``forward``
+
+
+def qsa_forward(
+    module: torch.nn.Module,
+    rotary: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, None]:
+    """Qwen4-Exp's indexed attention, ``hidden_states [B, T, hidden]``: the layer's QSA indexer
+    (:func:`qsa_top_k`) picks each query token's tokens, then the gated GQA (``q_proj`` gives
+    query and gate; q / k RMSNorm, rotary) writes its new K / V into the pages and attends to
+    those tokens only (:func:`paged_attention` with ``token_indices``). ``position_embeddings``:
+    the model's ``(cos, sin)`` of the forward's tokens (the last ``T`` are used, as
+    transformers slices them). Returns what transformers' forward does: the output, no
+    weights."""
+    m = module
+    b, t, _ = hidden_states.shape
+    cos, sin = (x[:, -t:] for x in position_embeddings)
+    topk = qsa_top_k(m.indexer, rotary, hidden_states, (cos, sin))
+    input_shape, hidden_shape = hidden_states.shape[:-1], (b, t, -1, m.head_dim)
+    q, gate = torch.chunk(m.q_proj(hidden_states).view(b, t, -1, m.head_dim * 2), 2, dim=-1)
+    gate = gate.reshape(*input_shape, -1)
+    q = m.q_norm(q.reshape(hidden_shape)).transpose(1, 2)
+    k = m.k_norm(m.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    v = m.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    rotate = sys.modules[type(m).__module__].apply_rotary_pos_emb
+    q, k = rotate(q, k, cos, sin)
+    out, _ = paged_attention(m, q, k, v, None, scaling=m.scaling, token_indices=topk)
+    out = out.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
+    return m.o_proj(out), None
+
+
+def qsa_top_k(
+    indexer: torch.nn.Module,
+    rotary: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """Qwen4-Exp's QSA indexer over the plan's pages: writes each new token's raw indexer key
+    (transformers' ``update_indexer`` row, the ``IndexerSpec`` row) into the layer's indexer
+    pages, then scores every query token of the forward against the complete groups of
+    ``compress_ratio`` tokens its request's context holds up to it, in one launch of
+    ``indexer_scores`` with ``pool="mean_norm_rope"`` (each group's raw keys averaged,
+    ``k_layernorm``'d and rotated at the group's first position; the ReLU'd head dots summed
+    over the indexer heads, ``/ sqrt(D)``), and picks in torch (:func:`_qsa_pick`). Returns
+    ``[B * T, budget + ratio - 1]`` int32 token positions, -1 padded: the tokens of the top
+    ``budget // ratio`` groups and the open group's tail.
+
+    The kernel plan (the token tiles, the groups' rotary at their first positions, from
+    ``rotary``, the model's rotary embedding) is made once per forward and shared by every QSA
+    layer (:meth:`PagedContext.kernel_plan`). Scores equal transformers' up to summation order
+    (float32 pooling and dots; the rows' dtype's rounding of each transform step is kept), and
+    the pick is ``torch.topk`` on the same scores in the same shape transformers calls it on,
+    so ties (a group whose every head's dot is negative scores exactly 0) break the same way;
+    only groups whose scores differ in their last bits can swap at the cut."""
+    from ..kernels import plan_indexer_scores
+
+    ctx = _CTX
+    ix = indexer
+    b, t, _ = hidden_states.shape
+    n, heads, dim, ratio = b * t, ix.index_n_heads, ix.index_head_dim, ix.compress_ratio
+    rows, gid = ctx.indexer_views[ix.layer_idx]  # [num_blocks, block_size, 1, D]
+    if rows.shape[-1] != dim:
+        raise ValueError(
+            f"layer {ix.layer_idx}'s indexer keys have {dim} elements a token but the plan's "
+            f"indexer pages {rows.shape[-1]}: the plan was made for another config"
+        )
+    bs = rows.shape[1]
+    q, raw = ix.index_qk_proj(hidden_states).split([heads * dim, dim], dim=-1)
+    q = ix.q_layernorm(q.reshape(b, t, heads, dim))
+    cos, sin = position_embeddings
+    q = sys.modules[type(ix).__module__].apply_rotary_pos_emb(q, cos=cos, sin=sin, unsqueeze_dim=2)
+    seg, pos, cu = ctx.token_positions(b, t)
+
+    def make_plan():
+        """Where the forward's new rows go, the scores' plan (each request's complete groups
+        at the end of the forward) and the rotary at each group's first position (the same
+        for every QSA layer of the forward: the first one makes them)."""
+        table = ctx.table(gid).to(torch.int32).contiguous()
+        write = (table.to(torch.int64)[seg, pos // bs], pos % bs)
+        seen = torch.zeros(len(cu) - 1, dtype=torch.int64).scatter_reduce(
+            0, seg, pos + 1, "amax"
+        )  # [R] context length at the end of the forward
+        groups = seen // ratio
+        scores = plan_indexer_scores(
+            table, seg.to(torch.int32), pos.to(torch.int32), groups.to(torch.int32),
+            num_heads=heads, head_dim=dim, kpool=ratio, block_size=bs, rows_dtype=rows.dtype,
+            q_dtype=torch.float32, softmax_scale=1.0, pool="mean_norm_rope",
+            rotary_dim=cos.shape[-1], norm_eps=ix.k_layernorm.eps,
+        )  # fmt: skip
+        most = max(int(groups.max()), 1)
+        starts = (torch.arange(most) * ratio).view(1, 1, -1).expand(3, 1, -1)  # text: 3 equal
+        g_cos, g_sin = rotary(hidden_states, starts)  # [1, most, rot] in the model dtype
+        return write, scores, g_cos[0].float().contiguous(), g_sin[0].float().contiguous()
+
+    plan_key = ("qsa", gid, b, t, ratio, dim, heads, rows.dtype)
+    (blocks, slots), plan, g_cos, g_sin = ctx.kernel_plan(plan_key, make_plan)
+    rows[blocks, slots, 0] = raw.reshape(n, dim).to(rows.dtype)
+    norm = (1.0 + ix.k_layernorm.weight.float()).contiguous()
+    weights = torch.full((n, heads), dim**-0.5, dtype=torch.float32)
+    scores = plan.run(
+        q.reshape(n, heads, dim).float().contiguous(), weights, rows, norm=norm, cos=g_cos,
+        sin=g_sin,
+    )  # fmt: skip
+    return _qsa_pick(scores, pos, ratio, ix.token_budget)
+
+
+def _qsa_pick(
+    scores: torch.Tensor, query_pos: torch.Tensor, ratio: int, budget: int
+) -> torch.Tensor:
+    """The pick of transformers' ``Qwen4ExpTextQSAIndexer`` from group scores ``[T, P]`` of
+    query tokens at ``query_pos [T]``: the tokens of the top ``budget // ratio`` of the
+    ``(pos + 1) // ratio`` complete groups each query sees, then the open group's tokens up to
+    the query, -1 padded to ``budget + ratio - 1`` int32 positions a row. ``torch.topk`` runs
+    per query on exactly the visible groups' scores, as transformers calls it (a 1-D tensor of
+    that length), so that equal scores (exact zeros after the ReLU) break the same way."""
+    width = budget + ratio - 1
+    out = torch.full((len(query_pos), width), -1, dtype=torch.int64)
+    offsets = torch.arange(ratio)
+    for i, p in enumerate(query_pos.tolist()):
+        visible = (p + 1) // ratio
+        picked = torch.empty(0, dtype=torch.int64)
+        if visible:
+            top = scores[i, :visible].topk(min(budget // ratio, visible), dim=0).indices
+            picked = (top[:, None] * ratio + offsets).flatten()
+        tail = torch.arange(visible * ratio, p + 1)
+        row = torch.cat([picked, tail])
+        out[i, : len(row)] = row
+    return out.to(torch.int32)
 
 
 def install_mla_layers(model: torch.nn.Module, plan: MemoryPlan) -> None:

@@ -88,6 +88,8 @@ from .states import (
     cache_argument,
     cache_factory,
     check_wired,
+    derived_history,
+    derived_parts,
     install_stepwise,
     install_varlen,
 )
@@ -235,6 +237,7 @@ class Engine:
         attn.track_layer_index(model)
         attn.install_mla_layers(model, plan)
         attn.install_relative_bias_layers(model)
+        attn.install_qsa_layers(model, plan)
         self.attn_layers = self.ctx.views  # layer index -> (k_cache, v_cache, group id)
         text = self.config.get_text_config()  # a multimodal model's (GLM-5-Next) text part
         types = set(getattr(text, "layer_types", None) or [])
@@ -355,6 +358,11 @@ class Engine:
         self.ctx.begin_forward(tables, start, cu)
         cache = self.new_cache()
         slots, states = self._gather_states(reqs)
+        for s in self.state_layers:  # parts made from the tokens, not slots (Qwen4-Exp's n-grams)
+            if s.fmt.derived:
+                width = derived_history(s.fmt, self.config)
+                before = [r.token_range(max(0, s0 - width), s0) for r, s0, _ in batch]
+                states[s.idx].update(derived_parts(s.fmt, self.config, before))
         if packed:
             recurrent = packed_states(Packed(cu.tolist(), cache, states, self.new_cache))
         else:

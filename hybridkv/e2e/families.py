@@ -567,5 +567,5 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
 }
 #: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): top-k sparse attention
 #: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp)
-REFUSED: tuple[str, ...] = ("qwen4_exp",)
+REFUSED: tuple[str, ...] = ()
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)

@@ -49,6 +49,18 @@ continuations alike. Where transformers keeps a state and in which layout:
   and, in a packed forward, running per segment its own ``conv_states[i]``. Their layout is
   the short conv's (below). The attention they feed, with its relative-position bias, runs in
   the paged kernels (:func:`.attn.relative_bias_forward`).
+- ``ple_conv`` (Qwen4-Exp's Per-Layer Embedding, on some GDN layers): the GDN layer's own
+  ``LinearAttentionLayer`` keeps two more states beside the GDN's ``conv_states[0]``:
+  ``conv_states[1]`` ``[B, hc_count * hidden, (kernel - 1) * dilation]``, the dilated short
+  conv's window (model dtype), read and written by the layer's ``ple`` module
+  (``Qwen4ExpTextPLELayer._short_conv``), and ``conv_states[2]`` ``[B, ngram_size - 1]`` int64,
+  the last token ids before the forward, which the n-gram hash (``Qwen4ExpTextNGramEmbedding``)
+  prepends (eos where the request has fewer; transformers' own padding). The window is the
+  plan's slot ``ple`` ``[(kernel - 1) * dilation, channels]``, transposed, no extra column; the
+  token ids are not cache (vLLM rebuilds them from the request's tokens, and so does the
+  engine: a *derived* part, ``StateFormat.derived``, computed per forward from each request's
+  tokens and loaded, never stored). Nothing else of the module outlives a forward: its
+  projections, norms and gate are per token.
 
 Layout conversions (plan = vLLM's layout):
 
@@ -132,6 +144,8 @@ __all__ = [
     "cache_argument",
     "cache_factory",
     "check_wired",
+    "derived_history",
+    "derived_parts",
     "install_stepwise",
     "install_varlen",
     "packed",
@@ -153,19 +167,10 @@ MIXER_PATHS = (
 
 #: layer kinds (of the plan's state and KV placements) the engine cannot serve, and why
 #: (:func:`refusal` also names kinds with no :class:`StateFormat`)
-REFUSED: dict[str, str] = {
-    "indexer": (
-        "a sparse-attention indexer beside GQA attention (Qwen4-Exp's QSA) picks each query's "
-        "top-k tokens, and the paged prefill and GQA decode kernels take no token-index list "
-        "(the engine serves an indexer beside MLA, GLM-5-Next's DSA, through the MLA decode "
-        "kernel's token_indices)"
-    ),
-    "ple_conv": (
-        "Qwen4-Exp's Per-Layer Embedding keeps a dilated conv state and the last n-gram token "
-        "ids in conv_states[1] and [2] of the GDN layer's cache, which no StateFormat hands "
-        "over (the GDN format moves conv_states[0] and the recurrent state only)"
-    ),
-}
+#: none at present: Qwen4-Exp's indexer beside GQA and its PLE states, the last refused, are
+#: served (the QSA pick through the GQA decode kernel's token_indices, .attn.qsa_forward; the
+#: PLE conv window and n-gram context by the ``ple_conv`` format)
+REFUSED: dict[str, str] = {}
 
 
 class Unservable(NotImplementedError):
@@ -202,7 +207,11 @@ class StateFormat:
     conv_pad]``); ``state_index``: which of the cache layer's ``conv_states[i]`` they are
     (Inkling's four convs share one layer); ``modules``: for a kind whose parts are run by
     modules of their own (Inkling's), the mixer path of each part of ``names`` in order, part
-    ``i`` being ``conv_states[i]`` (:meth:`per_module` splits the format into one per module)."""
+    ``i`` being ``conv_states[i]`` (:meth:`per_module` splits the format into one per module).
+    ``derived``: ``(name, state index)`` of parts transformers keeps as ``conv_states[i]`` that
+    are a function of the request's tokens, not cache (Qwen4-Exp's n-gram context: the last
+    ``ngram_size - 1`` token ids): no plan slot; the engine computes them per forward
+    (:func:`derived_parts`) and :meth:`load` hands them over; :meth:`store` drops them."""
 
     kind: str
     conv: bool = True
@@ -223,6 +232,7 @@ class StateFormat:
     conv_names: tuple[str, ...] = ("conv",)
     state_index: int = 0
     modules: tuple[str, ...] = ()
+    derived: tuple[tuple[str, int], ...] = ()
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -330,6 +340,14 @@ class StateFormat:
         for n in self.conv_names if self.conv else ():
             # a first update takes the whole tensor as the state and marks it started
             cache.update_conv_state(hf[n], idx, state_idx=i, conv_kernel_size=hf[n].shape[2])
+        for n, j in self.derived:  # given as transformers keeps it: [B, width]
+            if n not in states:
+                raise ValueError(
+                    f"layer {idx}'s {self.kind} state needs its derived part {n!r} (computed "
+                    f"from the requests' tokens by derived_parts): none was given"
+                )
+            width = states[n].shape[1]
+            cache.update_conv_state(states[n], idx, state_idx=j, conv_kernel_size=width)
         if self.recurrent:
             cache.update_recurrent_state(hf[self.recurrent_part], idx)
         # a recurrent-only layer has no conv update to mark it started (public attribute)
@@ -475,6 +493,16 @@ FORMATS: dict[str, StateFormat] = {
         mixer="self_attn.qkv_proj",
         outputs=3,  # query, key, value
     ),
+    "ple_conv": StateFormat(
+        "ple_conv",
+        recurrent=False,
+        names=("ple",),
+        conv_names=("ple",),
+        conv_pad=0,  # transformers keeps exactly the (kernel - 1) * dilation columns
+        mixer="ple",
+        state_index=1,  # conv_states[0] is the layer's GDN conv
+        derived=(("ngram", 2),),
+    ),
     "inkling_sconv": StateFormat(
         "inkling_sconv",
         recurrent=False,
@@ -518,6 +546,32 @@ def cache_argument(kinds: Any) -> str:
     return "past_key_values"
 
 
+def derived_history(fmt: StateFormat, config: Any) -> int:
+    """How many of a request's tokens before a forward its derived parts read (0: none):
+    Qwen4-Exp's n-gram context, ``ngram_size - 1``."""
+    return config.get_text_config().ngram_size - 1 if fmt.derived else 0
+
+
+def derived_parts(
+    fmt: StateFormat, config: Any, tokens: Sequence[Sequence[int]]
+) -> dict[str, torch.Tensor]:
+    """The derived parts (``StateFormat.derived``) of one forward's requests, from
+    ``tokens[r]``: request ``r``'s tokens before the forward (its prompt and outputs up to the
+    forward's first position; only the last few are read). Qwen4-Exp's ``ngram``: ``[R,
+    ngram_size - 1]`` int64, the last ``ngram_size - 1`` of them, left-padded with the eos id
+    where there are fewer (transformers pads a cache-less forward's context with eos)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, _ in fmt.derived:
+        if name != "ngram":
+            raise ValueError(f"no rule computes the derived state part {name!r}")
+        text = config.get_text_config()
+        width = derived_history(fmt, config)
+        eos = text.eos_token_id[0] if isinstance(text.eos_token_id, list) else text.eos_token_id
+        rows = [[eos] * max(0, width - len(t)) + list(t)[max(0, len(t) - width) :] for t in tokens]
+        out[name] = torch.tensor(rows, dtype=torch.int64).reshape(len(tokens), width)
+    return out
+
+
 def refusal(kind: str) -> str | None:
     """Why the engine cannot serve layer kind ``kind`` (None: it can, or it is attention)."""
     if kind in REFUSED:
@@ -530,7 +584,7 @@ def refusal(kind: str) -> str | None:
 def _served() -> str:
     return (
         "the engine serves softmax attention (full, sliding-window with or without sinks or "
-        "a relative-position bias, MLA) and the "
+        "a relative-position bias, MLA; GQA and MLA behind a top-k indexer) and the "
         f"state kinds {', '.join(FORMATS)}"
     )
 
@@ -538,13 +592,7 @@ def _served() -> str:
 def check_wired(plan: Any) -> None:
     """:class:`Unservable` naming every refused layer kind of ``plan``, why, and what the
     engine serves."""
-    mla_layers = {p.layer_index for p in plan.kv_placements if p.kind == "mla"}
-    # an indexer beside its layer's MLA (GLM-5-Next's DSA) is served; beside GQA it is not
-    kv = [
-        p.kind
-        for p in plan.kv_placements
-        if not (p.kind == "indexer" and p.layer_index in mla_layers)
-    ]
+    kv = [p.kind for p in plan.kv_placements]
     states = [p.kind for p in plan.state_placements]
     refused = dict.fromkeys(k for k in (*kv, *states) if k in REFUSED)
     refused |= dict.fromkeys(k for k in states if k not in FORMATS)
