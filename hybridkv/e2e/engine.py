@@ -53,7 +53,11 @@ attention layers' cache beside the K / V; its attention after that is plain GQA 
 Inkling keeps four short-conv states in its attention layers' cache, each run by its own module
 (one :class:`_StateLayer` per module), and adds a relative-position bias to every attention
 logit, computed in the paged kernels from the query tokens' relative states and the layer's
-bank (:func:`.attn.relative_bias_forward`).
+bank (:func:`.attn.relative_bias_forward`). Qwen4-Exp runs its indexed attention through
+:func:`.attn.qsa_forward` (the QSA indexer's pick over the plan's indexer pages, then the gated
+GQA over each query token's list in the decode kernel's sparse walk), and its Per-Layer
+Embedding's conv window through the ``ple_conv`` format, whose n-gram context is rebuilt from
+each request's tokens per forward (:func:`.states.derived_parts`).
 A plan with a layer kind no :class:`~.states.StateFormat` wires is refused with a
 :class:`~.states.Unservable` (a NotImplementedError) naming it and what is served
 (:func:`.states.check_wired`). Learnable attention sinks (GraniteSWA's ``s_aux``) run in the

@@ -437,7 +437,10 @@ def tiny_glm5_next_config():
 def tiny_qwen4_exp_config():
     """Qwen4-Exp: GDN with a PLE module, gated GQA with its QSA indexer (compress 4, budget
     16), GDN with PLE, GQA + QSA again; two residual streams, a 4-expert MoE, PLE over 2-
-    and 3-grams (dilation 3, kernel 4). Refused by the engine (:data:`REFUSED`)."""
+    and 3-grams (dilation 3, kernel 4). Served by the engine (the QSA pick through the GQA decode
+    kernel's token list; the PLE conv window in the plan's slots, the n-gram context from the
+    tokens); its PLE conv weights are redrawn by :func:`build_tiny_model`, transformers starting
+    them at zero."""
     from transformers import Qwen4ExpTextConfig
 
     return Qwen4ExpTextConfig(
@@ -565,7 +568,7 @@ TINY_CONFIGS: dict[str, Callable[[], Any]] = {
     "inkling": tiny_inkling_config,
     "zaya": tiny_zaya_config,
 }
-#: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): top-k sparse attention
-#: beside GQA and a PLE conv state no StateFormat hands over (Qwen4-Exp)
+#: families the engine refuses (:class:`hybridkv.e2e.states.Unservable`): none at present
+#: (Qwen4-Exp, the last, is served)
 REFUSED: tuple[str, ...] = ()
 SERVED = tuple(f for f in TINY_CONFIGS if f not in REFUSED)
