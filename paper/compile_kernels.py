@@ -156,6 +156,10 @@ def full_matrix() -> list[Case]:
                     out.append(_case(family, dtype=dt, d=128, gqa=g, bs=bs, win=win, i64=0,
                                      rel=rel))  # fmt: skip
             out.append(_case(family, dtype=dt, d=128, gqa=8, bs=16, win=0, i64=1, rel=1024))
+        # the GQA decode's sparse walk (Qwen4-Exp's QSA pick: budget 2048 + a ratio-16 tail)
+        for g in (4, 8, 16):
+            out.append(_case("decode", dtype=dt, d=128, gqa=g, bs=64, win=0, i64=0, topk=2063))
+        out.append(_case("decode", dtype=dt, d=128, gqa=8, bs=64, win=0, i64=1, topk=2063))
         for h in (16, 32, 64, 128):
             out.append(_case("mla", dtype=dt, heads=h, bs=64, i64=0))
         out.append(_case("mla", dtype=dt, heads=128, bs=64, i64=1))
@@ -185,6 +189,14 @@ def full_matrix() -> list[Case]:
             extra = {} if q is None else {"q": q}
             out.append(_case("indexer", dtype=dt, d=64, heads=16, kpool=4, bs=16, i64=0, **extra))
         out.append(_case("indexer", dtype=dt, d=128, heads=32, kpool=16, bs=64, i64=1))
+        # Qwen4-Exp's QSA pooling (mean, RMS norm, rotary on 64 dims) with the engine's
+        # float32 queries, ratio 4 and 16
+        for kpool in (4, 16):
+            for h in (32, 64):
+                out.append(_case("indexer", dtype=dt, d=128, heads=h, kpool=kpool, bs=64, i64=0,
+                                 q="fp32", pool="qsa", rot=64))  # fmt: skip
+        out.append(_case("indexer", dtype=dt, d=128, heads=32, kpool=16, bs=64, i64=1,
+                         q="fp32", pool="qsa", rot=64))  # fmt: skip
     for op in ("gather", "scatter", "copy"):
         for row in STATE_ROWS:
             for dt in ("fp16", "bf16", "fp32"):
@@ -201,6 +213,7 @@ def quick_matrix() -> list[Case]:
     kernel, every cache dtype, every head dim, both block sizes, the window and int64 paths, GQA
     1..16, MLA 16..128 heads, the three state rows."""
     c = _case
+    qsa = dict(q="fp32", pool="qsa", rot=64)  # Qwen4-Exp's QSA pooling, the engine's queries
     return [
         c("decode", dtype="fp16", d=128, gqa=4, bs=16, win=0, i64=0),
         c("decode", dtype="bf16", d=256, gqa=8, bs=544, win=1024, i64=0),
@@ -245,6 +258,11 @@ def quick_matrix() -> list[Case]:
         # float32 ones (an IEEE float32 dot) at GLM-5.3-Flash's kpool 16
         c("indexer", dtype="bf16", d=128, heads=32, kpool=4, bs=64, i64=0),
         c("indexer", dtype="bf16", d=128, heads=32, kpool=16, bs=64, i64=0, q="fp32"),
+        # Qwen4-Exp: the QSA pooling (float32 queries, rotary on 64 of 128 dims) and the GQA
+        # decode's sparse walk over its pick (budget 2048 + the ratio-16 tail), 16-bit and fp8
+        c("indexer", dtype="bf16", d=128, heads=32, kpool=16, bs=64, i64=0, **qsa),
+        c("decode", dtype="bf16", d=128, gqa=8, bs=64, win=0, i64=0, topk=2063),
+        c("decode", dtype="e4m3", d=128, gqa=8, bs=64, win=0, i64=1, topk=2063),
         c("states", op="gather", row="mamba2-ssm", dtype="fp32", i64=1),
         c("states", op="scatter", row="conv-odd", dtype="bf16", i64=0),
         c("states", op="copy", row="conv-odd", dtype="fp16", i64=0),
@@ -381,6 +399,7 @@ def _run_decode(p: dict, meta, index, autotune: bool) -> None:
         validate=False,
         autotune=autotune,
         sinks=sinks,
+        token_indices=None if p.get("topk") is None else _table(batch, p["topk"], index),
         **_rel(p, batch, kv_heads * p["gqa"], q.dtype, meta),
     )
 
@@ -513,6 +532,9 @@ def _run_indexer(p: dict, meta, index, autotune: bool) -> None:
     d, heads, kpool, bs = p["d"], p["heads"], p["kpool"], p["bs"]
     ctx = [4096, 1000, 17, 4096]
     queries = [list(range(4032, 4096)), [999], [16], [4095]]
+    if p.get("pool") == "qsa":  # Qwen4-Exp: rows of raw keys, the planner's pool transform
+        _run_qsa_indexer(p, meta, index, autotune, ctx, queries)
+        return
     width = 2 * d + 1
     nblocks = _blocks_for(bs * width, p["i64"], 4096)
     rows = torch.empty((nblocks, bs, 1, width), dtype=_torch_dtype(p["dtype"]), device=meta)
@@ -531,6 +553,39 @@ def _run_indexer(p: dict, meta, index, autotune: bool) -> None:
         d**-0.5,
         validate=False,
         autotune=autotune,
+    )
+
+
+def _run_qsa_indexer(p: dict, meta, index, autotune: bool, ctx, queries) -> None:
+    """Qwen4-Exp's QSA pool scores (``pool="mean_norm_rope"``): rows of raw keys ``[D]``, the
+    pooled key normalised and rotated on ``rot`` dims; planned and run (the one-call wrapper is
+    the gated pool's)."""
+    import torch
+
+    from hybridkv_kernels import indexer_scores
+
+    d, heads, kpool, bs, rot = p["d"], p["heads"], p["kpool"], p["bs"], p["rot"]
+    nblocks = _blocks_for(bs * d, p["i64"], 4096)
+    rows = torch.empty((nblocks, bs, 1, d), dtype=_torch_dtype(p["dtype"]), device=meta)
+    qdt = _torch_dtype(p["q"]) if "q" in p else _q_dtype(p["dtype"])
+    n, pools = sum(len(x) for x in queries), max(ctx) // kpool
+    plan = indexer_scores.plan_indexer_scores(
+        _table(len(ctx), -(-max(ctx) // bs), index),
+        _index([r for r, x in enumerate(queries) for _ in x], torch.int32, index),
+        _index([t for x in queries for t in x], torch.int32, index),
+        _index([c // kpool for c in ctx], torch.int32, index),
+        num_heads=heads, head_dim=d, kpool=kpool, block_size=bs, rows_dtype=rows.dtype,
+        q_dtype=qdt, softmax_scale=1.0, pool="mean_norm_rope", rotary_dim=rot,
+        autotune=autotune, validate=False,
+    )  # fmt: skip
+    f32 = dict(dtype=torch.float32, device=meta)
+    plan.run(
+        torch.empty((n, heads, d), dtype=qdt, device=meta),
+        torch.empty((n, heads), **f32),
+        rows,
+        norm=torch.empty(d, **f32),
+        cos=torch.empty((pools, rot), **f32),
+        sin=torch.empty((pools, rot), **f32),
     )
 
 
@@ -1060,10 +1115,13 @@ CSV_COLUMNS = [
 
 
 def _kernel_label(job: dict) -> str:
-    """A row's kernel: the JIT function's name, with " (sparse)" for the MLA kernel's
-    token-index walk (a constexpr branch of the same function), so that the summary reports
-    its registers and spills apart from the dense walk's."""
+    """A row's kernel: the JIT function's name, with " (sparse)" for the MLA and GQA decode
+    kernels' token-index walk and " (mean_norm_rope)" for the indexer's QSA pooling (constexpr
+    branches of the same functions), so that the summary reports their registers and spills
+    apart from the other branch's."""
     name = job["kernel"].split(":")[1]
+    if job["constexprs"].get("POOL") == 1:  # the indexer's QSA pool transform
+        return f"{name} (mean_norm_rope)"
     return f"{name} (sparse)" if job["constexprs"].get("SPARSE") else name
 
 

@@ -9,7 +9,10 @@ the launches of the public wrappers on meta tensors, compiles each launch's tabl
 ``ptxas -v``. The MLA decode kernel's sparse walk (``token_indices``, k = 2048) is in the quick
 matrix and reported as its own kernel, ``_mla_partial_kernel (sparse)``; so are the paged decode's
 and prefill's attention-sink variants (``sinks=``, ``HAS_SINKS=True``) and relative-position-bias
-variants (``rel_states=``/``rel_proj=``, ``HAS_REL=True``: Inkling's full and sliding layers).
+variants (``rel_states=``/``rel_proj=``, ``HAS_REL=True``: Inkling's full and sliding layers);
+the paged decode's sparse walk (``token_indices``, Qwen4-Exp's 2,063-entry QSA pick, 16-bit
+and fp8 past 2**31) as ``_decode_partial_kernel (sparse)`` and the indexer's QSA pooling
+(``pool="mean_norm_rope"``) as ``_indexer_scores_kernel (mean_norm_rope)``.
 
 Why the defaults only: they are what a launch without autotuning runs (every launch in the
 package and its tests). The autotune candidates (``autotune=True``, a GPU only) are about four
