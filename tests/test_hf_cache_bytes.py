@@ -172,10 +172,11 @@ def test_qwen4_exp_cache_bytes_match_transformers_cache(dtype):
     with PLE keeps three conv states: 0 the GDN conv (one extra column, as every transformers
     conv state), 1 the PLE conv, exactly the PLE spec ((kernel - 1) * dilation columns of
     hc_count * hidden channels, model dtype), 2 the last ngram_size - 1 token ids (int64), which
-    vLLM reads from the request's tokens and the spec does not count. The GDN recurrent state is
-    float32 whatever the model dtype: the spec's with ``--ssm-dtype float32``. The first indexed
-    layer also keeps the positions of every token ([3, batch, tokens] int64, for the indexer's
-    RoPE), transformers' bookkeeping that a server computes, not cache."""
+    vLLM reads from the request's tokens, the engine rebuilds from them too
+    (``hybridkv.e2e.states.derived_parts``), and the spec does not count. The GDN recurrent
+    state is float32 whatever the model dtype: the spec's with ``--ssm-dtype float32``. The
+    first indexed layer also keeps the positions of every token ([3, batch, tokens] int64, for
+    the indexer's RoPE), transformers' bookkeeping that a server computes, not cache."""
     cfg, cache = _cache_of("qwen4_exp", dtype)
     hybrid = hybrid_model_for(cfg, dtype)
     fp32 = {layer.name: layer.spec for layer in hybrid.configure(ssm_dtype="float32").layers}
