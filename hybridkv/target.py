@@ -33,7 +33,8 @@ here, each with the vLLM 0.33 file and function it follows:
   ``vllm/model_executor/layers/mamba/kda_checkpoint.py``) in either Mamba cache mode; it does not
   override ``get_prefill_checkpoint_alignment``, so the platform's block alignment ignores it.
 - **Cache formats** (``VllmTarget.cache_formats``): where vLLM keeps a cache in another format
-  than transformers (GLM-5-Next's k-pooled indexer keys and their tail ring), ``"transformers"``
+  than transformers (GLM-5-Next's k-pooled indexer keys and their tail ring, Qwen4-Exp's
+  compressed QSA keys and their ring of raw keys), ``"transformers"``
   (the default, what :mod:`hybridkv.e2e` serves) plans transformers' format and ``"vllm"``
   vLLM's, packed as vLLM 0.33 packs it (:mod:`hybridkv.layouts.vllm_packed`).
 
@@ -52,7 +53,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .specs import GatedDeltaNetSpec, IndexerSpec, KDASpec, Mamba2Spec, MLASpec
+from .specs import GatedDeltaNetSpec, IndexerSpec, KDASpec, Mamba2Spec, MLASpec, PLEConvSpec
 from .vllm_families import find_vllm_family
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,11 +68,13 @@ __all__ = [
     "MLA_HYBRID_ALIGNMENT",
     "PAGED_MQA_MIN_PAGE",
     "PAGED_MQA_PAGES",
+    "QWEN4_EXP_FAMILIES",
     "VLLM_VERSIONS",
     "BlockSizeRule",
     "VllmRules",
     "VllmTarget",
     "indexer_kernel_block",
+    "vllm_state_page_floor",
 ]
 
 #: vLLM releases whose rules are modelled, newest first.
@@ -93,6 +96,11 @@ PAGED_MQA_PAGES = (32, 64)
 PAGED_MQA_MIN_PAGE = PAGED_MQA_PAGES[0]
 #: Families whose indexer runs on ``Glm5NextIndexerBackend`` (k-pooled entries): HF model types.
 GLM5_NEXT_FAMILIES = frozenset({"glm5_next", "glm5_next_text"})
+#: Qwen4-Exp: its QSA indexer's caches run on ``QSAStateBackend``
+#: (``vllm/models/qwen4_exp/common/qsa_cache.py``), which declares no kernel block sizes
+#: (``AttentionBackend``'s ``MultipleOf(1)``), so the indexer adds nothing to the block's
+#: alignment; its PLE conv declares a prefill-checkpoint alignment of 1 in align mode.
+QWEN4_EXP_FAMILIES = frozenset({"qwen4_exp", "qwen4_exp_text"})
 #: ``vllm/v1/attention/backends/gdn_attn.py``: FlashInfer's GDN prefill emits mid-prefill states
 #: every 64 tokens.
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
@@ -103,6 +111,9 @@ MAMBA_CACHE_MODES = ("none", "align")
 FLASHKDA_CHECKPOINT_ALIGNMENT = 16
 #: whose cache formats a plan lays out where transformers and vLLM differ (see the module doc)
 CACHE_FORMATS = ("transformers", "vllm")
+#: vLLM's ``--attention-config '{"indexer_kv_dtype": ...}'`` values Qwen4-Exp's QSA indexer takes
+#: (``QSAIndexer.__init__``: "auto" is bf16; fp8 is e4m3 without scales)
+INDEXER_KV_DTYPES = ("auto", "bf16", "fp8")
 
 
 def indexer_kernel_block(model: HybridModel, spec: IndexerSpec) -> int:
@@ -112,10 +123,49 @@ def indexer_kernel_block(model: HybridModel, spec: IndexerSpec) -> int:
     and its backend takes ``index_kpool`` x DeepGEMM's smallest paged-MQA page
     (``Glm5NextIndexerBackend.get_supported_kernel_block_sizes``): 512 tokens for the default
     ``index_kpool`` of 16. Other indexers keep one key per token (DeepSeek-V3.2's
-    ``DeepseekV32IndexerBackend``: 64), which the spec states."""
-    if (model.family or "").strip().lower() in GLM5_NEXT_FAMILIES:
+    ``DeepseekV32IndexerBackend``: 64), which the spec states. Qwen4-Exp's QSA caches run on
+    ``QSAStateBackend``, which takes any block (1)."""
+    family = (model.family or "").strip().lower()
+    if family in GLM5_NEXT_FAMILIES:
         return spec.pool_tokens * PAGED_MQA_MIN_PAGE
+    if family in QWEN4_EXP_FAMILIES:
+        return 1
     return spec.kernel_alignment
+
+
+def _text_config(model: HybridModel) -> dict[str, Any]:
+    hf = model.extra.get("hf_config")
+    if not isinstance(hf, dict):
+        return {}
+    text = hf.get("text_config")
+    return text if isinstance(text, dict) else hf
+
+
+def vllm_state_page_floor(model: HybridModel) -> int:
+    """Bytes of a state page vLLM 0.33 sizes the block by even where no layer of the model keeps
+    it: Qwen4-Exp's ``_align_hybrid_block_size`` takes the largest of
+    ``Qwen4ExpForCausalLM.get_mamba_specs_from_config``, the GDN state and the PLE conv state
+    (``hc_count * hidden_size`` channels, ``(ple_conv_kernel_size - 1) * ngram_size`` rows plus
+    the speculative ones, in the conv dtype, whole on every rank), whether or not any layer is
+    in ``ple_layer_ids``; 0 for other models (their states' own pages decide)."""
+    if (model.family or "").strip().lower() not in QWEN4_EXP_FAMILIES:
+        return 0
+    ple = [layer.spec for layer in model.state_layers if isinstance(layer.spec, PLEConvSpec)]
+    if ple:
+        return max(spec.state_bytes for spec in ple)
+    gdn = [layer.spec for layer in model.state_layers if isinstance(layer.spec, GatedDeltaNetSpec)]
+    text = _text_config(model)
+    if not gdn or "hidden_size" not in text:
+        return 0
+    # Qwen4ExpTextConfig's defaults where the config leaves a field out (as the reader does)
+    spec = PLEConvSpec(
+        conv_dim=int(text.get("hc_count") or 4) * int(text["hidden_size"]),
+        conv_kernel=int(text.get("ple_conv_kernel_size") or 4),
+        dilation=int(text.get("ngram_size") or 3),
+        conv_dtype=gdn[0].conv_dtype,
+        num_spec_tokens=gdn[0].num_spec_tokens,
+    )
+    return spec.state_bytes
 
 
 def glm5_next_kda_backend(model: HybridModel, gpu: str) -> str | None:
@@ -171,6 +221,12 @@ class VllmTarget:
       0.33's k-pooled fp8 entries and per-request tail ring, which ``inflate`` then packs
       block-outermost as vLLM does; see :mod:`hybridkv.layouts.vllm_packed`). Models whose
       formats agree plan the same either way. Not a vLLM switch: vLLM always uses its own.
+      Qwen4-Exp's QSA indexer is the other model with formats of its own (one compressed key per
+      ``indexer_compress_ratio`` tokens and a per-request ring of raw keys).
+    - ``indexer_kv_dtype``: vLLM's ``--attention-config '{"indexer_kv_dtype": ...}'``:
+      ``"auto"`` (default), ``"bf16"`` or ``"fp8"``, the dtype of Qwen4-Exp's compressed QSA keys
+      in vLLM's formats (``auto`` is bf16, ``fp8`` e4m3 without scales: ``QSAIndexer``).
+      GLM-5-Next's indexer ignores it in vLLM 0.33, and so does a plan of it.
     """
 
     version: str = VLLM_VERSIONS[0]
@@ -181,6 +237,7 @@ class VllmTarget:
     kernel_block_size: int | None = None
     max_model_len: int | None = None
     cache_formats: str = "transformers"
+    indexer_kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         version = str(self.version).removeprefix("v")
@@ -230,6 +287,11 @@ class VllmTarget:
                 f"cache_formats must be one of {', '.join(CACHE_FORMATS)}, got "
                 f"{self.cache_formats!r}"
             )
+        if self.indexer_kv_dtype not in INDEXER_KV_DTYPES:
+            raise ValueError(
+                f"indexer_kv_dtype must be one of {', '.join(INDEXER_KV_DTYPES)} (what vLLM "
+                f"0.33's Qwen4-Exp QSA indexer takes), got {self.indexer_kv_dtype!r}"
+            )
         for name in ("kernel_block_size", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (
@@ -265,14 +327,18 @@ class VllmTarget:
         family = find_vllm_family(model)
         qwen_gdn = family is not None and family.gdn_checkpoints
         gdn_exports = mode == "align" and gdn_backend == "flashinfer" and new_rules and qwen_gdn
+        # Qwen4-Exp's PLE conv (Qwen4ExpPLELayer) declares 1 in align mode, so the lcm stays 64
+        # and it exports its checkpoint like the GDN layers beside it
         checkpoint_alignment = (
             FLASHINFER_GDN_CHECKPOINT_ALIGNMENT
-            if gdn_exports and state_kinds == {GatedDeltaNetSpec}
+            if gdn_exports
+            and GatedDeltaNetSpec in state_kinds
+            and state_kinds <= {GatedDeltaNetSpec, PLEConvSpec}
             else None
         )
         # num_prefill_checkpoint_blocks: Mamba-2 layers always set 1 (MambaMixer2.
-        # get_kv_cache_spec, in 0.32 and 0.33), Qwen's GDN layers when they export checkpoints
-        # (0.33 only)
+        # get_kv_cache_spec, in 0.32 and 0.33), Qwen's GDN layers (and Qwen4-Exp's PLE conv
+        # beside them) when they export checkpoints (0.33 only)
         checkpoint_blocks = 0
         if Mamba2Spec in state_kinds or (
             GatedDeltaNetSpec in state_kinds and checkpoint_alignment is not None
@@ -320,6 +386,7 @@ class VllmTarget:
             "kernel_block_size": self.kernel_block_size,
             "max_model_len": self.max_model_len,
             "cache_formats": self.cache_formats,
+            "indexer_kv_dtype": self.indexer_kv_dtype,
         }
 
 

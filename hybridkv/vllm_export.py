@@ -97,7 +97,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import canonical_dtype, dtype_bytes
-from .layouts.vllm_packed import BLOCK_OUTERMOST_LAYOUT
+from .layouts.vllm_packed import BLOCK_OUTERMOST_LAYOUTS
 from .plan import KVPlacement, StatePlacement
 from .specs import (
     AttentionSpec,
@@ -108,11 +108,12 @@ from .specs import (
     Mamba1Spec,
     Mamba2Spec,
     MLASpec,
+    PLEConvSpec,
     ShortConvSpec,
     SlidingWindowSpec,
     StateSpec,
 )
-from .target import PAGED_MQA_PAGES
+from .target import GLM5_NEXT_FAMILIES, PAGED_MQA_PAGES
 from .vllm_families import (
     _ZAMBA2_MEM_BLOCKS,
     VLLM_FAMILIES,
@@ -220,10 +221,11 @@ FIELDS["MambaSpec"] = (
 )
 
 # KV cache layouts (``vllm/v1/kv_cache_layout.py``): inflate's, the one pack's sub-pages need,
-# and the one vLLM 0.33 resolves for GLM-5-Next (KpoolTailBackend's only one)
+# and the ones vLLM 0.33 resolves for GLM-5-Next (KpoolTailBackend's only one, BLHNC) and
+# Qwen4-Exp (QSAStateBackend's first, BLNHC)
 _LAYER_OUTER_LAYOUT = "LBNHC"
 _BLOCK_OUTER_LAYOUT = "BLNHC"
-_PACKED_LAYOUT = BLOCK_OUTERMOST_LAYOUT
+_PACKED_LAYOUTS = BLOCK_OUTERMOST_LAYOUTS
 
 # ``vllm/v1/attention/backends/registry.py``: MambaAttentionBackendEnum member per state layer
 # class (``mamba_type`` of MambaMixer, MambaMixer2, GatedDeltaNetAttention (also KDA),
@@ -235,6 +237,7 @@ _MAMBA_TYPE: dict[type, str] = {
     KDASpec: "GDN_ATTN",
     LinearAttentionSpec: "LINEAR",
     ShortConvSpec: "SHORT_CONV",
+    PLEConvSpec: "SHORT_CONV",  # Qwen4ExpPLELayer.mamba_type
 }
 
 
@@ -275,6 +278,8 @@ def _names_and_order(model: HybridModel) -> tuple[dict[str, str], dict[str, tupl
         is_attn = isinstance(spec, AttentionSpec)
         if isinstance(spec, IndexerSpec):
             template, what = family.indexer, "sparse-attention indexer"
+        elif isinstance(spec, PLEConvSpec):
+            template, what = family.ple, "Per-Layer Embedding"
         else:
             template = family.attention if is_attn else family.state
             what = "attention" if is_attn else "state"
@@ -302,7 +307,9 @@ def _names_and_order(model: HybridModel) -> tuple[dict[str, str], dict[str, tupl
         if family.key == "zamba2":
             order[layer.name] = (0, j) if is_attn else (1, layer.index)
         else:
-            order[layer.name] = (layer.index, 0 if is_attn else 1)
+            # Qwen4-Exp's PLE module registers before its layer's GDN
+            first = is_attn or isinstance(spec, PLEConvSpec)
+            order[layer.name] = (layer.index, 0 if first else 1)
     if len(set(names.values())) != len(names):  # pragma: no cover - a table error
         raise AssertionError(f"{model.name}: vLLM layer names collide")
     return names, order
@@ -468,7 +475,8 @@ def _mamba_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup):
         "prefill_checkpoint_alignment": checkpoint_alignment,
         "num_heads": 1,
         "tokens_per_state": -1,
-        "tp_replicated": False,
+        # Qwen4ExpPLELayer.is_kv_cache_tp_replicated: its conv state is whole on every rank
+        "tp_replicated": isinstance(spec, PLEConvSpec),
     }
     return {"kind": "MambaSpec", **fields, "page_size_bytes": page}
 
@@ -476,6 +484,84 @@ def _mamba_spec(plan: MemoryPlan, model: HybridModel, group: KVCacheGroup):
 def _multiple_of(base: int) -> dict[str, int]:
     """vLLM's ``MultipleOf(base)`` (``vllm/v1/attention/backend.py``) in the JSON."""
     return {"MultipleOf": base}
+
+
+def _packed_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -> dict:
+    """One attention-side cache of a vLLM-format (packed) plan as vLLM 0.33 specs it."""
+    if (model.family or "").strip().lower() in GLM5_NEXT_FAMILIES:
+        return _glm5_attention_spec(plan, model, p)
+    return _qwen4_attention_spec(plan, model, p)
+
+
+def _qwen4_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -> dict:
+    """One Qwen4-Exp attention-side cache of a vLLM-format plan as vLLM 0.33 specs it (every
+    field not named here is the dataclass default, as these layers leave it; no backend of the
+    model customises a spec or declares a fixed kernel block, so ``block_stride_alignment``
+    stays None):
+
+    - K/V (``Qwen4ExpQSAAttention.get_kv_cache_spec``): a ``FullAttentionSpec`` of the rank's
+      KV heads, ``head_size_v = head_size``; fp8 is uint8 with ``FP8_PER_TENSOR``;
+    - compressed keys (``QSACompressedKeyCache.get_kv_cache_spec``): an ``MLAAttentionSpec`` of
+      one head of ``indexer_head_dim`` with ``tokens_per_state = indexer_compress_ratio``, in
+      bf16 or, under ``indexer_kv_dtype`` fp8, ``torch.float8_e4m3fn`` (no scales, no
+      ``cache_dtype_str``), ``cache_role`` the default ``SPARSE``;
+    - ring (``QSAKeyStateCache.get_kv_cache_spec``): a ``CircularBufferSpec`` of the ring's
+      slots, one bf16 head of the key (and MRoPE positions), ``head_size_v`` 0.
+    """
+    base: dict[str, Any] = {
+        "block_size": p.block_size,
+        "dcp_sharded": True,
+        "block_stride_alignment": None,
+        "is_draft": False,
+        "max_tp_shards": None,
+        "num_kv_heads": p.num_kv_heads,
+        "head_size": p.head_dim,
+        "dtype": _torch_name(p.dtype),
+        "head_size_v": 0,
+        "kv_quant_mode": "NONE",
+        "page_size_padded": None,
+        "num_head_slots": None,
+        "state_content_bytes": None,
+        "tokens_per_state": p.tokens_per_state,
+    }
+    if p.kind == "indexer_ring":
+        kind = "CircularBufferSpec"
+    elif p.kind == "indexer":
+        kind = "MLAAttentionSpec"
+        if canonical_dtype(p.dtype).startswith("fp8"):
+            base["dtype"] = "torch.float8_e4m3fn"  # QSAIndexer: e4m3 bytes, not uint8
+        base.update(
+            sliding_window=None,
+            attention_chunk_size=None,
+            non_causal=False,
+            cache_dtype_str=None,
+            topk_buffer_width=None,
+            alignment=None,
+            model_version=None,
+            cache_role="SPARSE",
+            is_index_group_leader=False,
+            non_causal_multi_token_decode=False,
+        )
+    else:
+        kind = "FullAttentionSpec"
+        fp8 = canonical_dtype(p.dtype).startswith("fp8")
+        base.update(
+            head_size_v=p.head_dim_v,
+            kv_quant_mode="FP8_PER_TENSOR" if fp8 else "NONE",
+            sliding_window=None,
+            attention_chunk_size=None,
+            non_causal=False,
+        )
+    # AttentionSpec.page_size_bytes: heads x states x (head_size + head_size_v) x dtype size
+    rows = base["block_size"] // base["tokens_per_state"]
+    page = base["num_kv_heads"] * rows * (base["head_size"] + base["head_size_v"])
+    page *= dtype_bytes(p.dtype)
+    if page != p.k_bytes_per_block + p.v_bytes_per_block:  # pragma: no cover - plan vs spec
+        raise AssertionError(
+            f"{p.layer}: vLLM's page {page} B, the plan's "
+            f"{p.k_bytes_per_block + p.v_bytes_per_block} B"
+        )
+    return {"kind": kind, **base, "page_size_bytes": page}
 
 
 def _glm5_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -> dict:
@@ -708,7 +794,9 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
     if plan.kv_cache_layout is not None:
         return _packed_config(plan, model, names)
     if any(isinstance(layer.spec, IndexerSpec) for layer in model.layers):
-        raise ValueError(_TRANSFORMERS_INDEXER.format(name=model.name))
+        glm = (model.family or "").strip().lower() in GLM5_NEXT_FAMILIES
+        reason = _TRANSFORMERS_INDEXER if glm else _TRANSFORMERS_QSA
+        raise ValueError(reason.format(name=model.name))
     covered = [name for g in plan.groups for name in g.layers]
     if sorted(covered) != sorted(layer.name for layer in model.layers):
         raise ValueError(f"{plan.model_name}: the plan's groups do not cover the model's layers")
@@ -777,6 +865,19 @@ _TRANSFORMERS_INDEXER = (
     "command line's --cache-formats vllm, which --format vllm implies)"
 )
 
+#: why a Qwen4-Exp plan in transformers' cache formats does not export
+_TRANSFORMERS_QSA = (
+    "{name}: this plan keeps Qwen4-Exp's QSA indexer in transformers' format (one raw key per "
+    "token riding in the attention's page: VllmTarget.cache_formats 'transformers', the "
+    "default), but vLLM 0.33 keeps one compressed key per indexer_compress_ratio tokens "
+    "(QSACompressedKeyCache, an MLAAttentionSpec with tokens_per_state > 1) and a per-request "
+    "CircularBufferSpec ring of the open group's raw keys (QSAKeyStateCache, "
+    "vllm/models/qwen4_exp/common/qsa_cache.py), packed with the K/V and the GDN and PLE states "
+    "block-outermost (_get_packed_kv_cache_groups in vllm/v1/core/kv_cache_planning.py); plan "
+    "with VllmTarget(cache_formats='vllm') (the command line's --cache-formats vllm, which "
+    "--format vllm implies)"
+)
+
 
 def _packed_config(plan: MemoryPlan, model: HybridModel, names: dict[str, str]) -> dict[str, Any]:
     """A plan packed block-outermost (:attr:`MemoryPlan.kv_cache_layout`; GLM-5-Next in vLLM's
@@ -792,10 +893,10 @@ def _packed_config(plan: MemoryPlan, model: HybridModel, names: dict[str, str]) 
     family = vllm_family(model)
     rules = plan.vllm
     assert rules is not None
-    if plan.kv_cache_layout != _PACKED_LAYOUT:
+    if plan.kv_cache_layout not in _PACKED_LAYOUTS:
         raise ValueError(
-            f"{plan.model_name}: layout {plan.kv_cache_layout!r} is not the one vLLM 0.33 packs "
-            f"in ({_PACKED_LAYOUT})"
+            f"{plan.model_name}: layout {plan.kv_cache_layout!r} is not one vLLM 0.33 packs "
+            f"in ({', '.join(_PACKED_LAYOUTS)})"
         )
     placements = {p.layer: p for p in (*plan.kv_placements, *plan.state_placements)}
     model_layers = {layer.name for layer in model.layers}
@@ -818,7 +919,7 @@ def _packed_config(plan: MemoryPlan, model: HybridModel, names: dict[str, str]) 
             if isinstance(p, StatePlacement):
                 specs[name] = _mamba_spec(plan, model, replace(group, layers=(name,)))
             else:
-                specs[name] = _glm5_attention_spec(plan, model, p)
+                specs[name] = _packed_attention_spec(plan, model, p)
         first = specs[group.layers[0]]
         inner = {vllm_names[n]: s for n, s in specs.items()}
         groups.append(
@@ -964,12 +1065,15 @@ def vllm_disagreements(plan: MemoryPlan, model: HybridModel) -> list[str]:
     sentence each; empty when they agree). Checks the grouping (members and slot order), the
     group order and the K/V order inside an attention page. (Block sizes, state blocks and the
     Mamba cache mode are vLLM's by construction: :mod:`hybridkv.target`.) A plan packed
-    block-outermost (GLM-5-Next in vLLM's cache formats) is grouped, ordered and placed by
-    :mod:`hybridkv.layouts.vllm_packed`'s port of vLLM's own packing, and has no V: nothing
-    to report."""
+    block-outermost (GLM-5-Next or Qwen4-Exp in vLLM's cache formats) is grouped, ordered and
+    placed by :mod:`hybridkv.layouts.vllm_packed`'s port of vLLM's own packing: only the K/V
+    order inside Qwen4-Exp's attention pages is reported (GLM-5-Next's latents have no V)."""
     config = kv_cache_config(plan, model)
+    has_v = any(p.v_offset is not None for p in plan.kv_placements)
     if plan.kv_cache_layout is not None:
-        return []
+        # grouped, ordered and placed by vllm_packed's port of vLLM's packing: only a K/V page's
+        # contents can differ (Qwen4-Exp's GQA; GLM-5-Next's latents have no V)
+        return [_KV_ORDER_NOTE] if has_v else []
     names, order = _names_and_order(model)
     notes = []
     exported = [g["layer_names"] for g in config["kv_cache_groups"]]
@@ -985,14 +1089,17 @@ def vllm_disagreements(plan: MemoryPlan, model: HybridModel) -> list[str]:
             "group order: the plan lists attention groups first; vLLM numbers its groups by "
             "bucket in layer-registration order (exported in vLLM's order)"
         )
-    has_v = any(p.v_offset is not None for p in plan.kv_placements)
     if has_v:
-        notes.append(
-            "page contents: the plan keeps a layer's K as [tokens, heads, dim] then V likewise; "
-            "vLLM 0.33's FlashAttention page is [tokens, heads, K dim | V dim] (logical "
-            "[B, H, N, 2*D], split on the last dim), so K and V interleave per token and head"
-        )
+        notes.append(_KV_ORDER_NOTE)
     return notes
+
+
+#: the one way a K/V page's contents differ from vLLM's
+_KV_ORDER_NOTE = (
+    "page contents: the plan keeps a layer's K as [tokens, heads, dim] then V likewise; "
+    "vLLM 0.33's FlashAttention page is [tokens, heads, K dim | V dim] (logical "
+    "[B, H, N, 2*D], split on the last dim), so K and V interleave per token and head"
+)
 
 
 # ---------------------------------------------------------------------------------------------

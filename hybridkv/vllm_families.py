@@ -32,8 +32,10 @@ class VllmFamily:
     ``attention`` and ``state`` are format strings over ``i`` (the decoder layer), ``j`` (Zamba2's
     shared-attention index), ``n_plus_i`` (``num_hidden_layers + i``, Falcon-H1's SSM branch) and
     ``h_plus_i`` (``number of hybrid layers + i``, Zamba2's Mamba layers). ``indexer`` and
-    ``ring``: a sparse-attention indexer's key cache and its tail ring (GLM-5-Next's
-    ``Glm5NextIndexerCache`` / ``Glm5NextTailCache``), empty for families without one.
+    ``ring``: a sparse-attention indexer's key cache and its ring of raw keys (GLM-5-Next's
+    ``Glm5NextIndexerCache`` / ``Glm5NextTailCache``, Qwen4-Exp's ``QSACompressedKeyCache`` /
+    ``QSAKeyStateCache``), empty for families without one. ``ple``: Qwen4-Exp's Per-Layer
+    Embedding conv state (``Qwen4ExpPLELayer``), registered before the layer's GDN.
     ``gdn_checkpoints``: the family's GDN layer is Qwen's ``QwenGatedDeltaNetAttention``, the one
     that exports FlashInfer prefill checkpoints (OLMo-Hybrid's and Kimi's do not).
     """
@@ -46,6 +48,7 @@ class VllmFamily:
     gdn_checkpoints: bool = False
     indexer: str = ""
     ring: str = ""
+    ple: str = ""
 
 
 _M = "vllm/model_executor/models/"
@@ -167,6 +170,35 @@ _FAMILIES = (
         indexer="model.layers.{i}.self_attn.indexer.k_cache",
         ring="model.layers.{i}.self_attn.indexer.tail_cache",
     ),
+    # Qwen4ExpDecoderLayer (prefix layers.{i}) builds its PLE module first (Qwen4ExpPLELayer,
+    # registered as ple), then its mixer: QwenGatedDeltaNetAttention (linear_attn), or
+    # Qwen4ExpQSAAttention (self_attn), whose QSAIndexer registers raw_key_cache and
+    # compressed_key_cache before the attention registers self_attn.attn; without the
+    # indexer_* fields the mixer is Qwen3NextAttention (self_attn.attn alone)
+    VllmFamily(
+        "qwen4_exp",
+        "Qwen4ExpForConditionalGeneration",
+        "vllm/models/qwen4_exp/nvidia/model.py (+ qsa.py, indexer_qsa.py, ple_layer.py, "
+        "common/qsa_cache.py)",
+        "language_model.model.layers.{i}.self_attn.attn",
+        "language_model.model.layers.{i}.linear_attn",
+        gdn_checkpoints=True,
+        indexer="language_model.model.layers.{i}.self_attn.indexer.compressed_key_cache",
+        ring="language_model.model.layers.{i}.self_attn.indexer.raw_key_cache",
+        ple="language_model.model.layers.{i}.ple",
+    ),
+    VllmFamily(
+        "qwen4_exp_text",
+        "Qwen4ExpForCausalLM",
+        "vllm/models/qwen4_exp/nvidia/model.py (+ qsa.py, indexer_qsa.py, ple_layer.py, "
+        "common/qsa_cache.py)",
+        "model.layers.{i}.self_attn.attn",
+        "model.layers.{i}.linear_attn",
+        gdn_checkpoints=True,
+        indexer="model.layers.{i}.self_attn.indexer.compressed_key_cache",
+        ring="model.layers.{i}.self_attn.indexer.raw_key_cache",
+        ple="model.layers.{i}.ple",
+    ),
 )
 #: vLLM's naming per family key
 VLLM_FAMILIES: dict[str, VllmFamily] = {f.key: f for f in _FAMILIES}
@@ -203,6 +235,8 @@ _FAMILY_KEYS = {
     "mamba2": "mamba2",
     "glm5_next": "glm5_next",
     "glm5_next_text": "glm5_next_text",
+    "qwen4_exp": "qwen4_exp",
+    "qwen4_exp_text": "qwen4_exp_text",
 }
 # families vLLM 0.33 does not serve, with the reason
 _REMOVED = (
@@ -224,26 +258,24 @@ _NOT_SERVED = {
     "bailing_hybrid": "vLLM 0.33 does not serve BailingHybridForCausalLM (its Ling hybrids are "
     "BailingMoeV2_5ForCausalLM / BailingMoeV3ForCausalLM, not modelled here)",
 }
-# families vLLM 0.33 serves with caches hybridkv does not model, with the reason (GLM-5-Next's
-# k-pooled indexer is modelled: VllmTarget(cache_formats="vllm"), hybridkv.layouts.vllm_packed)
-_NOT_MODELLED = {
-    "qwen4_exp": (
-        "vLLM 0.33 serves Qwen4ExpForConditionalGeneration (vllm/models/qwen4_exp), but keeps "
-        "its sparse-attention indexer's keys one compressed key per indexer_compress_ratio "
-        "tokens (an MLAAttentionSpec with tokens_per_state > 1) beside a per-request "
-        "CircularBufferSpec ring of the open group's raw keys; hybridkv models the indexer in "
-        "transformers' per-token layout, so its pages are not vLLM's and are not exported"
-    ),
-}
-_NOT_MODELLED["qwen4_exp_text"] = _NOT_MODELLED["qwen4_exp"]
+# families vLLM 0.33 serves with caches hybridkv does not model, with the reason (none at
+# present: GLM-5-Next's k-pooled indexer and Qwen4-Exp's compressed QSA keys are modelled in
+# vLLM's formats, VllmTarget(cache_formats="vllm"), hybridkv.layouts.vllm_packed)
+_NOT_MODELLED: dict[str, str] = {}
 # Zamba2's vLLM attention names depend on num_mem_blocks, which HybridModel does not record;
 # the zoo's sources give it for these checkpoints
 _ZAMBA2_MEM_BLOCKS = {"zamba2-1.2b": 1, "zamba2-2.7b": 2}
-_TEXT_ONLY_ARCHS = {"Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Glm5NextForCausalLM"}
+_TEXT_ONLY_ARCHS = {
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Glm5NextForCausalLM",
+    "Qwen4ExpForCausalLM",
+}
 _WRAPPER_ARCHS = {
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
     "Glm5NextForConditionalGeneration",
+    "Qwen4ExpForConditionalGeneration",
 }
 
 
@@ -262,12 +294,14 @@ def vllm_family(model: HybridModel) -> VllmFamily:
     """vLLM 0.33's naming for ``model``, found by ``model.family`` (a zoo family name or a
     Hugging Face ``model_type``); a family vLLM does not serve is a ``ValueError``.
 
-    A Qwen3.5 or GLM-5-Next config read from ``config.json`` carries its text model type
-    (``qwen3_5_text``, ``glm5_next_text``) whether or not the checkpoint is the multimodal
-    wrapper; every released checkpoint of both is (``Qwen3_5ForConditionalGeneration``,
-    ``Glm5NextForConditionalGeneration``: layers under ``language_model.``), so that is assumed
-    unless ``model.extra["architectures"]`` (or the model's label) names the causal-LM class
-    (``Qwen3_5ForCausalLM``, ``Glm5NextForCausalLM``).
+    A Qwen3.5, GLM-5-Next or Qwen4-Exp config read from ``config.json`` carries its text model
+    type (``qwen3_5_text``, ``glm5_next_text``, ``qwen4_exp_text``) whether or not the checkpoint
+    is the multimodal wrapper; every released checkpoint of the first two is
+    (``Qwen3_5ForConditionalGeneration``, ``Glm5NextForConditionalGeneration``: layers under
+    ``language_model.``), and vLLM 0.33 registers Qwen4-Exp's as
+    ``Qwen4ExpForConditionalGeneration``, so that is assumed unless
+    ``model.extra["architectures"]`` (or the model's label) names the causal-LM class
+    (``Qwen3_5ForCausalLM``, ``Glm5NextForCausalLM``, ``Qwen4ExpForCausalLM``).
     """
     family = (model.family or "").strip().lower()
     reason = _NOT_SERVED.get(family) or _NOT_MODELLED.get(family)
@@ -280,7 +314,7 @@ def vllm_family(model: HybridModel) -> VllmFamily:
             f"{model.name}: no vLLM {VLLM_VERSION} layer naming for family {model.family!r}; "
             f"known families: {', '.join(known)}"
         )
-    if key in ("qwen3_5_text", "glm5_next_text"):
+    if key in ("qwen3_5_text", "glm5_next_text", "qwen4_exp_text"):
         archs = _architectures(model)
         if not archs & _TEXT_ONLY_ARCHS or archs & _WRAPPER_ARCHS:
             key = key.removesuffix("_text")

@@ -541,23 +541,32 @@ def test_families_vllm_does_not_serve_are_refused(name, tp):
         kv_cache_config(plan, model)
 
 
-def test_qwen4_exp_pooled_indexer_is_refused():
-    """vLLM 0.33 serves Qwen4-Exp but keeps its indexer keys pooled (one entry per compress
-    group) with a per-request ring, which hybridkv does not model: the export refuses and says
-    so, in either cache format."""
+def test_qwen4_exp_in_transformers_formats_is_refused():
+    """A Qwen4-Exp plan in transformers' formats (one raw indexer key per token riding in the
+    attention's page) is not vLLM's layout: the export says what vLLM keeps instead, where vLLM
+    says it, and how to plan vLLM's; the same model in vLLM's formats exports."""
     pytest.importorskip("transformers")
     from hybridkv.e2e import hybrid_model_for
     from hybridkv.e2e.families import TINY_CONFIGS
 
     model = hybrid_model_for(TINY_CONFIGS["qwen4_exp"](), "bfloat16")
     assert "indexer" in model.layer_kinds
-    for formats in ("transformers", "vllm"):
-        target = VllmTarget(cache_formats=formats)
-        plan = make_plan(model, "inflate", memory="1GiB", max_num_seqs=4, target=target)
-        with pytest.raises(
-            ValueError, match=r"vLLM 0\.33 serves .* but keeps its sparse-attention"
-        ):
-            kv_cache_config(plan, model)
+    plan = make_plan(model, "inflate", memory="1GiB", max_num_seqs=4)
+    assert plan.kv_cache_layout is None
+    with pytest.raises(ValueError) as exc:
+        kv_cache_config(plan, model)
+    for fact in (
+        "transformers' format",
+        "QSACompressedKeyCache",
+        "QSAKeyStateCache",
+        "_get_packed_kv_cache_groups",
+        "cache_formats='vllm'",
+        "--format vllm",
+    ):
+        assert fact in str(exc.value)
+    target = VllmTarget(cache_formats="vllm")
+    packed = make_plan(model, "inflate", memory="1GiB", max_num_seqs=4, target=target)
+    assert kv_cache_config(packed, model)["kv_cache_layout"] == "BLNHC"
 
 
 def test_glm5_next_in_transformers_formats_is_refused():

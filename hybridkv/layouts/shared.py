@@ -40,6 +40,7 @@ from ..plan import (
     TensorPlan,
 )
 from ..specs import FullAttentionSpec, IndexerSpec, MLASpec
+from ..target import vllm_state_page_floor
 from ._common import (
     Bucket,
     buckets,
@@ -203,6 +204,8 @@ def plan_shared(
     vllm_state = max(
         (layer.spec.state_bytes for b in state_buckets for layer in b.layers), default=0
     )  # type: ignore[attr-defined]
+    # Qwen4-Exp: vLLM sizes the block by its PLE conv state too, PLE layers or none
+    vllm_state = max(vllm_state, vllm_state_page_floor(model))
 
     # block size: vLLM's rule (hybridkv.target), with a pack's bytes per token for pack/aggregate.
     # An indexer's keys do not enter it: vLLM's _align_hybrid_block_size sizes the block by the

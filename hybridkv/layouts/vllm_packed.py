@@ -1,62 +1,99 @@
-"""GLM-5-Next as vLLM 0.33 lays it out: latent, key, ring and state pages packed block-outermost.
+"""GLM-5-Next and Qwen4-Exp as vLLM 0.33 lays them out: pages of different sizes packed
+block-outermost.
 
-``inflate`` is vLLM's layout; for GLM-5-Next in vLLM's cache formats
-(``VllmTarget(cache_formats="vllm")``) vLLM's layout is not equal pages but a packing, which this
-module plans. What vLLM 0.33 builds, from its source:
+``inflate`` is vLLM's layout; for a model whose sparse-attention indexer vLLM keeps in formats of
+its own (``VllmTarget(cache_formats="vllm")``) vLLM's layout is not equal pages but a packing,
+which this module plans. Two families have one; the packing is the same, their caches differ.
+
+**GLM-5-Next** (``vllm/models/glm5next/common/attention.py``, ``kda.py``):
 
 - **Caches** (one decoder layer ``i`` at a time, in the order the layers register in
   ``static_forward_context``): a KDA layer's state (``Glm5NextLinearAttention``, a
   ``MambaSpec``); an MLA layer's indexer key cache (``Glm5NextIndexerCache``: an
-  ``MLAAttentionSpec`` of one uint8 head of ``index_head_dim + index_head_dim // 128 * 4`` bytes,
-  the fp8 key and its float32 scale, with ``tokens_per_state = index_kpool``: one entry per
-  k-pool), its tail ring (``Glm5NextTailCache``: a ``CircularBufferSpec`` of ``ring =
+  ``MLAAttentionSpec`` of one uint8 head of ``index_head_dim + index_head_dim // 128 * 4``
+  bytes, the fp8 key and its float32 scale, with ``tokens_per_state = index_kpool``: one entry
+  per k-pool), its tail ring (``Glm5NextTailCache``: a ``CircularBufferSpec`` of ``ring =
   index_kpool * next_power_of_2(cdiv(index_kpool + num_speculative_tokens, index_kpool))``
   slots, two bf16 heads of ``index_head_dim``, the raw key and the gate score, one block per
-  request), then its latent (``MLAAttention``). All in ``vllm/models/glm5next/common/
-  attention.py`` and ``kda.py``; the indexer is built on every MLA layer (``Glm5NextMLAAttention``
-  ignores transformers' ``indexer_types``).
+  request), then its latent (``MLAAttention``). The indexer is built on every MLA layer
+  (``Glm5NextMLAAttention`` ignores transformers' ``indexer_types``).
 - **Pages**: latent ``block * (kv_lora_rank + qk_rope_head_dim) * dtype``; indexer ``block /
   index_kpool`` entries; ring ``2 * ring * index_head_dim * 2``; state padded to the latent page
   (``Platform._align_hybrid_block_size``, which also sets the block: :mod:`hybridkv.target`).
 - **Layout**: ``KpoolTailBackend.supported_kv_cache_layouts`` is ``(BLHNC,)`` and no other
   backend of the model declares any (``vllm/v1/attention/backends/mla/indexer.py``), so
-  ``resolve_kv_cache_layout`` (``vllm/v1/attention/backends/utils.py``) picks ``BLHNC``: the block
-  is outermost and one block id is one run of bytes holding every layer's page of a group.
+  ``resolve_kv_cache_layout`` (``vllm/v1/attention/backends/utils.py``) picks ``BLHNC``.
+- **Alignment**: the latent's row (``FlashInferMLASparseSM90Backend.customize_spec`` /
+  ``align_blocks_to_rows``, the backend Hopper picks for a 512-wide NoPE latent), and the
+  indexer's page at its kernel block (``customize_attention_spec`` in
+  ``vllm/v1/worker/utils.py`` gives it ``MultipleOf(64 * index_kpool)``, and a block that is not
+  one kernel block is split into ``gcd(64 * index_kpool, block)``-token ones).
+
+**Qwen4-Exp** (``vllm/models/qwen4_exp/nvidia/model.py``, ``qsa.py``, ``indexer_qsa.py``,
+``ple_layer.py``, ``common/qsa_cache.py``):
+
+- **Caches**, per decoder layer ``i``: the PLE conv state when ``i + 1`` is in
+  ``ple_layer_ids`` (``Qwen4ExpPLELayer``: a ``MambaSpec`` of one short-conv state,
+  ``SHORT_CONV``, ``tp_replicated``), then the mixer: a GDN state
+  (``QwenGatedDeltaNetAttention``), or, on an ``indexed_attention`` layer, the QSA indexer's
+  ring of raw keys (``QSAKeyStateCache``: a ``CircularBufferSpec`` of ``round_up(
+  indexer_compress_ratio + num_speculative_tokens, indexer_compress_ratio)`` slots, one bf16
+  head of ``indexer_head_dim``, widened by the three int64 MRoPE positions where the model uses
+  MRoPE), its compressed keys (``QSACompressedKeyCache``: an ``MLAAttentionSpec`` of one head
+  of ``indexer_head_dim`` with ``tokens_per_state = indexer_compress_ratio``, bf16, or fp8 e4m3
+  without scales under ``indexer_kv_dtype`` fp8), then the gated GQA's K and V
+  (``Qwen4ExpQSAAttention``: a ``FullAttentionSpec``). The PLE and GDN states are padded to the
+  attention page; their specs differ in ``tp_replicated``, so they never share a bucket.
+- **Layout**: the QSA caches' ``QSAStateBackend`` declares ``(BLNHC, BLHNC)`` and no other
+  backend of the model declares any, so ``resolve_kv_cache_layout`` picks ``BLNHC``.
+- **Alignment**: none; no backend of the model declares a fixed kernel block (the attention's
+  ``MultipleOf(16)``, the QSA caches' ``MultipleOf(1)``), so every layer's
+  ``get_block_stride_alignment()`` is 1.
+
+Both:
+
 - **Groups** (``_get_packed_kv_cache_groups`` in ``vllm/v1/core/kv_cache_planning.py``, taken
   because the layout is block-outermost and the pages differ): layers go, in registration
   order, into the first bucket they are uniform with (``UniformTypeKVCacheSpecs.is_uniform_type``:
-  the same base type, block size and DCP sharding), so the indexer keys and the latents share a
-  bucket (both ``FullAttentionSpec``-based), the rings have one and the KDA states one. A bucket
-  whose page sizes come in equal numbers is a repeated pattern; the repeats per group are the
-  ``_approximate_gcd`` (least padding, ties to the larger) of the balanced buckets' counts, at
-  least the largest mixed bucket's; each group of a state bucket (Mamba, ring) holds at most the
-  states a block of the widest other group fits (``anchor_bytes``).
+  the same base type, block size and DCP sharding, and for Mamba specs the same page,
+  speculative and checkpoint blocks and ``tp_replicated``), so the indexer keys share a bucket
+  with the latents or K/V (all ``FullAttentionSpec``-based), the rings have one and the states
+  one per spec. A bucket whose page sizes come in equal numbers is a repeated pattern; the
+  repeats per group are the ``_approximate_gcd`` (least padding, ties to the larger) of the
+  balanced buckets' counts, at least the largest mixed bucket's; each group of a state bucket
+  (Mamba, ring) holds at most the states a block of the widest other group fits
+  (``anchor_bytes``).
 - **Bytes per block** (``_get_kv_cache_bytes_per_block``, block-outermost): the largest group's
-  pages, rounded up to the lcm of every layer's ``get_block_stride_alignment()``: the latent's
-  row (``FlashInferMLASparseSM90Backend.customize_spec`` / ``align_blocks_to_rows``, the backend
-  Hopper picks for a 512-wide NoPE latent in ``_get_backend_priorities``), and the indexer's page
-  at its kernel block (``customize_attention_spec`` in ``vllm/v1/worker/utils.py`` gives it
-  ``MultipleOf(64 * index_kpool)``, and a block that is not one kernel block is split into
-  ``gcd(64 * index_kpool, block)``-token ones), 1 for the rest.
+  pages, rounded up to the lcm of every layer's ``get_block_stride_alignment()``.
 - **Placement** (``get_kv_cache_config_from_groups``): every group aliases the same blocks from
   byte 0; inside a block a group's layers sit back to back, the layers of one spec together in
   the group's order, each ``page`` after the last.
 
 The plan: one tensor (vLLM's one backing allocation of ``num_blocks * bytes_per_block``), one
-shared pool, the groups in vLLM's order (their kinds ``state``, ``mla`` for the latents with
-their indexer keys, ``indexer_ring``), a :class:`~hybridkv.plan.KVPlacement` per latent, per
-indexer (``tokens_per_state = index_kpool``, rows of the entry's bytes) and per ring (named
-``{indexer layer}.ring``), a :class:`~hybridkv.plan.StatePlacement` per KDA layer, all with
-``block_stride`` / ``slot_stride`` the block and ``kv_cache_layout = "BLHNC"``. Capacity: state
-and ring groups hold ids per request (``state_slots_per_seq`` per state group, one per ring
-group: ``CircularBufferSpec.max_num_blocks_per_req``), the latent group the rest.
+shared pool, the groups in vLLM's order (their kinds ``state``, ``indexer_ring``, and ``mla``
+for GLM-5-Next's latents with their indexer keys or ``full_attention`` for Qwen4-Exp's K/V with
+its compressed keys), a :class:`~hybridkv.plan.KVPlacement` per latent or K/V, per indexer
+(``tokens_per_state`` rows) and per ring (named ``{indexer layer}.ring``), a
+:class:`~hybridkv.plan.StatePlacement` per state layer, all with ``block_stride`` /
+``slot_stride`` the block and :attr:`~hybridkv.plan.MemoryPlan.kv_cache_layout` vLLM's layout.
+Inside a K/V page the plan keeps K for every token then V (vLLM's ``BLNHC`` page interleaves
+them per token and head: :func:`hybridkv.vllm_export.vllm_disagreements` says so). Capacity:
+state and ring groups hold ids per request (``state_slots_per_seq`` per state group, one per
+ring group: ``CircularBufferSpec.max_num_blocks_per_req``), the token group(s) the rest. The
+allocator does not serve the ring groups (no manager takes kind ``indexer_ring``: a
+``ConfigError`` says so), so these plans are for export and capacity, not for simulation.
 
-Refused, with the reason: vLLM 0.32 (its rules for this family are not modelled), Ampere (no
-sparse MLA backend of vLLM 0.33 takes SM80), a layer with
-``indexer_types`` ``shared`` (vLLM gives it an indexer cache that the model does not have),
-``index_kpool_always_select_tail`` false (``_validate_supported_config`` refuses it), a ring that
-does not divide the block (``Glm5NextTailCache.get_kv_cache_spec`` asserts), a
-``kernel_alignment`` override (vLLM's backends fix the kernel blocks).
+Refused, with the reason: vLLM 0.32 (its rules for these families are not modelled), a
+``kernel_alignment`` override (vLLM's backends fix the kernel blocks). GLM-5-Next: Ampere (no
+sparse MLA backend of vLLM 0.33 takes SM80), a layer with ``indexer_types`` ``shared`` (vLLM
+gives it an indexer cache that the model does not have), ``index_kpool_always_select_tail``
+false (``_validate_supported_config`` refuses it), a ring that does not divide the block
+(``Glm5NextTailCache.get_kv_cache_spec`` asserts). Qwen4-Exp: a model dtype other than bf16 or
+a KV cache dtype other than bf16 / fp8 e4m3 (``Qwen4ExpQSAAttention`` refuses them), a block
+at model construction that ``indexer_compress_ratio`` does not divide (``_QSAStateCache``
+raises) and a ring that does not divide the final block (``QSAKeyStateCache.get_kv_cache_spec``
+asserts). Not modelled: the caches of an MTP draft model (speculative tokens are planned as
+vLLM's n-gram proposer has them, with no draft layers).
 """
 
 from __future__ import annotations
@@ -65,7 +102,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from ..dtypes import dtype_bytes
+from ..dtypes import canonical_dtype, dtype_bytes
 from ..models.model import CacheLayer, HybridModel
 from ..plan import (
     Capacity,
@@ -77,8 +114,23 @@ from ..plan import (
     StatePlacement,
     TensorPlan,
 )
-from ..specs import INDEXER_FP8_BLOCK, IndexerSpec, KDASpec, MLASpec
-from ..target import GLM5_NEXT_FAMILIES, PAGED_MQA_PAGES, VllmRules
+from ..specs import (
+    INDEXER_FP8_BLOCK,
+    FullAttentionSpec,
+    GatedDeltaNetSpec,
+    IndexerSpec,
+    KDASpec,
+    MLASpec,
+    PLEConvSpec,
+)
+from ..target import (
+    GLM5_NEXT_FAMILIES,
+    PAGED_MQA_PAGES,
+    QWEN4_EXP_FAMILIES,
+    BlockSizeRule,
+    VllmRules,
+    vllm_state_page_floor,
+)
 from ._common import (
     cdiv,
     round_up,
@@ -88,10 +140,21 @@ from ._common import (
     too_small,
 )
 
-__all__ = ["BLOCK_OUTERMOST_LAYOUT", "plan_vllm_packed", "uses_vllm_packing"]
+__all__ = [
+    "BLOCK_OUTERMOST_LAYOUT",
+    "BLOCK_OUTERMOST_LAYOUTS",
+    "QWEN4_EXP_LAYOUT",
+    "plan_vllm_packed",
+    "qsa_ring_slots",
+    "uses_vllm_packing",
+]
 
 #: the KV cache layout vLLM 0.33 resolves for GLM-5-Next (``KpoolTailBackend``'s only one)
 BLOCK_OUTERMOST_LAYOUT = "BLHNC"
+#: the one it resolves for Qwen4-Exp (``QSAStateBackend``'s first, no other backend declaring)
+QWEN4_EXP_LAYOUT = "BLNHC"
+#: the layouts a packed plan may have (block outermost, each page one run of bytes)
+BLOCK_OUTERMOST_LAYOUTS = (BLOCK_OUTERMOST_LAYOUT, QWEN4_EXP_LAYOUT)
 #: the one backing allocation of a packed plan
 _TENSOR = "kv_cache"
 #: ``Glm5NextTailCache``: two head slots per ring slot, the raw key and the gate score, in bf16
@@ -100,15 +163,23 @@ _RING_DTYPE = "bfloat16"
 #: the indexer entry is fp8 key bytes and float32 scales, which vLLM views as uint8; hybridkv's
 #: one-byte dtype name stands for it
 _ENTRY_DTYPE = "fp8_e4m3"
+#: ``QSAKeyStateCache``: with MRoPE, three int64 positions follow the key, the key padded to a
+#: multiple of four bf16 (one int64)
+_BF16_PER_INT64 = 4
+_ROPE_AXES = 3
+
+
+def _family(model: HybridModel) -> str:
+    return (model.family or "").strip().lower()
 
 
 def uses_vllm_packing(model: HybridModel, target_cache_formats: str) -> bool:
-    """Whether ``inflate`` plans ``model`` with :func:`plan_vllm_packed`: GLM-5-Next with a
-    sparse-attention indexer, in vLLM's cache formats. (Without an indexer, vLLM 0.33 builds
-    GLM-5-Next's latent and KDA pages equal, the plain ``inflate``.)"""
+    """Whether ``inflate`` plans ``model`` with :func:`plan_vllm_packed`: GLM-5-Next or Qwen4-Exp
+    with a sparse-attention indexer, in vLLM's cache formats. (Without an indexer, vLLM 0.33
+    builds their attention and state pages equal, the plain ``inflate``.)"""
     return (
         target_cache_formats == "vllm"
-        and (model.family or "").strip().lower() in GLM5_NEXT_FAMILIES
+        and _family(model) in GLM5_NEXT_FAMILIES | QWEN4_EXP_FAMILIES
         and any(isinstance(layer.spec, IndexerSpec) for layer in model.layers)
     )
 
@@ -120,6 +191,12 @@ def ring_slots(kpool: int, num_spec_tokens: int) -> int:
     return kpool * (1 << (pools - 1).bit_length())
 
 
+def qsa_ring_slots(ratio: int, num_spec_tokens: int) -> int:
+    """``QSAKeyStateCache``'s ring: the open group plus the speculative tokens, rounded up to
+    whole groups of ``indexer_compress_ratio`` (no power of two)."""
+    return round_up(ratio + num_spec_tokens, ratio)
+
+
 def indexer_entry_bytes(spec: IndexerSpec) -> int:
     """Bytes of one k-pooled indexer entry (``Indexer`` in vLLM's GLM-5-Next attention.py): the
     fp8 key and one float32 scale per 128 elements."""
@@ -127,21 +204,41 @@ def indexer_entry_bytes(spec: IndexerSpec) -> int:
 
 
 @dataclass(frozen=True)
-class _Cache:
-    """One cache vLLM allocates: a KDA state, or an MLA layer's indexer keys, ring or latent.
+class _Rows:
+    """How an attention-side page is addressed: ``rows`` of ``num_heads`` heads of
+    ``head_dim`` (and ``head_dim_v`` for a V after the K, ``None`` for one cache), each row
+    standing for ``tokens_per_state`` tokens; ``kind`` is the placement's kind."""
 
-    ``base`` is what ``UniformTypeKVCacheSpecs.is_uniform_type`` groups by (the registered
-    uniform-type base class: ``full`` for both MLA specs, ``ring``, ``mamba``); ``alignment`` is
-    ``get_block_stride_alignment()``."""
+    kind: str
+    dtype: str
+    num_heads: int
+    head_dim: int
+    head_dim_v: int | None
+    tokens_per_state: int
+    token_stride: int
+    head_stride: int
+
+
+@dataclass(frozen=True)
+class _Cache:
+    """One cache vLLM allocates: a state, or an attention layer's latent / K-V, indexer keys or
+    ring.
+
+    ``uniform`` is what ``UniformTypeKVCacheSpecs.is_uniform_type`` groups by besides the block
+    size and DCP sharding: the registered base type (``full`` for every ``FullAttentionSpec``,
+    ``ring``, ``mamba``) and, for a Mamba spec, what ``MambaSpec.is_uniform_with_collection``
+    compares; ``alignment`` is ``get_block_stride_alignment()``; ``rows`` addresses an
+    attention-side page (None for a state)."""
 
     name: str
     layer: CacheLayer
-    part: str  # "state" | "indexer" | "ring" | "latent"
-    base: str
+    part: str  # "state" | "indexer" | "ring" | "latent" | "kv"
+    uniform: tuple
     block_size: int
     dcp_sharded: bool
     page: int
     alignment: int
+    rows: _Rows | None = None
 
 
 def _approximate_gcd(values: list[int], lower_bound: int) -> int:
@@ -161,8 +258,8 @@ def _group_caches(caches: list[_Cache]) -> list[list[_Cache]]:
     for c in caches:
         for bucket in buckets:
             first = bucket[0]
-            if (c.base, c.block_size, c.dcp_sharded) == (
-                first.base,
+            if (c.uniform, c.block_size, c.dcp_sharded) == (
+                first.uniform,
                 first.block_size,
                 first.dcp_sharded,
             ):
@@ -190,7 +287,7 @@ def _group_caches(caches: list[_Cache]) -> list[list[_Cache]]:
         return cdiv(most[i], repeats) if balanced[i] and repeats is not None else 1
 
     def is_state(bucket: list[_Cache]) -> bool:
-        return bucket[0].base in ("mamba", "ring")
+        return bucket[0].uniform[0] in ("mamba", "ring")
 
     def widest(i: int, n: int) -> int:
         return sum(cdiv(len(v), n) * page for page, v in pages[i].items())
@@ -214,13 +311,22 @@ def _group_caches(caches: list[_Cache]) -> list[list[_Cache]]:
     return groups
 
 
-def _check(model: HybridModel, config: PlanConfig, rules: VllmRules) -> None:
+def _check_common(model: HybridModel, config: PlanConfig, rules: VllmRules, what: str) -> None:
     if rules.target.version != "0.33":
         raise ValueError(
             f"cache_formats='vllm' lays {model.name} out as vLLM 0.33 packs it; vLLM "
-            f"{rules.target.version}'s layout of GLM-5-Next is not modelled (use vllm_version "
+            f"{rules.target.version}'s layout of {what} is not modelled (use vllm_version "
             "0.33, or cache_formats='transformers')"
         )
+    if config.kernel_alignment is not None:
+        raise ValueError(
+            f"kernel_alignment does not apply to {what} in vLLM's cache formats: vLLM 0.33's "
+            "backends fix its kernel blocks"
+        )
+
+
+def _check_glm5(model: HybridModel, config: PlanConfig, rules: VllmRules) -> None:
+    _check_common(model, config, rules, "GLM-5-Next")
     if rules.target.gpu != "hopper":
         raise ValueError(
             f"vLLM 0.33 does not serve GLM-5-Next on {rules.target.gpu}: none of its sparse "
@@ -228,11 +334,6 @@ def _check(model: HybridModel, config: PlanConfig, rules: VllmRules) -> None:
             "SM90; FlashMLASparseBackend: SM90/SM100; supports_compute_capability in "
             "vllm/v1/attention/backends/mla/), so there is no vLLM layout to plan; use gpu "
             "'hopper', or cache_formats='transformers'"
-        )
-    if config.kernel_alignment is not None:
-        raise ValueError(
-            "kernel_alignment does not apply to GLM-5-Next in vLLM's cache formats: vLLM 0.33's "
-            "backends fix its kernel blocks (FlashInfer's SM90 sparse MLA, Glm5NextIndexerBackend)"
         )
     mla = {layer.index for layer in model.layers if isinstance(layer.spec, MLASpec)}
     indexed = {layer.index for layer in model.layers if isinstance(layer.spec, IndexerSpec)}
@@ -246,9 +347,8 @@ def _check(model: HybridModel, config: PlanConfig, rules: VllmRules) -> None:
         )
     if not all(isinstance(layer.spec, (MLASpec, IndexerSpec, KDASpec)) for layer in model.layers):
         raise ValueError(f"{model.name}: GLM-5-Next holds MLA, indexer and KDA caches only")
-    hf = model.extra.get("hf_config")
-    text = (hf.get("text_config") or hf) if isinstance(hf, dict) else {}
-    if isinstance(text, dict) and text.get("index_kpool_always_select_tail") is False:
+    text = _text_config(model)
+    if text.get("index_kpool_always_select_tail") is False:
         raise ValueError(
             f"{model.name}: index_kpool_always_select_tail is false, which vLLM 0.33 refuses to "
             "serve (_validate_supported_config in vllm/models/glm5next/common/model.py: its "
@@ -264,23 +364,87 @@ def _check(model: HybridModel, config: PlanConfig, rules: VllmRules) -> None:
         )
 
 
-def _caches(
-    model: HybridModel,
-    block: int,
-    latent_bpt: int,
-    state_page: int,
-    mamba_block: int,
-    num_spec: int,
-) -> list[_Cache]:
+def _text_config(model: HybridModel) -> dict:
+    hf = model.extra.get("hf_config")
+    text = (hf.get("text_config") or hf) if isinstance(hf, dict) else {}
+    return text if isinstance(text, dict) else {}
+
+
+def _check_qwen4(model: HybridModel, config: PlanConfig, rules: VllmRules) -> None:
+    _check_common(model, config, rules, "Qwen4-Exp")
+    attn = {layer.index for layer in model.layers if isinstance(layer.spec, FullAttentionSpec)}
+    indexed = {layer.index for layer in model.layers if isinstance(layer.spec, IndexerSpec)}
+    if attn != indexed:  # pragma: no cover - the reader gives every indexed layer its indexer
+        raise ValueError(
+            f"{model.name}: attention layers {sorted(attn ^ indexed)} have no QSA indexer, but "
+            "vLLM 0.33 builds Qwen4ExpQSAAttention (with its indexer caches) on every "
+            "indexed_attention layer once indexer_n_heads is set"
+        )
+    if not all(
+        isinstance(layer.spec, (FullAttentionSpec, IndexerSpec, GatedDeltaNetSpec, PLEConvSpec))
+        for layer in model.layers
+    ):
+        raise ValueError(
+            f"{model.name}: Qwen4-Exp holds GQA, QSA indexer, GDN and PLE caches only"
+        )
+    if canonical_dtype(model.dtype or "bfloat16") != "bfloat16":
+        raise ValueError(
+            f"{model.name}: model dtype {model.dtype}: vLLM 0.33's Qwen4-Exp QSA runs in bf16 "
+            "only (Qwen4ExpQSAAttention and QSAIndexer raise NotImplementedError otherwise); plan "
+            "with a bfloat16 model, or cache_formats='transformers'"
+        )
+    attn_dtypes = {
+        canonical_dtype(layer.spec.kv_dtype)
+        for layer in model.layers
+        if isinstance(layer.spec, FullAttentionSpec)
+    }
+    bad = attn_dtypes - {"bfloat16", "fp8_e4m3"}
+    if bad:
+        raise ValueError(
+            f"{model.name}: KV cache dtype {sorted(bad)[0]}: vLLM 0.33's Qwen4-Exp QSA takes a "
+            "bf16 or fp8 e4m3 K/V cache only (Qwen4ExpQSAAttention: 'requires a BF16 or "
+            "FP8-e4m3 main KV cache'); use kv_dtype auto, bfloat16 or fp8"
+        )
+    start_block = config.block_size or 16
+    for ratio in {
+        layer.spec.pool_tokens for layer in model.layers if isinstance(layer.spec, IndexerSpec)
+    }:
+        if start_block % ratio:
+            raise ValueError(
+                f"{model.name}: indexer_compress_ratio {ratio} does not divide the block size "
+                f"{start_block} vLLM 0.33 builds the model with (--block-size, default 16), "
+                "which _QSAStateCache refuses ('QSA cache block size must be divisible by the "
+                "compression ratio', vllm/models/qwen4_exp/common/qsa_cache.py); pass a "
+                f"block size that is a multiple of {ratio}"
+            )
+
+
+def _glm5_caches(
+    model: HybridModel, rules: VllmRules, config: PlanConfig
+) -> tuple[list[_Cache], BlockSizeRule, int, int]:
     """Every cache vLLM 0.33 keeps for GLM-5-Next, in layer order (a layer's indexer before its
     latent, as vLLM registers them): KDA states, k-pooled indexer keys with their tail rings,
-    latents, each with its page and the block-stride alignment its backend asks for."""
+    latents, each with its page and the block-stride alignment its backend asks for. Returns
+    the caches, the block, the padded state page and the unpadded state bytes."""
+    latents = [layer for layer in model.layers if isinstance(layer.spec, MLASpec)]
+    states = [layer for layer in model.layers if isinstance(layer.spec, KDASpec)]
+    latent_bpt = latents[0].spec.bytes_per_token
+    state_bytes = max((layer.spec.state_bytes for layer in states), default=0)
+    rule = rules.block_size(config.block_size, latent_bpt, state_bytes)
+    block = rule.block_size
+    # Platform._align_hybrid_block_size pads the state page to the latent page
+    state_page = max(block * latent_bpt, state_bytes) if states else 0
+    num_spec = max((layer.spec.num_spec_tokens for layer in states), default=0)
+    mamba_block = _mamba_block(model, rules, block)
+    state_uniform = ("mamba", state_page, False)
     caches: list[_Cache] = []
     for layer in sorted(model.layers, key=lambda c: (c.index, isinstance(c.spec, MLASpec))):
         spec = layer.spec
         if isinstance(spec, KDASpec):
             caches.append(
-                _Cache(layer.name, layer, "state", "mamba", mamba_block, False, state_page, 1)
+                _Cache(
+                    layer.name, layer, "state", state_uniform, mamba_block, False, state_page, 1
+                )
             )
         elif isinstance(spec, IndexerSpec):
             kpool = spec.pool_tokens
@@ -289,16 +453,18 @@ def _caches(
             # into gcd(kernel, block)-token ones, whose page the block stride must be a multiple of
             kernel = math.gcd(kpool * max(PAGED_MQA_PAGES), block)
             align = 1 if kernel == block else kernel // kpool * entry
+            rows = _Rows("indexer", _ENTRY_DTYPE, 1, entry, None, kpool, entry, entry)
             caches.append(
                 _Cache(
                     layer.name,
                     layer,
                     "indexer",
-                    "full",
+                    ("full",),
                     block,
                     True,
                     block // kpool * entry,
                     align,
+                    rows,
                 )
             )
             ring = ring_slots(kpool, num_spec)
@@ -307,26 +473,168 @@ def _caches(
                     f"{model.name}: the {ring}-slot tail ring does not divide the {block}-token "
                     "block, which vLLM 0.33 asserts (Glm5NextTailCache.get_kv_cache_spec)"
                 )
-            ring_page = _RING_HEADS * ring * spec.index_head_dim * dtype_bytes(_RING_DTYPE)
+            row = spec.index_head_dim * dtype_bytes(_RING_DTYPE)
+            ring_page = _RING_HEADS * ring * row
+            # BLHNC: each head slot's ring slots together (the key's, then the gate score's)
+            rows = _Rows(
+                "indexer_ring",
+                _RING_DTYPE,
+                _RING_HEADS,
+                spec.index_head_dim,
+                None,
+                1,
+                row,
+                ring * row,
+            )
             caches.append(
-                _Cache(f"{layer.name}.ring", layer, "ring", "ring", ring, False, ring_page, 1)
+                _Cache(
+                    f"{layer.name}.ring", layer, "ring", ("ring",), ring, False, ring_page, 1, rows
+                )
             )
         else:
             assert isinstance(spec, MLASpec)
+            row = spec.latent_dim * dtype_bytes(spec.kv_dtype)
+            rows = _Rows(spec.kind, spec.kv_dtype, 1, spec.latent_dim, None, 1, row, row)
             # align_blocks_to_rows: blocks a whole number of latent rows apart
             caches.append(
                 _Cache(
                     layer.name,
                     layer,
                     "latent",
-                    "full",
+                    ("full",),
                     block,
                     True,
                     block * latent_bpt,
                     latent_bpt,
+                    rows,
                 )
             )
-    return caches
+    return caches, rule, state_page, state_bytes
+
+
+def _mamba_block(model: HybridModel, rules: VllmRules, block: int) -> int:
+    """vLLM's Mamba block: the attention block in align mode, ``max_model_len`` otherwise."""
+    if rules.mamba_cache_mode == "align":
+        return block
+    if rules.max_model_len is None:
+        raise ValueError(
+            f"{model.name}: without prefix caching vLLM's Mamba block size is max_model_len, "
+            "which neither the model nor the target gives; plan with "
+            "VllmTarget(max_model_len=...) (--max-model-len)"
+        )
+    return rules.max_model_len
+
+
+def _uses_mrope(model: HybridModel) -> bool:
+    """Whether vLLM 0.33 runs ``model`` with MRoPE, which widens the QSA ring
+    (``ModelConfig.uses_mrope``: an ``mrope_section`` in the rope parameters; the causal-LM class
+    strips it, ``Qwen4ExpForCausalLMConfig``)."""
+    if _family(model) != "qwen4_exp":
+        return False
+    text = _text_config(model)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and rope.get("mrope_section"):
+            return True
+    return False
+
+
+def qsa_key_width(model: HybridModel, spec: IndexerSpec) -> int:
+    """Elements of one slot of ``QSAKeyStateCache``: the bf16 key, and where the model uses MRoPE
+    three int64 positions after the key padded to whole int64s."""
+    if not _uses_mrope(model):
+        return spec.index_head_dim
+    return round_up(spec.index_head_dim, _BF16_PER_INT64) + _ROPE_AXES * _BF16_PER_INT64
+
+
+def _qwen4_caches(
+    model: HybridModel, rules: VllmRules, config: PlanConfig
+) -> tuple[list[_Cache], BlockSizeRule, int, int]:
+    """Every cache vLLM 0.33 keeps for Qwen4-Exp, in registration order: per decoder layer the
+    PLE conv state, then the GDN state, or the QSA ring of raw keys, the compressed keys and
+    the GQA K/V. Returns the caches, the block rule, the padded state page (0: unpadded) and the
+    largest state."""
+    attn = [layer for layer in model.layers if isinstance(layer.spec, FullAttentionSpec)]
+    states = [
+        layer for layer in model.layers if isinstance(layer.spec, (GatedDeltaNetSpec, PLEConvSpec))
+    ]
+    attn_bpt = attn[0].spec.bytes_per_token
+    # _align_hybrid_block_size sizes by the largest of get_mamba_specs_from_config: the GDN state
+    # and the PLE conv state, whether or not a layer keeps the latter
+    largest = max(
+        max((layer.spec.state_bytes for layer in states), default=0),
+        vllm_state_page_floor(model),
+    )
+    rule = rules.block_size(config.block_size, attn_bpt, largest)
+    block = rule.block_size
+    attn_page = block * attn_bpt
+    # ... and pads every Mamba page to the attention page, unless that page is the largest
+    # state already (then no page is padded)
+    padded = attn_page if attn_page != largest else 0
+    mamba_block = _mamba_block(model, rules, block)
+    indexer_fp8 = rules.target.indexer_kv_dtype == "fp8"
+    num_spec = max((layer.spec.num_spec_tokens for layer in states), default=0)
+    rank = {PLEConvSpec: 0, GatedDeltaNetSpec: 1, IndexerSpec: 2, FullAttentionSpec: 4}
+    caches: list[_Cache] = []
+    for layer in sorted(model.layers, key=lambda c: (c.index, rank[type(c.spec)])):
+        spec = layer.spec
+        if isinstance(spec, (GatedDeltaNetSpec, PLEConvSpec)):
+            page = padded or spec.state_bytes
+            # MambaSpec.is_uniform_with_collection: the page and tp_replicated (the PLE conv is
+            # whole on every rank) part the two; the checkpoint fields are alike
+            uniform = ("mamba", page, isinstance(spec, PLEConvSpec))
+            caches.append(_Cache(layer.name, layer, "state", uniform, mamba_block, False, page, 1))
+        elif isinstance(spec, IndexerSpec):
+            ratio = spec.pool_tokens
+            ring = qsa_ring_slots(ratio, num_spec)
+            if block % ring:
+                raise ValueError(
+                    f"{model.name}: the {ring}-slot QSA ring does not divide the {block}-token "
+                    "block, which vLLM 0.33 asserts (QSAKeyStateCache.get_kv_cache_spec)"
+                )
+            width = qsa_key_width(model, spec)
+            row = width * dtype_bytes(_RING_DTYPE)
+            rows = _Rows("indexer_ring", _RING_DTYPE, 1, width, None, 1, row, row)
+            caches.append(
+                _Cache(
+                    f"{layer.name}.ring", layer, "ring", ("ring",), ring, True, ring * row, 1, rows
+                )
+            )
+            dtype = "fp8_e4m3" if indexer_fp8 else "bfloat16"
+            row = spec.index_head_dim * dtype_bytes(dtype)
+            rows = _Rows("indexer", dtype, 1, spec.index_head_dim, None, ratio, row, row)
+            caches.append(
+                _Cache(
+                    layer.name,
+                    layer,
+                    "indexer",
+                    ("full",),
+                    block,
+                    True,
+                    block // ratio * row,
+                    1,
+                    rows,
+                )
+            )
+        else:
+            assert isinstance(spec, FullAttentionSpec)
+            size = dtype_bytes(spec.kv_dtype)
+            heads = spec.kv_heads_per_rank
+            assert spec.head_dim_v is not None
+            rows = _Rows(
+                spec.kind,
+                spec.kv_dtype,
+                heads,
+                spec.head_dim,
+                spec.head_dim_v,
+                1,
+                heads * spec.head_dim * size,
+                spec.head_dim * size,
+            )
+            caches.append(
+                _Cache(layer.name, layer, "kv", ("full",), block, True, attn_page, 1, rows)
+            )
+    return caches, rule, padded, largest
 
 
 def _lay_out(
@@ -343,11 +651,15 @@ def _lay_out(
         offset = 0
         for part in dict.fromkeys(c.part for c in members):
             for c in (c for c in members if c.part == part):
-                _place(
-                    c, gid, offset, block, num_blocks, block_bytes, kv_placements, state_placements
-                )
+                _place(c, gid, offset, num_blocks, block_bytes, kv_placements, state_placements)
                 offset += c.page
-        kind = {"state": "state", "ring": "indexer_ring"}.get(members[0].part, "mla")
+        parts = {c.part for c in members}
+        if "state" in parts:
+            kind = "state"
+        elif "ring" in parts:
+            kind = "indexer_ring"
+        else:
+            kind = "mla" if "latent" in parts else "full_attention"
         plan_groups.append(
             KVCacheGroup(
                 group_id=gid,
@@ -362,34 +674,19 @@ def _lay_out(
 
 
 def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
-    """``inflate`` for GLM-5-Next in vLLM's cache formats: vLLM 0.33's packed layout (see the
-    module docstring)."""
+    """``inflate`` for GLM-5-Next or Qwen4-Exp in vLLM's cache formats: vLLM 0.33's packed
+    layout (see the module docstring)."""
     rules = config.target.resolve(model)
-    _check(model, config, rules)
-    latents = [layer for layer in model.layers if isinstance(layer.spec, MLASpec)]
-    indexers = {
-        layer.index: layer for layer in model.layers if isinstance(layer.spec, IndexerSpec)
-    }
-    states = [layer for layer in model.layers if isinstance(layer.spec, KDASpec)]
-    latent_bpt = latents[0].spec.bytes_per_token
-    state_bytes = max((layer.spec.state_bytes for layer in states), default=0)
-    rule = rules.block_size(config.block_size, latent_bpt, state_bytes)
+    glm = _family(model) in GLM5_NEXT_FAMILIES
+    if glm:
+        _check_glm5(model, config, rules)
+        caches, rule, state_page, state_bytes = _glm5_caches(model, rules, config)
+        layout = BLOCK_OUTERMOST_LAYOUT
+    else:
+        _check_qwen4(model, config, rules)
+        caches, rule, state_page, state_bytes = _qwen4_caches(model, rules, config)
+        layout = QWEN4_EXP_LAYOUT
     block = rule.block_size
-    attn_page = block * latent_bpt
-    # Platform._align_hybrid_block_size pads the state page to the latent page
-    state_page = max(attn_page, state_bytes) if states else 0
-    num_spec = max((layer.spec.num_spec_tokens for layer in states), default=0)
-    mamba_block = block
-    if rules.mamba_cache_mode != "align":
-        if rules.max_model_len is None:
-            raise ValueError(
-                f"{model.name}: without prefix caching vLLM's Mamba block size is max_model_len, "
-                "which neither the model nor the target gives; plan with "
-                "VllmTarget(max_model_len=...) (--max-model-len)"
-            )
-        mamba_block = rules.max_model_len
-
-    caches = _caches(model, block, latent_bpt, state_page, mamba_block, num_spec)
     groups = _group_caches(caches)
     widest = max(sum(c.page for c in g) for g in groups)
     alignment = math.lcm(*(c.alignment for c in caches))
@@ -412,19 +709,37 @@ def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
         f"{g.kind} x{len(g.layers)} ({sum(c.page for c in m):,} B)"
         for g, m in zip(plan_groups, groups)
     )
+    indexer = next(c for c in caches if c.part == "indexer")
+    ring = next(c for c in caches if c.part == "ring")
+    assert indexer.rows is not None
+    tokens = indexer.rows.tokens_per_state
+    if glm:
+        what = (
+            "vLLM 0.33's layout of GLM-5-Next (cache_formats='vllm'): indexer keys k-pooled "
+            f"({indexer.rows.token_stride} B per {tokens} tokens) with a per-request tail ring"
+        )
+    else:
+        what = (
+            "vLLM 0.33's layout of Qwen4-Exp (cache_formats='vllm'): QSA keys compressed "
+            f"({indexer.rows.token_stride} B of {indexer.rows.dtype} per {tokens} tokens) with a "
+            f"per-request ring of {ring.block_size} raw keys ({ring.page:,} B)"
+        )
     notes = [
-        "vLLM 0.33's layout of GLM-5-Next (cache_formats='vllm'): indexer keys k-pooled "
-        f"({indexer_entry_bytes(indexers[latents[0].index].spec)} B per "
-        f"{indexers[latents[0].index].spec.pool_tokens} tokens) with a per-request tail ring, "
-        "pages of different sizes packed block-outermost (BLHNC), every group aliasing each "
-        f"block from byte 0: {sizes}",
+        f"{what}, pages of different sizes packed block-outermost ({layout}), every group "
+        f"aliasing each block from byte 0: {sizes}",
         f"bytes per block: the widest group's {widest:,} B rounded up to {block_bytes:,} B, the "
         f"lcm {alignment:,} of the layers' block-stride alignments",
     ]
-    if states and state_page > state_bytes:
+    if state_page and state_page > state_bytes:
         notes.append(
-            f"state pages padded from {state_bytes} B to the latent page {state_page} B "
+            f"state pages padded from {state_bytes} B to the "
+            f"{'latent' if glm else 'attention'} page {state_page} B "
             f"({100 * (state_page - state_bytes) / state_bytes:.2f}%)"
+        )
+    if not glm and rules.num_speculative_blocks:
+        notes.append(
+            f"{rules.num_speculative_blocks} speculative tokens planned as vLLM's n-gram "
+            "proposer has them: an MTP draft model's own caches (Qwen4ExpMTP) are not modelled"
         )
     return MemoryPlan(
         layout="inflate",
@@ -444,9 +759,11 @@ def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
         notes=tuple(notes),
         block_size_rule=rule.text,
         vllm=rules,
-        kv_cache_layout=BLOCK_OUTERMOST_LAYOUT,
+        kv_cache_layout=layout,
         extra={
-            "page_bytes": attn_page,
+            "page_bytes": block
+            * next(c for c in caches if c.part in ("latent", "kv")).page
+            // block,
             "block_bytes": block_bytes,
             "max_state_bytes": state_bytes,
         },
@@ -457,77 +774,45 @@ def _place(
     c: _Cache,
     gid: int,
     offset: int,
-    block: int,
     num_blocks: int,
     block_bytes: int,
     kv_placements: list[KVPlacement],
     state_placements: list[StatePlacement],
 ) -> None:
     """The placement of cache ``c`` at ``offset`` bytes into every block."""
-    layer, spec = c.layer, c.layer.spec
+    layer = c.layer
     if c.part == "state":
-        comps, _ = state_components(spec)  # MambaBase.bind_kv_cache: back to back
+        comps, _ = state_components(layer.spec)  # MambaBase.bind_kv_cache: back to back
         state_placements.append(
             state_placement(layer, gid, _TENSOR, num_blocks, offset, block_bytes, comps)
         )
         return
-    common = dict(
-        layer_index=layer.index,
-        group_id=gid,
-        tensor=_TENSOR,
-        num_blocks=num_blocks,
-        k_offset=offset,
-        v_offset=None,
-        head_dim_v=None,
-        block_stride=block_bytes,
+    rows = c.rows
+    assert rows is not None
+    # a K/V page: K for every row, then V (see the module docstring)
+    k_bytes = c.block_size // rows.tokens_per_state * rows.num_heads * rows.head_dim
+    k_bytes *= dtype_bytes(rows.dtype)
+    kv_placements.append(
+        KVPlacement(
+            layer=c.name,
+            layer_index=layer.index,
+            kind=rows.kind,
+            group_id=gid,
+            tensor=_TENSOR,
+            dtype=rows.dtype,
+            block_size=c.block_size,
+            num_blocks=num_blocks,
+            num_kv_heads=rows.num_heads,
+            head_dim=rows.head_dim,
+            head_dim_v=rows.head_dim_v,
+            k_offset=offset,
+            v_offset=None if rows.head_dim_v is None else offset + k_bytes,
+            block_stride=block_bytes,
+            token_stride=rows.token_stride,
+            head_stride=rows.head_stride,
+            tokens_per_state=rows.tokens_per_state,
+        )
     )
-    if c.part == "latent":
-        row = spec.latent_dim * dtype_bytes(spec.kv_dtype)
-        kv_placements.append(
-            KVPlacement(
-                layer=c.name,
-                kind=spec.kind,
-                dtype=spec.kv_dtype,
-                block_size=block,
-                num_kv_heads=1,
-                head_dim=spec.latent_dim,
-                token_stride=row,
-                head_stride=row,
-                **common,
-            )
-        )
-    elif c.part == "indexer":
-        entry = indexer_entry_bytes(spec)
-        kv_placements.append(
-            KVPlacement(
-                layer=c.name,
-                kind=spec.kind,
-                dtype=_ENTRY_DTYPE,
-                block_size=block,
-                num_kv_heads=1,
-                head_dim=entry,
-                token_stride=entry,
-                head_stride=entry,
-                tokens_per_state=spec.pool_tokens,
-                **common,
-            )
-        )
-    else:
-        # BLHNC: each head slot's ring slots together (the key's, then the gate score's)
-        row = spec.index_head_dim * dtype_bytes(_RING_DTYPE)
-        kv_placements.append(
-            KVPlacement(
-                layer=c.name,
-                kind="indexer_ring",
-                dtype=_RING_DTYPE,
-                block_size=c.block_size,
-                num_kv_heads=_RING_HEADS,
-                head_dim=spec.index_head_dim,
-                token_stride=row,
-                head_stride=c.block_size * row,
-                **common,
-            )
-        )
 
 
 def _capacity(
@@ -557,7 +842,9 @@ def _capacity(
         elif g.kind == "indexer_ring":
             ring_ids += config.max_num_seqs
             padding += config.max_num_seqs * (block_bytes - data)
-    token_groups = [(g, m) for g, m in zip(plan_groups, groups) if g.kind == "mla"]
+    token_groups = [
+        (g, m) for g, m in zip(plan_groups, groups) if g.kind not in ("state", "indexer_ring")
+    ]
     reserved = state_ids + ring_ids
     remaining = num_blocks - 1 - reserved  # block 0 is the null block
     if remaining < len(token_groups):
@@ -567,18 +854,12 @@ def _capacity(
     for _, members in token_groups:
         padding += token_blocks * (block_bytes - sum(c.page for c in members))
     kv_blocks = token_blocks * len(token_groups)
-    # the padding-free ideal in vLLM's formats: the latents and k-pooled entries per token, once
-    # the requests' states and rings are held
+    # the padding-free ideal in vLLM's formats: the per-token caches' bytes of a block (latents
+    # or K/V, and the compressed or k-pooled indexer rows), once the states and rings are held
     state = per_seq * model.state_bytes_per_seq
     rings = config.max_num_seqs * sum(c.page for m in groups for c in m if c.part == "ring")
-    kpool = max(c.layer.spec.pool_tokens for m in groups for c in m if c.part == "indexer")
-    per_kpool_tokens = sum(
-        c.page // block * kpool if c.part == "latent" else c.page * kpool // block
-        for m in groups
-        for c in m
-        if c.part in ("latent", "indexer")
-    )
-    ideal = max(0, (config.memory_bytes - state - rings) * kpool // per_kpool_tokens)
+    per_block = sum(c.page for m in groups for c in m if c.part in ("latent", "kv", "indexer"))
+    ideal = max(0, (config.memory_bytes - state - rings) * block // per_block)
     return Capacity(
         token_capacity=token_blocks * block,
         ideal_token_capacity=int(ideal),
