@@ -1168,3 +1168,411 @@ def test_glm5_next_vllm_planner_builds_the_same_config():
             return [(t.size, t.layers, t.layer_stride, t.block_stride, t.offset) for t in c]
 
         assert rows(theirs.kv_cache_tensors) == rows(config.kv_cache_tensors)
+
+
+# ---- Qwen4-Exp in vLLM's cache formats ------------------------------------------------------
+#
+# Hand-derived from vLLM 0.33.0's source (Qwen4ExpDecoderLayer, Qwen4ExpQSAAttention, QSAIndexer,
+# QSAKeyStateCache, QSACompressedKeyCache, Qwen4ExpPLELayer in vllm/models/qwen4_exp/, then
+# _get_packed_kv_cache_groups, _get_kv_cache_bytes_per_block and get_kv_cache_config_from_groups
+# in vllm/v1/core/kv_cache_planning.py; see hybridkv/layouts/vllm_packed.py). No Qwen4-Exp config
+# is released and transformers' Qwen4ExpTextConfig defaults have no QSA indexer and no PLE
+# layer, so these plan its defaults plus examples/qwen4_exp-qsa.json's fields (chosen here, not
+# released): 40 layers, GQA with its QSA indexer on i % 4 == 3 (10 layers: 3, 7, ..., 39), GDN
+# elsewhere (30), PLE on layers 0 and 1; 2 KV heads of 256; GDN 16 key heads and 32 value
+# heads of 128, conv kernel 4; PLE hc_count 4 x hidden 2,048 channels, kernel 4, dilation 3;
+# indexer_head_dim 128, indexer_compress_ratio 4, partial_rotary_factor 0.25 (rotary 64 <= 128,
+# which transformers checks).
+
+_QWEN4 = "language_model.model.layers.{}"
+_QWEN4_ATTN = list(range(3, 40, 4))
+_QWEN4_GDN = [i for i in range(40) if i % 4 != 3]
+_QWEN4_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "qwen4_exp-qsa.json"
+
+
+def _qwen4(text=None, *, kv="auto", tp=1, spec=0, memory="64GiB", wrapper=True, **target):
+    transformers = pytest.importorskip("transformers")
+    fields = {**json.loads(_QWEN4_EXAMPLE.read_text())["text_config"], **(text or {})}
+    if wrapper:
+        config = transformers.Qwen4ExpConfig(text_config=fields).to_dict()
+    else:
+        config = transformers.Qwen4ExpTextConfig(**fields).to_dict()
+        config["architectures"] = ["Qwen4ExpForCausalLM"]
+    model = models.from_hf_config(config, kv_dtype=kv, tp_size=tp, num_spec_tokens=spec)
+    vllm_target = VllmTarget(cache_formats="vllm", **target)
+    plan = make_plan(model, "inflate", memory=memory, max_num_seqs=8, target=vllm_target)
+    return model, plan, kv_cache_config(plan, model)
+
+
+@pytest.fixture(scope="module")
+def qwen4_default():
+    return _qwen4()
+
+
+def test_qwen4_exp_example_file_is_transformers_defaults_plus_its_fields():
+    """examples/qwen4_exp-qsa.json (the README's command) names only the fields it sets; read
+    by hybridkv it is the model transformers builds from the same fields."""
+    transformers = pytest.importorskip("transformers")
+    text = json.loads(_QWEN4_EXAMPLE.read_text())["text_config"]
+    from_file = models.from_hf_config(json.loads(_QWEN4_EXAMPLE.read_text()))
+    built = models.from_hf_config(transformers.Qwen4ExpConfig(text_config=text).to_dict())
+    assert [(x.name, x.spec) for x in from_file.layers] == [(x.name, x.spec) for x in built.layers]
+    assert from_file.layer_kinds == {
+        "gated_deltanet": 30,
+        "ple_conv": 2,
+        "full_attention": 10,
+        "indexer": 10,
+    }
+
+
+def test_qwen4_exp_groups_and_tensors_are_vllms(qwen4_default):
+    """bf16, TP 1, prefix caching (align mode), Hopper, 64 GiB.
+
+    Block: K/V 2 heads x (256 + 256) x 2 = 2,048 B/token; the largest state is the GDN's: conv
+    (3, 2 x 16 x 128 + 32 x 128 = 8,192) x 2 = 49,152 plus recurrent 32 x 128 x 128 x 2 =
+    1,048,576, 1,097,728 B (the PLE's (3 x 3 rows, 4 x 2,048) x 2 = 147,456 is smaller). Unit:
+    max(16, 16) = 16 (no backend declares a larger kernel block), lcm with the GDN's FlashInfer
+    checkpoint alignment 64 (the PLE's 1 leaves it) = 64: 64 x cdiv(1,097,728, 64 x 2,048) =
+    576 tokens.
+    Pages: K/V A = 576 x 2,048 = 1,179,648 (states padded to it); compressed keys
+    C = 576 / 4 x 128 x 2 = 36,864; ring R = 4 slots x 128 x 2 = 1,024.
+    Buckets in registration order (layer 0 registers ple then linear_attn; an indexed layer
+    raw_key_cache, compressed_key_cache, attn): PLE (2: tp_replicated, so not with the GDN), GDN
+    (30), rings (10), compressed + K/V (20: 10 of C, 10 of A). Repeats: _approximate_gcd([2, 30,
+    10, 10], lower bound 10): padding 8 at 10, 14 at 11, more above: 10, so the compressed + K/V
+    bucket is one group and the GDN three (cdiv(30, 10)); anchor = 10 x (C + A) = 12,165,120
+    holds 10 states, cdiv(30, 10) = 3 GDN groups, GDN layers [k::3]; one PLE group, one ring.
+    Bytes per block: 12,165,120 (every block-stride alignment is 1). num_blocks = 64 GiB //
+    12,165,120 = 5,648."""
+    _, plan, config = qwen4_default
+    block_bytes = 12_165_120
+    assert block_bytes == 10 * (36_864 + 1_179_648)
+    assert config["num_blocks"] == 2**36 // block_bytes == 5_648
+    assert config["kv_cache_layout"] == "BLNHC"  # QSAStateBackend's first supported layout
+    assert plan.block_size == 576 == 64 * -(-1_097_728 // (64 * 2_048))
+    gdn = [_QWEN4.format(i) + ".linear_attn" for i in _QWEN4_GDN]
+    ple = [_QWEN4.format(i) + ".ple" for i in (0, 1)]
+    qsa = [
+        (
+            _QWEN4.format(i) + ".self_attn.indexer.compressed_key_cache",
+            _QWEN4.format(i) + ".self_attn.attn",
+        )
+        for i in _QWEN4_ATTN
+    ]
+    rings = [_QWEN4.format(i) + ".self_attn.indexer.raw_key_cache" for i in _QWEN4_ATTN]
+    expected_groups = [
+        ple,
+        gdn[0::3],
+        gdn[1::3],
+        gdn[2::3],
+        rings,
+        [name for pair in qsa for name in pair],
+    ]
+    groups = config["kv_cache_groups"]
+    assert [g["layer_names"] for g in groups] == expected_groups
+    assert [len(g) for g in expected_groups] == [2, 10, 10, 10, 10, 20]
+    A, C, R = 1_179_648, 36_864, 1_024
+    expected_tensors = [
+        (ple, A, 0),
+        (gdn[0::3], A, 0),
+        (gdn[1::3], A, 0),
+        (gdn[2::3], A, 0),
+        (rings, R, 0),
+        ([k for k, _ in qsa], C, 0),  # the compressed keys first: their spec appears first
+        ([a for _, a in qsa], A, 10 * C),  # 368,640
+    ]
+    assert [
+        (t["layers"], t["layer_stride"], t["offset"]) for t in config["kv_cache_tensors"]
+    ] == expected_tensors
+    size = 5_648 * block_bytes
+    for t in config["kv_cache_tensors"]:
+        assert (t["size"], t["block_stride"], t["host_resident"]) == (size, block_bytes, False)
+    pages = [g["kv_cache_spec"]["page_size_bytes"] for g in groups]
+    assert pages == [2 * A, 10 * A, 10 * A, 10 * A, 10 * R, 10 * (C + A)]
+    assert plan.pools[0].block_bytes == block_bytes and plan.tensors[0].nbytes == size
+    # the rings are not prefix-cacheable: the hash block is gcd(576, ...) = 576 and no Mamba
+    # block exceeds it, so hits land on lcm(576, 4) = 576
+    assert (config["hash_block_size"], config["cache_hit_alignment_tokens"]) == (576, 576)
+    assert config["kv_tp_replicas"] == 1
+
+
+def test_qwen4_exp_spec_fields(qwen4_default):
+    """Every dataclass field of each kind of layer spec, as vLLM 0.33's layers fill it."""
+    _, _, config = qwen4_default
+    groups = config["kv_cache_groups"]
+    for g in groups:
+        spec = g["kv_cache_spec"]
+        first = spec["kv_cache_specs"][g["layer_names"][0]]
+        assert spec["kind"] == "UniformTypeKVCacheSpecs"
+        assert list(spec["kv_cache_specs"]) == g["layer_names"]
+        assert (spec["block_size"], spec["dcp_sharded"]) == (
+            first["block_size"],
+            first["dcp_sharded"],
+        )
+    base = {"block_size": 576, "block_stride_alignment": None, "is_draft": False}
+    attention = {
+        "dcp_sharded": True,  # AttentionSpec's default; none of these layers changes it
+        "max_tp_shards": None,
+        "kv_quant_mode": "NONE",
+        "page_size_padded": None,
+        "num_head_slots": None,
+        "state_content_bytes": None,
+    }
+    state = {
+        "kind": "MambaSpec",
+        **base,
+        "dcp_sharded": False,
+        "page_size_padded": 1_179_648,  # padded to the K/V page
+        "mamba_cache_mode": "align",
+        "num_speculative_blocks": 0,
+        # FlashInfer's GDN prefill declares 64, the PLE conv 1: both export one checkpoint
+        # block on the prefix-cache grid (the block)
+        "num_prefill_checkpoint_blocks": 1,
+        "prefill_checkpoint_alignment": 576,
+        "num_heads": 1,
+        "tokens_per_state": -1,
+        "page_size_bytes": 1_179_648,
+    }
+    specs = {n: s for g in groups for n, s in g["kv_cache_spec"]["kv_cache_specs"].items()}
+    assert specs[_QWEN4.format(0) + ".ple"] == {
+        **state,
+        "shapes": [[9, 8_192]],  # (ple_conv_kernel_size - 1) x ngram_size rows, 4 x 2,048
+        "dtypes": ["torch.bfloat16"],
+        "mamba_type": "SHORT_CONV",
+        "tp_replicated": True,  # Qwen4ExpPLELayer.is_kv_cache_tp_replicated
+    }
+    assert specs[_QWEN4.format(0) + ".linear_attn"] == {
+        **state,
+        "shapes": [[3, 8_192], [32, 128, 128]],
+        "dtypes": ["torch.bfloat16", "torch.bfloat16"],  # mamba_ssm_dtype unset: the model's
+        "mamba_type": "GDN_ATTN",
+        "tp_replicated": False,
+    }
+    layer = _QWEN4.format(3) + ".self_attn"
+    assert specs[layer + ".indexer.raw_key_cache"] == {
+        "kind": "CircularBufferSpec",
+        **base,
+        **attention,
+        "block_size": 4,  # round_up(4 + 0 speculative tokens, 4)
+        "num_kv_heads": 1,
+        "head_size": 128,  # no MRoPE section: the key alone
+        "dtype": "torch.bfloat16",
+        "head_size_v": 0,
+        "tokens_per_state": 1,
+        "page_size_bytes": 1_024,
+    }
+    assert specs[layer + ".indexer.compressed_key_cache"] == {
+        "kind": "MLAAttentionSpec",
+        **base,
+        **attention,
+        "num_kv_heads": 1,
+        "head_size": 128,
+        "dtype": "torch.bfloat16",  # indexer_kv_dtype auto: bf16
+        "head_size_v": 0,
+        "tokens_per_state": 4,
+        "sliding_window": None,
+        "attention_chunk_size": None,
+        "non_causal": False,
+        "cache_dtype_str": None,
+        "topk_buffer_width": None,
+        "alignment": None,
+        "model_version": None,
+        "cache_role": "SPARSE",  # the dataclass default: QSACompressedKeyCache sets no role
+        "is_index_group_leader": False,
+        "non_causal_multi_token_decode": False,
+        "page_size_bytes": 36_864,
+    }
+    assert specs[layer + ".attn"] == {
+        "kind": "FullAttentionSpec",
+        **base,
+        **attention,
+        "num_kv_heads": 2,
+        "head_size": 256,
+        "dtype": "torch.bfloat16",
+        "head_size_v": 256,
+        "tokens_per_state": 1,
+        "sliding_window": None,
+        "attention_chunk_size": None,
+        "non_causal": False,
+        "page_size_bytes": 1_179_648,
+    }
+
+
+def test_qwen4_exp_keys_are_vllm_fields(qwen4_default):
+    _, _, config = qwen4_default
+    assert list(config) == VLLM_033_FIELDS["KVCacheConfig"]
+    for group in config["kv_cache_groups"]:
+        outer = group["kv_cache_spec"]
+        for spec in (outer, *outer["kv_cache_specs"].values()):
+            keys = list(spec)
+            assert keys[0] == "kind" and keys[-1] == "page_size_bytes"
+            assert keys[1:-1] == VLLM_033_FIELDS[spec["kind"]]
+    assert json.loads(json.dumps(config)) == config
+
+
+# (text_config, kv, tp, spec tokens, target) -> (block, ring slots, bytes per block, num_blocks),
+# all at 64 GiB; the groups stay [2, 10, 10, 10, 10, 20] (10 repeats, as above)
+_QWEN4_VARIANTS = [
+    # fp8 K/V (1,024 B/token): block 64 x cdiv(1,097,728, 65,536) = 1,088; A = 1,114,112,
+    # C = 272 x 256 = 69,632; 10 x (C + A) = 11,837,440; 2^36 // 11,837,440 = 5,805
+    pytest.param(None, "fp8", 1, 0, {}, (1_088, 4, 11_837_440, 5_805), id="fp8"),
+    # TP 2: one KV head a rank (1,024 B/token); GDN (3, 4,096) x 2 + 16 x 128 x 128 x 2 =
+    # 548,864 B (the PLE's 147,456 stays whole); block 64 x 9 = 576; A = 589,824, C = 36,864;
+    # 10 x (C + A) = 6,266,880; 2^36 // 6,266,880 = 10,965
+    pytest.param(None, "auto", 2, 0, {}, (576, 4, 6_266_880, 10_965), id="tp2"),
+    # indexer_compress_ratio 16: C = 36 x 256 = 9,216, a 16-slot ring (4,096 B);
+    # 10 x (9,216 + 1,179,648) = 11,888,640; 2^36 // 11,888,640 = 5,780
+    pytest.param(
+        {"indexer_compress_ratio": 16}, "auto", 1, 0, {}, (576, 16, 11_888_640, 5_780), id="r16"
+    ),
+    # indexer_kv_dtype fp8: C = 144 x 128 x 1 = 18,432; 10 x (18,432 + 1,179,648) =
+    # 11,980,800; 2^36 // 11,980,800 = 5,735
+    pytest.param(
+        None, "auto", 1, 0, {"indexer_kv_dtype": "fp8"}, (576, 4, 11_980_800, 5_735), id="ifp8"
+    ),
+    # 3 speculative tokens: ring round_up(4 + 3, 4) = 8 slots (2,048 B); GDN conv 6 rows:
+    # 98,304 + 1,048,576 = 1,146,880 B, still 9 units: block 576, bytes as the default
+    pytest.param(None, "auto", 1, 3, {}, (576, 8, 12_165_120, 5_648), id="spec3"),
+]
+
+
+@pytest.mark.parametrize(("text", "kv", "tp", "spec", "target", "expected"), _QWEN4_VARIANTS)
+def test_qwen4_exp_variants(text, kv, tp, spec, target, expected):
+    block, ring, block_bytes, num_blocks = expected
+    _, plan, config = _qwen4(text, kv=kv, tp=tp, spec=spec, **target)
+    assert config["num_blocks"] == num_blocks == 2**36 // block_bytes
+    assert plan.block_size == block
+    assert [len(g["layer_names"]) for g in config["kv_cache_groups"]] == [2, 10, 10, 10, 10, 20]
+    specs = [g["kv_cache_spec"] for g in config["kv_cache_groups"]]
+    assert [s["block_size"] for s in specs] == [block] * 4 + [ring, block]
+    assert {t["block_stride"] for t in config["kv_cache_tensors"]} == {block_bytes}
+    layer = _QWEN4.format(3) + ".self_attn"
+    attn = specs[5]["kv_cache_specs"][layer + ".attn"]
+    fp8 = kv == "fp8"
+    assert attn["dtype"] == ("torch.uint8" if fp8 else "torch.bfloat16")
+    assert attn["kv_quant_mode"] == ("FP8_PER_TENSOR" if fp8 else "NONE")
+    compressed = specs[5]["kv_cache_specs"][layer + ".indexer.compressed_key_cache"]
+    indexer_fp8 = target.get("indexer_kv_dtype") == "fp8"
+    assert compressed["dtype"] == ("torch.float8_e4m3fn" if indexer_fp8 else "torch.bfloat16")
+    state = specs[1]["kv_cache_specs"][_QWEN4.format(0) + ".linear_attn"]
+    assert state["num_speculative_blocks"] == spec
+    assert state["page_size_padded"] == attn["page_size_bytes"]
+
+
+def test_qwen4_exp_without_prefix_caching():
+    """none mode: no checkpoint alignment, so the unit is 16: 16 x cdiv(1,097,728, 16 x 2,048)
+    = 544; the state groups' block is max_model_len (32,768), no state exports a checkpoint;
+    C = 136 x 256 = 34,816, A = 1,114,112, 10 x (C + A) = 11,489,280 B a block, 2^36 // that =
+    5,981; hash and hit block lcm(32,768, 544, 4) = 557,056."""
+    _, plan, config = _qwen4(enable_prefix_caching=False, max_model_len=32_768)
+    assert plan.block_size == 544 and config["num_blocks"] == 5_981 == 2**36 // 11_489_280
+    specs = [g["kv_cache_spec"] for g in config["kv_cache_groups"]]
+    assert [s["block_size"] for s in specs] == [32_768] * 4 + [4, 544]
+    state = specs[0]["kv_cache_specs"][_QWEN4.format(0) + ".ple"]
+    assert state["mamba_cache_mode"] == "none"
+    assert (state["num_prefill_checkpoint_blocks"], state["prefill_checkpoint_alignment"]) == (
+        0,
+        None,
+    )
+    assert config["hash_block_size"] == config["cache_hit_alignment_tokens"] == 557_056
+    assert math.lcm(32_768, 544, 4) == 557_056
+
+
+def test_qwen4_exp_block_counts_the_configs_ple_state():
+    """vLLM sizes the block by the larger of the GDN state and the PLE state of the config
+    (Qwen4ExpForCausalLM.get_mamba_specs_from_config), PLE layers or none: with hc_count 8 and
+    no PLE layer, at TP 8 (one KV head of 256: 1,024 B/token), the GDN state is (3, 1,024) x 2 +
+    4 x 128 x 128 x 2 = 137,216 B (block 64 x 3 = 192 alone) but the PLE's (9, 8 x 2,048) x 2 =
+    294,912 B makes it 64 x cdiv(294,912, 65,536) = 320."""
+    text = {"ple_layer_ids": [], "hc_count": 8}
+    model, plan, _ = _qwen4(text, tp=8)
+    assert "ple_conv" not in model.layer_kinds
+    assert plan.block_size == 320 == 64 * -(-294_912 // 65_536)
+    plain = _qwen4({"ple_layer_ids": []}, tp=8)[1]
+    assert plain.block_size == 192 == 64 * -(-147_456 // 65_536)  # PLE 147,456 > GDN 137,216
+
+
+def test_qwen4_exp_logged_capacity(qwen4_default):
+    """get_max_concurrency_for_kv_cache_config at max_model_len 32,768 (the config's
+    max_position_embeddings): the compressed + K/V group cdiv(32,768, 576) = 57 blocks a request,
+    each of the 4 state groups 2 + 0 + 1 (the prefill checkpoint block) = 3, the ring group 1:
+    57 + 12 + 1 = 70 blocks; 5,648 / 70 x 32,768 tokens. vllm_disagreements names only the K/V
+    order inside a page."""
+    model, plan, _ = qwen4_default
+    logged = logged_capacity(plan, model)
+    assert (logged.attention_blocks_per_request, logged.state_blocks_per_request) == (57, 12)
+    assert logged.ring_blocks_per_request == 1 and logged.blocks_per_request == 70
+    assert logged.tokens == int(5_648 / 70 * 32_768)
+    notes = vllm_disagreements(plan, model)
+    assert len(notes) == 1 and notes[0].startswith("page contents")
+
+
+def test_qwen4_exp_causal_lm_names():
+    """A text-only checkpoint (Qwen4ExpForCausalLM) has no language_model. prefix."""
+    model, _, config = _qwen4(wrapper=False)
+    names = layer_names(model)
+    assert names["layers.3.attn"] == "model.layers.3.self_attn.attn"
+    assert names["layers.3.indexer"] == "model.layers.3.self_attn.indexer.compressed_key_cache"
+    assert names["layers.0.mixer"] == "model.layers.0.linear_attn"
+    assert names["layers.0.ple"] == "model.layers.0.ple"
+    rings = config["kv_cache_groups"][4]["layer_names"]
+    assert rings[0] == "model.layers.3.self_attn.indexer.raw_key_cache"
+
+
+_QWEN4_RANK = {
+    "ple": 0,
+    "linear_attn": 1,
+    "self_attn.indexer.raw_key_cache": 2,
+    "self_attn.indexer.compressed_key_cache": 3,
+    "self_attn.attn": 4,
+}
+
+
+def _qwen4_registered(name: str) -> tuple[int, int]:
+    """vLLM's registration order of a Qwen4-Exp cache: by decoder layer; inside one the PLE
+    module, then the mixer (a GDN, or the QSA indexer's raw and compressed key caches, then the
+    attention)."""
+    layer, _, rest = name.removeprefix("language_model.model.layers.").partition(".")
+    return int(layer), _QWEN4_RANK[rest]
+
+
+def test_qwen4_exp_vllm_planner_builds_the_same_config():
+    """vLLM's own grouping and placement (get_kv_cache_groups with the BLNHC layout, then
+    get_kv_cache_config_from_groups), run on the exported specs in vLLM's registration order,
+    give the exported groups, tensors and num_blocks."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.v1.core import kv_cache_planning as kp
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    cases = [(None, "auto", 1, 0, {}, None), *(v.values for v in _QWEN4_VARIANTS)]
+    for text, kv, tp, spec, target, _ in cases:
+        model, plan, _ = _qwen4(text, kv=kv, tp=tp, spec=spec, **target)
+        config = vllm_objects(plan, model)
+        specs = {
+            n: s for g in config.kv_cache_groups for n, s in g.kv_cache_spec.kv_cache_specs.items()
+        }
+        ordered = dict(sorted(specs.items(), key=lambda item: _qwen4_registered(item[0])))
+        layout = KVCacheLayout[config.kv_cache_layout]
+        vllm_config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+            attention_config=SimpleNamespace(hisparse_config=None),
+            cache_config=SimpleNamespace(
+                get_resolved_kv_cache_layout=lambda layout=layout: layout,
+                num_gpu_blocks_override=None,
+                prefix_cache_retention_interval=0,
+            ),
+        )
+        groups = kp.get_kv_cache_groups(vllm_config, ordered)
+        assert [g.layer_names for g in groups] == [g.layer_names for g in config.kv_cache_groups]
+        assert [g.kv_cache_spec for g in groups] == [
+            g.kv_cache_spec for g in config.kv_cache_groups
+        ]
+        theirs = kp.get_kv_cache_config_from_groups(vllm_config, groups, plan.config.memory_bytes)
+        assert theirs.num_blocks == config.num_blocks
+
+        def rows(c):
+            return [(t.size, t.layers, t.layer_stride, t.block_stride, t.offset) for t in c]
+
+        assert rows(theirs.kv_cache_tensors) == rows(config.kv_cache_tensors)
