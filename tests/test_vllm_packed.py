@@ -1,4 +1,4 @@
-"""``hybridkv.layouts.vllm_packed``: GLM-5-Next planned as vLLM 0.33 packs it.
+"""``hybridkv.layouts.vllm_packed``: GLM-5-Next and Qwen4-Exp planned as vLLM 0.33 packs them.
 
 The export's tests (``tests/test_vllm_export.py``) hold the resulting ``KVCacheConfig`` to
 vLLM's numbers; these hold the plan itself together: its pages where the config says, its
@@ -8,10 +8,13 @@ capacity worked by hand, its refusals.
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 
 from hybridkv import models
+from hybridkv.alloc import ConfigError, HybridAllocator
 from hybridkv.layouts import make_plan
 from hybridkv.plan import KVPlacement
 from hybridkv.target import VllmTarget
@@ -31,11 +34,31 @@ def plan():
     return make_plan(_model(), "inflate", memory="64GiB", max_num_seqs=8, target=VLLM)
 
 
-def test_pages_of_a_block_do_not_overlap(plan):
+_QWEN4_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "qwen4_exp-qsa.json"
+
+
+def _qwen4(text=None, **options):
+    fields = {**json.loads(_QWEN4_EXAMPLE.read_text())["text_config"], **(text or {})}
+    config = transformers.Qwen4ExpConfig(text_config=fields).to_dict()
+    return models.from_hf_config(config, **options)
+
+
+@pytest.fixture(scope="module")
+def qwen4_plan():
+    return make_plan(_qwen4(), "inflate", memory="64GiB", max_num_seqs=8, target=VLLM)
+
+
+@pytest.fixture(params=["glm5_next", "qwen4_exp"])
+def either_plan(request, plan, qwen4_plan):
+    return plan if request.param == "glm5_next" else qwen4_plan
+
+
+def test_pages_of_a_block_do_not_overlap(either_plan):
     """Inside one block a group's pages sit back to back from the block's start (as
     get_kv_cache_config_from_groups puts them: a state's page padded to the latent page) and
     within the block; groups alias each other from byte 0 (a block id is one group's at a
     time)."""
+    plan = either_plan
     block_bytes = plan.pools[0].block_bytes
     b = 5
     for group in plan.groups:
@@ -43,8 +66,10 @@ def test_pages_of_a_block_do_not_overlap(plan):
         for p in plan.placements_of(group.group_id):
             regions = p.regions(b)
             if isinstance(p, KVPlacement):
-                page = p.k_bytes_per_block
-                assert regions == [regions[0]] and regions[0].end - regions[0].start == page
+                # a K/V page: K for every token, V right after it
+                page = p.k_bytes_per_block + p.v_bytes_per_block
+                assert all(r.start == q.end for q, r in itertools.pairwise(regions))
+                assert regions[-1].end - regions[0].start == page
             else:
                 page = group.page_bytes  # the state's components lie inside its padded page
                 assert regions[-1].end <= regions[0].start + page
@@ -159,3 +184,100 @@ def test_an_open_pool_left_out_is_refused():
     model = models.from_hf_config(config)
     with pytest.raises(ValueError, match="_validate_supported_config"):
         make_plan(model, "inflate", memory="64GiB", target=VLLM)
+
+
+# ---- Qwen4-Exp ------------------------------------------------------------------------------
+
+
+def test_qwen4_exp_placements_hold_vllms_rows(qwen4_plan):
+    """Block 576 (tests/test_vllm_export.py derives it): K/V of 2 heads x 256 (K for every token,
+    then V), one compressed bf16 key of 128 per 4 tokens (144 rows), a 4-slot ring of one bf16
+    key of 128, GDN and PLE states back to back from their page's start."""
+    plan = qwen4_plan
+    attn = plan.placement("layers.3.attn")
+    indexer = plan.placement("layers.3.indexer")
+    ring = plan.placement("layers.3.indexer.ring")
+    assert isinstance(attn, KVPlacement)
+    assert (attn.num_kv_heads, attn.head_dim, attn.head_dim_v) == (2, 256, 256)
+    assert attn.k_bytes_per_block == attn.v_bytes_per_block == 576 * 2 * 256 * 2
+    assert attn.v_offset == attn.k_offset + 576 * 2 * 256 * 2
+    assert (indexer.tokens_per_state, indexer.rows_per_block) == (4, 144)
+    assert indexer.k_bytes_per_block == 144 * 128 * 2 and indexer.dtype == "bfloat16"
+    assert (ring.block_size, ring.num_kv_heads, ring.head_dim, ring.token_stride) == (
+        4,
+        1,
+        128,
+        256,
+    )
+    assert [name for name, _ in attn.parts(1)] == ["K", "V"]
+    buffers = plan.allocate("meta")
+    k, v = plan.kv_views(buffers, "layers.3.indexer")
+    assert v is None and tuple(k.shape) == (plan.pools[0].num_blocks, 144, 1, 128)
+    k, v = plan.kv_views(buffers, "layers.3.attn")
+    assert tuple(k.shape) == tuple(v.shape) == (plan.pools[0].num_blocks, 576, 2, 256)
+    assert tuple(plan.state_views(buffers, "layers.0.ple")["conv"].shape)[1:] == (9, 8_192)
+    assert tuple(plan.state_views(buffers, "layers.0.mixer")["ssm"].shape)[1:] == (32, 128, 128)
+
+
+def test_qwen4_exp_capacity_by_hand(qwen4_plan):
+    """5,648 blocks of 12,165,120 B: block 0 is the null block; 8 requests hold 1 id in each of
+    the 4 state groups (PLE and 3 GDN) and 1 in the ring group (40); the compressed + K/V group
+    gets the other 5,607: 5,607 x 576 tokens. The ideal, in vLLM's formats: 64 GiB less 8 x
+    (30 x 1,097,728 + 2 x 147,456) B of state and 8 x 10 x 1,024 B of rings, at 10 x (2,048 +
+    256 / 4) B a token."""
+    cap = qwen4_plan.capacity
+    block_bytes = 12_165_120
+    assert cap.token_capacity == (5_648 - 1 - 40) * 576 == 3_229_632
+    assert cap.state_reserved_bytes == 40 * block_bytes
+    assert cap.kv_reserved_bytes == 5_607 * block_bytes
+    state, rings = 8 * (30 * 1_097_728 + 2 * 147_456), 8 * 10 * 1_024
+    assert cap.state_bytes == state
+    assert cap.ideal_token_capacity == (2**36 - state - rings) * 4 // (10 * (4 * 2_048 + 256))
+    assert 0.95 < cap.fraction_of_ideal < 1
+
+
+def test_qwen4_exp_without_an_indexer_is_the_plain_inflate():
+    """Without the indexer_* fields vLLM builds Qwen3NextAttention (K/V alone): equal pages,
+    the plain inflate, in either format."""
+    model = models.from_hf_config(transformers.Qwen4ExpConfig().to_dict())
+    assert "indexer" not in model.layer_kinds
+    a = make_plan(model, "inflate", memory="24GiB")
+    b = make_plan(model, "inflate", memory="24GiB", target=VLLM)
+    assert (a.groups, a.kv_placements) == (b.groups, b.kv_placements)
+    assert b.kv_cache_layout is None
+
+
+@pytest.mark.parametrize(
+    ("text", "options", "target", "kwargs", "match"),
+    [
+        ({}, {}, VllmTarget(cache_formats="vllm", version="0.32"), {}, "vLLM 0.32's layout"),
+        ({}, {"kv_dtype": "fp8_e5m2"}, VLLM, {}, "bf16 or fp8 e4m3 K/V cache only"),
+        ({"dtype": "float16"}, {}, VLLM, {}, "runs in bf16 only"),
+        # _QSAStateCache checks the block the model is built with (16) against the ratio
+        ({"indexer_compress_ratio": 32, "indexer_budget": 2048}, {}, VLLM, {}, "does not divide"),
+        ({}, {}, VLLM, {"kernel_alignment": 64}, "fix its kernel blocks"),
+        # none mode, ratio 8 and 9 speculative tokens: a round_up(17, 8) = 24-slot ring; GDN
+        # conv 12 rows: 196,608 + 1,048,576 = 1,245,184 B, block 16 x cdiv(1,245,184, 32,768)
+        # = 608 = 24 x 25 + 8
+        (
+            {"indexer_compress_ratio": 8},
+            {"num_spec_tokens": 9},
+            VllmTarget(cache_formats="vllm", enable_prefix_caching=False, max_model_len=4096),
+            {},
+            "24-slot QSA ring does not divide the 608",
+        ),
+    ],
+    ids=["vllm-0.32", "fp8-e5m2", "fp16-model", "ratio-32", "kernel-alignment", "ring"],
+)
+def test_qwen4_exp_refusals(text, options, target, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_plan(_qwen4(text, **options), "inflate", memory="64GiB", target=target, **kwargs)
+
+
+def test_the_allocator_refuses_vllms_rings(either_plan):
+    """No group manager takes the rings (kind indexer_ring: one block per request, self
+    addressed), so a vLLM-format plan of either family is for export and capacity; the
+    allocator says which group it cannot serve."""
+    ring = next(g for g in either_plan.groups if g.kind == "indexer_ring")
+    with pytest.raises(ConfigError, match=f"group {ring.group_id} has kind 'indexer_ring'"):
+        HybridAllocator(either_plan)

@@ -164,7 +164,9 @@ class AllocatorOptions:
         under FlashInfer on its grid, otherwise none: the prefill is split)."""
         h = self.hash_block_size
         for g in plan.groups:
-            if g.block_size % h:
+            # a ring (vLLM's CircularBufferSpec) is one block per request, never hashed; the
+            # coordinator refuses its kind with the reason
+            if g.kind != "indexer_ring" and g.block_size % h:
                 raise ConfigError(
                     f"group {g.group_id} block_size {g.block_size} is not a multiple of "
                     f"hash_block_size {h}; pick a divisor of every block size"
