@@ -280,8 +280,12 @@ class IndexerSpec(AttentionSpec):
     in vLLM's block size, its indexer backend's kernel block (``32 * index_kpool``), is
     :func:`hybridkv.target.indexer_kernel_block`'s; a plan in vLLM's cache formats
     (``VllmTarget(cache_formats="vllm")``) lays GLM-5-Next's out from this spec's
-    ``index_head_dim`` and ``pool_tokens`` (:mod:`hybridkv.layouts.vllm_packed`). Qwen4-Exp's is
-    not modelled.
+    ``index_head_dim`` and ``pool_tokens`` (:mod:`hybridkv.layouts.vllm_packed`). Qwen4-Exp's
+    likewise: a ``CircularBufferSpec`` ring of ``round_up(indexer_compress_ratio +
+    num_speculative_tokens, indexer_compress_ratio)`` bf16 raw keys (``QSAKeyStateCache``) and
+    an ``MLAAttentionSpec`` of one compressed key of ``indexer_head_dim`` per
+    ``indexer_compress_ratio`` tokens, bf16 or fp8 without scales (``QSACompressedKeyCache``,
+    ``vllm/models/qwen4_exp/common/qsa_cache.py``).
 
     TP split rule: none; the key has a single head, every rank keeps it whole (vLLM: "no tensor
     parallel, just replicated", ``max_tp_shards=1``). Kernel alignment 64 tokens: DeepGEMM's

@@ -34,7 +34,9 @@ Conventions (the JSON has to name torch and enum values somehow):
   ``--kv-cache-dtype`` string: ``"auto"`` when the cache keeps the model dtype, else ``"fp8"`` /
   ``"fp8_e5m2"`` / the dtype name. GLM-5-Next's indexer entries are ``"torch.uint8"`` with
   ``kv_quant_mode`` ``"NONE"`` and no ``cache_dtype_str`` whatever the KV dtype: vLLM stores their
-  fp8 keys and float32 scales as bytes.
+  fp8 keys and float32 scales as bytes. Qwen4-Exp's compressed QSA keys under
+  ``indexer_kv_dtype`` fp8 are ``"torch.float8_e4m3fn"`` (``QSAIndexer`` allocates e4m3, no
+  scales), ``kv_quant_mode`` ``"NONE"``.
 - enums (``KVQuantMode``, ``MambaAttentionBackendEnum``, ``KVCacheGroupRole``,
   ``SparseCacheRole``) are written as member names (``"NONE"``, ``"GDN_ATTN"``, ``"DEFAULT"``).
 - ``MultipleOf(n)`` (``vllm/v1/attention/backend.py``) is written ``{"MultipleOf": n}``: it
@@ -81,6 +83,17 @@ inside the block, ``layer_stride`` the spec's page and ``block_stride`` the bloc
 (``get_kv_cache_config_from_groups``); ring layers are named ``...self_attn.indexer.tail_cache``.
 A GLM-5-Next plan in transformers' formats (the default: per-token indexer rows riding in the
 latent's page, which :mod:`hybridkv.e2e` serves) is refused with that reason.
+
+Qwen4-Exp. vLLM 0.33 keeps its QSA indexer as a per-request ring of raw bf16 keys
+(``QSAKeyStateCache``, a ``CircularBufferSpec``) and one compressed key per
+``indexer_compress_ratio`` tokens (``QSACompressedKeyCache``, an ``MLAAttentionSpec`` with
+``tokens_per_state`` the ratio), beside the gated GQA's ``FullAttentionSpec``, the GDN states and
+the PLE conv's ``MambaSpec`` (``SHORT_CONV``, ``tp_replicated``), and packs them block-outermost
+in ``BLNHC`` (``QSAStateBackend``'s first layout). A plan in vLLM's cache formats exports the same
+way as GLM-5-Next's (ring layers named ``...self_attn.indexer.raw_key_cache``, compressed keys
+``...self_attn.indexer.compressed_key_cache``, PLE states ``...ple``); one in transformers'
+formats (a raw key per token beside the K/V) is refused with the reason. Without the indexer_*
+fields vLLM builds the plain attention and its pages are equal: the ordinary ``inflate`` export.
 
 A ``KVCacheConfig`` fixes where each layer's page is, not what is inside it: vLLM 0.33's
 FlashAttention reads an attention page as ``[tokens, heads, K | V]``, the plan's kernels as K for
@@ -779,9 +792,8 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
     ``model`` is the model the plan was made for (configured for the same TP size and dtypes).
     Raises ``ValueError`` for a layout with more than one block pool (``per_group``,
     ``two_level``), a plan made under another vLLM version's rules, a family vLLM 0.33 does not
-    serve (RecurrentGemma, Zamba v1, and Bamba and MiniMax-01, which vLLM removed in 0.23), a
-    cache vLLM keeps in a format hybridkv does not model (Qwen4-Exp's pooled indexer), and a
-    GLM-5-Next plan in transformers' cache formats (plan it with
+    serve (RecurrentGemma, Zamba v1, and Bamba and MiniMax-01, which vLLM removed in 0.23), and
+    a GLM-5-Next or Qwen4-Exp plan in transformers' cache formats (plan it with
     ``VllmTarget(cache_formats="vllm")``).
     """
     _check_exportable(plan)

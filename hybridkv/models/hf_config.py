@@ -950,8 +950,8 @@ def _qwen4_exp(c: _Config) -> list[dict[str, Any]]:
             c.doubts.append(
                 "indexer cache read in transformers' layout (one raw key per token in the model "
                 "dtype); vLLM 0.33 keeps one compressed key per indexer_compress_ratio tokens "
-                "and a per-request ring of the open group's raw keys, which hybridkv does not "
-                "model"
+                "and a per-request ring of the open group's raw keys, which plans take with "
+                "VllmTarget(cache_formats='vllm') (plan --cache-formats vllm or --format vllm)"
             )
         else:
             mixers.append(c.attention(attn))
