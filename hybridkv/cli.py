@@ -17,7 +17,7 @@ from .executors import ExecutorUnavailable, add_executor_arguments, executor_opt
 from .layouts import LAYOUTS, make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
-from .target import CACHE_FORMATS, GPU_FAMILIES, VLLM_VERSIONS, VllmTarget
+from .target import CACHE_FORMATS, GPU_FAMILIES, INDEXER_KV_DTYPES, VLLM_VERSIONS, VllmTarget
 from .units import decimal_unit_note, format_bytes, parse_bytes
 
 DEFAULT_MODEL = "qwen3-next-80b-a3b"
@@ -128,6 +128,7 @@ def _target(args: argparse.Namespace) -> VllmTarget:
         gdn_prefill_backend=args.gdn_prefill_backend,
         max_model_len=args.max_model_len,
         cache_formats=_cache_formats(args),
+        indexer_kv_dtype=getattr(args, "indexer_kv_dtype", None) or "auto",
     )
 
 
@@ -937,8 +938,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=CACHE_FORMATS,
         default=None,
         help="where vLLM keeps a cache in another format than transformers (GLM-5-Next's "
-        "indexer): plan transformers' (default) or vLLM's, which inflate packs as vLLM 0.33 "
-        "does (default with --format vllm)",
+        "and Qwen4-Exp's indexers): plan transformers' (default) or vLLM's, which inflate "
+        "packs as vLLM 0.33 does (default with --format vllm)",
+    )
+    p.add_argument(
+        "--indexer-kv-dtype",
+        choices=INDEXER_KV_DTYPES,
+        default=None,
+        help="vLLM's --attention-config indexer_kv_dtype: the dtype of Qwen4-Exp's compressed "
+        "QSA keys in vLLM's formats (auto: bf16; fp8: e4m3 without scales)",
     )
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("compare", help="all layouts side by side")

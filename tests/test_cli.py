@@ -389,3 +389,21 @@ def test_every_flag_has_help_and_its_default():
 def test_doctor_refuses_layout_flags_it_cannot_use(capsys):
     assert main(["doctor", "--model", "qwen3.5-4b", "--pack-size", "2"]) == 2
     assert "--pack-size: doctor checks vLLM's own layout" in capsys.readouterr().err
+
+
+def test_plan_format_vllm_exports_qwen4_exp_as_vllm_packs_it(capsys):
+    """``--format vllm`` plans examples/qwen4_exp-qsa.json in vLLM's cache formats (BLNHC, 576
+    tokens a block, 12,165,120 B a block at 64 GiB: tests/test_vllm_export.py derives them);
+    ``--indexer-kv-dtype fp8`` halves the compressed keys (11,980,800 B a block: 5,735 blocks);
+    transformers' formats are refused for export with what to do."""
+    pytest.importorskip("transformers")
+    example = Path(__file__).resolve().parent.parent / "examples" / "qwen4_exp-qsa.json"
+    argv = ["plan", "--model", str(example), "--gpu-memory", "64GiB", "--max-num-seqs", "8"]
+    assert main([*argv, "--format", "vllm"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["kv_cache_layout"] == "BLNHC" and config["num_blocks"] == 5_648
+    assert [len(g["layer_names"]) for g in config["kv_cache_groups"]] == [2, 10, 10, 10, 10, 20]
+    assert main([*argv, "--format", "vllm", "--indexer-kv-dtype", "fp8"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_blocks"] == 5_735 == 2**36 // 11_980_800
+    assert main([*argv, "--format", "vllm", "--cache-formats", "transformers"]) == 2
+    assert "QSACompressedKeyCache" in capsys.readouterr().err

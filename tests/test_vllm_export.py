@@ -1576,3 +1576,26 @@ def test_qwen4_exp_vllm_planner_builds_the_same_config():
             return [(t.size, t.layers, t.layer_stride, t.block_stride, t.offset) for t in c]
 
         assert rows(theirs.kv_cache_tensors) == rows(config.kv_cache_tensors)
+
+
+def test_qwen4_exp_mrope_widens_the_ring():
+    """Under MRoPE (an mrope_section in rope_parameters) QSAKeyStateCache keeps the three int64
+    positions after the key: round_up(128, 4) + 3 x 4 = 140 bf16 a slot, 4 x 140 x 2 = 1,120 B a
+    ring; the causal-LM class strips the section (Qwen4ExpForCausalLMConfig), so its ring stays
+    128 wide. The other pages do not change."""
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+    }
+    ring = _QWEN4.format(3) + ".self_attn.indexer.raw_key_cache"
+    _, _, config = _qwen4({"rope_parameters": rope})
+    spec = config["kv_cache_groups"][4]["kv_cache_spec"]["kv_cache_specs"][ring]
+    assert (spec["head_size"], spec["page_size_bytes"]) == (140, 1_120)
+    assert config["num_blocks"] == 5_648
+    _, _, text_only = _qwen4({"rope_parameters": rope}, wrapper=False)
+    name = "model.layers.3.self_attn.indexer.raw_key_cache"
+    spec = text_only["kv_cache_groups"][4]["kv_cache_spec"]["kv_cache_specs"][name]
+    assert (spec["head_size"], spec["page_size_bytes"]) == (128, 1_024)

@@ -131,6 +131,7 @@ from ..target import (
     VllmRules,
     vllm_state_page_floor,
 )
+from ..vllm_families import find_vllm_family
 from ._common import (
     cdiv,
     round_up,
@@ -529,7 +530,9 @@ def _uses_mrope(model: HybridModel) -> bool:
     """Whether vLLM 0.33 runs ``model`` with MRoPE, which widens the QSA ring
     (``ModelConfig.uses_mrope``: an ``mrope_section`` in the rope parameters; the causal-LM class
     strips it, ``Qwen4ExpForCausalLMConfig``)."""
-    if _family(model) != "qwen4_exp":
+    # the wrapper keeps it (Qwen4ExpForConditionalGeneration; a config read from config.json
+    # is the wrapper unless its architectures name the causal LM: vllm_families)
+    if find_vllm_family(model) is None or find_vllm_family(model).key != "qwen4_exp":
         return False
     text = _text_config(model)
     for key in ("rope_parameters", "rope_scaling"):
