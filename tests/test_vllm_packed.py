@@ -281,3 +281,13 @@ def test_the_allocator_refuses_vllms_rings(either_plan):
     ring = next(g for g in either_plan.groups if g.kind == "indexer_ring")
     with pytest.raises(ConfigError, match=f"group {ring.group_id} has kind 'indexer_ring'"):
         HybridAllocator(either_plan)
+
+
+def test_qwen4_exp_fp8_indexer_needs_vllms_formats():
+    """indexer_kv_dtype changes vLLM's compressed keys; transformers' per-token rows keep the
+    model dtype, so asking for it there is refused rather than ignored."""
+    fp8 = VllmTarget(indexer_kv_dtype="fp8")
+    with pytest.raises(ValueError, match="plan with cache_formats='vllm'"):
+        make_plan(_qwen4(), "inflate", memory="64GiB", target=fp8)
+    with pytest.raises(ValueError, match="indexer_kv_dtype must be one of auto, bf16, fp8"):
+        VllmTarget(indexer_kv_dtype="fp8_e4m3")

@@ -9,9 +9,9 @@
 >>> layouts.make_plan(model, "inflate", memory="40GiB", target=no_pc).block_size
 528
 
-GLM-5-Next in vLLM's cache formats (``VllmTarget(cache_formats="vllm")``) has a vLLM layout of
-its own, pages of different sizes packed block-outermost, which ``inflate`` then plans
-(:mod:`.vllm_packed`); the other layouts refuse those formats.
+GLM-5-Next and Qwen4-Exp in vLLM's cache formats (``VllmTarget(cache_formats="vllm")``) have a
+vLLM layout of their own, pages of different sizes packed block-outermost, which ``inflate`` then
+plans (:mod:`.vllm_packed`); the other layouts refuse those formats.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 
 from ..models.model import HybridModel
 from ..plan import MemoryPlan, PlanConfig
-from ..target import VllmTarget
+from ..specs import IndexerSpec
+from ..target import QWEN4_EXP_FAMILIES, VllmTarget
 from ..units import parse_bytes
 from .per_group import plan_per_group
 from .shared import auto_pack_size, plan_shared
@@ -115,9 +116,24 @@ def _smallest_fit(model: HybridModel, layout: str, config: PlanConfig, tokens: i
 
 
 def plan_with_config(model: HybridModel, layout: str, config: PlanConfig) -> MemoryPlan:
+    target = config.target
+    if (
+        target.indexer_kv_dtype != "auto"
+        and (model.family or "").strip().lower() in QWEN4_EXP_FAMILIES
+        and not uses_vllm_packing(model, target.cache_formats)
+        and any(isinstance(layer.spec, IndexerSpec) for layer in model.layers)
+    ):
+        # transformers' per-token indexer rows keep the model dtype: the option would change
+        # nothing here, while it changes vLLM's compressed keys
+        raise ValueError(
+            f"indexer_kv_dtype {target.indexer_kv_dtype!r} is the dtype of Qwen4-Exp's compressed "
+            "QSA keys in vLLM's cache formats; this plan keeps transformers' per-token rows in "
+            "the model dtype; plan with cache_formats='vllm' (--cache-formats vllm), or leave "
+            "indexer_kv_dtype at 'auto'"
+        )
     if uses_vllm_packing(model, config.target.cache_formats):
-        # vLLM's formats of GLM-5-Next's indexer exist in vLLM's own layout only; the other
-        # layouts would silently plan transformers' formats instead
+        # vLLM's formats of GLM-5-Next's and Qwen4-Exp's indexers exist in vLLM's own layout
+        # only; the other layouts would silently plan transformers' formats instead
         if layout != "inflate":
             raise ValueError(
                 f"cache_formats='vllm' lays {model.name} out as vLLM 0.33 does, which is layout "
