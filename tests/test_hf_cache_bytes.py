@@ -376,9 +376,13 @@ def test_inflate_sizes_glm5_next_blocks_by_the_latent_alone():
     assert plan.extra["page_bytes"] == 4_608 * (1_024 + 514)
     assert any("indexer keys (514 B/token) ride in their attention" in n for n in plan.notes)
     assert plan.pack_size == 1  # one attention layer a page (its indexer beside it)
-    # a GQA model with an indexer: the block is a multiple of 64, not only of 16
+    # Qwen4-Exp's QSA caches run on a backend that takes any block (QSAStateBackend), so the
+    # 64 comes from the GDN's FlashInfer checkpoint alignment, which its PLE conv (alignment 1)
+    # leaves in place
     tiny = make_tiny_plan(TINY_CONFIGS["qwen4_exp"](), "inflate", block_size=None)
     assert tiny.block_size % 64 == 0
+    assert "max(kernel block 16" in tiny.block_size_rule
+    assert "GDN prefill checkpoint alignment 64" in tiny.block_size_rule
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
