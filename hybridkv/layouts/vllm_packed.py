@@ -381,10 +381,9 @@ def _check_qwen4(model: HybridModel, config: PlanConfig, rules: VllmRules) -> No
             "vLLM 0.33 builds Qwen4ExpQSAAttention (with its indexer caches) on every "
             "indexed_attention layer once indexer_n_heads is set"
         )
-    if not all(
-        isinstance(layer.spec, (FullAttentionSpec, IndexerSpec, GatedDeltaNetSpec, PLEConvSpec))
-        for layer in model.layers
-    ):
+    # exact kinds: a sliding window (a FullAttentionSpec subclass) is not Qwen4-Exp's
+    kinds = (FullAttentionSpec, IndexerSpec, GatedDeltaNetSpec, PLEConvSpec)
+    if not all(type(layer.spec) in kinds for layer in model.layers):
         raise ValueError(
             f"{model.name}: Qwen4-Exp holds GQA, QSA indexer, GDN and PLE caches only"
         )

@@ -306,6 +306,7 @@ CASES = {
     # no PLE layer, but vLLM sizes the block by the PLE state of the config (8 x 2,048 channels)
     "qsa-nople-hc8-tp8": dict(text={**NO_PLE, "hc_count": 8}, tp=8),
     "defaults-hc8-tp8": dict(text={"hc_count": 8}, tp=8),
+    "ple-no-indexer": dict(text={"ple_layer_ids": [1, 2], "eos_token_id": 2}),
     "qsa-mrope": dict(
         text={
             **QSA,
