@@ -113,11 +113,12 @@ class KVCacheGroup:
     """Layers that share one block table per request (vLLM's ``KVCacheGroupSpec``).
 
     ``kind`` is ``full_attention``, ``sliding_window``, ``mla``, ``indexer``, ``state`` or
-    ``indexer_ring`` (a vLLM-format plan's GLM-5-Next tail rings: one block per request, like a
-    state, of ``block_size`` ring slots). ``layers`` lists the cache-layer names (a ring's is its
-    indexer layer's name with ``.ring``); ``padding_slots`` counts slots of the group that hold no
-    layer (vLLM's "padding layers"). For a state group ``block_size`` is the token granularity a
-    state checkpoint corresponds to (the attention block size in the shared layouts).
+    ``indexer_ring`` (a vLLM-format plan's GLM-5-Next tail rings or Qwen4-Exp QSA rings of raw
+    keys: one block per request, like a state, of ``block_size`` ring slots). ``layers`` lists
+    the cache-layer names (a ring's is its indexer layer's name with ``.ring``);
+    ``padding_slots`` counts slots of the group that hold no layer (vLLM's "padding layers").
+    For a state group ``block_size`` is the token granularity a state checkpoint corresponds to
+    (the attention block size in the shared layouts).
     ``page_bytes`` is one layer's page; in a plan whose groups mix pages of different sizes
     (vLLM's block-outermost packing, :attr:`MemoryPlan.kv_cache_layout`), the group's largest.
     """
@@ -216,10 +217,11 @@ class KVPlacement:
     same for V with ``v_offset``. MLA layers have one latent (``v_offset`` is None).
     ``layer_index`` is the model's decoder layer (the ``i`` of ``layers.{i}.attn``) and ``kind``
     the layer spec's kind (``full_attention``, ``sliding_window``, ``mla``, ``indexer``), or
-    ``indexer_ring`` for a GLM-5-Next tail ring in a vLLM-format plan.
+    ``indexer_ring`` for a GLM-5-Next tail ring or a Qwen4-Exp QSA ring in a vLLM-format plan.
 
     ``tokens_per_state``: tokens one row stands for (vLLM's ``AttentionSpec.tokens_per_state``):
-    1, or GLM-5-Next's ``index_kpool`` for its k-pooled indexer entries in a vLLM-format plan, so
+    1, or GLM-5-Next's ``index_kpool`` for its k-pooled indexer entries (Qwen4-Exp's
+    ``indexer_compress_ratio`` for its compressed QSA keys) in a vLLM-format plan, so
     a block holds ``block_size // tokens_per_state`` rows (:attr:`rows_per_block`) and ``t``
     above counts rows.
     """
@@ -288,7 +290,7 @@ class KVPlacement:
     def parts(self, block_id: int) -> list[tuple[str, Region]]:
         """:meth:`regions` named: ``K`` and ``V``, ``latent`` for MLA, ``indexer`` for a
         sparse-attention indexer's keys (one row per token, like a latent, or per k-pool),
-        ``ring`` for a GLM-5-Next tail ring."""
+        ``ring`` for a GLM-5-Next tail ring or a Qwen4-Exp QSA ring."""
         if self.v_offset is not None:
             names: tuple[str, ...] = ("K", "V")
         else:
@@ -412,10 +414,11 @@ class MemoryPlan:
     block_size_rule: str = ""
     #: the vLLM rules this plan was made under (``config.target`` resolved for the model)
     vllm: VllmRules | None = None
-    #: vLLM's ``KVCacheLayout`` name where the plan fixes it: ``"BLHNC"`` for a plan packed
-    #: block-outermost as vLLM 0.33 packs pages of different sizes (GLM-5-Next in vLLM's cache
-    #: formats, :mod:`hybridkv.layouts.vllm_packed`); None where the export chooses (LBNHC for
-    #: ``inflate``'s equal pages, BLNHC for ``pack``'s sub-pages)
+    #: vLLM's ``KVCacheLayout`` name where the plan fixes it: ``"BLHNC"`` (GLM-5-Next) or
+    #: ``"BLNHC"`` (Qwen4-Exp) for a plan packed block-outermost as vLLM 0.33 packs pages of
+    #: different sizes (in vLLM's cache formats, :mod:`hybridkv.layouts.vllm_packed`); None
+    #: where the export chooses (LBNHC for ``inflate``'s equal pages, BLNHC for ``pack``'s
+    #: sub-pages)
     kv_cache_layout: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
