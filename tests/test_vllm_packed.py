@@ -215,7 +215,7 @@ def test_qwen4_exp_placements_hold_vllms_rows(qwen4_plan):
     assert v is None and tuple(k.shape) == (plan.pools[0].num_blocks, 144, 1, 128)
     k, v = plan.kv_views(buffers, "layers.3.attn")
     assert tuple(k.shape) == tuple(v.shape) == (plan.pools[0].num_blocks, 576, 2, 256)
-    assert tuple(plan.state_views(buffers, "layers.0.ple")["conv"].shape)[1:] == (9, 8_192)
+    assert tuple(plan.state_views(buffers, "layers.0.ple")["ple"].shape)[1:] == (9, 8_192)
     assert tuple(plan.state_views(buffers, "layers.0.mixer")["ssm"].shape)[1:] == (32, 128, 128)
 
 
