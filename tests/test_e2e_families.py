@@ -203,6 +203,20 @@ def test_mla_families():
     assert set(MLA_FAMILIES) == {"kimi_linear", "bailing_hybrid", "glm5_next"}
 
 
+#: the families whose prefill runs each prompt token as a row of a decode kernel (MLA's
+#: absorbed attention; Qwen4-Exp's QSA, each query token with its own token list): slow under
+#: the interpreter, so their prompt-per-block tests take the layouts with small pages
+ROW_PREFILL_FAMILIES = [
+    f
+    for f in FAMILIES
+    if {"mla", "indexer"} & set(hybrid_model_for(TINY_CONFIGS[f]()).layer_kinds)
+]
+
+
+def test_row_prefill_families():
+    assert set(ROW_PREFILL_FAMILIES) == {*MLA_FAMILIES, "qwen4_exp"}
+
+
 @pytest.mark.parametrize("name", MLA_FAMILIES)
 def test_mla_hit_inside_a_latent_page_copies_its_first_rows(name):
     """``last``: the first turn's end state is cached at token 48, inside a 64-token latent
@@ -226,12 +240,12 @@ def test_mla_hit_inside_a_latent_page_copies_its_first_rows(name):
 
 def _preemption_layout(name: str) -> str:
     """The layout :func:`test_preemption_matches_transformers` preempts ``name`` on: rotating
-    with the family; an MLA family takes the first of its rotation with 64-token latent pages
-    (per_group, two_level: the shared-page layouts' are 128, and each prompt token is a row of
-    the MLA decode kernel, slow under the interpreter)."""
+    with the family; a family of :data:`ROW_PREFILL_FAMILIES` takes the first of its rotation
+    with small pages (per_group, two_level: MLA's latent pages are 64 tokens there and 128 on
+    the shared-page layouts, and the prompts are a block long)."""
     i, n = FAMILIES.index(name), len(LAYOUTS)
     order = [LAYOUTS[(i + k) % n] for k in range(n)]
-    if name in MLA_FAMILIES:
+    if name in ROW_PREFILL_FAMILIES:
         order = [lay for lay in order if lay in ("per_group", "two_level")]
     return order[0]
 
