@@ -7,6 +7,7 @@ The Ray tests skip only where Ray is not importable; ``pip install -e ".[dev]"``
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import os
 import pickle
@@ -209,3 +210,49 @@ assert not ray.is_initialized(), "the local Ray was left running"
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_cluster_of_two_nodes_spreads_the_runs_and_gives_the_serial_results(serial):
+    """A Ray cluster of two nodes (two raylets on this machine, one CPU each:
+    ``ray.cluster_utils.Cluster``, as a head and a worker joined with ``ray start``): the
+    executor joins it, its runs land on both nodes, and the results are the serial ones byte
+    for byte (another process: this one may hold the module's Ray)."""
+    pytest.importorskip("ray")
+    code = f"""
+import hashlib, pickle, sys, time
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import ray
+from ray.cluster_utils import Cluster
+from hybridkv.executors import ExecutorOptions, RayExecutor, open_executor
+import test_executors
+
+head = {{"num_cpus": 1, "include_dashboard": False}}
+cluster = Cluster(initialize_head=True, head_node_args=head)
+cluster.add_node(num_cpus=1)
+cluster.wait_for_nodes()
+ray.init(address=cluster.address, log_to_driver=False)
+
+def node_of(i):
+    time.sleep(0.5)  # long enough that both nodes take some of the eight
+    return ray.get_runtime_context().get_node_id()
+
+try:
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    with open_executor(ExecutorOptions("ray")) as executor:
+        assert isinstance(executor, RayExecutor)
+        print("nodes", len(set(executor.map(node_of, range(8)))))
+        for result in test_executors._pickles(executor):
+            print("run", hashlib.sha256(result).hexdigest())
+finally:
+    ray.shutdown()
+    cluster.shutdown()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split()
+    assert lines[:2] == ["nodes", "2"], proc.stdout
+    runs = [lines[i + 1] for i, word in enumerate(lines) if word == "run"]
+    assert runs == [hashlib.sha256(result).hexdigest() for result in serial]
