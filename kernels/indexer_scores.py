@@ -115,6 +115,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -997,9 +998,43 @@ def indexer_scores_ref(
     the kernel's dot takes them, float32 products), mask the pools a token does not fully see
     with -inf. The pooling is transformers' ``Glm5NextTextIndexer.get_pooled_states`` for a
     context without padding, in float32."""
-    n, _, d = _check_inputs(q, weights, rows, ape)
+    _, _, d = _check_inputs(q, weights, rows, ape)
+
+    def gated_pools(context: torch.Tensor, pools: int) -> torch.Tensor:
+        context = context.float()
+        keys = context[:, :d].reshape(pools, kpool, d)
+        logits = context[:, d : 2 * d].reshape(pools, kpool, d) + ape.float()[None]
+        return (logits.softmax(dim=1) * keys).sum(dim=1)  # [P, D]
+
+    kpool = ape.shape[0]
+    return _pool_scores_ref(
+        q, weights, rows, block_tables, seg, query_pos, num_pools, softmax_scale, kpool,
+        max_pools, gated_pools,
+    )  # fmt: skip
+
+
+def _pool_scores_ref(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    block_tables: torch.Tensor,
+    seg: torch.Tensor,
+    query_pos: torch.Tensor,
+    num_pools: torch.Tensor,
+    softmax_scale: float,
+    kpool: int,
+    max_pools: int | None,
+    pool_keys_of: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """What both references share, per request: gather the rows of its ``num_pools * kpool``
+    tokens through its block table (``[P * kpool, row]`` in the rows' dtype), make its ``P``
+    pool keys of them (``pool_keys_of(context, P)`` -> ``[P, D]``, the family's pooling),
+    round them to ``q``'s dtype as the kernel's dot takes them, and score every query token
+    of the request: float32 ReLU of each head's scaled dot, weighted over the heads, -inf where
+    the token does not see a pool whole. Returns ``[N, max_pools]`` float32."""
+    n = q.shape[0]
     r3 = _rows_3d(rows)
-    kpool, block_size = ape.shape[0], r3.shape[1]
+    block_size = r3.shape[1]
     seg, query_pos, num_pools = seg.cpu().long(), query_pos.cpu().long(), num_pools.cpu().long()
     if max_pools is None:
         max_pools = int(num_pools.max()) if num_pools.numel() else 0
@@ -1011,11 +1046,8 @@ def indexer_scores_ref(
             continue
         ctx = torch.arange(pools * kpool)
         blocks = block_tables[r].cpu().long()[ctx // block_size]
-        context = r3[blocks.to(r3.device), (ctx % block_size).to(r3.device)].float()
-        keys = context[:, :d].reshape(pools, kpool, d)
-        logits = context[:, d : 2 * d].reshape(pools, kpool, d) + ape.float()[None]
-        pool_keys = (logits.softmax(dim=1) * keys).sum(dim=1)  # [P, D]
-        pool_keys = pool_keys.to(q.dtype).float()
+        context = r3[blocks.to(r3.device), (ctx % block_size).to(r3.device)]
+        pool_keys = pool_keys_of(context, pools).to(q.dtype).float()
         tq = tokens.to(q.device)
         scores = torch.relu(torch.matmul(q[tq].float(), pool_keys.T) * softmax_scale)  # [T,H,P]
         scores = torch.matmul(weights[tq].float().unsqueeze(-2), scores).squeeze(-2)  # [T, P]
@@ -1054,32 +1086,17 @@ def mean_norm_rope_scores_ref(
     (rows: pools; rotate-half, in the rows' dtype), then score as :func:`indexer_scores_ref`
     (keys rounded to ``q``'s dtype, ReLU of each head's scaled dot, weighted head sum, -inf
     where a pool is not wholly visible). Returns ``[N, max_pools]`` float32."""
-    n, _, d = q.shape
-    r3 = _rows_3d(rows)
-    block_size, rot = r3.shape[1], cos.shape[1]
-    seg, query_pos, num_pools = seg.cpu().long(), query_pos.cpu().long(), num_pools.cpu().long()
-    if max_pools is None:
-        max_pools = int(num_pools.max()) if num_pools.numel() else 0
-    out = torch.full((n, max_pools), float("-inf"), dtype=torch.float32, device=q.device)
-    for r in range(num_pools.numel()):
-        tokens = (seg == r).nonzero().flatten()
-        pools = int(num_pools[r])
-        if tokens.numel() == 0 or pools == 0:
-            continue
-        ctx = torch.arange(pools * kpool)
-        blocks = block_tables[r].cpu().long()[ctx // block_size]
-        keys = r3[blocks.to(r3.device), (ctx % block_size).to(r3.device)].reshape(pools, kpool, d)
-        pooled = keys.float().mean(dim=1).to(r3.dtype)
+    d, rot, dtype = q.shape[2], cos.shape[1], rows.dtype
+
+    def mean_norm_rope_pools(context: torch.Tensor, pools: int) -> torch.Tensor:
+        pooled = context.reshape(pools, kpool, d).float().mean(dim=1).to(dtype)
         x = pooled.float()
-        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps) * norm).to(r3.dtype)
-        c, s = cos[:pools].to(r3.dtype), sin[:pools].to(r3.dtype)
+        normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps) * norm).to(dtype)
+        c, s = cos[:pools].to(dtype), sin[:pools].to(dtype)
         k_rope = normed[:, :rot]
-        roped = torch.cat([k_rope * c + _rotate_half(k_rope) * s, normed[:, rot:]], dim=-1)
-        pool_keys = roped.to(q.dtype).float()
-        tq = tokens.to(q.device)
-        scores = torch.relu(torch.matmul(q[tq].float(), pool_keys.T) * softmax_scale)  # [T,H,P]
-        scores = torch.matmul(weights[tq].float().unsqueeze(-2), scores).squeeze(-2)  # [T, P]
-        end = torch.arange(pools) * kpool + kpool - 1
-        visible = (end[None, :] <= query_pos[tokens][:, None]).to(q.device)
-        out[tq, :pools] = scores.masked_fill(~visible, float("-inf"))
-    return out
+        return torch.cat([k_rope * c + _rotate_half(k_rope) * s, normed[:, rot:]], dim=-1)
+
+    return _pool_scores_ref(
+        q, weights, rows, block_tables, seg, query_pos, num_pools, softmax_scale, kpool,
+        max_pools, mean_norm_rope_pools,
+    )  # fmt: skip
