@@ -506,6 +506,43 @@ def _packed_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement)
     return _qwen4_attention_spec(plan, model, p)
 
 
+def _spec_base(p: KVPlacement, *, max_tp_shards: int | None) -> dict[str, Any]:
+    """The ``AttentionSpec`` fields every attention-side cache of a vLLM-format plan starts
+    from, at the values its layers give them (the family's function overrides some)."""
+    return {
+        "block_size": p.block_size,
+        "dcp_sharded": True,
+        "block_stride_alignment": None,
+        "is_draft": False,
+        "max_tp_shards": max_tp_shards,
+        "num_kv_heads": p.num_kv_heads,
+        "head_size": p.head_dim,
+        "dtype": _torch_name(p.dtype),
+        "head_size_v": 0,
+        "kv_quant_mode": "NONE",
+        "page_size_padded": None,
+        "num_head_slots": None,
+        "state_content_bytes": None,
+        "tokens_per_state": p.tokens_per_state,
+    }
+
+
+#: ``MLAAttentionSpec``'s own fields as the indexer and latent caches of both families leave
+#: them (GLM-5-Next's latent then sets its cache dtype, top-k buffer and group leader)
+_MLA_FIELDS: dict[str, Any] = {
+    "sliding_window": None,
+    "attention_chunk_size": None,
+    "non_causal": False,
+    "cache_dtype_str": None,
+    "topk_buffer_width": None,
+    "alignment": None,
+    "model_version": None,
+    "cache_role": "SPARSE",
+    "is_index_group_leader": False,
+    "non_causal_multi_token_decode": False,
+}
+
+
 def _qwen4_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -> dict:
     """One Qwen4-Exp attention-side cache of a vLLM-format plan as vLLM 0.33 specs it (every
     field not named here is the dataclass default, as these layers leave it; no backend of the
@@ -521,40 +558,14 @@ def _qwen4_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) 
     - ring (``QSAKeyStateCache.get_kv_cache_spec``): a ``CircularBufferSpec`` of the ring's
       slots, one bf16 head of the key (and MRoPE positions), ``head_size_v`` 0.
     """
-    base: dict[str, Any] = {
-        "block_size": p.block_size,
-        "dcp_sharded": True,
-        "block_stride_alignment": None,
-        "is_draft": False,
-        "max_tp_shards": None,
-        "num_kv_heads": p.num_kv_heads,
-        "head_size": p.head_dim,
-        "dtype": _torch_name(p.dtype),
-        "head_size_v": 0,
-        "kv_quant_mode": "NONE",
-        "page_size_padded": None,
-        "num_head_slots": None,
-        "state_content_bytes": None,
-        "tokens_per_state": p.tokens_per_state,
-    }
+    base = _spec_base(p, max_tp_shards=None)
     if p.kind == "indexer_ring":
         kind = "CircularBufferSpec"
     elif p.kind == "indexer":
         kind = "MLAAttentionSpec"
         if canonical_dtype(p.dtype).startswith("fp8"):
             base["dtype"] = "torch.float8_e4m3fn"  # QSAIndexer: e4m3 bytes, not uint8
-        base.update(
-            sliding_window=None,
-            attention_chunk_size=None,
-            non_causal=False,
-            cache_dtype_str=None,
-            topk_buffer_width=None,
-            alignment=None,
-            model_version=None,
-            cache_role="SPARSE",
-            is_index_group_leader=False,
-            non_causal_multi_token_decode=False,
-        )
+        base.update(_MLA_FIELDS)
     else:
         kind = "FullAttentionSpec"
         fp8 = canonical_dtype(p.dtype).startswith("fp8")
@@ -594,34 +605,7 @@ def _glm5_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -
       slots, two bf16 heads (key, gate score), not DCP-sharded.
     """
     spec = model.layer(p.layer.removesuffix(".ring")).spec
-    base: dict[str, Any] = {
-        "block_size": p.block_size,
-        "dcp_sharded": True,
-        "block_stride_alignment": None,
-        "is_draft": False,
-        "max_tp_shards": 1,
-        "num_kv_heads": p.num_kv_heads,
-        "head_size": p.head_dim,
-        "dtype": _torch_name(p.dtype),
-        "head_size_v": 0,
-        "kv_quant_mode": "NONE",
-        "page_size_padded": None,
-        "num_head_slots": None,
-        "state_content_bytes": None,
-        "tokens_per_state": p.tokens_per_state,
-    }
-    mla_tail = {
-        "sliding_window": None,
-        "attention_chunk_size": None,
-        "non_causal": False,
-        "cache_dtype_str": None,
-        "topk_buffer_width": None,
-        "alignment": None,
-        "model_version": None,
-        "cache_role": "SPARSE",
-        "is_index_group_leader": False,
-        "non_causal_multi_token_decode": False,
-    }
+    base = _spec_base(p, max_tp_shards=1)
     if p.kind == "indexer_ring":
         kind = "CircularBufferSpec"
         base.update(dcp_sharded=False, max_tp_shards=None)
@@ -631,7 +615,7 @@ def _glm5_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -
         base.update(
             block_stride_alignment=_multiple_of(spec.pool_tokens * max(PAGED_MQA_PAGES)),
             dtype="torch.uint8",  # the Indexer's k_cache dtype, whatever --kv-cache-dtype says
-            **mla_tail,
+            **_MLA_FIELDS,
         )
         base["cache_role"] = "INDEXER"
     else:
@@ -641,7 +625,7 @@ def _glm5_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -
         base.update(
             block_stride_alignment=p.token_stride,
             kv_quant_mode="FP8_PER_TENSOR" if fp8 else "NONE",
-            **mla_tail,
+            **_MLA_FIELDS,
         )
         base.update(
             cache_dtype_str=_cache_dtype_str(p.dtype, model.dtype),
