@@ -226,9 +226,11 @@ from ray.cluster_utils import Cluster
 from hybridkv.executors import ExecutorOptions, RayExecutor, open_executor
 import test_executors
 
-head = {{"num_cpus": 1, "include_dashboard": False}}
+# small object stores: two nodes share this machine's memory (the results are a few MB)
+store = 200 * 2**20
+head = {{"num_cpus": 1, "include_dashboard": False, "object_store_memory": store}}
 cluster = Cluster(initialize_head=True, head_node_args=head)
-cluster.add_node(num_cpus=1)
+cluster.add_node(num_cpus=1, object_store_memory=store)
 cluster.wait_for_nodes()
 ray.init(address=cluster.address, log_to_driver=False)
 
