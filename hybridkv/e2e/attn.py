@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -308,19 +309,13 @@ def install_relative_bias(module: torch.nn.Module) -> None:
     kv]``) from positions it reads off its cache (``get_mask_sizes``, ``get_query_offset``),
     which the engine's per-forward cache does not hold, and hands it over as ``position_bias``;
     the kernels take the query tokens' relative states and the layer's bank instead."""
-    if getattr(module, "hybridkv_relative_bias", False):
-        return
-    orig = module.forward
 
     def forward(hidden_states, *args, **kwargs):
-        if _CTX is None:
-            return orig(hidden_states, *args, **kwargs)
         return relative_bias_forward(
             module, hidden_states, kwargs.get("conv_mask"), kwargs.get("cache")
         )
 
-    module.forward = forward
-    module.hybridkv_relative_bias = True  # on the module: a later wrapper replaces ``forward``
+    _serve_in_engine(module, "hybridkv_relative_bias", forward)
 
 
 def relative_bias_forward(
@@ -404,20 +399,14 @@ def install_qsa(module: torch.nn.Module, rotary: torch.nn.Module) -> None:
     layer, and hands the interface a dense ``[B, 1, T, kv]`` mask of the pick; the engine keeps
     the keys in the plan's indexer pages, scores them with ``indexer_scores`` and hands the
     attention a token list instead (:func:`paged_attention`'s ``token_indices``)."""
-    if getattr(module, "hybridkv_qsa", False):
-        return
-    orig = module.forward
 
     def forward(hidden_states, *args, **kwargs):
-        if _CTX is None:
-            return orig(hidden_states, *args, **kwargs)
         rotary_states = kwargs.get("position_embeddings")
         if rotary_states is None:
             rotary_states = args[0]  # transformers passes (cos, sin) after the states
         return qsa_forward(module, rotary, hidden_states, rotary_states)
 
-    module.forward = forward
-    module.hybridkv_qsa = True  # on the module: a later wrapper would replace ``forward``
+    _serve_in_engine(module, "hybridkv_qsa", forward)
 
 
 def qsa_forward(
@@ -565,13 +554,8 @@ def install_mla(module: torch.nn.Module) -> None:
     Why not the attention interface: transformers' MLA passes the compressed latent only to
     ``Cache.update`` and hands the interface per-head K/V already expanded by ``kv_b_proj``,
     while the plan's MLA pages hold the latent that :func:`mla_decode_attention` reads."""
-    if getattr(module, "hybridkv_mla", False):
-        return
-    orig = module.forward
 
     def forward(hidden_states, *args, **kwargs):
-        if _CTX is None:
-            return orig(hidden_states, *args, **kwargs)
         if _is_dsa(module):
             return dsa_forward(module, hidden_states, kwargs.get("prev_topk_indices"))
         rotary = kwargs.get("position_embeddings")
@@ -579,8 +563,24 @@ def install_mla(module: torch.nn.Module) -> None:
             rotary = args[0]  # transformers passes (cos, sin) positionally after the states
         return mla_forward(module, hidden_states, rotary), None
 
+    _serve_in_engine(module, "hybridkv_mla", forward)
+
+
+def _serve_in_engine(module: torch.nn.Module, flag: str, engine_forward: Callable) -> None:
+    """Have ``module`` run ``engine_forward(hidden_states, *args, **kwargs)`` inside an
+    engine's forward (a context is set) and its own ``forward`` outside. ``flag``, set on the
+    module (a later wrapper would replace ``forward``), makes a second install a no-op."""
+    if getattr(module, flag, False):
+        return
+    orig = module.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        if _CTX is None:
+            return orig(hidden_states, *args, **kwargs)
+        return engine_forward(hidden_states, *args, **kwargs)
+
     module.forward = forward
-    module.hybridkv_mla = True  # on the module: a later wrapper would replace ``forward``
+    setattr(module, flag, True)
 
 
 def _is_dsa(module: torch.nn.Module) -> bool:
