@@ -288,9 +288,11 @@ class IndexerSpec(AttentionSpec):
     ``vllm/models/qwen4_exp/common/qsa_cache.py``).
 
     TP split rule: none; the key has a single head, every rank keeps it whole (vLLM: "no tensor
-    parallel, just replicated", ``max_tp_shards=1``). Kernel alignment 64 tokens: DeepGEMM's
-    paged MQA-logits kernel reads 64-token pages (vLLM's ``DeepseekV32IndexerBackend``; a
-    k-pooled GLM-5-Next indexer's is larger, see above).
+    parallel, just replicated", ``max_tp_shards=1``). Kernel alignment (``alignment``): 64
+    tokens by default, DeepGEMM's paged MQA-logits kernel reading 64-token pages (vLLM's
+    ``DeepseekV32IndexerBackend``; a k-pooled GLM-5-Next indexer's is larger, see above);
+    Qwen4-Exp's QSA keys are read by kernels that take any page (vLLM's ``QSAStateBackend``,
+    hybridkv's ``indexer_scores``), so its config reader gives 16, the Triton attention's.
 
     For the cost model only (no byte depends on them): ``index_n_heads``, the indexer's query
     heads, each scoring every scored key (0: not known, no work counted), and ``pool_tokens``,
@@ -305,10 +307,12 @@ class IndexerSpec(AttentionSpec):
     side_channels: int = 0
     index_n_heads: int = _sparse_field(0)
     pool_tokens: int = _sparse_field(1)
+    #: tokens a page of these keys must be a multiple of, for the kernel that reads them
+    alignment: int = _sparse_field(64)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _positive(self, "index_head_dim", "pool_tokens")
+        _positive(self, "index_head_dim", "pool_tokens", "alignment")
         _positive(self, "side_channels", "index_n_heads", minimum=0)
 
     @property
@@ -327,7 +331,7 @@ class IndexerSpec(AttentionSpec):
 
     @property
     def kernel_alignment(self) -> int:
-        return 64
+        return self.alignment
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from test_models import (
 )
 
 from hybridkv import models
+from hybridkv.layouts import make_plan
 from hybridkv.models.hf_config import ARCHITECTURES, FAMILIES, parse_hf_config
 
 DATA = Path(__file__).parent / "data" / "hf_configs"
@@ -636,6 +637,7 @@ def test_glm5_next_reads_every_size_field():
     mla, indexer, kda = (by_kind[k][0].spec for k in ("mla", "indexer", "kda"))
     assert (mla.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim) == (16, 256, 0)
     assert (indexer.index_head_dim, indexer.side_channels) == (64, 65)
+    assert indexer.kernel_alignment == 64  # a DSA indexer's pages: DeepGEMM's 64 tokens
     # the cost model's: a query attends index_topk tokens plus the open k-pool's tail, the
     # indexer scores one key per k-pool with index_n_heads heads
     assert (mla.sparse_topk, indexer.index_n_heads, indexer.pool_tokens) == (512 + 7, 8, 8)
@@ -729,6 +731,10 @@ def test_qwen4_exp_reads_every_size_field():
     assert (indexer.index_head_dim, indexer.side_channels) == (128, 0)
     # a query attends indexer_budget tokens of whole blocks plus the open block's tail
     assert (attn.sparse_topk, indexer.index_n_heads, indexer.pool_tokens) == (2048 + 15, 16, 16)
+    # QSA's kernels take any page: the GQA's 16-token alignment rules hybridkv's own layouts,
+    # not a DSA indexer's 64 (DeepGEMM), which would make per_group's blocks 64 tokens
+    assert (indexer.kernel_alignment, model.kernel_alignment) == (16, 16)
+    assert make_plan(model, "per_group", memory="8GiB", max_num_seqs=8).block_size == 16
     assert (ple.conv_dim, ple.conv_kernel, ple.dilation) == (4 * 2048, 4, 3)
     assert spec["gated_deltanet"].ssm_dtype == "bfloat16"  # vLLM: auto is the conv dtype
     assert "missing" not in model.doubts

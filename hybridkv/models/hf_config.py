@@ -944,6 +944,9 @@ def _qwen4_exp(c: _Config) -> list[dict[str, Any]]:
                     "index_head_dim": c.integer("indexer_head_dim"),
                     "index_n_heads": c.integer("indexer_n_heads"),
                     "pool_tokens": ratio,
+                    # QSA kernels take any page (vLLM's QSAStateBackend; indexer_scores): the
+                    # gated GQA's 16, not DeepGEMM's 64 of a DSA indexer
+                    "alignment": 16,
                     "layers": attn,
                 }
             )
