@@ -187,48 +187,28 @@ class MarconiScorer:
         self._eff[unit] = (start, end, eff)
         return eff
 
-    def _efficiencies(self, cands: list[tuple[bytes, int, int, bool]]) -> list[float]:
-        """:meth:`_efficiency_of` of every candidate, the remembered segment starts and
-        efficiencies checked in one loop (every eviction scores every candidate, a few hundred
-        at a time, and nearly all of them are remembered)."""
-        g = self.chain_group
-        if g is None:
-            return [self._efficiency_of(u, P) for u, P, _, _ in cands]
-        starts, effs, children_of = self._start.get, self._eff.get, self.index.children.get
-        g0 = self.state_groups[0]
-        lookup = self.pool_of[g0].lookup
-        out = []
-        for u, P, _, _ in cands:
-            memo = starts(u)
-            kept = effs(u)
-            if (
-                memo is not None
-                and kept is not None
-                and kept[0] == memo[0]
-                and kept[1] == P
-                and (
-                    (at := memo[1]) is None
-                    or len(children_of((g, at), ())) > 1
-                    or lookup((g0, at)) is not None
-                )
-            ):
-                out.append(kept[2])  # segment_start's remembered start holds, as does eff
-            else:
-                out.append(self._efficiency_of(u, P))
-        return out
-
     def candidates(self) -> list[tuple[bytes, int, int, bool]]:
         """(unit, tokens, last access, is a leaf) of every free cached state that is not a
         branch point; forgets states no longer cached."""
+        return [c[:4] for c in self._scan(with_efficiency=False)]
+
+    def _scan(self, with_efficiency: bool) -> list[tuple[bytes, int, int, bool, float]]:
+        """:meth:`candidates`, each with its segment's :meth:`efficiency` (0.0 unless
+        ``with_efficiency``), in one pass over the tracked states: every eviction scores every
+        candidate, a few hundred at a time, and nearly all of their efficiencies are
+        remembered, so the pass is the scorer's cost (a remembered efficiency is used while
+        :meth:`segment_start`'s check of its start holds and its end is the same)."""
         if not self.state_groups:
             return []
         g0 = self.state_groups[0]
         pool = self.pool_of[g0]
-        entries, children, chain = self.index.entries, self.index.children, self.chain_group
-        h = self.h
+        chain, h = self.chain_group, self.h
+        refcount, entry_of = pool.refcount, self.index.entries.get
+        children_of, lookup = self.index.children.get, pool.lookup
+        starts, effs = self._start.get, self._eff.get
+        memo_checks = with_efficiency and chain is not None
         out = []
         gone = []
-        refcount, entry_of, children_of = pool.refcount, entries.get, children.get
         for u, ts in self.last_access.items():
             e = entry_of((g0, u))
             if e is None:
@@ -239,7 +219,29 @@ class MarconiScorer:
             kids = len(children_of((chain, u), ())) if chain is not None else 0
             if kids > 1:
                 continue  # a branch point: every branch hits there
-            out.append((u, (e.first_unit + 1) * h, ts, kids == 0))  # a state: one unit
+            P = (e.first_unit + 1) * h  # a state: one unit
+            eff = 0.0
+            if memo_checks:
+                memo, kept = starts(u), effs(u)
+                if (
+                    memo is not None
+                    and kept is not None
+                    and kept[0] == memo[0]
+                    and kept[1] == P
+                    and (
+                        (at := memo[1]) is None
+                        or len(children_of((chain, at), ())) > 1
+                        or lookup((g0, at)) is not None
+                    )
+                ):
+                    eff = kept[2]  # segment_start's remembered start holds, as does eff
+                else:
+                    eff = self._efficiency_of(u, P)
+            elif with_efficiency:
+                eff = self._efficiency_of(u, P)
+            out.append((u, P, ts, kids == 0, eff))
+        # (scoring a state never reads a gone unit's memo: its segment's walk stops only at
+        # a state still cached, and its own memo is its own)
         for u in gone:  # segments that started at u walk again when next scored
             del self.last_access[u]
             self._start.pop(u, None)
@@ -249,17 +251,18 @@ class MarconiScorer:
     def utilities(self) -> dict[bytes, tuple[float, int, bool]]:
         """unit -> (utility, tokens, is a leaf) of every :meth:`candidates` state, recency and
         efficiency normalised over all of them (Marconi scores every evictable node at once)."""
-        cands = self.candidates()
+        alpha = self.alpha
+        cands = self._scan(with_efficiency=bool(alpha))
         if not cands:
             return {}
         now = self.clock + 1
-        recency = _normalise([1.0 / (now - ts) for _, _, ts, _ in cands])
-        if self.alpha:
-            eff = _normalise(self._efficiencies(cands))
-            utility = [r + self.alpha * e for r, e in zip(recency, eff)]
+        recency = _normalise([1.0 / (now - c[2]) for c in cands])
+        if alpha:
+            eff = _normalise([c[4] for c in cands])
+            utility = [r + alpha * e for r, e in zip(recency, eff)]
         else:
             utility = recency
-        return {u: (x, P, leaf) for (u, P, _, leaf), x in zip(cands, utility)}
+        return {c[0]: (x, c[1], c[3]) for c, x in zip(cands, utility)}
 
 
 class MarconiEvictor:
