@@ -79,6 +79,10 @@ class Decode:
     kv_dtype: str = "bfloat16"
     block_size: int = 16  # flat caches only
     heads: tuple[int, int, int] | None = None  # flat caches: (Hq, Hkv, D); None: the model's
+    #: a token list of this many entries a request (0: dense): Qwen4-Exp's QSA pick, the top
+    #: ``(sparse - QSA_RATIO + 1) / QSA_RATIO`` groups of ``QSA_RATIO`` tokens of the context
+    #: and the open group's ``QSA_RATIO - 1`` newest tokens (``plan_decode(token_indices=)``)
+    sparse: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +136,9 @@ class Indexer:
 
 
 QWEN, NEMOTRON, KIMI = "qwen3-next-80b-a3b", "nemotron-h-8b", "kimi-linear-48b-a3b"
+#: Qwen4-Exp's QSA at transformers' sizes: groups of 16 tokens, a budget of 2,048 tokens, so a
+#: list of 2,048 + 15 entries (the open group's tail)
+QSA_RATIO, QSA_LIST = 16, 2048 + 15
 #: GLM-5-Next's indexer: heads, index_head_dim, index_kpool, page tokens
 INDEXER_SIZES = (32, 128, 16, 64)
 
@@ -157,6 +164,10 @@ def suite_cases() -> list:
         Decode(QWEN, "flat", 64, 8192, heads=(32, 2, 128)),  # GQA 16
         Decode(QWEN, "per_group", 64, 8192, kv_dtype="float8_e4m3fn"),
         Decode(NEMOTRON, "per_group", 64, 8192, kv_dtype="float8_e4m3fn"),
+        # Qwen4-Exp's sparse walk (its GQA has Qwen3-Next's heads: 16 / 2 / 256) on 16-token
+        # pages: no config is measured for it yet (swept as an unmeasured kernel)
+        Decode(QWEN, "per_group", 8, 32768, sparse=QSA_LIST),
+        Decode(QWEN, "per_group", 64, 8192, sparse=QSA_LIST),
     ]
     for model, large in ((QWEN, "inflate"), (NEMOTRON, "aggregate")):
         for layout in ("per_group", large):
@@ -207,6 +218,7 @@ def quick_cases() -> list:
         Decode(tiny, "per_group", 2, 70, kv_dtype="float16"),
         Decode(tiny, "inflate", 1, 130, kv_dtype="float16"),
         Decode(tiny, "flat", 2, 64, kv_dtype="float16", heads=(4, 2, 32)),
+        Decode(tiny, "per_group", 2, 70, kv_dtype="float16", sparse=2 * QSA_RATIO + 15),
         Prefill(tiny, "per_group", (20, 7), (0, 40), kv_dtype="float16"),
         Mla(KIMI, "per_group", 1, 70, kv_dtype="float16"),
         States("gather", 2, 4096),
@@ -395,12 +407,14 @@ def prepare_decode(case: Decode, device) -> Prepared | None:
     q = torch.randn(case.batch, hq, d, device=device).to(q_dtype)
     k_scale, v_scale = _scales(k.dtype, device)
     out = torch.empty(case.batch, hq, d, dtype=q_dtype, device=device)
+    indices = qsa_token_lists(case.batch, case.context, case.sparse, device)
+    sparse = {} if indices is None else {"token_indices": indices}
 
     def plan(**overrides):
         return paged_decode.plan_decode(
             tables, seq, num_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=k.shape[1],
             cache_dtype=k.dtype, q_dtype=q_dtype, scale=d**-0.5, max_seq_len=case.context,
-            **overrides,
+            **sparse, **overrides,
         )  # fmt: skip
 
     def candidates(default) -> list[dict]:
@@ -412,20 +426,47 @@ def prepare_decode(case: Decode, device) -> Prepared | None:
     def peer():
         return _vllm(hq, hkv, d, d**-0.5, device).prepare(q, k, v, tables, seq)
 
+    read = case.sparse or case.context  # tokens whose K and V a request reads
     return Prepared(
-        measure={"bytes": case.batch * case.context * hkv * 2 * d * k.element_size()},
+        measure={"bytes": case.batch * read * hkv * 2 * d * k.element_size()},
         block_size=k.shape[1],
         plan=plan,
-        launch=lambda p: lambda: p.run(q, k, v, k_scale, v_scale, out=out),
+        launch=lambda p: lambda: p.run(q, k, v, k_scale, v_scale, out=out, **sparse),
         candidates=candidates,
         info=lambda p: {
             "config": str(p.config),
             "config_source": p.config_source,
             "num_splits": p.num_splits,
         },
-        peer=peer if k.dtype == q_dtype else None,
+        # vLLM's Triton attention has no token-list walk
+        peer=peer if k.dtype == q_dtype and indices is None else None,
         result=lambda: out,
     )
+
+
+def qsa_token_lists(batch: int, context: int, width: int, device) -> torch.Tensor | None:
+    """``[batch, width]`` int32 token lists as Qwen4-Exp's QSA picks them for a query at the
+    context's last position: ``(width - QSA_RATIO + 1) / QSA_RATIO`` random complete groups of
+    ``QSA_RATIO`` tokens (in score order, so unsorted), then the open group's tokens, -1
+    padded; None for ``width`` 0 (dense)."""
+    if not width:
+        return None
+    groups = (width - QSA_RATIO + 1) // QSA_RATIO
+    complete, tail = divmod(context, QSA_RATIO)
+    if groups * QSA_RATIO + QSA_RATIO - 1 != width or groups > complete:
+        raise ValueError(
+            f"a QSA list of {width} entries is {QSA_RATIO}-token groups plus a tail of "
+            f"{QSA_RATIO - 1} in a context of {context} tokens ({complete} complete groups)"
+        )
+    out = torch.full((batch, width), -1, dtype=torch.int64)
+    offsets = torch.arange(QSA_RATIO)
+    for b in range(batch):
+        picked = torch.randperm(complete)[:groups]
+        out[b, : groups * QSA_RATIO] = (picked[:, None] * QSA_RATIO + offsets).flatten()
+        out[b, groups * QSA_RATIO : groups * QSA_RATIO + tail] = (
+            complete * QSA_RATIO + offsets[:tail]
+        )
+    return out.to(torch.int32).to(device)
 
 
 def _causal_pairs(q_lens, cached) -> int:
@@ -758,7 +799,7 @@ def run_case(case, ctx: Ctx, seen_sdpa: set) -> None:
     run_prepared(case, ctx)
     if not ctx.peers or getattr(case, "kv_dtype", "") not in ("bfloat16", "float16"):
         return
-    if isinstance(case, Decode):
+    if isinstance(case, Decode) and not case.sparse:  # SDPA's dense decode is no peer of a list
         key = (case.model, case.heads, case.batch, case.context)
         if key not in seen_sdpa:
             seen_sdpa.add(key)

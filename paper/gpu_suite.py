@@ -10,8 +10,8 @@ In order:
    cache writes, prefill), beside vLLM 0.33's Triton attention and SDPA on the same caches;
 3. the host time of every wrapper and ``plan.run`` call (``paper.bench_host``);
 4. a config sweep (every fitting config of ``CONFIGS``, and split counts for decode) of each
-   case that misses its goal, and of the DSA indexer's cases (its config table is not measured
-   yet), within what is left of the time budget;
+   case that misses its goal, and of the DSA indexer's and the sparse decode's cases (their
+   configs are not measured yet), within what is left of the time budget;
 5. the goals of the kernel issues, met or missed, with the numbers.
 
 Results, with device, date, versions and commit, go into ``paper/results/``:
@@ -107,8 +107,9 @@ class Goal:
 
 def _label(r: dict) -> str:
     keys = ("case", "model", "layout", "block_size", "batch", "context", "q_lens", "cached")
-    keys += ("kv_dtype", "heads", "op", "tokens", "row_bytes", "q_tokens", "q_dtype")
-    return " ".join(f"{k}={r[k]}" for k in keys if r.get(k) not in (None, ""))
+    keys += ("kv_dtype", "heads", "op", "tokens", "row_bytes", "q_tokens", "q_dtype", "sparse")
+    shown = [k for k in keys if r.get(k) not in (None, "") and not (k == "sparse" and not r[k])]
+    return " ".join(f"{k}={r[k]}" for k in shown)
 
 
 def _ours(rows: list[dict], case: str, **where) -> list[dict]:
@@ -127,7 +128,7 @@ def _paired(rows: list[dict], case: str, peer: str, measure: str) -> list[tuple[
     def key(r):
         return tuple(
             (k, str(v)) for k, v in sorted(r.items()) if k in ("model", "layout", "batch",
-            "context", "q_lens", "cached", "kv_dtype", "heads", "block_size")
+            "context", "q_lens", "cached", "kv_dtype", "heads", "block_size", "sparse")
         )  # fmt: skip
 
     theirs = {key(r): r for r in rows if r["case"] == case and r["impl"] == peer}
@@ -146,11 +147,20 @@ def _fp8_ratio(rows: list[dict], case: str) -> list[tuple[str, float]]:
         same = [
             b
             for b in _ours(rows, case, kv_dtype="bfloat16")
-            if all(b.get(k) == r.get(k) for k in ("model", "layout", "batch", "context", "q_lens"))
+            if all(
+                b.get(k) == r.get(k)
+                for k in ("model", "layout", "batch", "context", "q_lens", "sparse")
+            )
         ]
         if same:
             out.append((_label(r), r["ms"] / same[0]["ms"]))
     return out
+
+
+def _dense(width: int | None) -> bool:
+    """A decode row that attends every cached token (no token list; older rows lack the
+    field): the dense goals leave the sparse walk's rows out."""
+    return not width
 
 
 def _pct(rs: list[dict]) -> list[tuple[str, float]]:
@@ -167,13 +177,13 @@ GOALS = (
         27, "decode >= 90%",
         "Decode >= 90% of copy bandwidth at batch >= 8 and context >= 4k on every page size",
         lambda rows: _pct(_ours(rows, "decode", kv_dtype=BF16, batch=lambda b: b >= 8,
-                                context=lambda c: c >= 4096)),
+                                context=lambda c: c >= 4096, sparse=_dense)),
         90, "% copy",
     ),
     Goal(
         27, "decode batch 1 >= 60%", "Decode >= 60% at batch 1 and context >= 32k",
         lambda rows: _pct(_ours(rows, "decode", kv_dtype=BF16, batch=1,
-                                context=lambda c: c >= 32768)),
+                                context=lambda c: c >= 32768, sparse=_dense)),
         60, "% copy",
     ),
     Goal(
@@ -280,11 +290,16 @@ def sweep(missed_rows: list[dict], device, deadline: float, say) -> list[dict]:
 
 
 def _unmeasured_rows(rows: list[dict], kinds: list[str] | None) -> list[dict]:
-    """Our rows of the kernels with no measured config table yet (the DSA indexer): swept
-    whether or not a goal names them, after the missed goals' cases."""
-    if kinds is not None and "indexer" not in kinds:
-        return []
-    return [r for r in rows if r["impl"] == "hybridkv" and r["case"] == "indexer"]
+    """Our rows of the kernels with no measured config table yet (the DSA indexer, the GQA
+    decode's sparse walk): swept whether or not a goal names them, after the missed goals'
+    cases, when their kind is swept."""
+    return [
+        r
+        for r in rows
+        if r["impl"] == "hybridkv"
+        and (r["case"] == "indexer" or (r["case"] == "decode" and r.get("sparse")))
+        and (kinds is None or r["case"] in kinds)
+    ]
 
 
 def _missed_rows(rows: list[dict], goals: list[dict], kinds: list[str] | None) -> list[dict]:
@@ -300,7 +315,7 @@ def _missed_rows(rows: list[dict], goals: list[dict], kinds: list[str] | None) -
     seen, out = set(), []
     for r in picked:
         key = tuple(str(r.get(k)) for k in ("case", "model", "block_size", "kv_dtype", "heads",
-                                             "batch", "op"))  # fmt: skip
+                                             "batch", "op", "sparse"))  # fmt: skip
         if key not in seen:
             seen.add(key)
             out.append(r)

@@ -23,6 +23,11 @@ def test_bench_kernels_quick(tmp_path):
     assert {r["layout"] for r in decode} == {"per_group", "inflate", "flat"}
     for r in decode:  # what the plan chose is recorded beside the time
         assert r["config"].startswith("BLOCK_N=") and r["config_source"] and r["num_splits"] >= 1
+    # the sparse walk: its bytes are the listed tokens', not the context's; no peer runs it
+    (sparse,) = [r for r in rows if r["case"] == "decode" and r["sparse"]]
+    (dense,) = [r for r in decode if r["layout"] == "per_group" and not r["sparse"]]
+    assert sparse["impl"] == "hybridkv" and (sparse["batch"], sparse["context"]) == (2, 70)
+    assert sparse["bytes"] * dense["context"] == dense["bytes"] * sparse["sparse"]
     assert data["meta"]["interpreter"] is True and data["meta"]["commit"]
     assert all(r["ms"] > 0 for r in rows)
     assert all(r["pct_copy"] > 0 for r in rows if "bytes" in r)
@@ -94,6 +99,17 @@ def test_goals_are_judged_from_rows():
     goals = {g["goal"]: g for g in evaluate(rows, host)}
     assert goals["host <= 30 us"]["missed"] == ["mla_decode"]
     assert goals["CUDA graphs"]["missed"] == ["mla_decode"]
+    # a sparse decode row at the same shape is no dense row: the dense goals ignore it, it pairs
+    # with no vLLM row and no fp8 row, and its label says it is sparse
+    slow_sparse = {**decode("hybridkv", 9.0, 5.0), "sparse": 2063}
+    goals = {g["goal"]: g for g in evaluate([*rows, slow_sparse], host=[])}
+    assert goals["decode >= 90%"]["worst"]["value"] == 80.0
+    assert goals["decode >= 90%"]["measured"] == 2
+    assert goals["decode vs vLLM"]["status"] == "met"
+    assert goals["fp8 decode <= 0.6x"]["status"] == "met"
+    from paper.gpu_suite import _label
+
+    assert "sparse=2063" in _label(slow_sparse) and "sparse" not in _label(rows[0])
 
 
 @pytest.mark.slow
@@ -127,12 +143,14 @@ def test_indexer_cases_are_swept_without_a_goal():
 
     rows = [
         {"case": "indexer", "impl": "hybridkv", "batch": 2},
-        {"case": "decode", "impl": "hybridkv", "batch": 2},
+        {"case": "decode", "impl": "hybridkv", "batch": 2, "sparse": 0},
         {"case": "indexer", "impl": "torch", "batch": 2},
+        {"case": "decode", "impl": "hybridkv", "batch": 2, "sparse": 47},  # the sparse walk
     ]
-    assert _unmeasured_rows(rows, None) == rows[:1]
+    assert _unmeasured_rows(rows, None) == [rows[0], rows[3]]
     assert _unmeasured_rows(rows, ["indexer"]) == rows[:1]
-    assert _unmeasured_rows(rows, ["decode", "prefill"]) == []
+    assert _unmeasured_rows(rows, ["decode", "prefill"]) == rows[3:]
+    assert _unmeasured_rows(rows, ["mla"]) == []
     row = {"case": "indexer", "impl": "hybridkv", "batch": 1, "context": 40, "q_tokens": 3,
            "q_dtype": "float32", "ms": 1.0, "pct_copy": 1.0}  # fmt: skip
     swept = bk.sweep_case(row, torch.device("cpu"), deadline=float("inf"))
@@ -141,6 +159,33 @@ def test_indexer_cases_are_swept_without_a_goal():
     assert len(swept) == len(CONFIGS)  # the interpreter's pinned config is not in CONFIGS
     assert {r["config"] for r in swept} == {str(c) for c in CONFIGS}
     assert all(r["value"] > 0 for r in swept)
+
+
+def test_sparse_decode_sweep_and_qsa_lists():
+    """The sparse decode's benchmark lists are QSA's picks (whole 16-token groups of the
+    context plus the open group's tail, each position once); its sweep plans every candidate
+    with the list and runs."""
+    import torch
+
+    from paper import bench_kernels as bk
+
+    lists = bk.qsa_token_lists(3, 70, 2 * bk.QSA_RATIO + 15, torch.device("cpu"))
+    assert lists.shape == (3, 47) and lists.dtype == torch.int32
+    for row in lists.tolist():
+        listed = [t for t in row if t >= 0]
+        assert len(listed) == len(set(listed)) == 2 * 16 + 70 % 16
+        groups = listed[:32]
+        assert all(g[0] % 16 == 0 and g == list(range(g[0], g[0] + 16)) for g in
+                   (groups[:16], groups[16:]))  # fmt: skip
+        assert listed[32:] == list(range(64, 70)) and row[38:] == [-1] * 9
+    assert bk.qsa_token_lists(1, 70, 0, torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="16-token groups"):
+        bk.qsa_token_lists(1, 70, 40, torch.device("cpu"))
+    row = {"case": "decode", "impl": "hybridkv", "model": "qwen3.5-0.8b", "layout": "per_group",
+           "batch": 2, "context": 70, "kv_dtype": "float16", "sparse": 47, "ms": 1.0,
+           "pct_copy": 1.0}  # fmt: skip
+    swept = bk.sweep_case(row, torch.device("cpu"), deadline=float("inf"))
+    assert swept and all(r["value"] > 0 for r in swept), swept
 
 
 @pytest.mark.parametrize("capability, padded", [((9, 0), True), ((8, 0), False)])

@@ -147,7 +147,7 @@ def answer_ids(request: Request) -> list[int]:
     leave int32)."""
     n = int(request.output_length)
     if request.output_ids is not None:
-        return list(map(int, np.asarray(request.output_ids[:n], np.int64)))
+        return np.asarray(request.output_ids[:n], np.int64).tolist()  # Python ints, at C speed
     rid = request.request_id
     if not 0 <= rid < _REST - _FIRST or n >= _REST - _FIRST:
         raise ValueError(
