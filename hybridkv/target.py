@@ -126,7 +126,7 @@ def indexer_kernel_block(model: HybridModel, spec: IndexerSpec) -> int:
     ``index_kpool`` of 16. Other indexers keep one key per token (DeepSeek-V3.2's
     ``DeepseekV32IndexerBackend``: 64), which the spec states. Qwen4-Exp's QSA caches run on
     ``QSAStateBackend``, which takes any block (1)."""
-    family = (model.family or "").strip().lower()
+    family = model.family_key
     if family in GLM5_NEXT_FAMILIES:
         return spec.pool_tokens * PAGED_MQA_MIN_PAGE
     if family in QWEN4_EXP_FAMILIES:
@@ -149,7 +149,7 @@ def vllm_state_page_floor(model: HybridModel) -> int:
     (``hc_count * hidden_size`` channels, ``(ple_conv_kernel_size - 1) * ngram_size`` rows plus
     the speculative ones, in the conv dtype, whole on every rank), whether or not any layer is
     in ``ple_layer_ids``; 0 for other models (their states' own pages decide)."""
-    if (model.family or "").strip().lower() not in QWEN4_EXP_FAMILIES:
+    if model.family_key not in QWEN4_EXP_FAMILIES:
         return 0
     ple = [layer.spec for layer in model.state_layers if isinstance(layer.spec, PLEConvSpec)]
     if ple:
@@ -178,7 +178,7 @@ def glm5_next_kda_backend(model: HybridModel, gpu: str) -> str | None:
     dtype is bfloat16, ``linear_head_dim`` is 128 and the gate is bounded
     (``linear_lower_bound`` set; transformers' default is -5.0, so a config without the key has
     one)."""
-    if (model.family or "").strip().lower() not in GLM5_NEXT_FAMILIES:
+    if model.family_key not in GLM5_NEXT_FAMILIES:
         return None
     kda = [layer.spec for layer in model.state_layers if isinstance(layer.spec, KDASpec)]
     if not kda:

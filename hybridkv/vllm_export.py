@@ -501,7 +501,7 @@ def _multiple_of(base: int) -> dict[str, int]:
 
 def _packed_attention_spec(plan: MemoryPlan, model: HybridModel, p: KVPlacement) -> dict:
     """One attention-side cache of a vLLM-format (packed) plan as vLLM 0.33 specs it."""
-    if (model.family or "").strip().lower() in GLM5_NEXT_FAMILIES:
+    if model.family_key in GLM5_NEXT_FAMILIES:
         return _glm5_attention_spec(plan, model, p)
     return _qwen4_attention_spec(plan, model, p)
 
@@ -790,7 +790,7 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
     if plan.kv_cache_layout is not None:
         return _packed_config(plan, model, names)
     if any(isinstance(layer.spec, IndexerSpec) for layer in model.layers):
-        glm = (model.family or "").strip().lower() in GLM5_NEXT_FAMILIES
+        glm = model.family_key in GLM5_NEXT_FAMILIES
         reason = _TRANSFORMERS_INDEXER if glm else _TRANSFORMERS_QSA
         raise ValueError(reason.format(name=model.name))
     covered = [name for g in plan.groups for name in g.layers]

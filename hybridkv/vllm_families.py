@@ -303,7 +303,7 @@ def vllm_family(model: HybridModel) -> VllmFamily:
     ``model.extra["architectures"]`` (or the model's label) names the causal-LM class
     (``Qwen3_5ForCausalLM``, ``Glm5NextForCausalLM``, ``Qwen4ExpForCausalLM``).
     """
-    family = (model.family or "").strip().lower()
+    family = model.family_key
     reason = _NOT_SERVED.get(family) or _NOT_MODELLED.get(family)
     if reason is not None:
         raise ValueError(f"{model.name}: cannot export a vLLM KVCacheConfig: {reason}")

@@ -119,7 +119,7 @@ def plan_with_config(model: HybridModel, layout: str, config: PlanConfig) -> Mem
     target = config.target
     if (
         target.indexer_kv_dtype != "auto"
-        and (model.family or "").strip().lower() in QWEN4_EXP_FAMILIES
+        and model.family_key in QWEN4_EXP_FAMILIES
         and not uses_vllm_packing(model, target.cache_formats)
         and any(isinstance(layer.spec, IndexerSpec) for layer in model.layers)
     ):

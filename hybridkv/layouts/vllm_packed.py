@@ -170,17 +170,13 @@ _BF16_PER_INT64 = 4
 _ROPE_AXES = 3
 
 
-def _family(model: HybridModel) -> str:
-    return (model.family or "").strip().lower()
-
-
 def uses_vllm_packing(model: HybridModel, target_cache_formats: str) -> bool:
     """Whether ``inflate`` plans ``model`` with :func:`plan_vllm_packed`: GLM-5-Next or Qwen4-Exp
     with a sparse-attention indexer, in vLLM's cache formats. (Without an indexer, vLLM 0.33
     builds their attention and state pages equal, the plain ``inflate``.)"""
     return (
         target_cache_formats == "vllm"
-        and _family(model) in GLM5_NEXT_FAMILIES | QWEN4_EXP_FAMILIES
+        and model.family_key in GLM5_NEXT_FAMILIES | QWEN4_EXP_FAMILIES
         and any(isinstance(layer.spec, IndexerSpec) for layer in model.layers)
     )
 
@@ -531,7 +527,8 @@ def _uses_mrope(model: HybridModel) -> bool:
     strips it, ``Qwen4ExpForCausalLMConfig``)."""
     # the wrapper keeps it (Qwen4ExpForConditionalGeneration; a config read from config.json
     # is the wrapper unless its architectures name the causal LM: vllm_families)
-    if find_vllm_family(model) is None or find_vllm_family(model).key != "qwen4_exp":
+    vllm_family = find_vllm_family(model)
+    if vllm_family is None or vllm_family.key != "qwen4_exp":
         return False
     text = _text_config(model)
     for key in ("rope_parameters", "rope_scaling"):
@@ -679,7 +676,7 @@ def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
     """``inflate`` for GLM-5-Next or Qwen4-Exp in vLLM's cache formats: vLLM 0.33's packed
     layout (see the module docstring)."""
     rules = config.target.resolve(model)
-    glm = _family(model) in GLM5_NEXT_FAMILIES
+    glm = model.family_key in GLM5_NEXT_FAMILIES
     if glm:
         _check_glm5(model, config, rules)
         caches, rule, state_page, state_bytes = _glm5_caches(model, rules, config)

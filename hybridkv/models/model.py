@@ -127,6 +127,12 @@ class HybridModel:
         """Bytes of one request's recurrent state on one TP rank, over all state layers."""
         return sum(layer.spec.state_bytes for layer in self.state_layers)  # type: ignore[attr-defined]
 
+    @property
+    def family_key(self) -> str:
+        """``family`` as the family tables key it (HF ``model_type``: stripped, lower case;
+        "" when not known)."""
+        return (self.family or "").strip().lower()
+
     @cached_property
     def kernel_alignment(self) -> int:
         """Tokens an attention block must be a multiple of: the largest
