@@ -483,8 +483,8 @@ def qsa_top_k(
 
     def make_plan():
         """Where the forward's new rows go, the scores' plan (each request's complete groups
-        at the end of the forward) and the rotary at each group's first position (the same
-        for every QSA layer of the forward: the first one makes them)."""
+        at the end of the forward), the rotary at each group's first position and the heads'
+        weights (the same for every QSA layer of the forward: the first one makes them)."""
         table = ctx.table(gid).to(torch.int32).contiguous()
         write = (table.to(torch.int64)[seg, pos // bs], pos % bs)
         seen = torch.zeros(len(cu) - 1, dtype=torch.int64).scatter_reduce(
@@ -500,13 +500,14 @@ def qsa_top_k(
         most = max(int(groups.max()), 1)
         starts = (torch.arange(most) * ratio).view(1, 1, -1).expand(3, 1, -1)  # text: 3 equal
         g_cos, g_sin = rotary(hidden_states, starts)  # [1, most, rot] in the model dtype
-        return write, scores, g_cos[0].float().contiguous(), g_sin[0].float().contiguous()
+        # the heads' ReLU'd dots are summed and divided by sqrt(D): one weight for every head
+        weights = torch.full((n, heads), dim**-0.5, dtype=torch.float32)
+        return write, scores, g_cos[0].float().contiguous(), g_sin[0].float().contiguous(), weights
 
     plan_key = ("qsa", gid, b, t, ratio, dim, heads, rows.dtype)
-    (blocks, slots), plan, g_cos, g_sin = ctx.kernel_plan(plan_key, make_plan)
+    (blocks, slots), plan, g_cos, g_sin, weights = ctx.kernel_plan(plan_key, make_plan)
     rows[blocks, slots, 0] = raw.reshape(n, dim).to(rows.dtype)
     norm = (1.0 + ix.k_layernorm.weight.float()).contiguous()
-    weights = torch.full((n, heads), dim**-0.5, dtype=torch.float32)
     scores = plan.run(
         q.reshape(n, heads, dim).float().contiguous(), weights, rows, norm=norm, cos=g_cos,
         sin=g_sin,
