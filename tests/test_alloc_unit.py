@@ -5,7 +5,9 @@ test_alloc_state_machine.py."""
 from __future__ import annotations
 
 import functools
+import heapq
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -35,7 +37,7 @@ from hybridkv.alloc.hashing import (
     hash_tokens,
     token_array,
 )
-from hybridkv.alloc.marconi import MarconiScorer
+from hybridkv.alloc.marconi import MarconiScorer, Ranking, _normalise
 from hybridkv.layouts import make_plan
 
 
@@ -561,6 +563,40 @@ def test_marconi_eviction_weighs_recency_against_value():
     assert set(s.utilities()) == {units[7]}
     with pytest.raises(ValueError, match="marconi_alpha"):
         MarconiScorer(index, p, {}, alpha=-1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5, 2.0]), max_size=40))
+def test_ranking_order_is_a_heap_of_utility_then_candidate_order(values):
+    """The evictors take candidates in ``Ranking.order``: least utility first, ties in the
+    scorer's candidate order, exactly as the heap of ``(utility, index)`` they used to pop
+    (values drawn from a few, so ties are common)."""
+    n = len(values)
+    ranking = Ranking(
+        [bytes([i]) for i in range(n)],
+        list(range(n)),
+        [True] * n,
+        np.array(values, dtype=np.float64),
+    )
+    heap = [(x, i) for i, x in enumerate(values)]
+    heapq.heapify(heap)
+    assert list(ranking.order()) == [heapq.heappop(heap)[1] for _ in range(n)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=50), st.integers(1, 10**6))
+def test_normalised_recency_is_the_float_arithmetic_of_python(stamps, ahead):
+    """The ranking's numpy arithmetic gives, bit for bit, what the scorer computed on Python
+    floats (one IEEE rounding per operation either way): evictions do not move."""
+    now = max(stamps) + ahead
+    values = [1.0 / (now - t) for t in stamps]
+    lo, hi = min(values), max(values)
+    expected = [1.0] * len(values) if hi == lo else [(v - lo) / (hi - lo) for v in values]
+    got = _normalise(1.0 / (now - np.array(stamps, dtype=np.int64))).tolist()
+    assert got == expected
+    mixed = [r + 0.7 * e for r, e in zip(expected, expected[::-1])]
+    arr = np.array(expected)
+    assert (arr + 0.7 * arr[::-1]).tolist() == mixed
 
 
 def test_policy_errors():

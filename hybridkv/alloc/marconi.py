@@ -28,9 +28,10 @@ does the same with ``marconi_alpha="auto"``).
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
 
 from .reach import Reach
 
@@ -43,6 +44,7 @@ __all__ = [
     "MarconiPoolEvictor",
     "MarconiScorer",
     "PrefillFlops",
+    "Ranking",
     "install_marconi_eviction",
     "tokens_as_flops",
 ]
@@ -57,12 +59,13 @@ def tokens_as_flops(new: int, cached: int) -> float:
     return float(new)
 
 
-def _normalise(values: list[float]) -> list[float]:
-    lo, hi = min(values), max(values)
+def _normalise(values: np.ndarray) -> np.ndarray:
+    """Min-max normalised ``values`` (all 1.0 when they are equal). Element by element the
+    same IEEE operations as on Python floats, so a ranking does not depend on which is used."""
+    lo, hi = values.min(), values.max()
     if hi == lo:
-        return [1.0] * len(values)
-    span = hi - lo
-    return [(v - lo) / span for v in values]
+        return np.ones(len(values))
+    return (values - lo) / (hi - lo)
 
 
 class MarconiScorer:
@@ -190,24 +193,33 @@ class MarconiScorer:
     def candidates(self) -> list[tuple[bytes, int, int, bool]]:
         """(unit, tokens, last access, is a leaf) of every free cached state that is not a
         branch point; forgets states no longer cached."""
-        return [c[:4] for c in self._scan(with_efficiency=False)]
+        units, ends, stamps, leaves, _ = self._scan(with_efficiency=False)
+        return list(zip(units, ends, stamps, leaves))
 
-    def _scan(self, with_efficiency: bool) -> list[tuple[bytes, int, int, bool, float]]:
-        """:meth:`candidates`, each with its segment's :meth:`efficiency` (0.0 unless
-        ``with_efficiency``), in one pass over the tracked states: every eviction scores every
-        candidate, a few hundred at a time, and nearly all of their efficiencies are
-        remembered, so the pass is the scorer's cost (a remembered efficiency is used while
-        :meth:`segment_start`'s check of its start holds and its end is the same)."""
+    def _scan(
+        self, with_efficiency: bool
+    ) -> tuple[list[bytes], list[int], list[int], list[bool], list[float]]:
+        """:meth:`candidates` as parallel lists (units, tokens, last accesses, leaves), with
+        each segment's :meth:`efficiency` (0.0 unless ``with_efficiency``), in one pass over
+        the tracked states: every eviction scores every candidate, a few hundred at a time,
+        and nearly all of their efficiencies are remembered, so the pass is the scorer's cost
+        (a remembered efficiency is used while :meth:`segment_start`'s check of its start
+        holds and its end is the same). Lists, not a tuple per candidate: the ranking reads
+        each column once."""
+        units: list[bytes] = []
+        ends: list[int] = []
+        stamps: list[int] = []
+        leaves: list[bool] = []
+        effs: list[float] = []
         if not self.state_groups:
-            return []
+            return units, ends, stamps, leaves, effs
         g0 = self.state_groups[0]
         pool = self.pool_of[g0]
         chain, h = self.chain_group, self.h
         refcount, entry_of = pool.refcount, self.index.entries.get
         children_of, lookup = self.index.children.get, pool.lookup
-        starts, effs = self._start.get, self._eff.get
+        starts, kept_effs = self._start.get, self._eff.get
         memo_checks = with_efficiency and chain is not None
-        out = []
         gone = []
         for u, ts in self.last_access.items():
             e = entry_of((g0, u))
@@ -216,13 +228,17 @@ class MarconiScorer:
                 continue
             if refcount(e.block_id):
                 continue  # a running request holds it (a hit source)
-            kids = len(children_of((chain, u), ())) if chain is not None else 0
-            if kids > 1:
-                continue  # a branch point: every branch hits there
+            if chain is not None:
+                kids = children_of((chain, u))
+                if kids and len(kids) > 1:
+                    continue  # a branch point: every branch hits there
+                leaves.append(not kids)
+            else:
+                leaves.append(True)
             P = (e.first_unit + 1) * h  # a state: one unit
             eff = 0.0
             if memo_checks:
-                memo, kept = starts(u), effs(u)
+                memo, kept = starts(u), kept_effs(u)
                 if (
                     memo is not None
                     and kept is not None
@@ -239,30 +255,63 @@ class MarconiScorer:
                     eff = self._efficiency_of(u, P)
             elif with_efficiency:
                 eff = self._efficiency_of(u, P)
-            out.append((u, P, ts, kids == 0, eff))
+            units.append(u)
+            ends.append(P)
+            stamps.append(ts)
+            effs.append(eff)
         # (scoring a state never reads a gone unit's memo: its segment's walk stops only at
         # a state still cached, and its own memo is its own)
         for u in gone:  # segments that started at u walk again when next scored
             del self.last_access[u]
             self._start.pop(u, None)
             self._eff.pop(u, None)
-        return out
+        return units, ends, stamps, leaves, effs
+
+    def ranking(self) -> Ranking:
+        """Every :meth:`candidates` state with its utility, recency and efficiency normalised
+        over all of them (Marconi scores every evictable node at once)."""
+        alpha = self.alpha
+        units, ends, stamps, leaves, effs = self._scan(with_efficiency=bool(alpha))
+        if not units:
+            return Ranking(units, ends, leaves, np.empty(0))
+        # numpy over the few hundred candidates: the same values as Python's floats (one
+        # rounding per operation), a tenth of the interpreter's work per eviction
+        now = self.clock + 1
+        recency = _normalise(1.0 / (now - np.array(stamps, dtype=np.int64)))
+        utility = recency
+        if alpha:
+            utility = recency + alpha * _normalise(np.array(effs, dtype=np.float64))
+        return Ranking(units, ends, leaves, utility)
 
     def utilities(self) -> dict[bytes, tuple[float, int, bool]]:
-        """unit -> (utility, tokens, is a leaf) of every :meth:`candidates` state, recency and
-        efficiency normalised over all of them (Marconi scores every evictable node at once)."""
-        alpha = self.alpha
-        cands = self._scan(with_efficiency=bool(alpha))
-        if not cands:
-            return {}
-        now = self.clock + 1
-        recency = _normalise([1.0 / (now - c[2]) for c in cands])
-        if alpha:
-            eff = _normalise([c[4] for c in cands])
-            utility = [r + alpha * e for r, e in zip(recency, eff)]
-        else:
-            utility = recency
-        return {c[0]: (x, c[1], c[3]) for c, x in zip(cands, utility)}
+        """unit -> (utility, tokens, is a leaf) of every :meth:`candidates` state
+        (:meth:`ranking` as a mapping)."""
+        r = self.ranking()
+        xs = r.utility.tolist()
+        return {u: (x, P, leaf) for u, x, P, leaf in zip(r.units, xs, r.ends, r.leaves)}
+
+
+class Ranking(NamedTuple):
+    """The candidates of one scoring in the order Marconi's scorer tracks them (the order ties
+    are broken in): unit, tokens, whether a leaf, and utility (an array of the same length)."""
+
+    units: list[bytes]
+    ends: list[int]
+    leaves: list[bool]
+    utility: np.ndarray
+
+    def order(self) -> Iterator[int]:
+        """Indices from the least utility up, ties in candidate order (what a heap of
+        ``(utility, index)`` pops). The least comes from one ``argmin``; the rest are sorted
+        only when a caller goes past it, which an eviction seldom does."""
+        xs = self.utility
+        if not len(xs):
+            return
+        first = int(np.argmin(xs))  # the first of equal minima
+        yield first
+        for i in np.argsort(xs, kind="stable").tolist():  # stable: ties in candidate order
+            if i != first:
+                yield i
 
 
 class MarconiEvictor:
@@ -289,9 +338,9 @@ class MarconiEvictor:
             bid, key = self._queue.pop()
             if pool.evictable(bid) and pool.key_of(bid) == key:
                 return bid
-        best = self._best_own(self.scorer.utilities())
+        best = self._best_own(self.scorer.ranking())
         if best is not None:
-            bid, u, P, _ = best
+            bid, u, P = best
             self._queue_segment(bid, u, P)
             return bid
         for bid in candidates:
@@ -299,19 +348,15 @@ class MarconiEvictor:
                 return bid
         return candidates[0]
 
-    def _best_own(
-        self, utilities: dict[bytes, tuple[float, int, bool]]
-    ) -> tuple[int, bytes, int, float] | None:
-        """(id, unit, tokens, utility) of this pool's least valuable segment (ties: the first
-        cached), or None."""
-        best = None
-        for u, (x, P, leaf) in utilities.items():
-            if best is not None and x >= best[3]:
-                continue
-            bid = self._victim(u, leaf)
+    def _best_own(self, ranking: Ranking) -> tuple[int, bytes, int] | None:
+        """(id, unit, tokens) of this pool's least valuable segment (ties: the first cached),
+        or None."""
+        units, ends, leaves = ranking.units, ranking.ends, ranking.leaves
+        for i in ranking.order():
+            bid = self._victim(units[i], leaves[i])
             if bid is not None:
-                best = (bid, u, P, x)
-        return best
+                return bid, units[i], ends[i]
+        return None
 
     def _victim(self, unit: bytes, leaf: bool) -> int | None:
         """This pool's free cached id whose eviction removes the state at ``unit`` (and, for a
@@ -395,11 +440,12 @@ class MarconiPoolEvictor:
     def __call__(self) -> bool:
         """Evict the least valuable segment (ties: the first cached); False, evicting nothing,
         when no free cached state of this pool is a candidate."""
-        # a heap, not a sort: the least valuable candidate nearly always has its state here
-        heap = [(x, i, u, P) for i, (u, (x, P, _)) in enumerate(self.scorer.utilities().items())]
-        heapq.heapify(heap)
-        while heap:
-            _, _, u, P = heapq.heappop(heap)
+        ranking = self.scorer.ranking()
+        units, ends = ranking.units, ranking.ends
+        # the least valuable candidate nearly always has its state here: the rest of the
+        # order is sorted only if not (Ranking.order)
+        for i in ranking.order():
+            u, P = units[i], ends[i]
             victims = [(ev.pool, ids) for ev in self.evictors if (ids := ev.segment_ids(u, P))]
             if not any(key[0] in self.states for _, ids in victims for _, key in ids):
                 continue  # its state is not here (or not free): evicting its KV frees nothing
