@@ -347,3 +347,48 @@ def test_replay_errors():
         request_id=0, arrival_s=0.0, prompt=np.arange(32, dtype=np.int32), output_length=4
     )
     assert replay(plan, [no_ids]).prompts.tolist() == [32]
+
+
+@pytest.mark.parametrize("layout", ["per_group", "two_level"])
+def test_the_kept_ranking_is_a_full_pass(layout):
+    """The allocator's scorer recomputes only the rows the index reports changed; after every
+    request of a run that evicts, its ranking equals a full pass's over the same cache (a twin
+    scorer that recomputes every row), order and ties included, and ``check`` finds each row
+    as a full pass computes it."""
+    from hybridkv.alloc.marconi import MarconiScorer
+
+    alloc = _alloc(layout)
+    alloc.marconi_alpha = 1.0
+    scorer = alloc.eviction_hooks
+    requests = [*SEQUENCE, _req(10, _seg(100_000, 2000), [5]), *SEQUENCE[1:]]
+    for i, r in enumerate(requests):
+        serve(alloc, r)
+        twin = MarconiScorer(alloc.index, alloc.plan, scorer.pool_of, alpha=1.0)
+        twin.clock = scorer.clock
+        twin.last_access = dict(scorer.last_access)
+        for u in twin.last_access:  # the twin's rows, in the same order, all to compute
+            twin._rows[u] = None
+            twin._seq[u] = len(twin._seq)
+        kept, full = scorer.ranking(), twin.ranking()
+        assert list(kept.units) == list(full.units), i
+        assert kept.utility.tolist() == full.utility.tolist(), i
+        assert list(kept.order()) == list(full.order()), i
+        scorer.check()
+    assert sum(p.get("evictions", 0) for p in alloc.stats()["pools"].values()) > 0
+
+
+def test_a_change_behind_the_index_is_caught():
+    """``check`` can fail: a branch made by hand, not through the index (which would have
+    reported it), leaves a ranked row stale, and the check names it."""
+    alloc = _alloc("two_level")
+    for r in SEQUENCE:
+        serve(alloc, r)
+    scorer = alloc.eviction_hooks
+    scorer.ranking()
+    scorer.check()
+    chain = scorer.chain_group
+    u = next(u for u, row in scorer._rows.items() if row is not None)
+    alloc.index.children.setdefault((chain, u), {})[b"x" * 32] = None
+    alloc.index.children[(chain, u)][b"y" * 32] = None
+    with pytest.raises(AssertionError, match="branch point is ranked"):
+        scorer.check()

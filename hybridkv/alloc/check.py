@@ -13,7 +13,8 @@
   (an id in use) or idle (no id in use, some cached); owners consistent; reserved pages the sum
   of the reservations, none left after an allocation), each view's LRU ordered by stamp and its
   cached ids per page as the table counts; ids in use or cached lie in pages their group owns;
-- block tables equal the block lists.
+- block tables equal the block lists;
+- Marconi's eviction: every kept candidate row is what a full pass would compute.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def check_consistency(a: HybridAllocator) -> None:
     for (pid, b), n in held.items():
         if n > 1:
             assert views[pid].key_of(b) is not None, f"{views[pid].name}: id {b} shared, uncached"
+
+    if a.eviction_hooks is not None:  # Marconi's kept ranking equals a full pass's
+        a.eviction_hooks.check()
 
     # one group per allocation unit
     owner: dict[tuple[str, int], int] = {}

@@ -61,7 +61,7 @@ from .groups import Coordinator
 from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
 from .options import AllocatorOptions
 from .policies import make_policy
-from .policies.base import budget_cut
+from .policies.base import EvictionHooks, budget_cut
 from .pools import build_pools
 from .prefix_cache import PrefixIndex
 from .request import INF as _INF
@@ -630,6 +630,12 @@ class HybridAllocator:
                 f"{self.policy.name!r} runs without (eviction='marconi' turns it on)"
             )
         self._eviction.alpha = alpha  # the scorer checks it
+
+    @property
+    def eviction_hooks(self) -> EvictionHooks | None:
+        """The policy's eviction bookkeeping (Marconi's scorer), None under LRU eviction:
+        what ``check_consistency`` asks to check itself."""
+        return self._eviction
 
     def stats(self) -> dict[str, Any]:
         q = max(1, self.num_query_tokens)

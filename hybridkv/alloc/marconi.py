@@ -28,7 +28,7 @@ does the same with ``marconi_alpha="auto"``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -73,7 +73,16 @@ class MarconiScorer:
     state's last access, and the utility of evicting it.
 
     ``pool_of`` maps a group id to the pool its ids come from (the allocator's). ``flops``:
-    :data:`PrefillFlops`, default :func:`tokens_as_flops`."""
+    :data:`PrefillFlops`, default :func:`tokens_as_flops`.
+
+    Every eviction ranks every candidate, but between two evictions few of them change. With
+    ``incremental`` (the allocator's scorer), the index reports the units whose state entries
+    or children changed (:meth:`PrefixIndex.watch`) and the scorer keeps each tracked state's
+    row (a candidate's tokens, last access, leaf flag and efficiency, or not a candidate),
+    recomputing only the rows those changes, its own accesses, and memos read from the
+    changed units can move; the rows are what a full pass would compute, in the same order
+    (:meth:`check` asserts it). Without it, every ranking recomputes every row (a scorer over
+    an index changed by hand, as in tests)."""
 
     def __init__(
         self,
@@ -82,6 +91,8 @@ class MarconiScorer:
         pool_of: dict[int, Any],
         alpha: float,
         flops: PrefillFlops | None = None,
+        *,
+        incremental: bool = False,
     ) -> None:
         self.index = index
         self.reach = Reach(index)  # the chain walks segments are read with
@@ -107,6 +118,22 @@ class MarconiScorer:
         # state unit -> (segment start, end, efficiency): a FLOP model is costly and every
         # eviction rescores every candidate, whose segments seldom change
         self._eff: dict[bytes, tuple[int, int, float]] = {}
+        # the rows, in last_access's order: tracked unit -> (unit, tokens, last access, is a
+        # leaf, efficiency), or None when it is no candidate (held by a request, or a branch
+        # point); the rows to recompute; those held (a release changes nothing in the index,
+        # so they are looked at again every time); each row's insertion number (its order)
+        self._rows: dict[bytes, tuple[bytes, int, int, bool, float] | None] = {}
+        self._dirty: set[bytes] = set()
+        self._held: set[bytes] = set()
+        self._seq: dict[bytes, int] = {}
+        self._next_seq = 0
+        # memos that read another unit's state (the unit their segment's walk stopped at):
+        # that unit -> the rows whose memo it is, and row -> its unit
+        self._deps: dict[bytes, set[bytes]] = {}
+        self._dep_of: dict[bytes, bytes] = {}
+        self._rows_with_eff: bool | None = None  # whether the rows carry efficiencies
+        #: the index's changes (None: every ranking recomputes every row)
+        self._changed: set[bytes] | None = index.watch() if incremental else None
 
     @property
     def alpha(self) -> float:
@@ -131,13 +158,19 @@ class MarconiScorer:
             owner = self._owner.pop(unit, None)
             if owner is not None:
                 self._start.pop(owner, None)
+                self._dirty.add(owner)
             self._start.pop(unit, None)
+            self._rows[unit] = None
+            self._seq[unit] = self._next_seq
+            self._next_seq += 1
         self.last_access[unit] = self.clock
+        self._dirty.add(unit)  # (a hit's source is held from now on: this is how it leaves)
 
     def demote(self, unit: bytes) -> None:
         """The state at ``unit`` was superseded further down its chain: oldest of all."""
         if unit in self.last_access:
             self.last_access[unit] = -1
+            self._dirty.add(unit)
 
     # ---- scoring ----------------------------------------------------------------------------
     def segment_start(self, unit: bytes, end: int) -> int:
@@ -165,6 +198,7 @@ class MarconiScorer:
         if at is None:
             pos = max(pos, 0)
         self._start[unit] = (pos, at)
+        self._dirty.add(unit)  # its row's memo moved (a no-op inside a ranking's refresh)
         return pos
 
     def _kept(self, unit: bytes) -> bool:
@@ -193,48 +227,69 @@ class MarconiScorer:
     def candidates(self) -> list[tuple[bytes, int, int, bool]]:
         """(unit, tokens, last access, is a leaf) of every free cached state that is not a
         branch point; forgets states no longer cached."""
-        units, ends, stamps, leaves, _ = self._scan(with_efficiency=False)
-        return list(zip(units, ends, stamps, leaves))
+        return [row[:4] for row in self._candidate_rows(with_efficiency=False)]
 
-    def _scan(
-        self, with_efficiency: bool
-    ) -> tuple[list[bytes], list[int], list[int], list[bool], list[float]]:
-        """:meth:`candidates` as parallel lists (units, tokens, last accesses, leaves), with
-        each segment's :meth:`efficiency` (0.0 unless ``with_efficiency``), in one pass over
-        the tracked states: every eviction scores every candidate, a few hundred at a time,
-        and nearly all of their efficiencies are remembered, so the pass is the scorer's cost
-        (a remembered efficiency is used while :meth:`segment_start`'s check of its start
-        holds and its end is the same). Lists, not a tuple per candidate: the ranking reads
-        each column once."""
-        units: list[bytes] = []
-        ends: list[int] = []
-        stamps: list[int] = []
-        leaves: list[bool] = []
-        effs: list[float] = []
+    def _candidate_rows(self, with_efficiency: bool) -> list[tuple[bytes, int, int, bool, float]]:
+        """The candidates' rows in order, each with its segment's :meth:`efficiency` (0.0
+        unless ``with_efficiency``), after recomputing the rows that may have changed."""
+        rows = self._rows
+        if self._changed is None or self._rows_with_eff is not with_efficiency:
+            self._dirty.update(rows)
+            self._rows_with_eff = with_efficiency
+            if self._changed is not None:
+                self._changed.clear()  # every row is recomputed
+        else:
+            changed, dirty, deps = self._changed, self._dirty, self._deps
+            for x in changed:
+                if x in rows:
+                    dirty.add(x)
+                d = deps.get(x)
+                if d:
+                    dirty.update(d)
+            changed.clear()
+            dirty.update(self._held)
+        if self._dirty:
+            self._refresh(with_efficiency)
+        return [row for row in rows.values() if row is not None]
+
+    def _refresh(self, with_efficiency: bool) -> None:
+        """Recompute the dirty rows, in the rows' order (a segment walk records which state
+        owns the units it walked, so the order is the one a full pass walks in): the checks of
+        a full pass, one row each. A remembered efficiency is used while
+        :meth:`segment_start`'s check of its start holds and its end is the same."""
+        rows, seq = self._rows, self._seq
+        todo = sorted((u for u in self._dirty if u in rows), key=seq.__getitem__)
+        self._dirty.clear()
         if not self.state_groups:
-            return units, ends, stamps, leaves, effs
+            rows.update(dict.fromkeys(todo))
+            return
         g0 = self.state_groups[0]
         pool = self.pool_of[g0]
         chain, h = self.chain_group, self.h
         refcount, entry_of = pool.refcount, self.index.entries.get
         children_of, lookup = self.index.children.get, pool.lookup
-        starts, kept_effs = self._start.get, self._eff.get
+        starts, kept_effs, last_access = self._start.get, self._eff.get, self.last_access
+        held = self._held
         memo_checks = with_efficiency and chain is not None
         gone = []
-        for u, ts in self.last_access.items():
+        for u in todo:
             e = entry_of((g0, u))
             if e is None:
                 gone.append(u)
                 continue
             if refcount(e.block_id):
-                continue  # a running request holds it (a hit source)
+                rows[u] = None  # a running request holds it (a hit source)
+                held.add(u)
+                continue
+            held.discard(u)
             if chain is not None:
                 kids = children_of((chain, u))
                 if kids and len(kids) > 1:
-                    continue  # a branch point: every branch hits there
-                leaves.append(not kids)
+                    rows[u] = None  # a branch point: every branch hits there
+                    continue
+                leaf = not kids
             else:
-                leaves.append(True)
+                leaf = True
             P = (e.first_unit + 1) * h  # a state: one unit
             eff = 0.0
             if memo_checks:
@@ -255,25 +310,88 @@ class MarconiScorer:
                     eff = self._efficiency_of(u, P)
             elif with_efficiency:
                 eff = self._efficiency_of(u, P)
-            units.append(u)
-            ends.append(P)
-            stamps.append(ts)
-            effs.append(eff)
+            rows[u] = (u, P, last_access[u], leaf, eff)
+            self._depend(u)
+        self._dirty.clear()  # the walks above marked their own rows, recomputed already
         # (scoring a state never reads a gone unit's memo: its segment's walk stops only at
         # a state still cached, and its own memo is its own)
         for u in gone:  # segments that started at u walk again when next scored
-            del self.last_access[u]
-            self._start.pop(u, None)
-            self._eff.pop(u, None)
-        return units, ends, stamps, leaves, effs
+            self._forget(u)
+
+    def check(self) -> None:
+        """Assert that every row not waiting to be recomputed is what a full pass would make
+        of it now (``check_consistency`` calls this: a change the rows missed shows here)."""
+        rows = self._rows
+        assert list(rows) == list(self.last_access), "rows and tracked states disagree"
+        assert list(rows) == sorted(rows, key=self._seq.__getitem__), "rows out of order"
+        if self._changed is None or self._rows_with_eff is None or not self.state_groups:
+            return  # every ranking recomputes every row
+        pending = self._dirty | self._held
+        for x in self._changed:
+            pending.add(x)
+            pending.update(self._deps.get(x, ()))
+        g0, chain, h = self.state_groups[0], self.chain_group, self.h
+        pool, children = self.pool_of[g0], self.index.children
+        for u, row in rows.items():
+            if u in pending:
+                continue
+            e = self.index.entries.get((g0, u))
+            assert e is not None, "a row's state is gone, and nothing marked it"
+            kids = len(children.get((chain, u), ())) if chain is not None else 0
+            if pool.refcount(e.block_id) or kids > 1:
+                assert row is None, "a held state or a branch point is ranked"
+                continue
+            eff = 0.0
+            if self._rows_with_eff:
+                memo, kept = self._start.get(u), self._eff.get(u)
+                P = (e.first_unit + 1) * h
+                assert memo is not None and kept is not None, "a ranked state has no memo"
+                at = memo[1]
+                assert kept[:2] == (memo[0], P), "a ranked state's efficiency is stale"
+                assert (
+                    at is None
+                    or len(children.get((chain, at), ())) > 1
+                    or pool.lookup((g0, at)) is not None
+                ), "a ranked state's segment memo no longer holds"
+                assert self._dep_of.get(u) == at, "a memo's unit is not watched"
+                eff = kept[2]
+            expected = (u, (e.first_unit + 1) * h, self.last_access[u], kids == 0, eff)
+            assert row == expected, f"a ranked row is stale: {row} != {expected}"
+
+    def _depend(self, unit: bytes) -> None:
+        """Record which unit ``unit``'s segment memo reads (its row moves when that does)."""
+        memo = self._start.get(unit)
+        at = memo[1] if memo is not None else None
+        old = self._dep_of.get(unit)
+        if old == at:
+            return
+        if old is not None:
+            self._deps[old].discard(unit)
+            del self._dep_of[unit]
+        if at is not None:
+            self._deps.setdefault(at, set()).add(unit)
+            self._dep_of[unit] = at
+
+    def _forget(self, unit: bytes) -> None:
+        """A tracked state is no longer cached: its row and memos go."""
+        del self.last_access[unit]
+        del self._rows[unit]
+        del self._seq[unit]
+        self._start.pop(unit, None)
+        self._eff.pop(unit, None)
+        self._held.discard(unit)
+        old = self._dep_of.pop(unit, None)
+        if old is not None:
+            self._deps[old].discard(unit)
 
     def ranking(self) -> Ranking:
         """Every :meth:`candidates` state with its utility, recency and efficiency normalised
         over all of them (Marconi scores every evictable node at once)."""
         alpha = self.alpha
-        units, ends, stamps, leaves, effs = self._scan(with_efficiency=bool(alpha))
-        if not units:
-            return Ranking(units, ends, leaves, np.empty(0))
+        cands = self._candidate_rows(with_efficiency=bool(alpha))
+        if not cands:
+            return Ranking([], [], [], np.empty(0))
+        units, ends, stamps, leaves, effs = zip(*cands)  # columns
         # numpy over the few hundred candidates: the same values as Python's floats (one
         # rounding per operation), a tenth of the interpreter's work per eviction
         now = self.clock + 1
@@ -295,9 +413,9 @@ class Ranking(NamedTuple):
     """The candidates of one scoring in the order Marconi's scorer tracks them (the order ties
     are broken in): unit, tokens, whether a leaf, and utility (an array of the same length)."""
 
-    units: list[bytes]
-    ends: list[int]
-    leaves: list[bool]
+    units: Sequence[bytes]
+    ends: Sequence[int]
+    leaves: Sequence[bool]
     utility: np.ndarray
 
     def order(self) -> Iterator[int]:
@@ -468,7 +586,9 @@ def install_marconi_eviction(
     """Marconi's victim choice in every pool (one clock and score for all of them), and
     across a pool's groups when they have ids of their own (``marconi_across_groups``);
     returns the scorer the allocator tells about accesses."""
-    scorer = MarconiScorer(index, plan, pool_of, options.marconi_alpha, options.marconi_flops)
+    scorer = MarconiScorer(
+        index, plan, pool_of, options.marconi_alpha, options.marconi_flops, incremental=True
+    )
     for pool in pools:
         evictors = []
         for ids, gids in pool.group_views():

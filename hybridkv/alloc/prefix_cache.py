@@ -76,9 +76,24 @@ class PrefixIndex:
         #: whether changes become KV events (``AllocatorOptions.kv_events``; off, the simulator
         #: builds none: it would drop them every step)
         self.emit = emit
+        #: units that gained or lost a state entry, or whose children (in a KV group) went
+        #: from none to one, one to two or back, since a watcher last took them (:meth:`watch`;
+        #: None: nobody watches). Marconi's scorer, rescoring only what changed instead of
+        #: every cached state at every eviction, reads it: whether a unit is a leaf or a branch
+        #: point is all it asks of the children, and a branch point's further children (a
+        #: shared system prompt's, one per conversation) would mark every segment below it
+        self.changed: set[bytes] | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def watch(self) -> set[bytes]:
+        """Start recording :attr:`changed` (a unit gaining or losing a state entry, in any
+        state group, or its first, second, or only children, in any KV group); returns the
+        set, which the watcher empties as it reads it."""
+        if self.changed is None:
+            self.changed = set()
+        return self.changed
 
     def add(
         self,
@@ -95,11 +110,15 @@ class PrefixIndex:
         first_unit+num_units-1`` of a request's ``hashes``; emit BlockStored for new units."""
         gid = key[0]  # type: ignore[index]
         units = hashes[first_unit : first_unit + num_units]
-        if is_state and key not in self.entries:
-            n = self.state_units.get(units[0], 0)
-            self.state_units[units[0]] = n + 1
-            if not n:
-                self.state_chains[units[0]] = (hashes, first_unit)
+        changed = self.changed
+        if is_state:
+            if key not in self.entries:
+                n = self.state_units.get(units[0], 0)
+                self.state_units[units[0]] = n + 1
+                if not n:
+                    self.state_chains[units[0]] = (hashes, first_unit)
+            if changed is not None:
+                changed.add(units[0])
         self.entries[key] = Entry(bid, first_unit, units, is_state)
         holders, parent = self.holders, self.parent
         if num_units == 1:  # every state checkpoint and 16-token block: the hot path
@@ -128,8 +147,12 @@ class PrefixIndex:
                     kids = children.get((gid, par))
                     if kids is None:
                         children[(gid, par)] = {u: None}
+                        if changed is not None:
+                            changed.add(par)
                     else:
                         kids[u] = None
+                        if changed is not None and len(kids) == 2:
+                            changed.add(par)
                 if run_start < 0:
                     run_start = i
             else:
@@ -162,6 +185,8 @@ class PrefixIndex:
         state_units = self.state_units
         if u not in state_units:
             self.state_chains[u] = (hashes, unit)
+        if self.changed is not None:
+            self.changed.add(u)
         for gid, bid in gids_ids:
             k = (gid, u)
             if k not in entries:
@@ -209,7 +234,10 @@ class PrefixIndex:
         """Entry ``key`` was evicted; emit BlockRemoved for units nothing covers any more."""
         entry = self.entries.pop(key)
         units = entry.units
+        changed = self.changed
         if entry.is_state:
+            if changed is not None:
+                changed.add(units[0])
             left = self.state_units[units[0]] - 1
             if left:
                 self.state_units[units[0]] = left
@@ -231,6 +259,8 @@ class PrefixIndex:
                     kids.pop(u, None)
                     if not kids:
                         del children[(gid, par)]
+                    if changed is not None and len(kids) < 2:
+                        changed.add(par)
                 gone.append(u)
             else:
                 lst.remove(bid)
@@ -244,6 +274,8 @@ class PrefixIndex:
                 self.children[(gid, par)] = {unit: None}
             else:
                 kids[unit] = None
+            if self.changed is not None and len(kids or ()) < 3:
+                self.changed.add(par)
 
     def holder(self, gid: int, unit: bytes) -> int | None:
         """An entry id covering ``unit`` of ``gid`` (for partial-block hits)."""
@@ -267,6 +299,9 @@ class PrefixIndex:
         return out
 
     def clear(self) -> None:
+        if self.changed is not None:  # every state entry and every branch goes
+            self.changed.update(u for _, u in self.entries)
+            self.changed.update(u for _, u in self.children)
         self.holders.clear()
         self.parent.clear()
         self.children.clear()

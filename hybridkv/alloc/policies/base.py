@@ -84,6 +84,9 @@ class EvictionHooks(Protocol):
     def demote(self, unit: bytes) -> None:
         """The state at ``unit`` was superseded further down its chain."""
 
+    def check(self) -> None:
+        """Assert the bookkeeping agrees with the cache (for ``check_consistency``)."""
+
 
 def budget_cut(start: int, offered: int, total: int, granularity: int) -> int:
     """Tokens of a chunk of ``offered`` from ``start`` of ``total``: all of them if they reach
