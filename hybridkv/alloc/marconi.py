@@ -179,12 +179,9 @@ class MarconiScorer:
         segment, or the state or branch point it starts at going, makes it walk again (a
         branch point formed inside it without a state is seen at the next of those)."""
         g = self.chain_group
-        children = self.index.children
         memo = self._start.get(unit)
-        if memo is not None:
-            start, at = memo
-            if at is None or len(children.get((g, at), ())) > 1 or self.has_state(at):
-                return start
+        if memo is not None and self._start_holds(memo[1]):
+            return memo[0]
         walked: list[bytes] = []
         at = None
         if g is not None:
@@ -200,6 +197,16 @@ class MarconiScorer:
         self._start[unit] = (pos, at)
         self._dirty.add(unit)  # its row's memo moved (a no-op inside a ranking's refresh)
         return pos
+
+    def _start_holds(self, at: bytes | None) -> bool:
+        """A remembered segment start at ``at`` (None: the chain's root) still holds: ``at``
+        is a branch point or holds a state. (The one rule the memo and :meth:`check` follow;
+        the units whose answer can change are the ones :meth:`PrefixIndex.watch` reports.)"""
+        return (
+            at is None
+            or len(self.index.children.get((self.chain_group, at), ())) > 1
+            or self.has_state(at)
+        )
 
     def _kept(self, unit: bytes) -> bool:
         """A state Marconi tracks is cached at ``unit``: a segment ends there."""
@@ -227,7 +234,9 @@ class MarconiScorer:
     def candidates(self) -> list[tuple[bytes, int, int, bool]]:
         """(unit, tokens, last access, is a leaf) of every free cached state that is not a
         branch point; forgets states no longer cached."""
-        return [row[:4] for row in self._candidate_rows(with_efficiency=False)]
+        # in the rows' mode: asking without efficiencies would make the next ranking
+        # recompute every row
+        return [row[:4] for row in self._candidate_rows(bool(self._rows_with_eff))]
 
     def _candidate_rows(self, with_efficiency: bool) -> list[tuple[bytes, int, int, bool, float]]:
         """The candidates' rows in order, each with its segment's :meth:`efficiency` (0.0
@@ -255,8 +264,8 @@ class MarconiScorer:
     def _refresh(self, with_efficiency: bool) -> None:
         """Recompute the dirty rows, in the rows' order (a segment walk records which state
         owns the units it walked, so the order is the one a full pass walks in): the checks of
-        a full pass, one row each. A remembered efficiency is used while
-        :meth:`segment_start`'s check of its start holds and its end is the same."""
+        a full pass, one row each; efficiencies through :meth:`_efficiency_of`, which uses its
+        memo while :meth:`segment_start`'s start holds and the end is the same."""
         rows, seq = self._rows, self._seq
         todo = sorted((u for u in self._dirty if u in rows), key=seq.__getitem__)
         self._dirty.clear()
@@ -267,10 +276,7 @@ class MarconiScorer:
         pool = self.pool_of[g0]
         chain, h = self.chain_group, self.h
         refcount, entry_of = pool.refcount, self.index.entries.get
-        children_of, lookup = self.index.children.get, pool.lookup
-        starts, kept_effs, last_access = self._start.get, self._eff.get, self.last_access
-        held = self._held
-        memo_checks = with_efficiency and chain is not None
+        children_of, last_access, held = self.index.children.get, self.last_access, self._held
         gone = []
         for u in todo:
             e = entry_of((g0, u))
@@ -291,25 +297,7 @@ class MarconiScorer:
             else:
                 leaf = True
             P = (e.first_unit + 1) * h  # a state: one unit
-            eff = 0.0
-            if memo_checks:
-                memo, kept = starts(u), kept_effs(u)
-                if (
-                    memo is not None
-                    and kept is not None
-                    and kept[0] == memo[0]
-                    and kept[1] == P
-                    and (
-                        (at := memo[1]) is None
-                        or len(children_of((chain, at), ())) > 1
-                        or lookup((g0, at)) is not None
-                    )
-                ):
-                    eff = kept[2]  # segment_start's remembered start holds, as does eff
-                else:
-                    eff = self._efficiency_of(u, P)
-            elif with_efficiency:
-                eff = self._efficiency_of(u, P)
+            eff = self._efficiency_of(u, P) if with_efficiency else 0.0
             rows[u] = (u, P, last_access[u], leaf, eff)
             self._depend(u)
         self._dirty.clear()  # the walks above marked their own rows, recomputed already
@@ -348,11 +336,7 @@ class MarconiScorer:
                 assert memo is not None and kept is not None, "a ranked state has no memo"
                 at = memo[1]
                 assert kept[:2] == (memo[0], P), "a ranked state's efficiency is stale"
-                assert (
-                    at is None
-                    or len(children.get((chain, at), ())) > 1
-                    or pool.lookup((g0, at)) is not None
-                ), "a ranked state's segment memo no longer holds"
+                assert self._start_holds(at), "a ranked state's segment memo no longer holds"
                 assert self._dep_of.get(u) == at, "a memo's unit is not watched"
                 eff = kept[2]
             expected = (u, (e.first_unit + 1) * h, self.last_access[u], kids == 0, eff)

@@ -272,10 +272,12 @@ class PrefixIndex:
             kids = self.children.get((gid, par))
             if kids is None:
                 self.children[(gid, par)] = {unit: None}
+                if self.changed is not None:
+                    self.changed.add(par)  # a leaf no more
             else:
                 kids[unit] = None
-            if self.changed is not None and len(kids or ()) < 3:
-                self.changed.add(par)
+                if self.changed is not None and len(kids) == 2:
+                    self.changed.add(par)  # a branch point now
 
     def holder(self, gid: int, unit: bytes) -> int | None:
         """An entry id covering ``unit`` of ``gid`` (for partial-block hits)."""
