@@ -91,6 +91,11 @@ class Cascade:
                 if entry is None:
                     continue
                 g = key[0]
+                pool = pools[g]
+                if pool.ref[entry.block_id]:
+                    # held: a request uses it, and drop_cached would refuse (most doomed
+                    # units lie on running requests' chains below a lost state)
+                    continue
                 # (a one-unit block is keyed by its only unit, doomed: no first tokens to keep)
                 if (
                     not entry.is_state
@@ -100,7 +105,7 @@ class Cascade:
                     )
                 ):
                     continue  # the block's first tokens still serve a hit inside it
-                pools[g].drop_cached(entry.block_id)
+                pool.drop_cached(entry.block_id)
 
     def _doomed(self, dead: list[Evicted]) -> dict[UnitKey, None]:
         """The units whose entries ``dead`` left useless, in the order found (a dict, not a

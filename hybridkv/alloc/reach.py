@@ -58,14 +58,14 @@ class Reach:
         the walk ended at the root, after an uncached unit, or after ``limit`` units when
         ``limit >= 0``). The last unit listed may be uncached: callers that want only cached
         ones drop it."""
-        parent, children = self.index.parent, self.index.children
+        parent_of, children_of = self.index.parent.get, self.index.children.get
         out: list[bytes] = []
         x = unit
         while len(out) != limit:
-            par = parent.get((gid, x))
+            par = parent_of((gid, x))
             if par is None:
                 break
-            if len(children.get((gid, par), ())) > 1 or stop(par):
+            if len(children_of((gid, par), ())) > 1 or stop(par):
                 return out, par
             out.append(par)
             x = par
@@ -109,15 +109,25 @@ class Reach:
         collecting the rest)."""
         out: list[bytes] = []
         stack = list(roots)
-        children = self.index.children
+        children_of = self.index.children.get
         while stack and len(out) < limit:
             x = stack.pop()
-            if stop is not None and stop(x):
-                return None
-            out.append(x)
-            kids = children.get((gid, x))
-            if kids:
-                stack.extend(kids)
+            # a run of single children (most of a chain: a running request's, thousands of
+            # units below a lost state) is followed without the stack, as :meth:`_search`
+            # does: the same units in the same order as pushing the one child and popping it
+            while True:
+                if stop is not None and stop(x):
+                    return None
+                out.append(x)
+                kids = children_of((gid, x))
+                if not kids:
+                    break
+                if len(kids) > 1:
+                    stack.extend(kids)
+                    break
+                if len(out) >= limit:
+                    return out  # the walk would stop here with the child still to visit
+                (x,) = kids
         return out
 
     def state_below(self, gid: int, unit: bytes, limit: int = SUBTREE_LIMIT) -> bool:
