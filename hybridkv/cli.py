@@ -132,6 +132,18 @@ def _target(args: argparse.Namespace) -> VllmTarget:
     )
 
 
+def _add_cache_formats(p: argparse.ArgumentParser, more: str) -> None:
+    """``--cache-formats``, of ``plan`` and ``simulate`` (``more``: the end of its help)."""
+    p.add_argument(
+        "--cache-formats",
+        choices=CACHE_FORMATS,
+        default=None,
+        help="where vLLM keeps a cache in another format than transformers (GLM-5-Next's "
+        "and Qwen4-Exp's indexers): plan transformers' (default) or vLLM's, which inflate "
+        f"packs as vLLM 0.33 does{more}",
+    )
+
+
 def _cache_formats(args: argparse.Namespace) -> str:
     """``plan --cache-formats``; ``--format vllm`` prints vLLM's layout, so it plans vLLM's
     formats unless told otherwise (models whose formats agree plan the same either way)."""
@@ -933,14 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("text", "json", "vllm"),
         help="text, the plan as JSON, or the plan as vLLM's KVCacheConfig (JSON)",
     )
-    p.add_argument(
-        "--cache-formats",
-        choices=CACHE_FORMATS,
-        default=None,
-        help="where vLLM keeps a cache in another format than transformers (GLM-5-Next's "
-        "and Qwen4-Exp's indexers): plan transformers' (default) or vLLM's, which inflate "
-        "packs as vLLM 0.33 does (default with --format vllm)",
-    )
+    _add_cache_formats(p, " (default with --format vllm)")
     p.add_argument(
         "--indexer-kv-dtype",
         choices=INDEXER_KV_DTYPES,
@@ -986,6 +991,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .alloc.options import EVICTIONS
 
     p.add_argument("--layout", default="inflate", choices=LAYOUTS, help="memory layout")
+    _add_cache_formats(p, "; its sparse-attention indexers' rings are per-request scratch")
     p.add_argument(
         "--policy",
         default="align",

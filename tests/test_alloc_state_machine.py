@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -20,18 +21,29 @@ from hybridkv import models
 from hybridkv.alloc import RECOVERY_POLICIES, CacheIndex, HybridAllocator, PoolExhausted
 from hybridkv.alloc.check import check_consistency
 from hybridkv.layouts import LAYOUTS, make_plan
+from hybridkv.target import VllmTarget
 
 MAX_SEQS = 3
 MODELS = ("qwen3.5-0.8b", "nemotron-h-8b", "recurrentgemma-2b")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+#: configs planned in vLLM 0.33's cache formats (``inflate`` only), whose sparse-attention
+#: indexers keep a per-request ring group beside the latents or K/V
+VLLM_FORMAT_MODELS = ("qwen4_exp-qsa.json", "glm5_next-defaults.json")
 
 
 @functools.cache
 def small_plan(model: str, layout: str, slots: int):
     """The smallest plan for MAX_SEQS requests (their states and one token of KV), its budget
     grown by half. Sliding windows shrink to three blocks so that sequences of a few blocks
-    leave the window."""
-    m = models.load(model)
-    kw = dict(max_num_seqs=MAX_SEQS, block_size=16, state_slots_per_seq=slots, cache_state_slots=2)
+    leave the window. A config of :data:`VLLM_FORMAT_MODELS` is planned as vLLM 0.33 packs it,
+    at vLLM's block size."""
+    kw = dict(max_num_seqs=MAX_SEQS, state_slots_per_seq=slots, cache_state_slots=2)
+    if model in VLLM_FORMAT_MODELS:
+        m = models.from_hf_config(EXAMPLES / model)
+        kw["target"] = VllmTarget(cache_formats="vllm")
+    else:
+        m = models.load(model)
+        kw["block_size"] = 16
     smallest = make_plan(m, layout, fit_tokens=1, **kw)
     plan = make_plan(m, layout, memory=smallest.config.memory_bytes * 3 // 2, **kw)
     groups = tuple(
@@ -255,6 +267,14 @@ CASES += [
     for policy in RECOVERY_POLICIES
     for export in (None, 1)
     for layout in LAYOUTS
+]
+
+
+# vLLM-format plans: a ring group (one block per request, never cached) beside the rest
+CASES += [
+    (model, "inflate", policy, 0, None)
+    for model in VLLM_FORMAT_MODELS
+    for policy in ("align", "last", "marconi")
 ]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybridkv import models
-from hybridkv.alloc import ConfigError, HybridAllocator
+from hybridkv.alloc import HybridAllocator
 from hybridkv.layouts import make_plan
 from hybridkv.plan import KVPlacement
 from hybridkv.target import VllmTarget
@@ -274,13 +274,13 @@ def test_qwen4_exp_refusals(text, options, target, kwargs, match):
         make_plan(_qwen4(text, **options), "inflate", memory="64GiB", target=target, **kwargs)
 
 
-def test_the_allocator_refuses_vllms_rings(either_plan):
-    """No group manager takes the rings (kind indexer_ring: one block per request, self
-    addressed), so a vLLM-format plan of either family is for export and capacity; the
-    allocator says which group it cannot serve."""
+def test_the_allocator_serves_vllms_rings(either_plan):
+    """The rings (kind indexer_ring) are served as vLLM 0.33's CircularBufferManager serves
+    them: one block per request, never cached (tests/test_alloc_ring.py has the rest)."""
     ring = next(g for g in either_plan.groups if g.kind == "indexer_ring")
-    with pytest.raises(ConfigError, match=f"group {ring.group_id} has kind 'indexer_ring'"):
-        HybridAllocator(either_plan)
+    a = HybridAllocator(either_plan)
+    a.add_request("r", list(range(3 * either_plan.block_size)))
+    assert len(a.block_ids("r")[ring.group_id]) == 1
 
 
 def test_qwen4_exp_fp8_indexer_needs_vllms_formats():

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .groups import group_roles
 from .reach import Reach
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -218,13 +219,8 @@ def _cached(
 
 def _useful_units(alloc: BreakdownSource) -> dict[int, set[bytes]]:
     """Group -> the units of it a hit could use (:meth:`.reach.Reach.useful_units`)."""
-    groups = alloc.plan.groups
-    full = [g.group_id for g in groups if not g.is_state and not g.sliding_window]
-    window = [
-        (g.group_id, g.sliding_window) for g in groups if not g.is_state and g.sliding_window
-    ]
-    states = [g.group_id for g in groups if g.is_state]
-    return Reach(alloc.index).useful_units(full, window, states)
+    roles = group_roles(alloc.plan.groups)
+    return Reach(alloc.index).useful_units(roles.full_ids, list(roles.window), list(roles.state))
 
 
 def breakdown_table(samples: list[MemoryBreakdown]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
+from .groups import group_roles
 from .reach import Reach
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,18 +52,15 @@ class Cascade:
         self.index = index
         self.reach = Reach(index)
         self.pools = pools
-        self.num_groups = len(groups)
-        self.state = [g.group_id for g in groups if g.is_state]
+        roles = group_roles(groups)
+        self.state = list(roles.state)
         self.state_set = set(self.state)
-        window = [g.group_id for g in groups if g.kind == "sliding_window" and g.sliding_window]
         # full-attention groups (with their block sizes): a hit needs every token before it
-        self.full_blocks = [
-            (g.group_id, g.block_size)
-            for g in groups
-            if not g.is_state and g.group_id not in window
-        ]
-        self.full = [g for g, _ in self.full_blocks]
-        self.chain_groups = self.full + window  # the groups a dead segment is evicted from
+        self.full_blocks = list(roles.full)
+        self.full = roles.full_ids
+        self.chain_groups = roles.chain_ids  # the groups a dead segment is evicted from
+        # every group that caches entries (a scratch ring caches none: nothing to doom there)
+        self.cache_groups = [g.group_id for g in groups if g.group_id not in roles.scratch]
         # a unit a KV group evicted may be cached in another KV group still
         self.other_kv_groups = len(self.chain_groups) > 1
         #: entries evicted since the last :meth:`settle`, oldest first
@@ -158,7 +156,7 @@ class Cascade:
         units are left out (36 state groups made this the cascade's largest cost)."""
         state_units = self.index.state_units
         with_state = [u for u in units if u in state_units]
-        for g in range(self.num_groups):
+        for g in self.cache_groups:
             if g == skip:
                 continue
             if g not in self.state_set:

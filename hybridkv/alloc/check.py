@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
 from .block_pool import BlockPool
+from .groups import group_roles
 from .two_level import TwoLevelPool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,6 +82,14 @@ def check_consistency(a: HybridAllocator) -> None:
     for p in views.values():
         for key, bid in p.cached_items().items():
             _own(a, owner, key[0], bid)
+
+    # a scratch ring: one block per running request, never cached
+    for gid in group_roles(a.groups).scratch:
+        for r in a.reqs.values():
+            assert len(r.blocks[gid]) == 1 and r.blocks[gid][0], (
+                f"request {r.req_id!r} holds {r.blocks[gid]} in ring group {gid}, not one block"
+            )
+        assert not any(key[0] == gid for key in a.index.entries), f"ring group {gid} cached"
 
     # free lists and cache maps
     entries = a.index.entries

@@ -153,7 +153,7 @@ class HybridAllocator:
             policy=self.policy,
             hash_block_size=self.h,
             hash_fn=self.hash_fn,
-            attention=self.coordinator.attention,  # type: ignore[arg-type]
+            attention=self.coordinator.caching,  # type: ignore[arg-type]
             state=self._state,
             full=[m.group_id for m in self.coordinator.whole_prefix],
             caching=self.caching,

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from .groups import group_roles
 from .reach import Reach
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,11 +101,15 @@ class MarconiScorer:
         self.alpha = alpha
         self.flops = flops or tokens_as_flops
         self.h = index.h
-        full = [g.group_id for g in plan.attention_groups if not g.sliding_window]
+        roles = group_roles(plan.groups)
+        full = roles.full_ids
         self.chain_group = full[0] if full else None  # whose units tell a chain's shape
         self.state_groups = [g.group_id for g in plan.state_groups]
+        # what a cached token keeps (a scratch ring is per request, never cached)
         self.kv_per_token = sum(
-            (p.k_bytes_per_block + p.v_bytes_per_block) / p.block_size for p in plan.kv_placements
+            (p.k_bytes_per_block + p.v_bytes_per_block) / p.block_size
+            for p in plan.kv_placements
+            if p.group_id not in roles.scratch
         )
         self.state_bytes = sum(c.nbytes for s in plan.state_placements for c in s.components)
         self.clock = 0

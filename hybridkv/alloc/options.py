@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .groups import group_roles
 from .hashing import HASH_ALGOS
 from .marconi import PrefillFlops
 from .policies import POLICY_CLASSES
@@ -163,10 +164,11 @@ class AllocatorOptions:
         checkpoint alignment the plan's vLLM target exports at (Mamba-2 anywhere, Qwen's GDN
         under FlashInfer on its grid, otherwise none: the prefill is split)."""
         h = self.hash_block_size
+        # a ring (vLLM's CircularBufferSpec) is one block per request, never hashed
+        # (hybridkv.alloc.groups.ring): its block size need not divide into hash units
+        scratch = group_roles(plan.groups).scratch
         for g in plan.groups:
-            # a ring (vLLM's CircularBufferSpec) is one block per request, never hashed; the
-            # coordinator refuses its kind with the reason
-            if g.kind != "indexer_ring" and g.block_size % h:
+            if g.group_id not in scratch and g.block_size % h:
                 raise ConfigError(
                     f"group {g.group_id} block_size {g.block_size} is not a multiple of "
                     f"hash_block_size {h}; pick a divisor of every block size"

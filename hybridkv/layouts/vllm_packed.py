@@ -80,8 +80,9 @@ Inside a K/V page the plan keeps K for every token then V (vLLM's ``BLNHC`` page
 them per token and head: :func:`hybridkv.vllm_export.vllm_disagreements` says so). Capacity:
 state and ring groups hold ids per request (``state_slots_per_seq`` per state group, one per
 ring group: ``CircularBufferSpec.max_num_blocks_per_req``), the token group(s) the rest. The
-allocator does not serve the ring groups (no manager takes kind ``indexer_ring``: a
-``ConfigError`` says so), so these plans are for export and capacity, not for simulation.
+allocator serves a ring group as vLLM's ``CircularBufferManager`` does
+(:mod:`hybridkv.alloc.groups.ring`: one block per request, never cached, no part in hits), so
+these plans simulate as well as export.
 
 Refused, with the reason: vLLM 0.32 (its rules for these families are not modelled), a
 ``kernel_alignment`` override (vLLM's backends fix the kernel blocks). GLM-5-Next: Ampere (no

@@ -55,6 +55,9 @@ class GroupManager(ABC):
     is_state: ClassVar[bool] = False
     #: a hit needs every token before it cached here (what the eviction cascade follows)
     needs_whole_prefix: ClassVar[bool] = False
+    #: the commit caches the group's computed blocks (false for a per-request scratch ring,
+    #: whose block covers no token range; a state group's checkpoints are the policy's)
+    caches_blocks: ClassVar[bool] = True
 
     def __init__(
         self,

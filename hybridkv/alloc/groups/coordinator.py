@@ -10,11 +10,14 @@ It is at most ``len(prompt) - 1``: the last prompt token is always computed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from .base import INF, Admission, GroupManager
 from .full_attention import FullAttentionManager
+from .ring import RingManager
 from .sliding_window import SlidingWindowManager
 from .state import StateManager
 
@@ -25,13 +28,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..request import Request
     from ..tables import BlockTables
 
-__all__ = ["MANAGER_CLASSES", "Coordinator", "manager_class"]
+__all__ = ["MANAGER_CLASSES", "Coordinator", "GroupRoles", "group_roles", "manager_class"]
 
 #: a manager class per group kind: a new kind adds its class here
 MANAGER_CLASSES: tuple[type[GroupManager], ...] = (
     FullAttentionManager,
     SlidingWindowManager,
     StateManager,
+    RingManager,
 )
 
 
@@ -48,6 +52,51 @@ def manager_class(group: KVCacheGroup) -> type[GroupManager]:
         f"group {group.group_id} has kind {group.kind!r}, which no group manager handles "
         f"(known: {', '.join(kinds)})"
     )
+
+
+@dataclass(frozen=True)
+class GroupRoles:
+    """What each group of a plan is to a prefix hit, as its manager class says: the one answer
+    the eviction cascade, the byte breakdown and the eviction scores read (:func:`group_roles`).
+    Group ids in group order."""
+
+    #: a hit needs every token before it cached here (full attention, MLA, indexer keys),
+    #: with each group's block size
+    full: tuple[tuple[int, int], ...]
+    #: ``(group, window tokens)``: a hit needs the window before it cached here
+    window: tuple[tuple[int, int], ...]
+    #: recurrent states: a hit needs a checkpoint exactly at it
+    state: tuple[int, ...]
+    #: per-request blocks no hit reads or caches (a sparse-attention indexer's ring)
+    scratch: tuple[int, ...]
+
+    @property
+    def full_ids(self) -> list[int]:
+        return [g for g, _ in self.full]
+
+    @property
+    def chain_ids(self) -> list[int]:
+        """The groups whose cached units form chains a hit reads: full, then windowed."""
+        return [g for g, _ in self.full] + [g for g, _ in self.window]
+
+
+def group_roles(groups: Sequence[KVCacheGroup]) -> GroupRoles:
+    """:class:`GroupRoles` of ``groups`` (a plan's), from their manager classes."""
+    full: list[tuple[int, int]] = []
+    window: list[tuple[int, int]] = []
+    state: list[int] = []
+    scratch: list[int] = []
+    for g in groups:
+        cls = manager_class(g)
+        if cls.is_state:
+            state.append(g.group_id)
+        elif cls.needs_whole_prefix:
+            full.append((g.group_id, g.block_size))
+        elif not cls.caches_blocks:
+            scratch.append(g.group_id)
+        else:
+            window.append((g.group_id, g.sliding_window))
+    return GroupRoles(tuple(full), tuple(window), tuple(state), tuple(scratch))
 
 
 class Coordinator:
@@ -83,6 +132,8 @@ class Coordinator:
             self.managers.append(m)
         self.attention = [m for m in self.managers if not m.is_state]
         self.states = [m for m in self.managers if m.is_state]
+        #: attention groups whose computed blocks the commit caches (not a scratch ring)
+        self.caching = [m for m in self.attention if m.caches_blocks]
         #: groups whose hits need every token before them (the eviction cascade follows them)
         self.whole_prefix = [m for m in self.attention if m.needs_whole_prefix]
         windowed = [m for m in self.attention if m.window]

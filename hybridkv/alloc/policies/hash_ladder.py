@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..groups import group_roles
 from .periodic import PeriodicPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,7 +68,9 @@ def state_sized_scale(plan: MemoryPlan, hash_block_size: int) -> int:
     if not plan.state_groups:
         return hash_block_size
     state = sum(plan.id_bytes(g.group_id) for g in plan.state_groups)
-    kv_per_token = sum(plan.id_bytes(g.group_id) / g.block_size for g in plan.attention_groups)
+    # the groups a cached token keeps bytes in (a scratch ring is per request)
+    kv = group_roles(plan.groups).chain_ids
+    kv_per_token = sum(plan.id_bytes(g) / plan.groups[g].block_size for g in kv)
     scale = hash_block_size
     while kv_per_token and scale * kv_per_token < state:
         scale *= 2
