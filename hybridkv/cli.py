@@ -1051,8 +1051,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--shared-prefix", type=int, default=None, help="tokens every prompt starts with"
     )
+    # the doctor describes what vLLM runs, so it plans vLLM's cache formats (GLM-5-Next's and
+    # Qwen4-Exp's indexers; every other model plans the same in either)
     p.set_defaults(
-        func=cmd_doctor, time_scale=None, rate_scale=1.0, shared_length="blocks", seed=0
+        func=cmd_doctor, time_scale=None, rate_scale=1.0, shared_length="blocks", seed=0,
+        cache_formats="vllm",
     )  # fmt: skip
     _show_defaults(parser)
     return parser

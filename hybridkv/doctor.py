@@ -482,7 +482,9 @@ def _per_group_plan(model: HybridModel, plan: MemoryPlan) -> MemoryPlan:
                 memory=plan.config.memory_bytes,
                 max_num_seqs=plan.config.max_num_seqs,
                 cache_state_slots=slots,
-                target=plan.vllm.target,
+                # hybridkv's own layout keeps transformers' cache formats (vLLM's exist in
+                # vLLM's layout only)
+                target=dataclasses.replace(plan.vllm.target, cache_formats="transformers"),
             )
         except ValueError:
             if slots == 0:

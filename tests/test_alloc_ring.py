@@ -123,3 +123,26 @@ def test_vllm_format_plans_simulate(name, policy):
     assert r.finished == 40
     assert r.hit_tokens > 0
     assert all(b.unreachable == 0 for b in r.breakdown)
+
+
+def test_a_ring_does_not_turn_off_hits_inside_a_block(vllm_plan):
+    """vLLM 0.33 asks only prefix-cacheable groups whether they look hashes up inside a block
+    (``partial_hash_hits_enabled``), so a ring, whose 4 or 16-token blocks hold no hashes,
+    leaves hits at the hash unit on: a request sharing a prompt up to inside a block hits
+    there, not at the block boundary before it."""
+    B, h = vllm_plan.block_size, 16
+    a = HybridAllocator(vllm_plan, hash_block_size=h)
+    assert a.policy.vllm.partial
+    rng = np.random.default_rng(2)
+    prompt = _prompt(rng, 2 * B + 5 * h + 3)
+    a.add_request("a", prompt)
+    done = 0
+    while done < len(prompt):  # in the chunks the policy cuts (states kept where they end)
+        n = a.prefill_chunk("a", len(prompt) - done)
+        assert n > 0 and a.allocate_slots("a", n)
+        a.take_state_copies()
+        done += n
+    a.free("a")
+    hit = a.add_request("b", prompt[: 2 * B + 5 * h] + _prompt(rng, B))
+    assert hit.num_cached_tokens > 2 * B  # inside the third block
+    assert hit.num_cached_tokens % h == 0

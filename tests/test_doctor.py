@@ -7,6 +7,7 @@ rate the report observed."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -224,3 +225,30 @@ def test_a_large_state_gets_fewer_cached_state_slots_not_an_abort():
             max_num_seqs=256,
             cache_state_slots=256,
         )
+
+
+def test_doctor_plans_vllms_cache_formats(capsys):
+    """The doctor describes what vLLM runs: Qwen4-Exp's QSA indexer in vLLM 0.33's formats
+    (compressed keys, a per-request ring), whose capacity differs from transformers' per-token
+    rows; with a workload it simulates that plan (the ring served as vLLM serves it), and its
+    hybridkv remedy plans hybridkv's own layout in transformers' formats."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "qwen4_exp-qsa.json"
+    args = ["doctor", "--model", str(example), "--prompt-len", "1200", "--shared-prefix", "1100"]
+    assert main([*args, "--requests", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    model = models.from_hf_config(example)
+    memory, seqs = 40 * 2**30, 256
+    vllm = make_plan(
+        model, "inflate", memory=memory, max_num_seqs=seqs, target=VllmTarget(cache_formats="vllm")
+    )
+    ours = make_plan(model, "inflate", memory=memory, max_num_seqs=seqs)
+    assert vllm.capacity.token_capacity != ours.capacity.token_capacity
+    as_given = next(r for r in out["remedies"] if r["key"] == "as_given")
+    assert as_given["token_capacity"] == vllm.capacity.token_capacity
+    assert as_given["token_hit_rate"] is not None  # simulated
+    ours_remedy = next(r for r in out["remedies"] if r["key"] == "hybridkv")
+    assert ours_remedy["flags"][0] == "hybridkv layout per_group"
+    per_group = make_plan(
+        model, "per_group", memory=memory, max_num_seqs=seqs, cache_state_slots=seqs
+    )
+    assert ours_remedy["token_capacity"] == per_group.capacity.token_capacity

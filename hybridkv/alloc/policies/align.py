@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..groups import group_roles
 from .base import INF, CheckpointPolicy, StateActions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -280,16 +281,18 @@ class AlignPolicy(CheckpointPolicy):
                 f"{prefill_checkpoint_alignment}"
             )
         # partial_hash_hits_enabled: a hash unit finer than the state block, and every
-        # attention group can look hashes up inside a block (full attention, MLA, and a
-        # sparse-attention indexer's keys: vLLM 0.33 keeps those as an MLAAttentionSpec) or
-        # has blocks of one unit
+        # prefix-cacheable attention group can look hashes up inside a block (full attention,
+        # MLA, and a sparse-attention indexer's keys: vLLM 0.33 keeps those as an
+        # MLAAttentionSpec) or has blocks of one unit; a ring (CircularBufferSpec) is not
+        # prefix-cacheable, so vLLM leaves it out of the question
+        scratch = group_roles(plan.groups).scratch
         partial = (
             bool(plan.state_groups)
             and hash_block_size < self.block
             and all(
                 g.kind in ("full_attention", "mla", "indexer") or g.block_size == hash_block_size
                 for g in plan.groups
-                if not g.is_state
+                if not g.is_state and g.group_id not in scratch
             )
         )
         self.vllm: VllmAlign = VllmAlign(
