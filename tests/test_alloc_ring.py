@@ -116,7 +116,7 @@ def test_a_preempted_request_gets_a_fresh_ring(vllm_plan):
 @pytest.mark.parametrize("policy", ["align", "last", "marconi"])
 def test_vllm_format_plans_simulate(name, policy):
     """The simulator runs both families in vLLM 0.33's formats: every request finishes, hits
-    are served, and each running request's ring is live memory (never cached)."""
+    are served, and no byte breakdown finds cached data no hit can use."""
     model, plan = _plan(name, memory="40GiB", max_num_seqs=16)
     trace = traces.multi_turn_chat(40, seed=3)
     r = simulate(plan, model, trace, SimConfig(checkpoint_policy=policy))

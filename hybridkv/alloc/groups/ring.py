@@ -24,7 +24,6 @@ class RingManager(GroupManager):
 
     kinds = ("indexer_ring",)
     caches_blocks = False
-    takes_part_in_hits = False
 
     def shrink_hit(self, hashes: list[bytes], limit: int, memo: dict[int, int]) -> int:
         return limit  # scratch: no hit rule (the coordinator leaves the group out anyway)
