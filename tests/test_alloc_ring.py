@@ -146,3 +146,13 @@ def test_a_ring_does_not_turn_off_hits_inside_a_block(vllm_plan):
     hit = a.add_request("b", prompt[: 2 * B + 5 * h] + _prompt(rng, B))
     assert hit.num_cached_tokens > 2 * B  # inside the third block
     assert hit.num_cached_tokens % h == 0
+
+
+def test_the_engine_refuses_vllm_format_plans(vllm_plan):
+    """The allocator serves these plans now, so the engine says itself that its kernels read
+    transformers' formats, not vLLM's packed pages (the allocator's refusal of the rings
+    stopped them before)."""
+    from hybridkv.e2e.states import Unservable, check_wired
+
+    with pytest.raises(Unservable, match="cache formats packed block-outermost"):
+        check_wired(vllm_plan)

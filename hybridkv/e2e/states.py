@@ -592,6 +592,15 @@ def _served() -> str:
 def check_wired(plan: Any) -> None:
     """:class:`Unservable` naming every refused layer kind of ``plan``, why, and what the
     engine serves."""
+    if plan.kv_cache_layout is not None:
+        # the allocator serves these plans (their rings too), so nothing else would stop them
+        raise Unservable(
+            f"{plan.model_name}: this plan keeps vLLM 0.33's cache formats packed block-"
+            f"outermost ({plan.kv_cache_layout}: compressed or pooled indexer keys, a ring per "
+            "request), which the engine's kernels do not read; it is for export (--format "
+            "vllm) and simulation. Serve a plan in transformers' formats "
+            "(cache_formats='transformers', the default)"
+        )
     kv = [p.kind for p in plan.kv_placements]
     states = [p.kind for p in plan.state_placements]
     refused = dict.fromkeys(k for k in (*kv, *states) if k in REFUSED)
