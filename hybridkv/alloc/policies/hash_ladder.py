@@ -68,9 +68,12 @@ def state_sized_scale(plan: MemoryPlan, hash_block_size: int) -> int:
     if not plan.state_groups:
         return hash_block_size
     state = sum(plan.id_bytes(g.group_id) for g in plan.state_groups)
-    # the groups a cached token keeps bytes in (a scratch ring is per request)
-    kv = group_roles(plan.groups).chain_ids
-    kv_per_token = sum(plan.id_bytes(g) / plan.groups[g].block_size for g in kv)
+    # the groups a cached token keeps bytes in (a scratch ring is per request), in group
+    # order as before
+    kv = set(group_roles(plan.groups).chain_ids)
+    kv_per_token = sum(
+        plan.id_bytes(g.group_id) / g.block_size for g in plan.groups if g.group_id in kv
+    )
     scale = hash_block_size
     while kv_per_token and scale * kv_per_token < state:
         scale *= 2
