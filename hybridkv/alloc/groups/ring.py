@@ -30,10 +30,6 @@ class RingManager(GroupManager):
 
     def admit(self, r: Request, hit: int, adm: Admission) -> None:
         """A fresh ring block, whatever the hit (a preempted request re-admitted gets a new
-        one: its ring was freed with it)."""
-        gid = self.group_id
-        r.blocks[gid] = []
-        r.lead[gid] = 0
-        r.ncached[gid] = 0
-        adm.needs[gid] = 1
-        adm.touch[gid] = []
+        one: its ring was freed with it). A request's lists start empty, so nothing else to
+        set."""
+        adm.needs[self.group_id] = 1
