@@ -4,9 +4,11 @@ Given what a user gives vLLM (a model, its cache dtypes, vLLM's flags) and, opti
 workload, :func:`diagnose` answers with numbers: the attention block vLLM will use and the rule
 that made it; the shortest shared prefix that can hit; what align mode's checkpoints serve of
 the workload; what ``max_model_len`` does to caching; the capacity fp8 KV really buys; how many
-requests fit. Then the vLLM flags that change each finding, each with the block size, token
-capacity and (given a workload) the hit rate the allocator predicts for it, and hybridkv's own
-layout beside them.
+requests run at once (in vLLM's pages: vLLM reserves no state per ``--max-num-seqs``, so states
+that do not all fit lower the concurrency, not the start; a ``max_model_len`` request that does
+not fit stops vLLM, as its start-up check does). Then the vLLM flags that change each finding,
+each with the block size, token capacity and (given a workload) the hit rate the allocator
+predicts for it, and hybridkv's own layout beside them.
 
 Hit rates come from :func:`hybridkv.replay.replay`: the workload's requests one at a time on the
 plan's memory, with vLLM's allocator rules (align checkpoints, hash unit = block unless
@@ -26,15 +28,16 @@ import numpy as np
 
 from .alloc import AllocatorOptions
 from .alloc.policies import state_sized_scale
-from .layouts import make_plan
+from .layouts import PlanTooSmall, make_plan
 from .models.model import HybridModel
 from .plan import MemoryPlan
 from .target import VllmTarget
 from .traces import Request, Trace
 from .traces.reuse import infinite_cache_hits
+from .units import format_bytes
 
 if TYPE_CHECKING:  # the export module is imported when a diagnosis needs it
-    from .vllm_export import LoggedCapacity
+    from .vllm_export import LoggedCapacity, RequestBlocks
 
 __all__ = ["Diagnosis", "Finding", "Remedy", "diagnose", "prefix_trace"]
 
@@ -201,21 +204,32 @@ def diagnose(
     (``runtime``: the loader's options as the user set them: ``kv_dtype``, ``ssm_dtype``, ...;
     ``block_size``: vLLM's ``--block-size``; ``trace``: the workload, if any)."""
 
-    def plan_for(**change: Any) -> tuple[HybridModel, MemoryPlan]:
+    def plan_for(num_seqs: int | None = None, **change: Any) -> tuple[HybridModel, MemoryPlan]:
         model = load(**{**runtime, **{k: v for k, v in change.items() if k != "target"}})
         plan = make_plan(
-            model, "inflate", memory=memory, max_num_seqs=max_num_seqs,
+            model, "inflate", memory=memory, max_num_seqs=num_seqs or planned,
             block_size=block_size, target=change.get("target", target),
         )  # fmt: skip
         return model, plan
 
-    model, plan = plan_for()
+    # each computed once: the workload's statistics and the replay of the flags as given
+    workload = _workload(trace) if trace is not None else None
+    planned = max_num_seqs
+    refused: PlanTooSmall | None = None
+    try:
+        model, plan = plan_for()
+    except PlanTooSmall as too_small:
+        # vLLM reserves no state per --max-num-seqs: it starts, and runs what fits at once
+        refused = too_small
+        model, plan = _most_admitted(plan_for, max_num_seqs, workload, target)
+        planned = plan.config.max_num_seqs
     rules = plan.vllm
     if rules is None or not rules.is_hybrid:
         raise ValueError(
             f"{model.name} has no recurrent-state layer next to its attention: vLLM's hybrid "
             "block alignment does not apply, and there is nothing for the doctor to check"
         )
+    _check_starts(model, plan, plan_for, memory, target)
     big = plan.block_size
     findings = [
         Finding(
@@ -225,12 +239,10 @@ def diagnose(
             {"block_size": big, "rule": plan.block_size_rule},
         )
     ]
-    # each computed once: the workload's statistics and the replay of the flags as given
-    workload = _workload(trace) if trace is not None else None
     as_given = _hit_rate(plan, trace, _vllm_options(plan))
     findings += _cache_findings(plan, trace, target, workload, as_given)
     findings.append(_fp8_finding(model, plan, plan_for, runtime))
-    findings.append(_concurrency_finding(plan, workload, max_num_seqs))
+    findings.append(_concurrency_finding(model, plan, workload, max_num_seqs, refused))
     remedies = _remedies(model, plan, plan_for, runtime, trace, target, as_given)
     return Diagnosis(
         model=model.name,
@@ -385,30 +397,181 @@ def _logged_capacities(
         return None
 
 
-def _concurrency_finding(
-    plan: MemoryPlan, workload: dict[str, Any] | None, max_num_seqs: int
-) -> Finding:
-    cap, big = plan.capacity, plan.block_size
-    blocks = cap.token_capacity // big
-    if workload is None:
-        return Finding(
-            "concurrency",
-            "note",
-            f"the cache holds {cap.token_capacity:,} tokens in {blocks:,} blocks of {big}; "
-            f"a request takes whole blocks, so a 1,000-token request holds "
-            f"{-(-1000 // big) * big:,} tokens",
-            {"token_capacity": cap.token_capacity, "blocks": blocks},
+def _request_tokens(workload: dict[str, Any] | None, target_len: int | None) -> int | None:
+    """The request length concurrency is counted at: the workload's mean request, else the
+    max_model_len request vLLM's start-up log counts (None: neither known)."""
+    if workload is not None:
+        return max(1, round(workload["mean_request"]))
+    return target_len
+
+
+def _held_tokens(plan: MemoryPlan, tokens: int | None) -> int:
+    """KV tokens a request of ``tokens`` holds in ``plan``'s whole blocks (one block: None)."""
+    big = plan.block_size
+    return -(-tokens // big) * big if tokens else big
+
+
+def _most_admitted(
+    plan_for: Callable, max_num_seqs: int, workload: dict[str, Any] | None, target: VllmTarget
+) -> tuple[HybridModel, MemoryPlan]:
+    """The model and plan of the most requests (fewer than ``max_num_seqs``, whose states do
+    not fit) that run at once, each with its pages for a request of :func:`_request_tokens`'s
+    length (in vLLM's pages where the plan is exportable, else in the plan's capacity). vLLM
+    admits a request while its pages are free, so this is its concurrency on such requests;
+    one at least (a request that fits alone runs). ValueError when not even one request's
+    states and one block fit (vLLM would not start)."""
+    try:
+        model, one = plan_for(num_seqs=1)
+    except PlanTooSmall as refused:
+        raise ValueError(
+            f"vLLM {target.version} would not start: one request's state pages and one KV "
+            f"block need {format_bytes(refused.needed_bytes)}, more than the "
+            f"{format_bytes(refused.memory_bytes)} cache; give the cache more memory "
+            "(--gpu-memory)"
+        ) from None
+    tokens = _request_tokens(workload, one.vllm.max_model_len if one.vllm else None)
+    blocks = _vllm_blocks(one, model, tokens)
+    held = _held_tokens(one, tokens)
+    hi = max_num_seqs - 1
+    if blocks is not None:  # the null block serves no request
+        hi = min(hi, (blocks.num_blocks - 1) // blocks.total)
+
+    def runs(n: int) -> MemoryPlan | None:
+        try:
+            plan = plan_for(num_seqs=n)[1]
+        except PlanTooSmall:
+            return None
+        fits = blocks is not None or n * held <= plan.capacity.token_capacity
+        return plan if fits else None
+
+    # the most n with a plan that runs them: monotone, as each request's states take KV from
+    # the rest, so a binary search
+    best, lo = one, 2
+    while lo <= hi:
+        n = (lo + hi) // 2
+        plan = runs(n)
+        if plan is None:
+            hi = n - 1
+        else:
+            best, lo = plan, n + 1
+    return model, best
+
+
+def _vllm_blocks(plan: MemoryPlan, model: HybridModel, tokens: int | None) -> RequestBlocks | None:
+    """vLLM's pages for a request of ``tokens`` (one block: None) on ``plan``, or None where the
+    plan is not exportable (a family vLLM does not serve, a sliding-window group)."""
+    from .vllm_export import request_blocks
+
+    try:
+        return request_blocks(plan, model, tokens or plan.block_size)
+    except ValueError:
+        return None
+
+
+def _check_starts(
+    model: HybridModel, plan: MemoryPlan, plan_for: Callable, memory: int, target: VllmTarget
+) -> None:
+    """vLLM's start-up check (``check_enough_kv_cache_memory``): the cache must hold one
+    request of max_model_len, its KV in whole blocks beside its state pages, or vLLM raises
+    before serving anything. Counted in vLLM's pages where the plan is exportable, else in the
+    plan's capacity beside one request's states."""
+    max_len = plan.vllm.max_model_len if plan.vllm else None
+    if not max_len:
+        return
+    big = plan.block_size
+    held = _held_tokens(plan, max_len)
+    one_block = _vllm_blocks(plan, model, big)
+    if one_block is not None:  # the null block serves no request
+        spare = one_block.num_blocks - 1 - one_block.state - one_block.ring
+        room = max(0, spare) // max(1, one_block.attention) * big
+    else:
+        one = plan if plan.config.max_num_seqs == 1 else plan_for(num_seqs=1)[1]
+        room = one.capacity.token_capacity
+    if held > room:
+        raise ValueError(
+            f"vLLM {target.version} would not start with {format_bytes(memory)} of cache: one "
+            f"request of max_model_len {max_len:,} tokens holds {held:,} tokens of KV in "
+            f"{big}-token blocks beside its state pages, and {room:,} fit; give the cache more "
+            f"memory (--gpu-memory) or lower --max-model-len (to {room:,} at most)"
         )
-    mean = workload["mean_request"]
-    held = -(-round(mean) // big) * big
-    fits = min(max_num_seqs, cap.token_capacity // max(1, held))
+
+
+def _concurrency_finding(
+    model: HybridModel,
+    plan: MemoryPlan,
+    workload: dict[str, Any] | None,
+    max_num_seqs: int,
+    refused: PlanTooSmall | None,
+) -> Finding:
+    """How many requests vLLM runs at once: of the workload's mean length, else of
+    max_model_len (the number vLLM's start-up log gives), in vLLM's pages where the plan is
+    exportable (a request takes its state and ring pages and whole attention blocks from the one
+    pool; vLLM reserves nothing per ``--max-num-seqs``), else in the plan's capacity.
+    ``refused``: ``max_num_seqs`` requests' states did not fit, and ``plan`` reserves those of
+    the requests that run (:func:`_most_admitted`)."""
+    big, planned = plan.block_size, plan.config.max_num_seqs
+    tokens = _request_tokens(workload, plan.vllm.max_model_len)
+    held = _held_tokens(plan, tokens)
+    blocks = _vllm_blocks(plan, model, tokens)
+    if blocks is not None:
+        fits = min(max_num_seqs, (blocks.num_blocks - 1) // blocks.total)
+        ring = f", {blocks.ring} ring" if blocks.ring else ""
+        each = (
+            f"{blocks.total} of the pool's {blocks.num_blocks - 1:,} pages ({blocks.state} "
+            f"state{ring}, {blocks.attention} attention)"
+        )
+    else:
+        fits = min(max_num_seqs, plan.capacity.token_capacity // held)
+        each = "its state slot"
+    if refused is not None:
+        fits = planned
+    length = (
+        f"the workload's mean length ({tokens:,} tokens)"
+        if workload is not None
+        else f"max_model_len ({tokens:,} tokens, as vLLM's start-up log counts)"
+        if tokens
+        else "one block"
+    )
+    count, fit, whose = (
+        ("1 request", "fits", "one request's")
+        if fits == 1
+        else (f"{fits:,} requests", "fit", f"{fits:,} requests'")
+    )
+    padded = tokens is not None and held > tokens
+    pct = 100 * (held - tokens) / held if padded else 0.0
+    padding = f", {pct:.{0 if pct >= 1 else 1}f}% of it padding" if padded else ""
+    flag = "" if refused is not None else f" (--max-num-seqs {max_num_seqs})"
+    text = (
+        f"{count} of {length} {fit} at once{flag}: each holds {each} and {held:,} tokens of "
+        f"KV in whole {big}-token blocks{padding}"
+    )
+    if refused is not None:
+        need = (
+            f"{max_num_seqs * (blocks.state + blocks.ring):,} pages"
+            if blocks is not None
+            else format_bytes(refused.needed_bytes)
+        )
+        text = (
+            f"--max-num-seqs {max_num_seqs} requests' states alone need {need}, more than the "
+            f"{format_bytes(refused.memory_bytes)} cache holds; vLLM reserves none up front, so "
+            f"it starts and admits a request only while its pages are free: {text}. The "
+            f"findings and predictions here plan {whose} states"
+        )
+    # at max_model_len (no workload) the count is vLLM's worst case, not a problem by itself
+    few = workload is not None and fits < max_num_seqs // 4
+    severity = "problem" if refused is not None or few else "note"
     return Finding(
         "concurrency",
-        "problem" if fits < max_num_seqs // 4 else "note",
-        f"{fits:,} requests of the workload's mean length ({mean:,.0f} tokens) fit at once "
-        f"(--max-num-seqs {max_num_seqs}): each holds {held:,} tokens in whole {big}-token "
-        f"blocks, {100 * (held - mean) / held:.0f}% of it padding",
-        {"concurrent_requests": fits, "tokens_held": held, "token_capacity": cap.token_capacity},
+        severity,
+        text,
+        {
+            "max_num_seqs": max_num_seqs,
+            "concurrent_requests": fits,
+            "request_tokens": tokens,
+            "tokens_held": held,
+            "pages_per_request": None if blocks is None else blocks.total,
+            "token_capacity": plan.capacity.token_capacity,
+        },
     )
 
 

@@ -146,10 +146,12 @@ __all__ = [
     "VLLM_FAMILIES",
     "VLLM_VERSION",
     "LoggedCapacity",
+    "RequestBlocks",
     "VllmFamily",
     "kv_cache_config",
     "layer_names",
     "logged_capacity",
+    "request_blocks",
     "vllm_disagreements",
     "vllm_family",
     "vllm_objects",
@@ -990,20 +992,32 @@ class LoggedCapacity:
     ring_blocks_per_request: int = 0
 
 
-def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:
-    """:class:`LoggedCapacity` of ``plan`` (exportable: see :func:`kv_cache_config`) at the
-    ``max_model_len`` its vLLM rules resolved. Raises ``ValueError`` for a sliding-window group:
-    vLLM sizes those by its in-flight tokens (``max_in_flight_tokens``: the scheduler's batch
-    times the steps in flight), which a plan does not know."""
+@dataclass(frozen=True)
+class RequestBlocks:
+    """The blocks one request of ``tokens`` tokens takes from vLLM 0.33's shared pool of
+    ``num_blocks`` (the null block among them), per kind of group and in all (``total``)."""
+
+    tokens: int
+    num_blocks: int
+    attention: int
+    state: int
+    ring: int
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.state + self.ring
+
+
+def request_blocks(plan: MemoryPlan, model: HybridModel, tokens: int) -> RequestBlocks:
+    """:class:`RequestBlocks` of a request of ``tokens`` tokens on ``plan`` (exportable: see
+    :func:`kv_cache_config`), counted as ``get_max_concurrency_for_kv_cache_config`` counts a
+    max_model_len request: every attention group ``cdiv(tokens, block_size)``, every Mamba
+    group its state blocks, every ring group one. Raises ``ValueError`` for a sliding-window
+    group: vLLM sizes those by its in-flight tokens (``max_in_flight_tokens``: the scheduler's
+    batch times the steps in flight), which a plan does not know."""
     config = kv_cache_config(plan, model)
     rules = plan.vllm
     assert rules is not None  # kv_cache_config refuses a plan without vLLM rules
-    max_len = rules.max_model_len
-    if not max_len:
-        raise ValueError(
-            f"{plan.model_name}: no max_model_len (neither --max-model-len nor the model's "
-            "max_position_embeddings): vLLM's logged capacity is per max_model_len request"
-        )
     attention = state = ring = 0
     for group in config["kv_cache_groups"]:
         spec = group["kv_cache_spec"]
@@ -1013,23 +1027,37 @@ def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:
         elif kinds == {"CircularBufferSpec"}:
             ring += 1
         elif kinds <= {"FullAttentionSpec", "MLAAttentionSpec"}:
-            attention += -(-max_len // spec["block_size"])
+            attention += -(-tokens // spec["block_size"])
         else:
             raise ValueError(
                 f"{plan.model_name}: a {'/'.join(sorted(kinds))} group's blocks per request "
                 "depend on vLLM's in-flight tokens, which the plan does not model"
             )
-    per_request = attention + state + ring
-    concurrency = config["num_blocks"] / per_request
+    return RequestBlocks(tokens, config["num_blocks"], attention, state, ring)
+
+
+def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:
+    """:class:`LoggedCapacity` of ``plan`` (exportable: see :func:`kv_cache_config`) at the
+    ``max_model_len`` its vLLM rules resolved. Raises ``ValueError`` where
+    :func:`request_blocks` does, and without a max_model_len."""
+    rules = plan.vllm
+    max_len = rules.max_model_len if rules is not None else None
+    if not max_len:
+        raise ValueError(
+            f"{plan.model_name}: no max_model_len (neither --max-model-len nor the model's "
+            "max_position_embeddings): vLLM's logged capacity is per max_model_len request"
+        )
+    blocks = request_blocks(plan, model, max_len)
+    concurrency = blocks.num_blocks / blocks.total
     return LoggedCapacity(
         tokens=int(concurrency * max_len),
         max_concurrency=concurrency,
-        blocks_per_request=per_request,
-        attention_blocks_per_request=attention,
-        state_blocks_per_request=state,
+        blocks_per_request=blocks.total,
+        attention_blocks_per_request=blocks.attention,
+        state_blocks_per_request=blocks.state,
         max_model_len=max_len,
-        num_blocks=config["num_blocks"],
-        ring_blocks_per_request=ring,
+        num_blocks=blocks.num_blocks,
+        ring_blocks_per_request=blocks.ring,
     )
 
 

@@ -252,3 +252,83 @@ def test_doctor_plans_vllms_cache_formats(capsys):
         model, "per_group", memory=memory, max_num_seqs=seqs, cache_state_slots=seqs
     )
     assert ours_remedy["token_capacity"] == per_group.capacity.token_capacity
+
+
+def _pages(plan, model, tokens):
+    """vLLM 0.33's pages for a request of ``tokens`` (get_max_concurrency_for_kv_cache_config by
+    hand, from the exported groups): an attention group cdiv(tokens, block), a Mamba group its
+    state blocks, a ring one; and the pool's pages less the null block."""
+    from hybridkv.vllm_export import kv_cache_config
+
+    config = kv_cache_config(plan, model)
+    per_request = 0
+    for group in config["kv_cache_groups"]:
+        spec = group["kv_cache_spec"]
+        kinds = {s["kind"] for s in spec.get("kv_cache_specs", {}).values()} or {spec["kind"]}
+        if kinds == {"MambaSpec"}:
+            per_request += plan.vllm.state_blocks_per_request
+        elif kinds == {"CircularBufferSpec"}:
+            per_request += 1
+        else:
+            per_request += -(-tokens // spec["block_size"])
+    return per_request, config["num_blocks"] - 1
+
+
+def test_states_that_do_not_fit_limit_concurrency_not_the_start():
+    """GLM-5-Next at 40 GiB and 256 sequences: 256 requests' states need more pages than the
+    pool has, but vLLM reserves none up front; it starts and runs as many requests as their
+    pages allow. The doctor says so (it used to refuse), plans that many requests' states and
+    still predicts hit rates (0% below one 4,608-token block, as vLLM serves it)."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "glm5_next-defaults.json"
+    target = VllmTarget(cache_formats="vllm")
+    model = models.from_hf_config(example)
+    with pytest.raises(ValueError, match="too small"):
+        make_plan(model, "inflate", memory=40 * GIB, max_num_seqs=256, target=target)
+    trace = prefix_trace(2000, 1500, num_requests=8)
+    d = diagnose(
+        lambda **o: models.from_hf_config(example, **o),
+        runtime={}, memory=40 * GIB, max_num_seqs=256, target=target, trace=trace,
+    )  # fmt: skip
+    f = d.finding("concurrency")
+    assert f.severity == "problem" and "vLLM reserves none up front, so it starts" in f.text
+    one = make_plan(model, "inflate", memory=40 * GIB, max_num_seqs=1, target=target)
+    per_request, pool = _pages(one, model, 2000)
+    n = f.data["concurrent_requests"]
+    assert n == pool // per_request and 1 < n < 256
+    assert f.data["pages_per_request"] == per_request == 12 + 1 + 1  # states, ring, latents
+    as_given = _as_given(d)
+    planned = make_plan(model, "inflate", memory=40 * GIB, max_num_seqs=n, target=target)
+    assert as_given.token_capacity == planned.capacity.token_capacity
+    assert as_given.token_hit_rate == 0.0  # a 1,500-token shared prefix, 4,608-token blocks
+
+
+def test_concurrency_counts_vllms_pages():
+    """Qwen3-Next at 40 GiB: the plan's states fit, and the concurrency is vLLM's page count
+    for the workload's mean request (each takes 9 state pages beside its attention blocks)."""
+    trace = prefix_trace(3000, 100, num_requests=8)
+    d = _doctor("qwen3-next-80b-a3b", target=VllmTarget(), seqs=256, trace=trace)
+    model = models.load("qwen3-next-80b-a3b")
+    plan = make_plan(model, "inflate", memory=40 * GIB, max_num_seqs=256)
+    mean = round(d.workload["mean_request"])
+    per_request, pool = _pages(plan, model, mean)
+    f = d.finding("concurrency")
+    assert f.data["concurrent_requests"] == min(256, pool // per_request)
+    assert f.data["pages_per_request"] == per_request == 9 + -(-mean // plan.block_size)
+
+
+def test_a_max_model_len_request_that_does_not_fit_stops_vllm():
+    """vLLM raises at start-up when one max_model_len request does not fit: the doctor says so,
+    with the longest max_model_len that would fit, and that length does start (one block more
+    does not)."""
+    small = 2 * GIB
+    with pytest.raises(ValueError, match="would not start") as refused:
+        _doctor("qwen3-next-80b-a3b", target=VllmTarget(), memory=small)
+    longest = int(refused.value.args[0].rsplit("(to ", 1)[1].split(" ")[0].replace(",", ""))
+    d = _doctor("qwen3-next-80b-a3b", target=VllmTarget(max_model_len=longest), memory=small)
+    assert d.finding("concurrency").data["concurrent_requests"] >= 1
+    with pytest.raises(ValueError, match="would not start"):
+        _doctor(
+            "qwen3-next-80b-a3b",
+            target=VllmTarget(max_model_len=longest + d.block_size),
+            memory=small,
+        )

@@ -24,6 +24,7 @@ from ..plan import MemoryPlan, PlanConfig
 from ..specs import IndexerSpec
 from ..target import QWEN4_EXP_FAMILIES, VllmTarget
 from ..units import parse_bytes
+from ._common import PlanTooSmall
 from .per_group import plan_per_group
 from .shared import auto_pack_size, plan_shared
 from .two_level import plan_two_level
@@ -31,7 +32,7 @@ from .vllm_packed import plan_vllm_packed, uses_vllm_packing
 
 LAYOUTS = ("inflate", "pack", "aggregate", "per_group", "two_level")
 
-__all__ = ["LAYOUTS", "VllmTarget", "make_plan", "plan_all"]
+__all__ = ["LAYOUTS", "PlanTooSmall", "VllmTarget", "make_plan", "plan_all"]
 
 
 def make_plan(

@@ -161,15 +161,28 @@ def ideal_capacity(model: HybridModel, config: PlanConfig) -> tuple[int, int]:
     return max(0, (config.memory_bytes - state) // kv), state
 
 
-def too_small(model: HybridModel, config: PlanConfig, need: int, what: str) -> ValueError:
+class PlanTooSmall(ValueError):
+    """The memory cannot hold ``max_num_seqs`` requests' state slots (and any cached-state
+    slots) plus one KV block: ``needed_bytes`` would. A ``ValueError``, so callers that only
+    report it need not know the class; the doctor catches it to plan the requests that fit."""
+
+    def __init__(self, message: str, *, needed_bytes: int, memory_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.memory_bytes = memory_bytes
+
+
+def too_small(model: HybridModel, config: PlanConfig, need: int, what: str) -> PlanTooSmall:
     cached = config.cache_state_slots
     extra = f" plus {cached} slots for cached states" if cached else ""
     fix = " or --cache-state-slots" if cached else ""
-    return ValueError(
+    return PlanTooSmall(
         f"{format_bytes(config.memory_bytes)} is too small for {model.name}: {what} needs "
         f"{format_bytes(need)} for max_num_seqs={config.max_num_seqs} "
         f"(x{config.state_slots_per_seq} state slots each){extra} plus one KV block; give the "
-        f"cache more memory (--gpu-memory) or lower --max-num-seqs{fix}"
+        f"cache more memory (--gpu-memory) or lower --max-num-seqs{fix}",
+        needed_bytes=int(need),
+        memory_bytes=int(config.memory_bytes),
     )
 
 
