@@ -139,14 +139,16 @@ def _add_cache_formats(p: argparse.ArgumentParser, more: str) -> None:
         choices=CACHE_FORMATS,
         default=None,
         help="where vLLM keeps a cache in another format than transformers (GLM-5-Next's "
-        "and Qwen4-Exp's indexers): plan transformers' (default) or vLLM's, which inflate "
-        f"packs as vLLM 0.33 does{more}",
+        "and Qwen4-Exp's indexers; K and V side by side per token in an attention page): "
+        "plan transformers' (default) or vLLM's, which inflate packs as vLLM 0.33 does"
+        f"{more}",
     )
 
 
 def _cache_formats(args: argparse.Namespace) -> str:
     """``plan --cache-formats``; ``--format vllm`` prints vLLM's layout, so it plans vLLM's
-    formats unless told otherwise (models whose formats agree plan the same either way)."""
+    formats unless told otherwise (the same capacity, but for GLM-5-Next's and Qwen4-Exp's
+    indexers)."""
     chosen = getattr(args, "cache_formats", None)
     if chosen is not None:
         return chosen
@@ -1052,7 +1054,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shared-prefix", type=int, default=None, help="tokens every prompt starts with"
     )
     # the doctor describes what vLLM runs, so it plans vLLM's cache formats (GLM-5-Next's and
-    # Qwen4-Exp's indexers; every other model plans the same in either)
+    # Qwen4-Exp's indexers; K and V side by side in a page, the same capacity, in every other)
     p.set_defaults(
         func=cmd_doctor, time_scale=None, rate_scale=1.0, shared_length="blocks", seed=0,
         cache_formats="vllm",

@@ -278,9 +278,18 @@ class KVPlacement:
             raise ValueError(f"layer {self.layer} has a single latent cache and no V")
         return self.v_offset + block_id * self.block_stride
 
+    @property
+    def interleaves_kv(self) -> bool:
+        """K and V share each token's and head's row (``[tokens, heads, K | V]``, vLLM's page:
+        :attr:`~hybridkv.target.VllmTarget.interleaves_kv`): V starts inside K's span."""
+        return self.v_offset is not None and 0 < self.v_offset - self.k_offset < self.token_stride
+
     def regions(self, block_id: int) -> list[Region]:
-        """The byte ranges block ``block_id`` of this layer occupies (K, then V)."""
+        """The byte ranges block ``block_id`` of this layer occupies (K, then V; one range of
+        both where they interleave)."""
         k0 = self.k_byte_offset(block_id)
+        if self.interleaves_kv:
+            return [Region(self.tensor, k0, k0 + self.k_bytes_per_block + self.v_bytes_per_block)]
         out = [Region(self.tensor, k0, k0 + self.k_bytes_per_block)]
         if self.v_offset is not None:
             v0 = self.v_byte_offset(block_id)
@@ -288,11 +297,13 @@ class KVPlacement:
         return out
 
     def parts(self, block_id: int) -> list[tuple[str, Region]]:
-        """:meth:`regions` named: ``K`` and ``V``, ``latent`` for MLA, ``indexer`` for a
-        sparse-attention indexer's keys (one row per token, like a latent, or per k-pool),
-        ``ring`` for a GLM-5-Next tail ring or a Qwen4-Exp QSA ring."""
-        if self.v_offset is not None:
-            names: tuple[str, ...] = ("K", "V")
+        """:meth:`regions` named: ``K`` and ``V`` (``K|V`` where they interleave), ``latent``
+        for MLA, ``indexer`` for a sparse-attention indexer's keys (one row per token, like a
+        latent, or per k-pool), ``ring`` for a GLM-5-Next tail ring or a Qwen4-Exp QSA ring."""
+        if self.interleaves_kv:
+            names: tuple[str, ...] = ("K|V",)
+        elif self.v_offset is not None:
+            names = ("K", "V")
         else:
             part = {"indexer": "indexer", "indexer_ring": "ring"}.get(self.kind, "latent")
             names = (part,)

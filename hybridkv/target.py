@@ -34,9 +34,10 @@ here, each with the vLLM 0.33 file and function it follows:
   override ``get_prefill_checkpoint_alignment``, so the platform's block alignment ignores it.
 - **Cache formats** (``VllmTarget.cache_formats``): where vLLM keeps a cache in another format
   than transformers (GLM-5-Next's k-pooled indexer keys and their tail ring, Qwen4-Exp's
-  compressed QSA keys and their ring of raw keys), ``"transformers"``
-  (the default, what :mod:`hybridkv.e2e` serves) plans transformers' format and ``"vllm"``
-  vLLM's, packed as vLLM 0.33 packs it (:mod:`hybridkv.layouts.vllm_packed`).
+  compressed QSA keys and their ring of raw keys; in every model, K and V side by side per
+  token and head in an attention page), ``"transformers"`` (the default) plans transformers'
+  format and ``"vllm"`` vLLM's, the indexer families packed as vLLM 0.33 packs them
+  (:mod:`hybridkv.layouts.vllm_packed`). :mod:`hybridkv.e2e` serves both but the packed plans.
 
 GPU families decide backends: on ``hopper`` (SM90) vLLM picks FlashAttention 3 (kernel blocks of
 any multiple of 16) and FlashInfer's GDN prefill (``_resolve_gdn_prefill_backend`` in
@@ -220,8 +221,10 @@ class VllmTarget:
     - ``cache_formats``: ``"transformers"`` (default) or ``"vllm"``: whose format a cache has
       where the two differ (GLM-5-Next's indexer keys: transformers' per-token rows, or vLLM
       0.33's k-pooled fp8 entries and per-request tail ring, which ``inflate`` then packs
-      block-outermost as vLLM does; see :mod:`hybridkv.layouts.vllm_packed`). Models whose
-      formats agree plan the same either way. Not a vLLM switch: vLLM always uses its own.
+      block-outermost as vLLM does; see :mod:`hybridkv.layouts.vllm_packed`). In every model
+      vLLM's formats also put K and V side by side per token and head in an attention page
+      (:attr:`interleaves_kv`): the same bytes and capacity, another order. Not a vLLM switch:
+      vLLM always uses its own.
       Qwen4-Exp's QSA indexer is the other model with formats of its own (one compressed key per
       ``indexer_compress_ratio`` tokens and a per-request ring of raw keys).
     - ``indexer_kv_dtype``: vLLM's ``--attention-config '{"indexer_kv_dtype": ...}'``:
@@ -299,6 +302,15 @@ class VllmTarget:
                 not isinstance(value, int) or isinstance(value, bool) or value < 1
             ):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    @property
+    def interleaves_kv(self) -> bool:
+        """An attention page holds K and V side by side per token and head, ``[tokens, heads,
+        K | V]``, as vLLM 0.33's FlashAttention and Triton backends read it (logical ``[B, H, N,
+        2 * head_size]``, laid out ``LBNHC``), rather than K for every token, then V: part of
+        vLLM's cache formats. The bytes per page are the same either way; the kernels read
+        either through the placement's strides."""
+        return self.cache_formats == "vllm"
 
     def resolve(self, model: HybridModel) -> VllmRules:
         """The rules this vLLM applies to ``model`` (already configured for TP and dtypes)."""

@@ -23,11 +23,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["PART_COLORS", "Segment", "UnitMap", "draw_unit", "memory_map_figure", "unit_map"]
 
-#: colour of each kind of bytes (K, V, MLA latent, sparse-attention indexer keys, GLM-5-Next's
-#: tail ring in vLLM's formats, conv state, SSM/recurrent state, padding)
+#: colour of each kind of bytes (K, V, K and V interleaved in vLLM's formats, MLA latent,
+#: sparse-attention indexer keys, GLM-5-Next's tail ring in vLLM's formats, conv state,
+#: SSM/recurrent state, padding)
 PART_COLORS = {
     "K": "#1f77b4",
     "V": "#ff7f0e",
+    "K|V": "#7f7f7f",
     "latent": "#17becf",
     "indexer": "#e377c2",
     "ring": "#8c564b",

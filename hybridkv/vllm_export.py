@@ -96,8 +96,10 @@ formats (a raw key per token beside the K/V) is refused with the reason. Without
 fields vLLM builds the plain attention and its pages are equal: the ordinary ``inflate`` export.
 
 A ``KVCacheConfig`` fixes where each layer's page is, not what is inside it: vLLM 0.33's
-FlashAttention reads an attention page as ``[tokens, heads, K | V]``, the plan's kernels as K for
-all tokens then V (see :func:`vllm_disagreements`).
+FlashAttention reads an attention page as ``[tokens, heads, K | V]``. A plan in vLLM's cache
+formats (``VllmTarget(cache_formats="vllm")``) keeps its pages so, byte for byte; one in
+transformers' formats keeps K for all tokens then V (:func:`vllm_disagreements` says so). The
+kernels read either through the placements' strides.
 """
 
 from __future__ import annotations
@@ -1087,17 +1089,18 @@ def _vllm_grouping(model: HybridModel, names, order) -> list[list[str]]:
 def vllm_disagreements(plan: MemoryPlan, model: HybridModel) -> list[str]:
     """Where the exported plan differs from what vLLM 0.33 itself builds for the model (one
     sentence each; empty when they agree). Checks the grouping (members and slot order), the
-    group order and the K/V order inside an attention page. (Block sizes, state blocks and the
-    Mamba cache mode are vLLM's by construction: :mod:`hybridkv.target`.) A plan packed
-    block-outermost (GLM-5-Next or Qwen4-Exp in vLLM's cache formats) is grouped, ordered and
-    placed by :mod:`hybridkv.layouts.vllm_packed`'s port of vLLM's own packing: only the K/V
-    order inside Qwen4-Exp's attention pages is reported (GLM-5-Next's latents have no V)."""
+    group order and the K/V order inside an attention page (vLLM's in a plan in vLLM's cache
+    formats). (Block sizes, state blocks and the Mamba cache mode are vLLM's by construction:
+    :mod:`hybridkv.target`.) A plan packed block-outermost (GLM-5-Next or Qwen4-Exp in vLLM's
+    cache formats) is grouped, ordered and placed by :mod:`hybridkv.layouts.vllm_packed`'s port
+    of vLLM's own packing, K/V order included: nothing is reported for it."""
     config = kv_cache_config(plan, model)
-    has_v = any(p.v_offset is not None for p in plan.kv_placements)
+    # K then V inside a page (transformers' cache formats), where vLLM interleaves them
+    planes = any(p.v_offset is not None and not p.interleaves_kv for p in plan.kv_placements)
     if plan.kv_cache_layout is not None:
-        # grouped, ordered and placed by vllm_packed's port of vLLM's packing: only a K/V page's
-        # contents can differ (Qwen4-Exp's GQA; GLM-5-Next's latents have no V)
-        return [_KV_ORDER_NOTE] if has_v else []
+        # grouped, ordered and placed by vllm_packed's port of vLLM's packing, which
+        # interleaves K and V as vLLM does: nothing can differ
+        return [_KV_ORDER_NOTE] if planes else []
     names, order = _names_and_order(model)
     notes = []
     exported = [g["layer_names"] for g in config["kv_cache_groups"]]
@@ -1113,16 +1116,17 @@ def vllm_disagreements(plan: MemoryPlan, model: HybridModel) -> list[str]:
             "group order: the plan lists attention groups first; vLLM numbers its groups by "
             "bucket in layer-registration order (exported in vLLM's order)"
         )
-    if has_v:
+    if planes:
         notes.append(_KV_ORDER_NOTE)
     return notes
 
 
-#: the one way a K/V page's contents differ from vLLM's
+#: the one way a K/V page's contents differ from vLLM's (in transformers' cache formats)
 _KV_ORDER_NOTE = (
     "page contents: the plan keeps a layer's K as [tokens, heads, dim] then V likewise; "
     "vLLM 0.33's FlashAttention page is [tokens, heads, K dim | V dim] (logical "
-    "[B, H, N, 2*D], split on the last dim), so K and V interleave per token and head"
+    "[B, H, N, 2*D], split on the last dim), so K and V interleave per token and head "
+    "(a plan in vLLM's cache formats, cache_formats='vllm', lays them out so)"
 )
 
 

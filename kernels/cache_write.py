@@ -1,10 +1,10 @@
 """Cache write: scatter the new K and V of a batch of tokens into paged caches of any layout.
 
 The caches are typed strided views ``[num_blocks, block_size, num_kv_heads, head_dim]`` over a
-memory plan's raw buffers: the block, token and head strides are arbitrary (vLLM's K-then-V page,
-N layers packed per page, head-major pages, layer-outer tensors), only the last dim is
-contiguous. Token ``t`` goes to ``slot_mapping[t] = block_id * block_size + offset``; ``-1``
-marks a padding token.
+memory plan's raw buffers: the block, token and head strides are arbitrary (K-then-V pages, vLLM
+0.33's ``[tokens, heads, K | V]`` pages, N layers packed per page, head-major pages, layer-outer
+tensors), only the last dim is contiguous. Token ``t`` goes to ``slot_mapping[t] = block_id *
+block_size + offset``; ``-1`` marks a padding token.
 
 Plan once per step, run once per layer (FlashInfer's split): :func:`plan_write_kv_cache` takes
 the step's slot mapping and the shapes every layer shares and makes every host decision (config,

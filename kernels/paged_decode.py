@@ -3,8 +3,9 @@
 The caches are typed strided views ``[num_blocks, block_size, num_kv_heads, head_dim]`` made by a
 memory plan: K of token ``p`` of a request lives at
 ``k_cache + table[p // block_size] * stride_block + (p % block_size) * stride_token + head *
-stride_head``. Nothing else is assumed, so the same kernel reads vLLM's K-then-V pages, pages
-packing N layers, head-major pages and layer-outer tensors.
+stride_head``. Nothing else is assumed, so the same kernel reads K-then-V pages, vLLM 0.33's
+``[tokens, heads, K | V]`` pages, pages packing N layers, head-major pages and layer-outer
+tensors.
 
 Plan once per step, run once per layer (FlashInfer's split): :func:`plan_decode` takes the
 step's block tables, lengths and shapes and makes every host decision (config, split count,

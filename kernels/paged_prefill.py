@@ -7,8 +7,9 @@ as vLLM's unified Triton attention does). Batches are varlen: request ``r`` has
 ``seq_lens[r] - q_len .. seq_lens[r] - 1``.
 
 The caches are typed strided views ``[num_blocks, block_size, num_kv_heads, head_dim]``: any
-block, token and head strides (K-then-V pages, packed pages, head-major pages, layer-outer
-tensors); only the last dim is contiguous. Addressing is int64.
+block, token and head strides (K-then-V pages, vLLM 0.33's ``[tokens, heads, K | V]`` pages,
+packed pages, head-major pages, layer-outer tensors); only the last dim is contiguous.
+Addressing is int64.
 
 Plan once per step, run once per layer (FlashInfer's split): :func:`plan_prefill` takes the
 step's block tables, query offsets, lengths and shapes and makes every host decision (config,

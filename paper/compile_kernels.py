@@ -301,7 +301,9 @@ def _q_dtype(cache_dtype: str):
 
 
 def _kv_caches(num_blocks: int, bs: int, heads: int, d: int, dtype, device):
-    """K and V views of one paged buffer, vLLM's layout: a page is K then V."""
+    """K and V views of one paged buffer whose page is K then V (vLLM's hybrid layout before
+    0.33; 0.33's ``[tokens, heads, K | V]`` page has other stride values of the same
+    divisibility by 16 at these head dims, which is what Triton specializes on)."""
     import torch
 
     pages = torch.empty((num_blocks, 2, bs, heads, d), dtype=dtype, device=device)

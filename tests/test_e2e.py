@@ -26,6 +26,7 @@ from hybridkv.e2e import (
 )
 from hybridkv.e2e.engine import Engine, hf_greedy
 from hybridkv.layouts import LAYOUTS
+from hybridkv.target import VllmTarget
 
 TOL = 1e-4
 CONFIGS = {"bamba": tiny_bamba_config, "qwen3_next": tiny_qwen3_next_config}
@@ -111,11 +112,25 @@ def test_serve_matches_transformers(name, layout):
     """Four requests of different lengths, decoded together; the third shares a 50-token prefix
     with the first and joins once the first's prefill is done, so it starts from the first's
     cached blocks and state checkpoint."""
+    _serve_four(name, _plan(name, layout))
+
+
+@pytest.mark.parametrize("layout", ["inflate", "two_level"])
+def test_serve_from_vllms_page_contents(layout):
+    """A plan in vLLM's cache formats keeps K and V side by side per token and head in every
+    attention page ([tokens, heads, K | V], as vLLM 0.33 reads it): the engine's kernels read
+    and write it through its strides, and serve the same tokens and logits."""
+    plan = _plan("qwen3_next", layout, target=VllmTarget(cache_formats="vllm"))
+    assert all(p.interleaves_kv for p in plan.kv_placements)
+    _serve_four("qwen3_next", plan)
+
+
+def _serve_four(name: str, plan) -> None:
     n = 4
     shared = _prompt(50, seed=1)
     a, short = [*shared, 3, 1, 4], _prompt(7, seed=2)
     b, mid = [*shared, 5, 9], _prompt(19, seed=3)
-    eng = Engine(_model(name), _plan(name, layout))
+    eng = Engine(_model(name), plan)
     eng.add_request("a", a, n)
     eng.add_request("short", short, n)
     eng.step()

@@ -154,9 +154,12 @@ def _all_regions(plan: MemoryPlan):
         units = ids // per_unit
         pool_key = plan.pools.index(pool)
         if isinstance(p, KVPlacement):
-            spans = [(p.k_offset, p.k_bytes_per_block)]
-            if p.v_offset is not None:
-                spans.append((p.v_offset, p.v_bytes_per_block))
+            if p.interleaves_kv:  # [tokens, heads, K | V]: one span of both
+                spans = [(p.k_offset, p.k_bytes_per_block + p.v_bytes_per_block)]
+            else:
+                spans = [(p.k_offset, p.k_bytes_per_block)]
+                if p.v_offset is not None:
+                    spans.append((p.v_offset, p.v_bytes_per_block))
             stride = p.block_stride
         else:
             spans = [(p.offset + c.offset, c.nbytes) for c in p.components]
@@ -249,12 +252,18 @@ def test_regions_disjoint_and_inside_over_zoo(name, layout):
             _check_regions(plan)
 
 
+@pytest.mark.parametrize("cache_formats", ["transformers", "vllm"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_views_on_real_cpu_memory_do_not_overlap(layout):
+def test_views_on_real_cpu_memory_do_not_overlap(layout, cache_formats):
     """Give every allocation unit to one group, write a distinct value into every (layer, id)
-    region through the kernels' views, and read every value back."""
+    region through the kernels' views, and read every value back (vllm: K and V interleaved
+    per token and head in a page)."""
     model = models.load("qwen3.5-0.8b").configure(kv_dtype="float32", ssm_dtype="float32")
-    plan = make_plan(model, layout, memory=_small_budget(model, layout), max_num_seqs=2)
+    plan = make_plan(
+        model, layout, memory=_small_budget(model, layout), max_num_seqs=2,
+        target=VllmTarget(cache_formats=cache_formats),
+    )  # fmt: skip
+    _check_regions(plan)
     buffers = plan.allocate("cpu", fill=0)
     owner: dict[tuple[str, int], int] = {}
     expected = []
@@ -503,3 +512,32 @@ def test_fit_tokens_keeps_the_other_options():
 def test_fit_tokens_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_plan(models.load("qwen3.5-0.8b"), "per_group", **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["inflate", "pack", "per_group"])
+def test_vllm_formats_lay_a_page_out_as_vllm_reads_it(layout):
+    """vLLM 0.33 reads an attention page as [tokens, heads, K | V] (logical [B, H, N, 2 * D],
+    laid out LBNHC: :attr:`VllmTarget.interleaves_kv`). Written through the plan's views, the
+    page read that way holds each head's K then its V; the same bytes per page as K then V."""
+    model = models.load("qwen3-next-80b-a3b").configure(kv_dtype="float32")
+    target = VllmTarget(cache_formats="vllm")
+    plan = make_plan(model, layout, memory="1GiB", max_num_seqs=2, target=target)
+    planes = make_plan(model, layout, memory="1GiB", max_num_seqs=2)
+    assert plan.capacity == planes.capacity and plan.total_bytes == planes.total_bytes
+    layer = model.attention_layers[0].name
+    p = plan.placement(layer)
+    assert p.interleaves_kv and not planes.placement(layer).interleaves_kv
+    assert [name for name, _ in p.parts(3)] == ["K|V"]
+    buffers = plan.allocate("cpu", fill=0)
+    k, v = plan.kv_views(buffers, layer)
+    k.copy_(torch.randn(k.shape))
+    v.copy_(torch.randn(v.shape))
+    d, dv, heads = p.head_dim, p.head_dim_v, p.num_kv_heads
+    typed = buffers[p.tensor].view(torch.float32)
+    page = torch.as_strided(
+        typed,
+        (p.num_blocks, p.block_size, heads, d + dv),
+        (p.block_stride // 4, heads * (d + dv), d + dv, 1),
+        p.k_offset // 4,
+    )
+    assert torch.equal(page[..., :d], k) and torch.equal(page[..., d:], v)

@@ -1496,15 +1496,14 @@ def test_qwen4_exp_logged_capacity(qwen4_default):
     """get_max_concurrency_for_kv_cache_config at max_model_len 32,768 (the config's
     max_position_embeddings): the compressed + K/V group cdiv(32,768, 576) = 57 blocks a request,
     each of the 4 state groups 2 + 0 + 1 (the prefill checkpoint block) = 3, the ring group 1:
-    57 + 12 + 1 = 70 blocks; 5,648 / 70 x 32,768 tokens. vllm_disagreements names only the K/V
-    order inside a page."""
+    57 + 12 + 1 = 70 blocks; 5,648 / 70 x 32,768 tokens. vllm_disagreements finds nothing: the
+    packing and the K/V order inside a page are vLLM's."""
     model, plan, _ = qwen4_default
     logged = logged_capacity(plan, model)
     assert (logged.attention_blocks_per_request, logged.state_blocks_per_request) == (57, 12)
     assert logged.ring_blocks_per_request == 1 and logged.blocks_per_request == 70
     assert logged.tokens == int(5_648 / 70 * 32_768)
-    notes = vllm_disagreements(plan, model)
-    assert len(notes) == 1 and notes[0].startswith("page contents")
+    assert vllm_disagreements(plan, model) == []
 
 
 def test_qwen4_exp_causal_lm_names():

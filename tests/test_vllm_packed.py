@@ -7,6 +7,7 @@ capacity worked by hand, its refusals.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from hybridkv import models
 from hybridkv.alloc import HybridAllocator
+from hybridkv.dtypes import dtype_bytes
 from hybridkv.layouts import make_plan
 from hybridkv.plan import KVPlacement
 from hybridkv.target import VllmTarget
@@ -121,18 +123,31 @@ def test_capacity_by_hand(plan):
     assert 0.98 < cap.fraction_of_ideal < 1
 
 
-def test_other_models_plan_the_same_in_either_format():
-    """Only GLM-5-Next's indexer has a vLLM format hybridkv lays out; other models (and
-    GLM-5-Next without an indexer) are planned the same in both."""
+def _same_but_kv_order(a, b) -> None:
+    """``b`` (vLLM's formats) is ``a`` (transformers') with K and V side by side per token
+    and head in every attention page: the same groups, states, pages and capacity."""
+    assert (a.groups, a.state_placements, a.capacity) == (b.groups, b.state_placements, b.capacity)
+    assert b.kv_cache_layout is None
+    for x, y in zip(a.kv_placements, b.kv_placements, strict=True):
+        assert not x.interleaves_kv and y.interleaves_kv
+        pair = (y.head_dim + y.head_dim_v) * dtype_bytes(y.dtype)
+        assert (y.head_stride, y.token_stride) == (pair, pair * y.num_kv_heads)
+        assert y.v_offset - y.k_offset == x.head_stride  # one head's K, then its V
+        assert (
+            dataclasses.replace(
+                y, v_offset=x.v_offset, token_stride=x.token_stride, head_stride=x.head_stride
+            )
+            == x
+        )
+
+
+def test_other_models_differ_only_in_kv_order():
+    """Only GLM-5-Next's and Qwen4-Exp's indexers have vLLM formats of their own; every other
+    model plans the same pages in both, K and V interleaved per token and head in vLLM's."""
     model = models.load("qwen3.5-4b")
     a = make_plan(model, "inflate", memory="24GiB")
     b = make_plan(model, "inflate", memory="24GiB", target=VLLM)
-    assert (a.groups, a.kv_placements, a.state_placements) == (
-        b.groups,
-        b.kv_placements,
-        b.state_placements,
-    )
-    assert b.kv_cache_layout is None
+    _same_but_kv_order(a, b)
 
 
 @pytest.mark.parametrize("layout", ["pack", "aggregate", "per_group", "two_level"])
@@ -190,9 +205,10 @@ def test_an_open_pool_left_out_is_refused():
 
 
 def test_qwen4_exp_placements_hold_vllms_rows(qwen4_plan):
-    """Block 576 (tests/test_vllm_export.py derives it): K/V of 2 heads x 256 (K for every token,
-    then V), one compressed bf16 key of 128 per 4 tokens (144 rows), a 4-slot ring of one bf16
-    key of 128, GDN and PLE states back to back from their page's start."""
+    """Block 576 (tests/test_vllm_export.py derives it): K/V of 2 heads x 256 (each token's
+    and head's K, then its V: vLLM's BLNHC page), one compressed bf16 key of 128 per 4 tokens
+    (144 rows), a 4-slot ring of one bf16 key of 128, GDN and PLE states back to back from
+    their page's start."""
     plan = qwen4_plan
     attn = plan.placement("layers.3.attn")
     indexer = plan.placement("layers.3.indexer")
@@ -200,7 +216,8 @@ def test_qwen4_exp_placements_hold_vllms_rows(qwen4_plan):
     assert isinstance(attn, KVPlacement)
     assert (attn.num_kv_heads, attn.head_dim, attn.head_dim_v) == (2, 256, 256)
     assert attn.k_bytes_per_block == attn.v_bytes_per_block == 576 * 2 * 256 * 2
-    assert attn.v_offset == attn.k_offset + 576 * 2 * 256 * 2
+    assert attn.v_offset == attn.k_offset + 256 * 2
+    assert (attn.token_stride, attn.head_stride) == (2 * 512 * 2, 512 * 2)
     assert (indexer.tokens_per_state, indexer.rows_per_block) == (4, 144)
     assert indexer.k_bytes_per_block == 144 * 128 * 2 and indexer.dtype == "bfloat16"
     assert (ring.block_size, ring.num_kv_heads, ring.head_dim, ring.token_stride) == (
@@ -209,7 +226,7 @@ def test_qwen4_exp_placements_hold_vllms_rows(qwen4_plan):
         128,
         256,
     )
-    assert [name for name, _ in attn.parts(1)] == ["K", "V"]
+    assert [name for name, _ in attn.parts(1)] == ["K|V"]
     buffers = plan.allocate("meta")
     k, v = plan.kv_views(buffers, "layers.3.indexer")
     assert v is None and tuple(k.shape) == (plan.pools[0].num_blocks, 144, 1, 128)
@@ -238,13 +255,12 @@ def test_qwen4_exp_capacity_by_hand(qwen4_plan):
 
 def test_qwen4_exp_without_an_indexer_is_the_plain_inflate():
     """Without the indexer_* fields vLLM builds Qwen3NextAttention (K/V alone): equal pages,
-    the plain inflate, in either format."""
+    the plain inflate, in either format (K and V interleaved in vLLM's)."""
     model = models.from_hf_config(transformers.Qwen4ExpConfig().to_dict())
     assert "indexer" not in model.layer_kinds
     a = make_plan(model, "inflate", memory="24GiB")
     b = make_plan(model, "inflate", memory="24GiB", target=VLLM)
-    assert (a.groups, a.kv_placements) == (b.groups, b.kv_placements)
-    assert b.kv_cache_layout is None
+    _same_but_kv_order(a, b)
 
 
 @pytest.mark.parametrize(

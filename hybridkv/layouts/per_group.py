@@ -101,6 +101,7 @@ def plan_per_group(model: HybridModel, config: PlanConfig) -> MemoryPlan:
                     page_offset=i * num_blocks * page,
                     block_stride=page,
                     pack_index=0,
+                    interleave_kv=config.target.interleaves_kv,
                 )
             )
         pools.append(PoolPlan(name, "per_group", (name,), num_blocks, block_bytes, (gid,)))

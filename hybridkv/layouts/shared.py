@@ -68,11 +68,14 @@ def _kv_placement(
     page_offset: int,
     block_stride: int,
     pack_index: int,
+    interleave_kv: bool = False,
 ) -> KVPlacement:
     """Placement of one layer whose K+V region starts ``page_offset`` bytes into each page.
 
-    Inside that region: K as ``[block_size, heads, head_dim]``, then V likewise (vLLM's
-    ``(num_blocks, 2, block_size, heads, head_dim)`` hybrid layout); MLA: one latent.
+    Inside that region: K as ``[block_size, heads, head_dim]``, then V likewise, or, with
+    ``interleave_kv`` (vLLM's cache formats: :attr:`~hybridkv.target.VllmTarget.interleaves_kv`),
+    ``[block_size, heads, head_dim + head_dim_v]``, each token's and head's K then its V, as
+    vLLM 0.33's attention backends keep a page; MLA: one latent.
     """
     spec = layer.spec
     ds = dtype_bytes(spec.kv_dtype)  # type: ignore[attr-defined]
@@ -106,6 +109,10 @@ def _kv_placement(
     assert isinstance(spec, FullAttentionSpec)
     heads, d, dv = spec.kv_heads_per_rank, spec.head_dim, spec.head_dim_v
     assert dv is not None
+    if interleave_kv:
+        v_offset, head_stride = page_offset + d * ds, (d + dv) * ds
+    else:
+        v_offset, head_stride = page_offset + block_size * heads * d * ds, d * ds
     return KVPlacement(
         layer=layer.name,
         layer_index=layer.index,
@@ -119,10 +126,10 @@ def _kv_placement(
         head_dim=d,
         head_dim_v=dv,
         k_offset=page_offset,
-        v_offset=page_offset + block_size * heads * d * ds,
+        v_offset=v_offset,
         block_stride=block_stride,
-        token_stride=heads * d * ds,
-        head_stride=d * ds,
+        token_stride=heads * head_stride,
+        head_stride=head_stride,
         pack_index=pack_index,
     )
 
@@ -327,6 +334,7 @@ def plan_shared(
                         page_offset=offset,
                         block_stride=page,
                         pack_index=j,
+                        interleave_kv=config.target.interleaves_kv,
                     )
                 )
                 offset += block_size * _attn1(layer)

@@ -128,6 +128,7 @@ def plan_two_level(model: HybridModel, config: PlanConfig) -> MemoryPlan:
                         page_offset=offset,
                         block_stride=page,
                         pack_index=j,
+                        interleave_kv=config.target.interleaves_kv,
                     )
                 )
                 offset += block_size * _attn1(layer)

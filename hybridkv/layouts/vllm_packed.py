@@ -76,8 +76,8 @@ its compressed keys), a :class:`~hybridkv.plan.KVPlacement` per latent or K/V, p
 (``tokens_per_state`` rows) and per ring (named ``{indexer layer}.ring``), a
 :class:`~hybridkv.plan.StatePlacement` per state layer, all with ``block_stride`` /
 ``slot_stride`` the block and :attr:`~hybridkv.plan.MemoryPlan.kv_cache_layout` vLLM's layout.
-Inside a K/V page the plan keeps K for every token then V (vLLM's ``BLNHC`` page interleaves
-them per token and head: :func:`hybridkv.vllm_export.vllm_disagreements` says so). Capacity:
+Inside a K/V page K and V interleave per token and head, ``[tokens, heads, K | V]``, as vLLM's
+``BLNHC`` page holds them (:attr:`~hybridkv.target.VllmTarget.interleaves_kv`). Capacity:
 state and ring groups hold ids per request (``state_slots_per_seq`` per state group, one per
 ring group: ``CircularBufferSpec.max_num_blocks_per_req``), the token group(s) the rest. The
 allocator serves a ring group as vLLM's ``CircularBufferManager`` does
@@ -204,8 +204,8 @@ def indexer_entry_bytes(spec: IndexerSpec) -> int:
 @dataclass(frozen=True)
 class _Rows:
     """How an attention-side page is addressed: ``rows`` of ``num_heads`` heads of
-    ``head_dim`` (and ``head_dim_v`` for a V after the K, ``None`` for one cache), each row
-    standing for ``tokens_per_state`` tokens; ``kind`` is the placement's kind."""
+    ``head_dim`` (and ``head_dim_v`` for a V beside each head's K, ``None`` for one cache),
+    each row standing for ``tokens_per_state`` tokens; ``kind`` is the placement's kind."""
 
     kind: str
     dtype: str
@@ -621,16 +621,12 @@ def _qwen4_caches(
             size = dtype_bytes(spec.kv_dtype)
             heads = spec.kv_heads_per_rank
             assert spec.head_dim_v is not None
+            # vLLM's page: each token's and head's K, then its V (interleaves_kv)
+            pair = (spec.head_dim + spec.head_dim_v) * size
             rows = _Rows(
-                spec.kind,
-                spec.kv_dtype,
-                heads,
-                spec.head_dim,
-                spec.head_dim_v,
-                1,
-                heads * spec.head_dim * size,
-                spec.head_dim * size,
-            )
+                spec.kind, spec.kv_dtype, heads, spec.head_dim, spec.head_dim_v, 1,
+                heads * pair, pair,
+            )  # fmt: skip
             caches.append(
                 _Cache(layer.name, layer, "kv", ("full",), block, True, attn_page, 1, rows)
             )
@@ -789,9 +785,8 @@ def _place(
         return
     rows = c.rows
     assert rows is not None
-    # a K/V page: K for every row, then V (see the module docstring)
-    k_bytes = c.block_size // rows.tokens_per_state * rows.num_heads * rows.head_dim
-    k_bytes *= dtype_bytes(rows.dtype)
+    # a K/V page: each row's and head's K, then its V (see the module docstring)
+    v_at = None if rows.head_dim_v is None else offset + rows.head_dim * dtype_bytes(rows.dtype)
     kv_placements.append(
         KVPlacement(
             layer=c.name,
@@ -806,7 +801,7 @@ def _place(
             head_dim=rows.head_dim,
             head_dim_v=rows.head_dim_v,
             k_offset=offset,
-            v_offset=None if rows.head_dim_v is None else offset + k_bytes,
+            v_offset=v_at,
             block_stride=block_bytes,
             token_stride=rows.token_stride,
             head_stride=rows.head_stride,

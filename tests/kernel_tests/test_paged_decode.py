@@ -83,6 +83,36 @@ def test_decode_on_real_plans(layout):
     _check(q, k_cache, v_cache, tables, lens, 1 / 16, splits=2)
 
 
+@pytest.mark.parametrize(
+    "lens, hq, hkv, dk, dv, block_size, dtype",
+    [
+        pytest.param([97, 3, 33], 8, 2, 40, 24, 16, torch.float16, id="B3-gqa4-Dk40-Dv24"),
+        pytest.param([300, 17], 5, 1, 32, 32, 32, torch.float32, id="B2-Hkv1-Hq5"),
+    ],
+)
+def test_decode_vllms_interleaved_page(lens, hq, hkv, dk, dv, block_size, dtype):
+    """vLLM 0.33's page ([tokens, heads, K | V]: each head's K then its V) read through its
+    strides, K and V of different widths."""
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 6
+    _, k_cache, v_cache = synthetic_caches(
+        "kv-interleaved", num_blocks, block_size, hkv, dk, dv, dtype
+    )
+    assert k_cache.stride()[1:3] == v_cache.stride()[1:3] == (hkv * (dk + dv), dk + dv)
+    tables = _fill(k_cache, v_cache, lens, dtype)
+    q = torch.randn(len(lens), hq, dk).to(dtype)
+    _check(q, k_cache, v_cache, tables, lens, 1 / math.sqrt(dk), None, 2)
+
+
+def test_decode_on_a_vllm_format_plan():
+    """A plan in vLLM's cache formats (K and V interleaved in its pages) serves decode."""
+    _, k_cache, v_cache = plan_caches("inflate", "float16", cache_formats="vllm")
+    assert v_cache.data_ptr() - k_cache.data_ptr() == 256 * 2  # V right after a head's K
+    lens = [40, 1, 75]
+    tables = _fill(k_cache, v_cache, lens, torch.float16)
+    q = torch.randn(3, 4, 256, dtype=torch.float16)
+    _check(q, k_cache, v_cache, tables, lens, 1 / 16, splits=2)
+
+
 def test_decode_fp8_cache():
     _, k32, v32 = synthetic_caches("classic", 12, 16, 2, 32, 32, torch.float32)
     backing = torch.zeros(12 * 2 * 16 * 2 * 32 + 5, dtype=torch.float8_e4m3fn)

@@ -418,9 +418,13 @@ def test_sm80_defaults_fit_sm80():
 # ---- the cases kept from before the plan/run rework ---------------------------------------------
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_prefill_on_real_plans(layout):
-    _, k_cache, v_cache = plan_caches(layout, "float16")
+@pytest.mark.parametrize(
+    "layout, cache_formats",
+    [*((layout, "transformers") for layout in LAYOUTS), ("inflate", "vllm")],
+)
+def test_prefill_on_real_plans(layout, cache_formats):
+    # vllm: K and V side by side per token and head in a page, as vLLM keeps it
+    _, k_cache, v_cache = plan_caches(layout, "float16", cache_formats=cache_formats)
     _run(k_cache, v_cache, [50, 33], [20, 33], 4, torch.float16)
 
 
