@@ -70,13 +70,69 @@ def _table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 def _runtime(args: argparse.Namespace) -> dict:
     """The model's runtime options as the flags set them (``HybridModel.configure``'s names)."""
+    method, tokens = _speculative(args)
     return dict(
         tp_size=args.tp if args.tp is not None else 1,
         kv_dtype=args.kv_dtype or "auto",
         conv_dtype=args.conv_dtype or "auto",
         ssm_dtype=args.ssm_dtype or "auto",
-        num_spec_tokens=args.num_spec_tokens or 0,
+        num_spec_tokens=tokens,
+        speculative_method=method,
     )
+
+
+#: vLLM 0.33 ``--speculative-config`` methods (``vllm/config/speculative.py``): the model's own
+#: MTP layers (``mtp``, or a per-model name vLLM replaces with it: ``MTPModelTypes``), or a
+#: drafter that keeps no KV cache
+_MTP_METHODS = (
+    "mtp", "deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp",
+    "glm4_moe_lite_mtp", "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp",
+    "exaone4_5_mtp", "qwen3_next_mtp", "qwen4_exp_mtp", "qwen3_5_mtp", "longcat_flash_mtp",
+    "bailing_hybrid_v3_mtp", "minimax_m3_mtp", "bailing_hybrid_mtp", "kimi_k3_mtp",
+    "pangu_ultra_moe_mtp", "step3p5_mtp", "step5_mtp", "hy_v3_mtp", "hy_v4_mtp", "gemma4_mtp",
+    "inkling_mtp", "glm5_next_mtp",
+)  # fmt: skip
+_CACHELESS_METHODS = ("ngram", "ngram_gpu", "suffix")
+
+
+def _speculative(args: argparse.Namespace) -> tuple[str, int]:
+    """(``speculative_method``, ``num_spec_tokens``) from ``--speculative-config`` (vLLM's JSON:
+    ``method`` and ``num_speculative_tokens``) and ``--num-speculative-tokens``."""
+    flag = args.num_spec_tokens
+    given = getattr(args, "speculative_config", None)
+    if given is None:
+        return "none", flag or 0
+    try:
+        config = json.loads(given)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON ({exc}): {given!r}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {given!r}")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(
+            f"--speculative-config: {', '.join(unknown)} would not change the cache plan and "
+            "are not read; give method and num_speculative_tokens"
+        )
+    method, tokens = config.get("method"), config.get("num_speculative_tokens")
+    if method not in (*_MTP_METHODS, *_CACHELESS_METHODS):
+        raise ValueError(
+            f"--speculative-config method {method!r}: modelled are mtp (or a model's *_mtp "
+            "name: the model's MTP layers draft, their KV caches join the model's) and "
+            f"{', '.join(_CACHELESS_METHODS)} (no drafter cache); an EAGLE or draft model's "
+            "own caches are not modelled"
+        )
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(
+            "--speculative-config needs num_speculative_tokens, a positive integer (the plan "
+            f"depends on it), got {tokens!r}"
+        )
+    if flag is not None and flag != tokens:
+        raise ValueError(
+            f"--num-speculative-tokens {flag} and --speculative-config's num_speculative_tokens "
+            f"{tokens} disagree; give one"
+        )
+    return ("mtp" if method in _MTP_METHODS else "none"), tokens
 
 
 def _is_config_path(model: str) -> bool:
@@ -399,6 +455,7 @@ def _run_config(model: HybridModel, args: argparse.Namespace) -> dict:
         "conv_dtype": model.conv_dtype,
         "ssm_dtype": model.ssm_dtype,
         "num_spec_tokens": model.num_spec_tokens,
+        "speculative_method": model.speculative_method,
         "memory_bytes": _cache_memory(args),
         "max_num_seqs": args.max_num_seqs,
         "block_size": args.block_size,
@@ -844,6 +901,13 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         default=None,
         dest="num_spec_tokens",
         help="speculative tokens per step; they lengthen the conv state (default 0)",
+    )
+    par.add_argument(
+        "--speculative-config",
+        default=None,
+        help='vLLM\'s JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': '
+        "with mtp the model's MTP layers' KV caches join its own (Qwen3-Next, Qwen3.5/3.6, "
+        "Nemotron-H); ngram and suffix keep none",
     )
     tgt = p.add_argument_group("vLLM target (whose rules the shared-pool layouts follow)")
     tgt.add_argument(

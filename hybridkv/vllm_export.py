@@ -113,6 +113,7 @@ from typing import TYPE_CHECKING, Any
 
 from .dtypes import canonical_dtype, dtype_bytes
 from .layouts.vllm_packed import BLOCK_OUTERMOST_LAYOUTS
+from .models.model import MTP_PREFIX
 from .plan import KVPlacement, StatePlacement
 from .specs import (
     AttentionSpec,
@@ -293,7 +294,9 @@ def _names_and_order(model: HybridModel) -> tuple[dict[str, str], dict[str, tupl
         if not isinstance(spec, (AttentionSpec, StateSpec)):  # pragma: no cover - defensive
             raise ValueError(f"{model.name}: layer {layer.name} holds no cache")
         is_attn = isinstance(spec, AttentionSpec)
-        if isinstance(spec, IndexerSpec):
+        if layer.name.startswith(MTP_PREFIX):
+            template, what = family.mtp_attention, "MTP drafter attention"
+        elif isinstance(spec, IndexerSpec):
             template, what = family.indexer, "sparse-attention indexer"
         elif isinstance(spec, PLEConvSpec):
             template, what = family.ple, "Per-Layer Embedding"
@@ -306,7 +309,9 @@ def _names_and_order(model: HybridModel) -> tuple[dict[str, str], dict[str, tupl
                 f"{layer.name} is one"
             )
         j = 0
-        if is_attn and family.key == "zamba2":
+        if layer.name.startswith(MTP_PREFIX):
+            j = layer.index - model.num_hidden_layers  # its position in the drafter
+        elif is_attn and family.key == "zamba2":
             # Zamba2Attention: shared block b = k % num_mem_blocks owns hybrid layers
             # k = b, b + m, ...; its j starts at b * (H + m - 1) // m
             k = hybrid_rank[layer.name]

@@ -38,6 +38,9 @@ class VllmFamily:
     Embedding conv state (``Qwen4ExpPLELayer``), registered before the layer's GDN.
     ``gdn_checkpoints``: the family's GDN layer is Qwen's ``QwenGatedDeltaNetAttention``, the one
     that exports FlashInfer prefill checkpoints (OLMo-Hybrid's and Kimi's do not).
+    ``mtp_attention``: the attention of the MTP drafter's layer ``j`` (``Qwen3NextMTP``,
+    ``Qwen3_5MTP``, ``NemotronHMTP``, loaded without a prefix under ``mtp``), registered after
+    the target model's layers; empty where no MTP drafter is modelled.
     """
 
     key: str
@@ -49,6 +52,7 @@ class VllmFamily:
     indexer: str = ""
     ring: str = ""
     ple: str = ""
+    mtp_attention: str = ""
 
 
 _M = "vllm/model_executor/models/"
@@ -60,6 +64,7 @@ _FAMILIES = (
         "model.layers.{i}.self_attn.attn",
         "model.layers.{i}.linear_attn",
         gdn_checkpoints=True,
+        mtp_attention="mtp.layers.{j}.self_attn.attn",
     ),
     VllmFamily(
         "qwen3_5",
@@ -68,6 +73,7 @@ _FAMILIES = (
         "language_model.model.layers.{i}.self_attn.attn",
         "language_model.model.layers.{i}.linear_attn",
         gdn_checkpoints=True,
+        mtp_attention="mtp.layers.{j}.self_attn.attn",
     ),
     VllmFamily(
         "qwen3_5_text",
@@ -76,6 +82,7 @@ _FAMILIES = (
         "model.layers.{i}.self_attn.attn",
         "model.layers.{i}.linear_attn",
         gdn_checkpoints=True,
+        mtp_attention="mtp.layers.{j}.self_attn.attn",
     ),
     VllmFamily(
         "nemotron_h",
@@ -83,6 +90,7 @@ _FAMILIES = (
         _M + "nemotron_h.py",
         "model.layers.{i}.mixer.attn",
         "model.layers.{i}.mixer",
+        mtp_attention="mtp.layers.{j}.mixer.attn",
     ),
     VllmFamily(
         "granitemoehybrid",

@@ -131,6 +131,7 @@ from typing import Any
 
 import torch
 
+from ..models.model import MTP_PREFIX
 from . import attn
 
 __all__ = [
@@ -600,6 +601,13 @@ def check_wired(plan: Any) -> None:
             "request), which the engine's kernels do not read; it is for export (--format "
             "vllm) and simulation. Serve a plan in transformers' formats "
             "(cache_formats='transformers', the default)"
+        )
+    drafter = [p.layer for p in plan.kv_placements if p.layer.startswith(MTP_PREFIX)]
+    if drafter:
+        raise Unservable(
+            f"{plan.model_name}: this plan holds an MTP drafter's KV cache ({', '.join(drafter)}: "
+            "speculative_method='mtp'), and the engine runs no speculative decoding; serve a "
+            "plan of the model without it"
         )
     kv = [p.kind for p in plan.kv_placements]
     states = [p.kind for p in plan.state_placements]

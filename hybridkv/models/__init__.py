@@ -108,8 +108,9 @@ def _configured(name: str, options: tuple[tuple[str, Any], ...]) -> HybridModel:
 
 def load(name: str, **configure: Any) -> HybridModel:
     """A zoo model, configured with :meth:`HybridModel.configure` (``tp_size``, ``kv_dtype``,
-    ``conv_dtype``, ``ssm_dtype``, ``num_spec_tokens``); without options, the model at TP 1 with
-    its own dtypes. Models are immutable and cached, so loading one often is cheap."""
+    ``conv_dtype``, ``ssm_dtype``, ``num_spec_tokens``, ``speculative_method``); without
+    options, the model at TP 1 with its own dtypes. Models are immutable and cached, so loading
+    one often is cheap."""
     zoo_name = resolve_name(name)
     if not configure:
         return _base(zoo_name)
@@ -120,7 +121,7 @@ def load(name: str, **configure: Any) -> HybridModel:
         if "unexpected keyword" in str(exc):
             raise TypeError(
                 f"load() got an unknown option ({exc}); use tp_size, kv_dtype, conv_dtype, "
-                "ssm_dtype or num_spec_tokens"
+                "ssm_dtype, num_spec_tokens or speculative_method"
             ) from None
         if "unhashable" not in str(exc):
             raise

@@ -1547,6 +1547,47 @@ def _model_type(outer: dict[str, Any], inner: dict[str, Any]) -> str:
     )
 
 
+#: Nemotron-H's MTP block types (``mtp_layers_block_type``; transformers writes the legacy
+#: ``attention`` as ``full_attention``) as ``mtp_hybrid_override_pattern`` characters, the form
+#: vLLM 0.33's ``NemotronHMTP`` reads
+_NEMOTRON_MTP_BLOCKS = {"attention": "*", "full_attention": "*", "moe": "E"}
+
+
+def _mtp_attention_layers(c: _Config, model_type: str) -> list[int]:
+    """Positions of the MTP drafter's decoder layers with attention, as vLLM 0.33 builds them
+    (:data:`~hybridkv.models.model.MTP_FAMILIES`; other families: none). ``Qwen3NextMTP`` builds
+    ``num_nextn_predict_layers`` full-attention layers (1 when the config says nothing, as its
+    ``getattr`` default: Qwen3-Next's configs leave it out), ``Qwen3_5MTP``
+    ``mtp_num_hidden_layers`` (default 1 likewise); ``NemotronHMTP`` repeats its pattern
+    ``num_nextn_predict_layers`` times, an attention layer per ``*`` (a config without
+    ``num_nextn_predict_layers`` has no MTP layers)."""
+    if model_type == "qwen3_next":
+        return list(range(c.integer("num_nextn_predict_layers", default=1, minimum=0)))
+    if model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+        return list(range(c.integer("mtp_num_hidden_layers", default=1, minimum=0)))
+    if model_type != "nemotron_h" or not c.has("num_nextn_predict_layers"):
+        return []
+    steps = c.integer("num_nextn_predict_layers", minimum=0)
+    if c.has("mtp_hybrid_override_pattern"):
+        pattern = c.get("mtp_hybrid_override_pattern")
+        if not isinstance(pattern, str) or not pattern or set(pattern) - {"*", "E"}:
+            raise c._wrong("mtp_hybrid_override_pattern", pattern, "a string of '*' and 'E'")
+    else:
+        blocks = c.sequence("mtp_layers_block_type", default=[])
+        if not blocks and steps:
+            raise c.error(
+                f"num_nextn_predict_layers is {steps} but neither mtp_hybrid_override_pattern "
+                "nor mtp_layers_block_type says what the MTP layers are"
+            )
+        unknown = [b for b in blocks if b not in _NEMOTRON_MTP_BLOCKS]
+        if unknown:
+            raise c._wrong(
+                "mtp_layers_block_type", blocks, f"a list of {', '.join(_NEMOTRON_MTP_BLOCKS)}"
+            )
+        pattern = "".join(_NEMOTRON_MTP_BLOCKS[b] for b in blocks)
+    return [i for i in range(steps * len(pattern)) if pattern[i % len(pattern)] == "*"]
+
+
 def parse_hf_config(
     path_or_dict: str | Path | dict[str, Any], *, name: str | None = None
 ) -> HybridModel:
@@ -1566,6 +1607,7 @@ def parse_hf_config(
     mixers = [m for m in FAMILIES[model_type](c) if m["layers"]]
     if not mixers:
         raise c.error("no layer holds a KV cache or a recurrent state")
+    mtp = _mtp_attention_layers(c, model_type)
 
     def first(*keys: str) -> Any:
         for source in (inner, outer):
@@ -1612,6 +1654,7 @@ def parse_hf_config(
                 "ssm_dtype_declared": declared,
                 "max_position_embeddings": max_pos,
                 "mixers": mixers,
+                "mtp_attention_layers": mtp,
                 "sources": ["Hugging Face config.json"],
                 "doubts": "; ".join(doubts),
             }

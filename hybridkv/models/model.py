@@ -10,6 +10,7 @@ from typing import Any
 from ..dtypes import canonical_dtype
 from ..specs import (
     AttentionSpec,
+    FullAttentionSpec,
     InklingConvSpec,
     KDASpec,
     LayerSpec,
@@ -20,7 +21,21 @@ from ..specs import (
     with_runtime,
 )
 
-__all__ = ["CacheLayer", "HybridModel", "ParamCount"]
+__all__ = ["MTP_FAMILIES", "SPECULATIVE_METHODS", "CacheLayer", "HybridModel", "ParamCount"]
+
+#: name prefix of an MTP drafter's cache layers (``mtp.layers.{j}.attn``)
+MTP_PREFIX = "mtp.layers."
+
+#: ``speculative_method`` values: ``none`` (or a drafter that holds no KV cache of its own:
+#: vLLM's ``ngram``, ``suffix``), ``mtp`` (the model's own MTP layers draft)
+SPECULATIVE_METHODS = ("none", "mtp")
+
+#: families whose vLLM 0.33 MTP drafter is modelled: each MTP decoder layer with attention
+#: builds it as a full-attention layer of the model's own shape (``Qwen3NextMTP``:
+#: ``Qwen3NextDecoderLayer(layer_type="full_attention")``; ``Qwen3_5MTP`` likewise;
+#: ``NemotronHMTP``: a ``NemotronHMTPAttentionDecoderLayer`` per ``*`` of its pattern)
+MTP_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text",
+                "nemotron_h")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,14 @@ class HybridModel:
     conv_dtype: str = "bfloat16"
     ssm_dtype: str = "bfloat16"
     num_spec_tokens: int = 0
+    #: positions, in the model's MTP drafter, of its decoder layers that hold attention (and so a
+    #: KV cache, of the model's full-attention shape), from the config (Qwen3-Next's
+    #: ``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``, Nemotron-H's pattern);
+    #: empty when the model has no MTP drafter hybridkv models. They hold a cache only with
+    #: ``speculative_method="mtp"`` (:meth:`configure`): layers ``mtp.layers.{j}.attn``, decoder
+    #: index ``num_hidden_layers + j``.
+    mtp_attention_layers: tuple[int, ...] = ()
+    speculative_method: str = "none"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -163,8 +186,17 @@ class HybridModel:
         conv_dtype: str = "auto",
         ssm_dtype: str = "auto",
         num_spec_tokens: int = 0,
+        speculative_method: str = "none",
     ) -> HybridModel:
         """The same model on one rank of ``tp_size``, with cache dtypes resolved like vLLM.
+
+        - ``num_spec_tokens`` (``--speculative-config``'s ``num_speculative_tokens``): tokens
+          drafted per step, which lengthen the conv state (and add Mamba blocks in vLLM).
+        - ``speculative_method``: ``none``, or ``mtp`` (vLLM's ``--speculative-config
+          '{"method": "mtp", ...}'``): the drafter's MTP layers with attention
+          (:attr:`mtp_attention_layers`) join the model's cache layers, as vLLM registers their
+          KV caches beside the target model's (``is_draft`` specs, grouped with the equal
+          target specs: ``get_kv_cache_spec`` in ``vllm/v1/worker/gpu_model_runner.py``).
 
         - ``kv_dtype`` (``--kv-cache-dtype``): ``auto`` is the model dtype; ``fp8`` is 1 byte.
         - ``conv_dtype`` (``--mamba-cache-dtype``): ``auto`` is the model dtype.
@@ -185,7 +217,7 @@ class HybridModel:
         conv_auto = conv_dtype.strip().lower() == "auto" if isinstance(conv_dtype, str) else False
         ssm = canonical_dtype(ssm_dtype, auto=self.ssm_dtype_declared or conv, what="ssm_dtype")
         layers = []
-        for layer in self.layers:
+        for layer in self._with_drafter(speculative_method, num_spec_tokens):
             spec = layer.spec
             layer_ssm = ssm
             if ssm_auto and isinstance(spec, (KDASpec, RGLRUSpec, RWKV4Spec)):
@@ -211,13 +243,51 @@ class HybridModel:
             conv_dtype=conv,
             ssm_dtype=ssm,
             num_spec_tokens=num_spec_tokens,
+            speculative_method=speculative_method,
         )
+
+    def _with_drafter(self, method: str, num_spec_tokens: int) -> list[CacheLayer]:
+        """The target model's cache layers, and the MTP drafter's attention layers under
+        ``method="mtp"`` (built from the target's full-attention spec, as vLLM builds them)."""
+        target = [layer for layer in self.layers if not layer.name.startswith(MTP_PREFIX)]
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                f"{method!r} (a drafter with caches of its own, e.g. EAGLE's, is not modelled)"
+            )
+        if method == "none":
+            return target
+        if not self.mtp_attention_layers:
+            raise ValueError(
+                f"{self.name}: no MTP drafter is modelled for this model (family "
+                f"{self.family or 'unknown'}; modelled: vLLM 0.33's MTP drafters of "
+                f"{', '.join(MTP_FAMILIES)}, from the config's MTP layer count)"
+            )
+        if num_spec_tokens < 1:
+            raise ValueError(
+                f"{self.name}: speculative_method='mtp' drafts num_spec_tokens tokens a step; "
+                "give at least 1 (vLLM's num_speculative_tokens)"
+            )
+        full = {layer.spec for layer in target if type(layer.spec) is FullAttentionSpec}
+        if len(full) != 1:
+            raise ValueError(
+                f"{self.name}: the MTP layers take the model's full-attention shape, but it has "
+                f"{len(full)} distinct full-attention specs"
+            )
+        (spec,) = full
+        n = self.num_hidden_layers
+        drafter = [
+            CacheLayer(f"{MTP_PREFIX}{j}.attn", n + j, spec) for j in self.mtp_attention_layers
+        ]
+        return [*target, *drafter]
 
     # ---- (de)serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Zoo JSON form: mixers grouped by identical spec, with the layers that use them."""
         mixers: list[dict[str, Any]] = []
         for layer in self.layers:
+            if layer.name.startswith(MTP_PREFIX):
+                continue  # the drafter's, a runtime option (mtp_attention_layers says where)
             entry = layer.spec.to_dict()
             for mixer in mixers:
                 if {k: v for k, v in mixer.items() if k != "layers"} == entry:
@@ -235,6 +305,11 @@ class HybridModel:
             "ssm_dtype_declared": self.ssm_dtype_declared,
             "max_position_embeddings": self.max_position_embeddings,
             **({"params": self.params.to_dict()} if self.params is not None else {}),
+            **(
+                {"mtp_attention_layers": list(self.mtp_attention_layers)}
+                if self.mtp_attention_layers
+                else {}
+            ),
             "mixers": mixers,
             "sources": list(self.sources),
             "verified": self.verified,
@@ -288,9 +363,24 @@ class HybridModel:
             sources=tuple(data.get("sources", ())),
             verified=bool(data.get("verified", False)),
             doubts=data.get("doubts", ""),
+            mtp_attention_layers=_mtp_positions(name, data.get("mtp_attention_layers", [])),
         )
         return model.configure()
 
     def summary(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in self.layer_kinds.items())
         return f"{self.name}: {self.num_hidden_layers} layers ({kinds})"
+
+
+def _mtp_positions(name: str, value: Any) -> tuple[int, ...]:
+    """``mtp_attention_layers`` of a model description: distinct non-negative ints."""
+    if not isinstance(value, list) or not all(
+        isinstance(j, int) and not isinstance(j, bool) and j >= 0 for j in value
+    ):
+        raise ValueError(
+            f"model {name!r}: mtp_attention_layers must be a list of non-negative layer "
+            f"positions in the MTP drafter, got {value!r}"
+        )
+    if len(set(value)) != len(value):
+        raise ValueError(f"model {name!r}: mtp_attention_layers repeats a position: {value}")
+    return tuple(value)
