@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .model import HybridModel
+from .model import MTP_FAMILIES, HybridModel
 
 __all__ = ["ARCHITECTURES", "FAMILIES", "parse_hf_config"]
 
@@ -1561,11 +1561,13 @@ def _mtp_attention_layers(c: _Config, model_type: str) -> list[int]:
     ``mtp_num_hidden_layers`` (default 1 likewise); ``NemotronHMTP`` repeats its pattern
     ``num_nextn_predict_layers`` times, an attention layer per ``*`` (a config without
     ``num_nextn_predict_layers`` has no MTP layers)."""
+    if model_type not in MTP_FAMILIES:
+        return []
     if model_type == "qwen3_next":
         return list(range(c.integer("num_nextn_predict_layers", default=1, minimum=0)))
-    if model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+    if model_type != "nemotron_h":  # the Qwen3.5 types
         return list(range(c.integer("mtp_num_hidden_layers", default=1, minimum=0)))
-    if model_type != "nemotron_h" or not c.has("num_nextn_predict_layers"):
+    if not c.has("num_nextn_predict_layers"):
         return []
     steps = c.integer("num_nextn_predict_layers", minimum=0)
     if c.has("mtp_hybrid_override_pattern"):

@@ -60,7 +60,8 @@ def _paged_on_gpu(layout: str, lens: list[int], bs: int, hkv: int, d: int, dtype
     return k_cache, v_cache, tables.cuda(), seq
 
 
-@pytest.mark.parametrize("layout", SYNTHETIC)
+# and vLLM 0.33's [tokens, heads, K | V] page (a plan in vLLM's cache formats), bf16 on a GPU
+@pytest.mark.parametrize("layout", [*SYNTHETIC, "kv-interleaved"])
 @pytest.mark.parametrize("lens", [[1, 300, 4097], [8192]], ids=["mixed", "long"])
 def test_bf16_decode_and_prefill(layout, lens):
     dtype, hq, hkv, d, bs = torch.bfloat16, 16, 2, 128, 16
