@@ -29,7 +29,7 @@ import numpy as np
 from .alloc import AllocatorOptions
 from .alloc.policies import state_sized_scale
 from .layouts import PlanTooSmall, make_plan
-from .models.model import HybridModel
+from .models.model import MTP_PREFIX, HybridModel
 from .plan import MemoryPlan
 from .target import VllmTarget
 from .traces import Request, Trace
@@ -242,6 +242,8 @@ def diagnose(
     as_given = _hit_rate(plan, trace, _vllm_options(plan))
     findings += _cache_findings(plan, trace, target, workload, as_given)
     findings.append(_fp8_finding(model, plan, plan_for, runtime))
+    if model.speculative_method == "mtp":
+        findings.append(_mtp_finding(model, plan, rules.enable_prefix_caching))
     findings.append(_concurrency_finding(model, plan, workload, max_num_seqs, refused))
     remedies = _remedies(model, plan, plan_for, runtime, trace, target, as_given)
     return Diagnosis(
@@ -395,6 +397,28 @@ def _logged_capacities(
         return logged_capacity(wide, wide_model), logged_capacity(fp8, fp8_model)
     except ValueError:
         return None
+
+
+def _mtp_finding(model: HybridModel, plan: MemoryPlan, caching: bool) -> Finding:
+    """What the MTP drafter costs, and what the predictions leave out of it."""
+    drafter = [layer.name for layer in model.layers if layer.name.startswith(MTP_PREFIX)]
+    text = (
+        f"MTP speculative decoding adds the drafter's {len(drafter)} attention layer(s) to the "
+        f"cache, planned here ({len(model.attention_layers)} attention layers in all)"
+    )
+    if caching:
+        text += (
+            "; under it vLLM 0.33 also gives up the last hash unit of every prefix hit (EAGLE's "
+            "block drop, eagle groups) and keeps align's checkpoints a unit earlier "
+            "(get_mamba_prefill_checkpoint_position), which hybridkv's allocator does not model: "
+            "the hit rates predicted here can exceed vLLM's by up to one unit per hit"
+        )
+    return Finding(
+        "mtp",
+        "note",
+        text,
+        {"drafter_layers": drafter, "hit_drop_modelled": False},
+    )
 
 
 def _request_tokens(workload: dict[str, Any] | None, target_len: int | None) -> int | None:

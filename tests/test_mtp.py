@@ -136,3 +136,16 @@ def test_the_engine_refuses_a_drafter_cache():
     plan = make_plan(model, "inflate", memory="4MiB", max_num_seqs=2, block_size=16)
     with pytest.raises(Unservable, match="runs no speculative decoding"):
         check_wired(plan)
+
+
+def test_the_doctor_says_what_mtp_costs_and_what_it_does_not_model(capsys):
+    """The drafter's layer is planned; the hit drop vLLM makes under MTP is not modelled, and
+    the doctor (and simulate) say so rather than predict hits as if it were."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    assert main(["doctor", "--speculative-config", spec, "--json"]) == 0
+    finding = next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["key"] == "mtp")
+    assert finding["data"] == {"drafter_layers": ["mtp.layers.0.attn"], "hit_drop_modelled": False}
+    assert "13 attention layers" in finding["text"] and "does not model" in finding["text"]
+    args = ["simulate", "--speculative-config", spec, "--trace", "shared_prefix"]
+    assert main([*args, "--requests", "4"]) == 0
+    assert "predicted hits can exceed vLLM's" in capsys.readouterr().err
