@@ -15,7 +15,7 @@ from .alloc import AllocatorOptions, ConfigError
 from .costmodel import H100_SXM, H200, param_count
 from .executors import ExecutorUnavailable, add_executor_arguments, executor_options
 from .layouts import LAYOUTS, make_plan
-from .models.model import HybridModel
+from .models.model import MTP_HIT_CAVEAT, HybridModel
 from .plan import MemoryPlan
 from .target import CACHE_FORMATS, GPU_FAMILIES, INDEXER_KV_DTYPES, VLLM_VERSIONS, VllmTarget
 from .units import decimal_unit_note, format_bytes, parse_bytes
@@ -138,12 +138,7 @@ def _speculative(args: argparse.Namespace) -> tuple[str, int]:
 def _note_mtp_hits(model: HybridModel) -> None:
     """Under MTP, say what the hit predictions leave out (the doctor says it as a finding)."""
     if model.speculative_method == "mtp":
-        print(
-            "hybridkv: note: MTP: vLLM 0.33 also gives up the last hash unit of every prefix hit "
-            "(EAGLE's block drop) and keeps align's checkpoints a unit earlier; the allocator "
-            "does not model that, so predicted hits can exceed vLLM's by up to one unit each",
-            file=sys.stderr,
-        )
+        print(f"hybridkv: note: MTP: {MTP_HIT_CAVEAT}", file=sys.stderr)
 
 
 def _is_config_path(model: str) -> bool:

@@ -29,7 +29,7 @@ import numpy as np
 from .alloc import AllocatorOptions
 from .alloc.policies import state_sized_scale
 from .layouts import PlanTooSmall, make_plan
-from .models.model import MTP_PREFIX, HybridModel
+from .models.model import MTP_HIT_CAVEAT, MTP_PREFIX, HybridModel
 from .plan import MemoryPlan
 from .target import VllmTarget
 from .traces import Request, Trace
@@ -407,12 +407,7 @@ def _mtp_finding(model: HybridModel, plan: MemoryPlan, caching: bool) -> Finding
         f"cache, planned here ({len(model.attention_layers)} attention layers in all)"
     )
     if caching:
-        text += (
-            "; under it vLLM 0.33 also gives up the last hash unit of every prefix hit (EAGLE's "
-            "block drop, eagle groups) and keeps align's checkpoints a unit earlier "
-            "(get_mamba_prefill_checkpoint_position), which hybridkv's allocator does not model: "
-            "the hit rates predicted here can exceed vLLM's by up to one unit per hit"
-        )
+        text += f"; under it {MTP_HIT_CAVEAT}"
     return Finding(
         "mtp",
         "note",

@@ -148,4 +148,4 @@ def test_the_doctor_says_what_mtp_costs_and_what_it_does_not_model(capsys):
     assert "13 attention layers" in finding["text"] and "does not model" in finding["text"]
     args = ["simulate", "--speculative-config", spec, "--trace", "shared_prefix"]
     assert main([*args, "--requests", "4"]) == 0
-    assert "predicted hits can exceed vLLM's" in capsys.readouterr().err
+    assert "predicted hit rates can exceed vLLM's" in capsys.readouterr().err
