@@ -590,6 +590,7 @@ def _concurrency_finding(
             "tokens_held": held,
             "pages_per_request": None if blocks is None else blocks.total,
             "token_capacity": plan.capacity.token_capacity,
+            "blocks": plan.capacity.token_capacity // big,  # schema 1's key: the plan's blocks
         },
     )
 
