@@ -156,3 +156,22 @@ def test_the_engine_refuses_vllm_format_plans(vllm_plan):
 
     with pytest.raises(Unservable, match="cache formats packed block-outermost"):
         check_wired(vllm_plan)
+
+
+def test_memory_samples_count_a_ring_per_request_not_as_kv(vllm_plan):
+    """ids_in_use (the simulator's memory samples): a ring group counts its requests' one block
+    each, and the latents or K/V group every other non-free id that is not a state's (before,
+    the first non-state group, a ring in Qwen4-Exp's plan, got them all, at a ring's bytes)."""
+    ring, B = _ring(vllm_plan), vllm_plan.block_size
+    a = HybridAllocator(vllm_plan, checkpoint_policy="last")
+    rng = np.random.default_rng(1)
+    for rid, n in (("a", 3 * B + 5), ("b", 2 * B)):
+        prompt = _prompt(rng, n)
+        a.add_request(rid, prompt)
+        assert a.allocate_slots(rid, len(prompt))
+    a.take_state_copies()
+    count = a.ids_in_use()
+    assert count[ring] == 2
+    (kv,) = [g.group_id for g in vllm_plan.groups if g.kind in ("mla", "full_attention")]
+    held_kv = {b for rid in ("a", "b") for b in a.block_ids(rid)[kv] if b}
+    assert count[kv] == len(held_kv) == 4 + 2

@@ -194,8 +194,10 @@ class Pool(Protocol):
     def release(self) -> None:
         """Drop what :meth:`reserve` held back."""
 
-    def ids_in_use(self, held: HeldIds, state_groups: Collection[int]) -> dict[int, int]:
-        """Per group: ids that hold data (held by running requests, ``held(g)``, or cached)."""
+    def ids_in_use(self, held: HeldIds, per_request: Collection[int]) -> dict[int, int]:
+        """Per group: ids that hold data (held by running requests, ``held(g)``, or cached);
+        ``per_request``: the groups whose ids are counted from their requests' (states,
+        rings)."""
 
     def evict_all_free(self) -> int:
         """Drop every cached entry no request holds; returns how many."""
@@ -310,21 +312,21 @@ class BlockPool(IdCache):
     def release(self) -> None:
         pass
 
-    def ids_in_use(self, held: HeldIds, state_groups: Collection[int]) -> dict[int, int]:
-        """Ids held or cached. Serving several groups, a state group counts its requests' ids
-        and its cached checkpoints, and the first attention group every other id that is not
-        free (shared prefix blocks once, however many requests use them). Cost: O(1) for one
-        group, else O(the state groups' held ids)."""
+    def ids_in_use(self, held: HeldIds, per_request: Collection[int]) -> dict[int, int]:
+        """Ids held or cached. Serving several groups, a ``per_request`` group (a state, a
+        ring) counts its requests' ids and its cached entries, and the first other group every
+        other id that is not free (shared prefix blocks once, however many requests use them).
+        Cost: O(1) for one group, else O(the per-request groups' held ids)."""
         total = self.num_ids - 1 - len(self._plain)
         if len(self.groups) == 1:
             return {self.groups[0]: total}
         count: dict[int, int] = {}
         cached = self.cached_per_group
         for g in self.groups:
-            if g in state_groups:
+            if g in per_request:
                 count[g] = n = cached[g] + len(held(g))
                 total -= n
-        attn = [g for g in self.groups if g not in state_groups]
+        attn = [g for g in self.groups if g not in per_request]
         for g in attn:
             count[g] = 0
         if attn:

@@ -532,9 +532,10 @@ class HybridAllocator:
         """Per group: ids that hold data (used by running requests or holding a cached block).
 
         In a pool serving several groups, a state group counts its requests' slots (running,
-        spares, private end-of-request checkpoints) and its cached checkpoints, and the first
-        attention group counts every other id that is not free (shared prefix blocks once,
-        however many requests use them). A two-level pool's groups count their own small ids.
+        spares, private end-of-request checkpoints) and its cached checkpoints, a scratch group
+        (a ring) its requests' blocks, and the first caching attention group every other id
+        that is not free (shared prefix blocks once, however many requests use them). A
+        two-level pool's groups count their own small ids.
         Cost: O(requests x state groups) plus, for two-level pools, the held and cached ids.
         """
         reqs = self.reqs.values()
@@ -548,10 +549,14 @@ class HybridAllocator:
                     out.append(sid)
             return out
 
-        state = set(self._state)
+        # the groups whose ids are counted per request: states and scratch rings (a ring's
+        # ids are no cached KV, and counting them in the first attention group's total would
+        # give them the KV's bytes)
+        scratch = [m.group_id for m in self.coordinator.attention if not m.caches_blocks]
+        per_request = {*self._state, *scratch}
         count: dict[int, int] = {}
         for pool in self._pools:
-            count.update(pool.ids_in_use(held, state))
+            count.update(pool.ids_in_use(held, per_request))
         return count
 
     def held_ids(self) -> list[tuple[int, list[int]]]:

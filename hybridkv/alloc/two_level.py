@@ -678,7 +678,7 @@ class TwoLevelPool:
         """Drop every cached entry no request holds; idle pages go back to the free pages."""
         return sum(v.evict_all_free() for v in self.views.values())
 
-    def ids_in_use(self, held: HeldIds, state_groups: Collection[int]) -> dict[int, int]:
+    def ids_in_use(self, held: HeldIds, per_request: Collection[int]) -> dict[int, int]:
         """Per group: its own small ids held by requests or cached. Cost: O(held ids)."""
         return {g: v.ids_in_use(held(g)) for g, v in self.views.items()}
 
