@@ -94,6 +94,7 @@ from .states import (
     check_wired,
     derived_history,
     derived_parts,
+    has_own_state,
     install_stepwise,
     install_varlen,
 )
@@ -234,7 +235,8 @@ class Engine:
                 )
         kinds = [p.kind for p in plan.state_placements]
         self.new_cache = cache_factory(self.config, kinds)
-        self.cache_argument = cache_argument(kinds)  # RWKV: `state`, xLSTM: `cache`
+        # RWKV: `state`, xLSTM: `cache`; the rest transformers' cache keyword
+        self.cache_argument = cache_argument(kinds, model.forward)
         # RWKV's one-token forward is wrong for a batch of more than one: its decoders run as
         # one packed forward of one-token segments instead (StateFormat.batched_decode)
         self.batched_decode = all(s.fmt.batched_decode for s in self.state_layers)
@@ -531,8 +533,8 @@ def hf_greedy(
     from . import hybrid_model_for
 
     kinds = hybrid_model_for(model.config).layer_kinds
-    argument = cache_argument(kinds)
-    own_state = argument != "past_key_values"
+    argument = cache_argument(kinds, model.forward)
+    own_state = has_own_state(kinds)
     # RWKV and xLSTM build their initial state when given none; the others fill the cache given
     state = {} if own_state else {argument: cache_factory(model.config, kinds)()}
     ids = torch.tensor([list(prompt)])

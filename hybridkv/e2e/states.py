@@ -123,6 +123,7 @@ attention to run over the packed sequence as any other.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -147,6 +148,7 @@ __all__ = [
     "check_wired",
     "derived_history",
     "derived_parts",
+    "has_own_state",
     "install_stepwise",
     "install_varlen",
     "packed",
@@ -539,12 +541,24 @@ def cache_factory(config: Any, kinds: Any) -> Callable[[], Any]:
     return functools.partial(DynamicCache, config=config)
 
 
-def cache_argument(kinds: Any) -> str:
-    """The keyword a model whose state layers have ``kinds`` takes its cache by:
-    ``past_key_values``, RWKV's ``state``, xLSTM's ``cache``."""
-    for _, argument in _own(kinds):
+def cache_argument(kinds: Any, forward: Callable[..., Any] | None = None) -> str:
+    """The keyword a model whose state layers have ``kinds`` takes its cache by: RWKV's
+    ``state``, xLSTM's ``cache`` (caches of their own), else ``cache`` where ``forward``'s
+    signature has it (transformers 5.2x renamed ``past_key_values`` so, and warns on the old
+    name, which goes in 5.40), else ``past_key_values`` (older transformers)."""
+    if has_own_state(kinds):
+        ((_, argument),) = _own(kinds)
         return argument
+    if forward is not None and "cache" in inspect.signature(forward).parameters:
+        return "cache"
     return "past_key_values"
+
+
+def has_own_state(kinds: Any) -> bool:
+    """The model builds and returns its state itself (RWKV's ``state`` list, xLSTM's
+    ``xLSTMCache``: a format naming its own forward argument) rather than filling the cache it
+    is given."""
+    return any(argument != "past_key_values" for _, argument in _own(kinds))
 
 
 def derived_history(fmt: StateFormat, config: Any) -> int:
