@@ -544,8 +544,8 @@ def cache_factory(config: Any, kinds: Any) -> Callable[[], Any]:
 def cache_argument(kinds: Any, forward: Callable[..., Any] | None = None) -> str:
     """The keyword a model whose state layers have ``kinds`` takes its cache by: RWKV's
     ``state``, xLSTM's ``cache`` (caches of their own), else ``cache`` where ``forward``'s
-    signature has it (transformers 5.2x renamed ``past_key_values`` so, and warns on the old
-    name, which goes in 5.40), else ``past_key_values`` (older transformers)."""
+    signature has it (transformers 5.24, which this package is tested with, takes it and
+    warns on ``past_key_values``, to go in 5.40), else ``past_key_values`` (older releases)."""
     if has_own_state(kinds):
         ((_, argument),) = _own(kinds)
         return argument
