@@ -14,7 +14,7 @@ from . import __version__, models
 from .alloc import AllocatorOptions, ConfigError
 from .costmodel import H100_SXM, H200, param_count
 from .executors import ExecutorUnavailable, add_executor_arguments, executor_options
-from .layouts import LAYOUTS, make_plan
+from .layouts import LAYOUTS, PlanTooSmall, make_plan
 from .models.model import MTP_HIT_CAVEAT, HybridModel
 from .plan import MemoryPlan
 from .target import CACHE_FORMATS, GPU_FAMILIES, INDEXER_KV_DTYPES, VLLM_VERSIONS, VllmTarget
@@ -409,8 +409,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for layout in LAYOUTS:
         try:
             plan = _plan(model, layout, args)
-        except ValueError as exc:  # this layout does not fit: say so beside the others
-            errors.append({"layout": layout, "error": str(exc)})
+        except ValueError as exc:  # this layout does not fit, or is refused: say so beside
+            fits = not isinstance(exc, PlanTooSmall)  # the others, with which of the two
+            errors.append({"layout": layout, "error": str(exc), "too_small": not fits})
             continue
         rows.append(plan.summary_row())
         # the padding-free capacity of this budget: the same whatever the layout
@@ -448,7 +449,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         )
     )
     for e in errors:
-        print(f"  {e['layout']} does not fit: {e['error']}")
+        why = "does not fit" if e["too_small"] else "is not planned"
+        print(f"  {e['layout']} {why}: {e['error']}")
     return 0
 
 
@@ -1030,6 +1032,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("compare", help="all layouts side by side")
     _add_plan_options(p)
+    _add_cache_formats(p, " (GLM-5-Next's and Qwen4-Exp's: inflate only)")
     p.set_defaults(func=cmd_compare)
     from .advise import ADVISED_POLICIES
     from .alloc import ALL_POLICIES

@@ -4,6 +4,7 @@ mooncake`` or a ``.jsonl`` file, the trace options, what the output states, and 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -156,6 +157,23 @@ def test_compare_reports_a_layout_that_does_not_fit(capsys):
     )
     got = json.loads(out)
     assert [e["layout"] for e in got["errors"]] == ["aggregate"]
+    assert got["errors"][0]["too_small"] is True
     assert "aggregate" not in [r["layout"] for r in got["layouts"]]
     code, _, err = _run(capsys, "compare", "--model", "qwen3.5-4b", "--gpu-memory", "1GiB")
     assert code == 2 and "too small" in err
+
+
+def test_compare_tells_a_refused_layout_from_one_that_does_not_fit(capsys):
+    """GLM-5-Next in vLLM's cache formats has one layout, vLLM's packed inflate: compare plans
+    it and says the others are not planned (and why), not that they do not fit."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "glm5_next-defaults.json"
+    args = ["compare", "--model", str(example), "--cache-formats", "vllm", "--gpu-memory", "80GiB"]
+    code, out, _ = _run(capsys, *args)
+    assert code == 0 and "inflate " in out
+    for layout in ("pack", "aggregate", "per_group", "two_level"):
+        assert f"{layout} is not planned: cache_formats='vllm'" in out
+    assert "does not fit" not in out
+    code, out, _ = _run(capsys, *args, "--json")
+    got = json.loads(out)
+    assert [r["layout"] for r in got["layouts"]] == ["inflate"]
+    assert {e["too_small"] for e in got["errors"]} == {False}
