@@ -15,7 +15,7 @@ from .alloc import AllocatorOptions, ConfigError
 from .costmodel import H100_SXM, H200, param_count
 from .executors import ExecutorUnavailable, add_executor_arguments, executor_options
 from .layouts import LAYOUTS, PlanTooSmall, make_plan
-from .models.model import MTP_HIT_CAVEAT, HybridModel
+from .models.model import HybridModel
 from .plan import MemoryPlan
 from .target import CACHE_FORMATS, GPU_FAMILIES, INDEXER_KV_DTYPES, VLLM_VERSIONS, VllmTarget
 from .units import decimal_unit_note, format_bytes, parse_bytes
@@ -95,25 +95,44 @@ _MTP_METHODS = (
 _CACHELESS_METHODS = ("ngram", "ngram_gpu", "suffix")
 
 
-def _speculative(args: argparse.Namespace) -> tuple[str, int]:
-    """(``speculative_method``, ``num_spec_tokens``) from ``--speculative-config`` (vLLM's JSON:
-    ``method`` and ``num_speculative_tokens``) and ``--num-speculative-tokens``."""
-    flag = args.num_spec_tokens
+#: ``--speculative-config`` keys that change what MTP does to prefix hits (vLLM's switches of
+#: the same names: :class:`~hybridkv.target.VllmTarget`)
+_HIT_SWITCHES = ("disable_eagle_block_drop", "disable_lookahead_block_hashes")
+
+
+def _speculative_json(args: argparse.Namespace) -> dict[str, object] | None:
+    """``--speculative-config`` as a dict of the keys hybridkv reads (None when not given)."""
     given = getattr(args, "speculative_config", None)
     if given is None:
-        return "none", flag or 0
+        return None
     try:
         config = json.loads(given)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--speculative-config is not JSON ({exc}): {given!r}") from None
     if not isinstance(config, dict):
         raise ValueError(f"--speculative-config must be a JSON object, got {given!r}")
-    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens", *_HIT_SWITCHES})
     if unknown:
         raise ValueError(
             f"--speculative-config: {', '.join(unknown)} would not change the cache plan and "
-            "are not read; give method and num_speculative_tokens"
+            "are not read; give method and num_speculative_tokens (and "
+            f"{' or '.join(_HIT_SWITCHES)}, which change prefix hits)"
         )
+    for key in _HIT_SWITCHES:
+        if not isinstance(config.get(key, False), bool):
+            raise ValueError(
+                f"--speculative-config {key} must be true or false, got {config[key]!r}"
+            )
+    return config
+
+
+def _speculative(args: argparse.Namespace) -> tuple[str, int]:
+    """(``speculative_method``, ``num_spec_tokens``) from ``--speculative-config`` (vLLM's JSON:
+    ``method`` and ``num_speculative_tokens``) and ``--num-speculative-tokens``."""
+    flag = args.num_spec_tokens
+    config = _speculative_json(args)
+    if config is None:
+        return "none", flag or 0
     method, tokens = config.get("method"), config.get("num_speculative_tokens")
     if method not in (*_MTP_METHODS, *_CACHELESS_METHODS):
         raise ValueError(
@@ -135,10 +154,13 @@ def _speculative(args: argparse.Namespace) -> tuple[str, int]:
     return ("mtp" if method in _MTP_METHODS else "none"), tokens
 
 
-def _note_mtp_hits(model: HybridModel) -> None:
-    """Under MTP, say what the hit predictions leave out (the doctor says it as a finding)."""
+def _note_mtp_hits(model: HybridModel, args: argparse.Namespace) -> None:
+    """Under MTP, say what vLLM does to prefix hits and whether the predictions model it (the
+    doctor says it as a finding)."""
     if model.speculative_method == "mtp":
-        print(f"hybridkv: note: MTP: {MTP_HIT_CAVEAT}", file=sys.stderr)
+        hit_rule = _target(args).resolve(model).mtp_hit_rule()
+        if hit_rule:
+            print(f"hybridkv: note: MTP: {hit_rule}", file=sys.stderr)
 
 
 def _is_config_path(model: str) -> bool:
@@ -191,6 +213,11 @@ def _target(args: argparse.Namespace) -> VllmTarget:
         max_model_len=args.max_model_len,
         cache_formats=_cache_formats(args),
         indexer_kv_dtype=getattr(args, "indexer_kv_dtype", None) or "auto",
+        **{
+            key: value
+            for key, value in (_speculative_json(args) or {}).items()
+            if key in _HIT_SWITCHES
+        },
     )
 
 
@@ -629,7 +656,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     _check_pack_size(args)
     model = _load_model(args)
-    _note_mtp_hits(model)
+    _note_mtp_hits(model, args)
     trace = _load_trace(args)
     plan = _plan(model, args.layout, args)
     config = SimConfig(allocator=_allocator_options(args, plan, SimConfig().allocator))
@@ -714,7 +741,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
     executor = open_executor(executor_options(args))  # a missing Ray is said before any work
     model = _load_model(args)
-    _note_mtp_hits(model)
+    _note_mtp_hits(model, args)
     trace = _load_trace(args)
     pack = args.pack_size
     if pack != "auto":

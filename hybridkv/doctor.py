@@ -29,9 +29,9 @@ import numpy as np
 from .alloc import AllocatorOptions
 from .alloc.policies import state_sized_scale
 from .layouts import PlanTooSmall, make_plan
-from .models.model import MTP_HIT_CAVEAT, MTP_PREFIX, HybridModel
+from .models.model import MTP_PREFIX, HybridModel
 from .plan import MemoryPlan
-from .target import VllmTarget
+from .target import VllmRules, VllmTarget
 from .traces import Request, Trace
 from .traces.reuse import infinite_cache_hits
 from .units import format_bytes
@@ -243,7 +243,7 @@ def diagnose(
     findings += _cache_findings(plan, trace, target, workload, as_given)
     findings.append(_fp8_finding(model, plan, plan_for, runtime))
     if model.speculative_method == "mtp":
-        findings.append(_mtp_finding(model, plan, rules.enable_prefix_caching))
+        findings.append(_mtp_finding(model, plan, rules))
     findings.append(_concurrency_finding(model, plan, workload, max_num_seqs, refused))
     remedies = _remedies(model, plan, plan_for, runtime, trace, target, as_given)
     return Diagnosis(
@@ -399,20 +399,27 @@ def _logged_capacities(
         return None
 
 
-def _mtp_finding(model: HybridModel, plan: MemoryPlan, caching: bool) -> Finding:
-    """What the MTP drafter costs, and what the predictions leave out of it."""
+def _mtp_finding(model: HybridModel, plan: MemoryPlan, rules: VllmRules) -> Finding:
+    """What the MTP drafter costs, and what it does to prefix hits (modelled or not)."""
     drafter = [layer.name for layer in model.layers if layer.name.startswith(MTP_PREFIX)]
     text = (
         f"MTP speculative decoding adds the drafter's {len(drafter)} attention layer(s) to the "
         f"cache, planned here ({len(model.attention_layers)} attention layers in all)"
     )
-    if caching:
-        text += f"; under it {MTP_HIT_CAVEAT}"
+    hit_rule = rules.mtp_hit_rule()
+    if hit_rule:
+        text += f"; {hit_rule}"
     return Finding(
         "mtp",
         "note",
         text,
-        {"drafter_layers": drafter, "hit_drop_modelled": False},
+        {
+            "drafter_layers": drafter,
+            # schema 1's key: whether the predictions follow what vLLM does to hits under MTP
+            "hit_drop_modelled": not rules.eagle_block_drop,
+            "hash_lookahead_tokens": rules.hash_lookahead_tokens,
+            "eagle_block_drop": rules.eagle_block_drop,
+        },
     )
 
 

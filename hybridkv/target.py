@@ -231,6 +231,9 @@ class VllmTarget:
       ``"auto"`` (default), ``"bf16"`` or ``"fp8"``, the dtype of Qwen4-Exp's compressed QSA keys
       in vLLM's formats (``auto`` is bf16, ``fp8`` e4m3 without scales: ``QSAIndexer``).
       GLM-5-Next's indexer ignores it in vLLM 0.33, and so does a plan of it.
+    - ``disable_eagle_block_drop``, ``disable_lookahead_block_hashes``: vLLM's
+      ``--speculative-config`` switches of the same names (default off), which decide what MTP
+      does to prefix hits (:attr:`VllmRules.hash_lookahead_tokens`); nothing without MTP.
     """
 
     version: str = VLLM_VERSIONS[0]
@@ -242,8 +245,13 @@ class VllmTarget:
     max_model_len: int | None = None
     cache_formats: str = "transformers"
     indexer_kv_dtype: str = "auto"
+    disable_eagle_block_drop: bool = False
+    disable_lookahead_block_hashes: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("disable_eagle_block_drop", "disable_lookahead_block_hashes"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         version = str(self.version).removeprefix("v")
         if version.count(".") == 2 and version.endswith(".0"):
             version = version[:-2]
@@ -373,6 +381,7 @@ class VllmTarget:
         for layer in model.attention_layers:
             if isinstance(layer.spec, IndexerSpec):
                 kernel_block = math.lcm(kernel_block, indexer_kernel_block(model, layer.spec))
+        lookahead, block_drop = self._mtp_hit_rule(model, prefix_caching)
         return VllmRules(
             target=self,
             enable_prefix_caching=prefix_caching,
@@ -387,6 +396,8 @@ class VllmTarget:
             state_blocks_per_request=state_blocks if model.state_layers else 0,
             max_model_len=max_len,
             kda_prefill_backend=kda_backend,
+            hash_lookahead_tokens=lookahead,
+            eagle_block_drop=block_drop,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -400,7 +411,38 @@ class VllmTarget:
             "max_model_len": self.max_model_len,
             "cache_formats": self.cache_formats,
             "indexer_kv_dtype": self.indexer_kv_dtype,
+            "disable_eagle_block_drop": self.disable_eagle_block_drop,
+            "disable_lookahead_block_hashes": self.disable_lookahead_block_hashes,
         }
+
+    def _mtp_hit_rule(self, model: HybridModel, prefix_caching: bool) -> tuple[int, bool]:
+        """``(hash_lookahead_tokens, eagle_block_drop)`` for ``model``'s speculative method.
+
+        An MTP drafter's KV at position ``i`` is built from the target's hidden state at ``i``
+        and token ``i + 1``, so a cached block's last position is valid only for a prompt that
+        goes on with the same token. vLLM drops the last block of every hit unless
+        ``disable_eagle_block_drop`` (``SpeculativeConfig.use_eagle_block_drop``); vLLM 0.33
+        proves the token instead with lookahead hashes unless ``disable_lookahead_block_hashes``
+        (``VllmConfig.num_hash_lookahead_tokens``, which then clears the drop; a KV connector
+        would clear them too, and none is modelled): each hash also covers
+        ``num_prefill_lookahead_tokens`` tokens after its block, ``num_speculative_tokens`` for
+        multi-module MTP (``use_multi_module_mtp``: more than one MTP module and more than one
+        speculative token), else 1. The module count is read as vLLM reads it: Qwen3.5's drafter
+        config carries no ``num_nextn_predict_layers``, so vLLM counts 1; Qwen3-Next's and
+        Nemotron-H's count is their MTP attention layers (one per module in every released
+        config)."""
+        if (
+            model.speculative_method != "mtp"
+            or not prefix_caching
+            or self.disable_eagle_block_drop
+        ):
+            return 0, False
+        if self.version != "0.33" or self.disable_lookahead_block_hashes:
+            return 0, True
+        qwen3_5 = model.family_key.startswith("qwen3_5")
+        modules = 1 if qwen3_5 else len(model.mtp_attention_layers)
+        multi_module = min(modules, model.num_spec_tokens) > 1
+        return (model.num_spec_tokens if multi_module else 1), False
 
 
 @dataclass(frozen=True)
@@ -433,6 +475,14 @@ class VllmRules:
     max_model_len: int | None
     #: GLM-5-Next's KDA prefill backend (``"flashkda"`` / ``"triton"``), None for other models
     kda_prefill_backend: str | None = None
+    #: tokens after each hash unit that its hash also covers (vLLM 0.33's lookahead block
+    #: hashes, ``VllmConfig.num_hash_lookahead_tokens``): under MTP the drafter's KV at a
+    #: unit's last position is built from the next token, so a unit is cached, and hit, only
+    #: together with the tokens after it; 0 without MTP or prefix caching
+    hash_lookahead_tokens: int = 0
+    #: vLLM drops the last block of every prefix hit instead (vLLM 0.32's EAGLE block drop,
+    #: with align's checkpoints a block earlier), which hybridkv's allocator does not model
+    eagle_block_drop: bool = False
 
     @property
     def spec_checkpoint_alignment(self) -> int | None:
@@ -446,6 +496,34 @@ class VllmRules:
         if self.checkpoint_alignment is None:  # Mamba-2 (MambaMixer2.get_kv_cache_spec)
             return 1
         return None
+
+    def mtp_hit_rule(self) -> str:
+        """What this vLLM does to prefix hits under MTP (asked only for a model that drafts with
+        MTP), and whether the predictions model it; "" where there is nothing to say (no
+        prefix caching)."""
+        version = f"vLLM {self.target.version}"
+        if self.eagle_block_drop:
+            return (
+                f"{version} drops the last block of every prefix hit in the drafter's group "
+                "(EAGLE's block drop) and keeps align's checkpoints a block earlier "
+                "(get_mamba_prefill_checkpoint_position with drop_eagle_block), which "
+                "hybridkv's allocator does not model: predicted hits can exceed vLLM's by up "
+                "to one block per hit"
+            )
+        n = self.hash_lookahead_tokens
+        if not n:
+            if self.target.disable_eagle_block_drop and self.enable_prefix_caching:
+                return (
+                    f"{version} with disable_eagle_block_drop hashes plainly and reuses the "
+                    "drafter's KV up to every hit (speculative acceptance may suffer, hits do not)"
+                )
+            return ""
+        return (
+            f"{version} hashes every unit together with the {n} token{'s' * (n > 1)} after it "
+            "(lookahead block hashes: the drafter's KV at a unit's last position is built from "
+            "the next token), so a prefix shared exactly up to a unit boundary hits one unit "
+            "earlier; modelled in these predictions"
+        )
 
     @property
     def default_block_size(self) -> int:

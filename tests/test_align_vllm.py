@@ -17,13 +17,17 @@ import pytest
 from hybridkv import models, traces
 from hybridkv.alloc import ConfigError, HybridAllocator
 from hybridkv.alloc.check import check_consistency
-from hybridkv.alloc.policies import ALL_POLICIES, POLICIES, CheckpointPolicy, VllmAlign
+from hybridkv.alloc.policies import ALL_POLICIES, POLICIES, CheckpointPolicy
 from hybridkv.layouts import VllmTarget, make_plan
 from hybridkv.sim import SimConfig, simulate
 from hybridkv.traces import Request, Trace
 
 SHARED = 1024  # the issue's shared prefix
-pos = VllmAlign.pos  # get_mamba_prefill_checkpoint_position
+
+
+def pos(num_tokens: int, unit: int) -> int:
+    """vLLM's ``get_mamba_prefill_checkpoint_position`` without MTP: one token recomputed."""
+    return max(0, (num_tokens - 1) // unit * unit)
 
 
 @functools.cache

@@ -4,18 +4,27 @@ vLLM 0.33 registers the drafter's attention layers beside the target model's (``
 specs, equal to the target's, so grouped with them): Qwen3-Next's one MTP layer makes 13
 full-attention layers of 12, and vLLM's grouping then gives the attention group 13 layers and
 each pool block 13 pages, not 12. These tests check the configs' MTP layer counts, that grouping,
-its capacity by hand, the export's layer names and the refusals."""
+its capacity by hand, the export's layer names and the refusals.
+
+The drafter's KV at a position is built from the next token, so vLLM 0.33 hashes every unit with
+the token(s) after it (lookahead block hashes, ``num_hash_lookahead_tokens``) where 0.32 dropped
+the last block of each hit: the lookahead is modelled (hashes, the allocator's hits, align's
+checkpoint positions, the doctor's predictions), 0.32's drop is said not to be."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from hybridkv import models
+from hybridkv.alloc import AllocatorOptions, ConfigError, HybridAllocator
+from hybridkv.alloc.check import check_consistency
+from hybridkv.alloc.hashing import NONE_HASH, extend_unit_hashes, get_hash_fn, token_array
 from hybridkv.cli import main
-from hybridkv.layouts import make_plan
+from hybridkv.layouts import VllmTarget, make_plan
 from hybridkv.models.model import HybridModel
 from hybridkv.vllm_export import kv_cache_config, vllm_disagreements
 
@@ -138,14 +147,225 @@ def test_the_engine_refuses_a_drafter_cache():
         check_wired(plan)
 
 
-def test_the_doctor_says_what_mtp_costs_and_what_it_does_not_model(capsys):
-    """The drafter's layer is planned; the hit drop vLLM makes under MTP is not modelled, and
-    the doctor (and simulate) say so rather than predict hits as if it were."""
+def test_the_doctor_says_what_mtp_costs_and_what_vllm_does_to_hits(capsys):
+    """The drafter's layer is planned; vLLM 0.33's lookahead hashes are modelled and said so,
+    vLLM 0.32's block drop is not and is said so, in the doctor and in simulate's note."""
     spec = '{"method": "mtp", "num_speculative_tokens": 2}'
     assert main(["doctor", "--speculative-config", spec, "--json"]) == 0
     finding = next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["key"] == "mtp")
-    assert finding["data"] == {"drafter_layers": ["mtp.layers.0.attn"], "hit_drop_modelled": False}
-    assert "13 attention layers" in finding["text"] and "does not model" in finding["text"]
+    assert finding["data"] == {
+        "drafter_layers": ["mtp.layers.0.attn"],
+        "hit_drop_modelled": True,
+        "hash_lookahead_tokens": 1,
+        "eagle_block_drop": False,
+    }
+    assert "13 attention layers" in finding["text"] and "lookahead block hashes" in finding["text"]
+    assert "modelled in these predictions" in finding["text"]
+    old = ["doctor", "--speculative-config", spec, "--vllm-version", "0.32", "--json"]
+    assert main(old) == 0
+    finding = next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["key"] == "mtp")
+    assert finding["data"]["hit_drop_modelled"] is False and finding["data"]["eagle_block_drop"]
+    assert "does not model" in finding["text"]
     args = ["simulate", "--speculative-config", spec, "--trace", "shared_prefix"]
     assert main([*args, "--requests", "4"]) == 0
-    assert "predicted hit rates can exceed vLLM's" in capsys.readouterr().err
+    assert "lookahead block hashes" in capsys.readouterr().err
+
+
+# ---- lookahead hashes ---------------------------------------------------------------------
+
+
+def _hashes(tokens: list[int], h: int, lookahead: int, upto: int | None = None) -> list[bytes]:
+    fn = get_hash_fn("sha256")
+    upto = len(tokens) if upto is None else upto
+    return extend_unit_hashes([], token_array(tokens), upto, h, b"", fn, lookahead)
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_a_lookahead_hash_covers_the_tokens_after_its_unit(lookahead):
+    """Unit ``i`` exists once the ``L`` tokens after it do, and changes with them only; hashing
+    as tokens arrive gives the same list as hashing them at once."""
+    rng = random.Random(lookahead)
+    h = 4
+    tokens = [rng.randrange(1000) for _ in range(6 * h + 2)]
+    full = _hashes(tokens, h, lookahead)
+    assert len(full) == (len(tokens) - lookahead) // h
+    assert len(_hashes(tokens[: 2 * h + lookahead - 1], h, lookahead)) == 1
+    assert len(_hashes(tokens[: 2 * h + lookahead], h, lookahead)) == 2
+    fn = get_hash_fn("sha256")
+    unit0 = token_array(tokens[: h + lookahead]).tobytes()
+    assert full[0] == fn(NONE_HASH + unit0)  # the unit and the L tokens after it
+    assert full[0] != _hashes(tokens, h, 0)[0]
+    changed = list(tokens)
+    changed[2 * h + lookahead - 1] += 1  # the last token unit 1's hash covers
+    other = _hashes(changed, h, lookahead)
+    assert other[:1] == full[:1] and other[1] != full[1]
+    grown: list[bytes] = []
+    for n in range(len(tokens) + 1):
+        extend_unit_hashes(grown, token_array(tokens[:n]), n, h, b"", fn, lookahead)
+    assert grown == full
+
+
+def _qwen35(memory: str = "8GiB", **runtime):
+    model = models.load("qwen3.5-4b", **runtime)
+    return model, make_plan(model, "inflate", memory=memory, max_num_seqs=16)
+
+
+def _serve(a: HybridAllocator, rid: str, tokens: list[int]) -> None:
+    """Prefill ``tokens`` as the scheduler would (vLLM's chunk split), then free."""
+    a.add_request(rid, tokens)
+    while a.num_tokens(rid) < len(tokens):
+        n = a.split_prefill(rid, len(tokens) - a.num_tokens(rid))
+        assert n > 0 and a.allocate_slots(rid, n)
+        a.take_state_copies()
+        check_consistency(a)
+    a.free(rid)
+    check_consistency(a)
+
+
+@pytest.mark.parametrize("h", [16, None])
+def test_a_prefix_shared_up_to_a_block_boundary_hits_a_block_earlier_under_mtp(h):
+    """vLLM 0.33's rule on Qwen3.5-4B's 544-token blocks (align, vLLM's layout): a prompt that
+    shares exactly two blocks with a cached one hits both without MTP and only when one more
+    token agrees under MTP (the cached unit's hash covers the token after it); a resend hits the
+    same either way (the replay boundary leaves a token to recompute)."""
+    rng = random.Random(h)
+    for method, lookahead in (("none", 0), ("mtp", 1)):
+        _, plan = _qwen35(speculative_method=method, num_spec_tokens=1)
+        B = plan.block_size
+        assert plan.vllm.hash_lookahead_tokens == lookahead
+        options = AllocatorOptions(
+            hash_block_size=h or B, max_model_len=1 << 16, prefill_checkpoint_alignment=None
+        )
+        a = HybridAllocator(plan, options)
+        assert a.lookahead == lookahead  # "auto": the plan's vLLM rules
+        tokens = [rng.randrange(1, 50_000) for _ in range(2 * B + 10)]
+        _serve(a, "first", tokens)
+        other = [50_001 + i for i in range(40)]  # tokens no prompt had
+        assert a.find_longest_cache_hit([*tokens, 7]) == 2 * B
+        exact = a.find_longest_cache_hit(tokens[: 2 * B] + other)
+        one_more = a.find_longest_cache_hit(tokens[: 2 * B + 1] + other)
+        assert one_more == 2 * B
+        assert exact == (0 if lookahead else 2 * B)  # no state at one block: nothing
+
+
+def test_lookahead_keeps_hybridkv_layouts_consistent():
+    """Every checkpoint policy on a hybridkv layout under lookahead hashes: random prompts that
+    share prefixes of random lengths, the consistency checker after every step, and a hit never
+    longer than the prefix the new prompt shares with a cached one minus the lookahead."""
+    from hybridkv.alloc.policies import POLICIES
+
+    rng = random.Random(0)
+    model, _ = _qwen35(speculative_method="mtp", num_spec_tokens=1)
+    plan = make_plan(model, "per_group", memory="2GiB", max_num_seqs=8)
+    base = [rng.randrange(1, 50_000) for _ in range(400)]
+    for policy in POLICIES:
+        a = HybridAllocator(
+            plan,
+            AllocatorOptions(checkpoint_policy=policy, max_model_len=4096, hash_block_size=16),
+        )
+        assert a.lookahead == 1
+        seen: list[list[int]] = []
+        for i in range(12):
+            shared = rng.choice([0, 16, 32, 100, 160, 400])
+            tokens = base[:shared] + [
+                rng.randrange(1, 50_000) for _ in range(rng.randrange(8, 90))
+            ]
+            longest = max((_common(tokens, s) for s in seen), default=0)
+            hit = a.find_longest_cache_hit(tokens)
+            assert hit <= max(0, longest - 1), (policy, i, hit, longest)
+            _serve(a, f"r{i}", tokens)
+            seen.append(tokens)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_vllm_rules_for_mtp_hits():
+    """vLLM 0.33: a lookahead of ``num_prefill_lookahead_tokens`` (1, or the speculative tokens
+    for multi-module MTP); vLLM 0.32: the block drop; nothing without MTP or prefix caching."""
+    qwen = models.load("qwen3-next-80b-a3b")
+
+    def rules(model: HybridModel, **target):
+        return VllmTarget(**target).resolve(model)
+
+    mtp = qwen.configure(speculative_method="mtp", num_spec_tokens=3)
+    assert (rules(mtp).hash_lookahead_tokens, rules(mtp).eagle_block_drop) == (1, False)
+    assert (
+        rules(mtp, version="0.32").hash_lookahead_tokens,
+        rules(mtp, version="0.32").eagle_block_drop,
+    ) == (0, True)
+    assert rules(mtp, enable_prefix_caching=False).hash_lookahead_tokens == 0
+    assert rules(qwen.configure(num_spec_tokens=3)).hash_lookahead_tokens == 0  # ngram-like
+    two = dict(json.loads((CONFIGS / "qwen3-next-80b-a3b.json").read_text()))
+    two["num_nextn_predict_layers"] = 2  # two MTP modules: multi-module MTP
+    two_modules = models.from_hf_config(two, speculative_method="mtp", num_spec_tokens=3)
+    assert rules(two_modules).hash_lookahead_tokens == 3
+    one_token = models.from_hf_config(two, speculative_method="mtp", num_spec_tokens=1)
+    assert rules(one_token).hash_lookahead_tokens == 1
+    # Qwen3.5's drafter config carries no num_nextn_predict_layers: vLLM counts one module
+    q35 = models.load("qwen3.5-27b", speculative_method="mtp", num_spec_tokens=3)
+    assert rules(q35).hash_lookahead_tokens == 1
+
+
+def test_hash_lookahead_option():
+    with pytest.raises(ConfigError, match="hash_lookahead_tokens"):
+        AllocatorOptions(hash_lookahead_tokens=-1)
+    with pytest.raises(ConfigError, match="hash_lookahead_tokens"):
+        AllocatorOptions(hash_lookahead_tokens=True)
+    _, plan = _qwen35()
+    assert AllocatorOptions().for_plan(plan).hash_lookahead_tokens == 0
+    assert AllocatorOptions(hash_lookahead_tokens=2).for_plan(plan).hash_lookahead_tokens == 2
+
+
+def test_doctor_predicts_the_lookahead_cost(capsys):
+    """A workload whose shared prefix is exactly three of Qwen3-Next's 576-token blocks: vLLM
+    0.33 under MTP serves two of them (the third's hash covers a token the prompts do not
+    share), without MTP all three; the doctor's as-given prediction says so."""
+    flags = ["doctor", "--prompt-len", "3000", "--shared-prefix", "1728", "--json"]
+    rates = []
+    for extra in ([], ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']):
+        assert main([*flags, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["block_size"] == 576
+        rates.append(next(r for r in out["remedies"] if r["key"] == "as_given")["token_hit_rate"])
+    without, under = rates
+    assert without > under > 0
+    # the hits are whole blocks: three against two of each later prompt's 3,000 tokens
+    assert under / without == pytest.approx(2 / 3, abs=0.01)
+
+
+def test_speculative_switches_decide_the_hit_rule(capsys):
+    """vLLM's ``disable_eagle_block_drop`` (plain hashes: hits as without MTP) and
+    ``disable_lookahead_block_hashes`` (back to the block drop, not modelled) are read from
+    ``--speculative-config``; a value that is not a bool is refused by name."""
+    flags = ["doctor", "--prompt-len", "3000", "--shared-prefix", "1728", "--json"]
+
+    def doctor(**switches):
+        spec = json.dumps({"method": "mtp", "num_speculative_tokens": 1, **switches})
+        assert main([*flags, "--speculative-config", spec]) == 0
+        out = json.loads(capsys.readouterr().out)
+        mtp = next(f for f in out["findings"] if f["key"] == "mtp")
+        rate = next(r for r in out["remedies"] if r["key"] == "as_given")["token_hit_rate"]
+        return mtp, rate
+
+    assert main(flags) == 0
+    plain = next(
+        r for r in json.loads(capsys.readouterr().out)["remedies"] if r["key"] == "as_given"
+    )["token_hit_rate"]
+    mtp, rate = doctor(disable_eagle_block_drop=True)
+    assert rate == plain and mtp["data"]["hash_lookahead_tokens"] == 0
+    assert "disable_eagle_block_drop" in mtp["text"]
+    mtp, _ = doctor(disable_lookahead_block_hashes=True)
+    assert mtp["data"]["eagle_block_drop"] and not mtp["data"]["hit_drop_modelled"]
+    assert "does not model" in mtp["text"]
+    mtp, rate = doctor()
+    assert rate < plain and mtp["data"]["hash_lookahead_tokens"] == 1
+    bad = json.dumps({"method": "mtp", "num_speculative_tokens": 1, "disable_eagle_block_drop": 1})
+    assert main([*flags, "--speculative-config", bad]) == 2
+    assert "disable_eagle_block_drop must be true or false" in capsys.readouterr().err

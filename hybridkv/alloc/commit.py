@@ -52,6 +52,7 @@ class Committer:
         policy: CheckpointPolicy,
         hash_block_size: int,
         hash_fn: HashFn,
+        hash_lookahead: int,
         attention: list[FullAttentionManager],
         state: list[int],
         full: list[int],
@@ -66,6 +67,7 @@ class Committer:
         self.policy = policy
         self.h = hash_block_size
         self.hash_fn = hash_fn
+        self.lookahead = hash_lookahead
         self.attention = attention
         self.state = state
         self.full = full
@@ -96,12 +98,16 @@ class Committer:
         ``held``."""
         h = self.h
         known = min(r.num_alloc, len(r.tokens))
-        if len(r.hashes) < known // h:
-            extend_unit_hashes(r.hashes, r.tokens, known, h, r.extra, self.hash_fn)
+        hashes = r.hashes
+        if len(hashes) < known // h:
+            extend_unit_hashes(hashes, r.tokens, known, h, r.extra, self.hash_fn, self.lookahead)
+        # with lookahead hashes a computed unit whose next tokens are not known yet has no
+        # hash: it is cached at a later commit, once they are
+        cacheable = min(known, len(hashes) * h)
         ncached = r.ncached
         for m in self.attention:
-            if known // m.block_size > ncached[m.group_id]:  # a block filled since the last
-                m.cache_computed(r, known, self.promote)
+            if cacheable // m.block_size > ncached[m.group_id]:  # a block filled since the last
+                m.cache_computed(r, cacheable, self.promote)
         if self.state:
             # the policy keeps, exports or rolls states through keep / export / roll
             self._copies, self._held = copies, held
@@ -177,6 +183,8 @@ class Committer:
         whose pool has no free or evictable id skips this checkpoint. ``export``: the state
         was exported from inside the step; ``copies`` gets ``(group, slot, P)`` instead."""
         unit = P // self.h - 1
+        if unit >= len(r.hashes) and not self._hash_up_to(r, P):
+            return  # lookahead hashes: the tokens after P are not known yet, so P has no key
         u = r.hashes[unit]
         taken: list[tuple[int, int]] = []
         for pool, gids in self.state_pools:
@@ -218,9 +226,10 @@ class Committer:
         kept = False
         h = self.h
         P = r.end_position
+        keyed = self.caching and (len(r.hashes) >= P // h or self._hash_up_to(r, P))
         for gid, sid in r.end_ckpt.items():
             pool = self.pool[gid]
-            if self.caching and len(r.hashes) >= P // h:
+            if keyed:
                 key = (gid, r.hashes[P // h - 1])
                 if pool.cache(sid, key):
                     self.index.add(key, sid, P // h - 1, r.hashes, 1, r.tokens, r.lora_id, True)
@@ -234,6 +243,12 @@ class Committer:
             self.demote_superseded(r.hit_unit)
         r.end_ckpt = {}
         r.end_copies = None
+
+    def _hash_up_to(self, r: Request, P: int) -> bool:
+        """Hash ``r``'s units up to ``P`` with the tokens known now (a sampled token appended
+        since the commit gives the unit before it its lookahead); whether ``P`` has a key."""
+        extend_unit_hashes(r.hashes, r.tokens, P, self.h, r.extra, self.hash_fn, self.lookahead)
+        return len(r.hashes) >= P // self.h
 
     def demote_superseded(self, unit: bytes) -> None:
         """A request hit the state at ``unit`` and cached its own end state further down the

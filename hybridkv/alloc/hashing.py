@@ -5,6 +5,11 @@ Hash unit ``i`` covers tokens ``[i*h, (i+1)*h)`` and is ``H(parent || extra || t
 Groups with a larger block size ``B`` (a multiple of ``h``) name a block by the hash of its last
 unit, which is why one hash list serves every group.
 
+With a *lookahead* of ``L`` tokens (vLLM 0.33's lookahead block hashes, under MTP), unit ``i``
+also covers the ``L`` tokens after it, ``[(i+1)*h, (i+1)*h + L)``, and exists only once they
+are known: an MTP drafter's KV at a unit's last position is built from the next token, so
+the unit serves a later prompt only if that prompt goes on the same way.
+
 The byte encoding is canonical, so hashes agree across processes and machines: tokens are
 little-endian int32, extra keys (e.g. a LoRA id) are msgpack-encoded once per request and
 length-prefixed. Algorithms:
@@ -108,17 +113,32 @@ def hash_tokens(
 
 
 def extend_unit_hashes(
-    hashes: list[bytes], tokens: array, upto: int, h: int, extra: bytes, fn: HashFn
+    hashes: list[bytes],
+    tokens: array,
+    upto: int,
+    h: int,
+    extra: bytes,
+    fn: HashFn,
+    lookahead: int = 0,
 ) -> list[bytes]:
-    """Append the hashes of every full unit of ``tokens[:upto]`` not hashed yet."""
-    n = min(upto, len(tokens)) // h
+    """Append the hashes of every full unit of ``tokens[:upto]`` not hashed yet; with a
+    ``lookahead`` of ``L``, of those whose ``L`` following tokens ``tokens`` holds, each
+    covering them too (``fn(parent || extra || unit || next L tokens)``)."""
+    n = min(upto, len(tokens) - lookahead) // h
     i = len(hashes)
     if i >= n:
         return hashes
     parent = hashes[-1] if i else NONE_HASH
-    raw = _token_bytes(tokens, i * h, n * h)
     step = 4 * h
     append = hashes.append
+    if lookahead:
+        width = step + 4 * lookahead
+        raw = _token_bytes(tokens, i * h, n * h + lookahead)
+        for off in range(0, n * step - i * step, step):
+            parent = fn(parent + extra + raw[off : off + width])
+            append(parent)
+        return hashes
+    raw = _token_bytes(tokens, i * h, n * h)
     for off in range(0, len(raw), step):
         parent = fn(parent + extra + raw[off : off + step])
         append(parent)

@@ -117,14 +117,14 @@ class HybridAllocator:
         self._exports = has_state and self.policy.exports
         self._granularity = plan.checkpoint_granularity
         self.hash_fn = get_hash_fn(o.hash_algo)
+        self.lookahead: int = o.hash_lookahead_tokens  # type: ignore[assignment]  # MTP's hashes
         self.index = PrefixIndex(self.h, emit=o.kv_events)
         self.evict_unreachable = o.evict_unreachable
         self._build_pools()
         # a state group's row is its running slot and spares: a fixed width
         slots = max(1, self.slots_per_seq)
-        self.tables = BlockTables(
-            len(self.groups), fixed={g.group_id: slots for g in plan.state_groups}
-        )
+        fixed = {g.group_id: slots for g in plan.state_groups}
+        self.tables = BlockTables(len(self.groups), fixed=fixed)
         #: the group managers and the hits across them
         self.coordinator = Coordinator(
             plan,
@@ -153,6 +153,7 @@ class HybridAllocator:
             policy=self.policy,
             hash_block_size=self.h,
             hash_fn=self.hash_fn,
+            hash_lookahead=self.lookahead,
             attention=self.coordinator.caching,  # type: ignore[arg-type]
             state=self._state,
             full=[m.group_id for m in self.coordinator.whole_prefix],
@@ -218,7 +219,9 @@ class HybridAllocator:
             return 0
         tokens = token_array(prompt_token_ids)
         extra = encode_extra_keys(extra_keys if lora_id is None else (extra_keys, lora_id))
-        hashes = extend_unit_hashes([], tokens, len(tokens), self.h, extra, self.hash_fn)
+        hashes = extend_unit_hashes(
+            [], tokens, len(tokens), self.h, extra, self.hash_fn, self.lookahead
+        )
         return self.coordinator.longest_hit(hashes, len(tokens) - 1)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -283,7 +286,7 @@ class HybridAllocator:
             return 0, 0, 0
         n, h = len(r.tokens), self.h
         hashes = r.hashes
-        extend_unit_hashes(hashes, r.tokens, n, h, r.extra, self.hash_fn)
+        extend_unit_hashes(hashes, r.tokens, n, h, r.extra, self.hash_fn, self.lookahead)
         hit = probe_hit = kv_hit = 0
         if n > 1 and self.index.entries:
             longest = self.coordinator.longest_hit

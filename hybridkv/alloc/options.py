@@ -71,6 +71,11 @@ class AllocatorOptions:
       their own (``two_level``), one evictor chooses the cached segment of least utility across
       groups;
       ``False`` (an ablation) leaves it to each group's evictor.
+    - ``hash_lookahead_tokens``: tokens after each hash unit that its hash also covers, so a
+      unit is hashed (cached, hit) only once they are known and a hit ending on it needs them
+      equal: vLLM 0.33's lookahead block hashes under MTP, whose drafter KV at a unit's last
+      position depends on the next token (:mod:`.hashing`); 0 for plain hashes; ``"auto"``:
+      the plan's vLLM target's (:attr:`hybridkv.target.VllmRules.hash_lookahead_tokens`).
     - ``kv_events``: build vLLM's KV events (``BlockStored`` with the block's tokens,
       ``BlockRemoved``, ``AllBlocksCleared``: :meth:`~.manager.HybridAllocator.take_events`)
       for a subscriber; ``False`` builds none (the simulator, where nobody subscribes: building
@@ -92,6 +97,7 @@ class AllocatorOptions:
     evict_unreachable: bool = True
     marconi_across_groups: bool = True
     eviction: str = AUTO
+    hash_lookahead_tokens: int | str = AUTO
     kv_events: bool = True
 
     def __post_init__(self) -> None:
@@ -119,6 +125,11 @@ class AllocatorOptions:
         if a != AUTO and a is not None and bad_int:
             raise ConfigError(
                 f"prefill_checkpoint_alignment must be 'auto', None or an integer >= 1, got {a!r}"
+            )
+        n = self.hash_lookahead_tokens
+        if n != AUTO and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ConfigError(
+                f"hash_lookahead_tokens must be 'auto' or an integer >= 0, got {n!r}"
             )
         r = self.prefix_cache_retention_interval
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
@@ -162,7 +173,8 @@ class AllocatorOptions:
     def for_plan(self, plan: MemoryPlan) -> AllocatorOptions:
         """These options checked against ``plan``, with ``"auto"`` resolved: the prefill
         checkpoint alignment the plan's vLLM target exports at (Mamba-2 anywhere, Qwen's GDN
-        under FlashInfer on its grid, otherwise none: the prefill is split)."""
+        under FlashInfer on its grid, otherwise none: the prefill is split) and its hash
+        lookahead (MTP under vLLM 0.33, otherwise 0)."""
         h = self.hash_block_size
         # a ring (vLLM's CircularBufferSpec) is one block per request, never hashed
         # (hybridkv.alloc.groups.ring): its block size need not divide into hash units
@@ -173,11 +185,15 @@ class AllocatorOptions:
                     f"group {g.group_id} block_size {g.block_size} is not a multiple of "
                     f"hash_block_size {h}; pick a divisor of every block size"
                 )
+        resolved = self
+        if self.hash_lookahead_tokens == AUTO:
+            lookahead = plan.vllm.hash_lookahead_tokens if plan.vllm is not None else 0
+            resolved = dataclasses.replace(resolved, hash_lookahead_tokens=lookahead)
         if self.prefill_checkpoint_alignment != AUTO:
-            return self
+            return resolved
         grid = (
             plan.vllm.prefill_checkpoint_grid(plan.state_groups[0].block_size, h)
             if plan.vllm is not None and plan.state_groups
             else None
         )
-        return dataclasses.replace(self, prefill_checkpoint_alignment=grid)
+        return dataclasses.replace(resolved, prefill_checkpoint_alignment=grid)

@@ -23,7 +23,6 @@ from ..specs import (
 
 __all__ = [
     "MTP_FAMILIES",
-    "MTP_HIT_CAVEAT",
     "SPECULATIVE_METHODS",
     "CacheLayer",
     "HybridModel",
@@ -36,15 +35,6 @@ MTP_PREFIX = "mtp.layers."
 #: ``speculative_method`` values: ``none`` (or a drafter that holds no KV cache of its own:
 #: vLLM's ``ngram``, ``suffix``), ``mtp`` (the model's own MTP layers draft)
 SPECULATIVE_METHODS = ("none", "mtp")
-
-#: what MTP does to prefix hits in vLLM 0.33 that the allocator does not model (said beside
-#: every hit prediction made under MTP: the doctor's ``mtp`` finding, simulate's and advise's)
-MTP_HIT_CAVEAT = (
-    "vLLM 0.33 also gives up the last hash unit of every prefix hit in the drafter's group "
-    "(EAGLE's block drop) and keeps align's checkpoints a unit earlier "
-    "(get_mamba_prefill_checkpoint_position), which hybridkv's allocator does not model: "
-    "predicted hit rates can exceed vLLM's by up to one unit per hit"
-)
 
 #: families whose vLLM 0.33 MTP drafter is modelled: each MTP decoder layer with attention
 #: builds it as a full-attention layer of the model's own shape (``Qwen3NextMTP``:

@@ -112,8 +112,8 @@ class FullAttentionManager(GroupManager):
         gid, B = self.group_id, self.block_size
         blocks = r.blocks[gid]
         j = (P - 1) // B
-        if P % B == 0 or j >= len(blocks) or not blocks[j]:
-            return
+        if P % B == 0 or j >= len(blocks) or not blocks[j] or P // self.h > len(r.hashes):
+            return  # (no hash at P: its lookahead tokens are not known)
         s, h = self.units_per_block, self.h
         key = (gid, r.hashes[P // h - 1])
         if self.ids.cache(blocks[j], key):

@@ -31,8 +31,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class VllmAlign:
-    """vLLM 0.33's ``align`` rules, for one allocator (no EAGLE/MTP, no lookahead hashes, no KV
-    connector, no context parallelism: what the simulator models).
+    """vLLM 0.33's ``align`` rules, for one allocator (no KV connector, no context parallelism:
+    what the simulator models; under MTP, vLLM 0.33's lookahead hashes, not 0.32's EAGLE block
+    drop).
 
     Sizes: ``B`` = the state groups' block size (vLLM: ``cache_config.block_size``, which is the
     Mamba block size in align mode), ``S`` = the scheduler block size (the lcm of every group's
@@ -42,9 +43,10 @@ class VllmAlign:
     B`` and every attention group can look hashes up inside a block (full attention / MLA, or a
     block of ``h``): ``partial_hash_hits_enabled`` in ``kv_cache_utils.py``. Hits then land on
     ``A = h``, else on ``A = S`` (``HybridKVCacheCoordinator._cache_hit_alignment_tokens`` in
-    ``vllm/v1/core/kv_cache_coordinator.py``). ``pos(n, u) = max(0, (n - 1) // u * u)`` is
-    ``get_mamba_prefill_checkpoint_position`` (``vllm/v1/kv_cache_interface.py``), the last
-    boundary of ``u`` a resend of ``n`` tokens can hit (one token is always recomputed).
+    ``vllm/v1/core/kv_cache_coordinator.py``). ``pos(n, u) = max(0, (n - max(1, L)) // u * u)``
+    is ``get_mamba_prefill_checkpoint_position`` (``vllm/v1/kv_cache_interface.py``), the last
+    boundary of ``u`` a resend of ``n`` tokens can hit (one token is always recomputed; under
+    MTP a unit's hash needs the ``L`` tokens after it, ``hash_lookahead_tokens``).
 
     1. **Chunk ends** (:meth:`split`, ``Scheduler._mamba_block_aligned_split`` in
        ``vllm/v1/core/sched/scheduler.py``). For a prefill step from ``start`` with ``num_new``
@@ -115,8 +117,12 @@ class VllmAlign:
         partial: bool,
         retention_interval: int | None = 0,
         prefill_checkpoint_alignment: int | None = None,
+        hash_lookahead_tokens: int = 0,
     ) -> None:
         self.block = block_size
+        #: tokens a position's hash needs after it (``num_hash_lookahead_tokens``), at least the
+        #: one token a resend always recomputes
+        self.proof = max(1, hash_lookahead_tokens)
         self.scheduler_block = scheduler_block_size
         self.unit = hash_block_size
         self.partial = partial
@@ -137,10 +143,9 @@ class VllmAlign:
             else 0
         )
 
-    @staticmethod
-    def pos(num_tokens: int, unit: int) -> int:
-        """``get_mamba_prefill_checkpoint_position`` without EAGLE or lookahead hashes."""
-        return max(0, (num_tokens - 1) // unit * unit)
+    def pos(self, num_tokens: int, unit: int) -> int:
+        """``get_mamba_prefill_checkpoint_position`` (without EAGLE's block drop)."""
+        return max(0, (num_tokens - self.proof) // unit * unit)
 
     def export_valid(self, start: int, end: int, cp: int) -> bool:
         """``is_mamba_prefill_checkpoint_valid``: can the backend export ``cp`` in this query."""
@@ -302,6 +307,7 @@ class AlignPolicy(CheckpointPolicy):
             partial=partial,
             retention_interval=retention_interval,
             prefill_checkpoint_alignment=prefill_checkpoint_alignment,
+            hash_lookahead_tokens=self.lookahead,
         )
         self.step = self.vllm.hit_unit
 

@@ -135,6 +135,7 @@ class CheckpointPolicy:
         prefill_checkpoint_alignment: int | None = None,
         checkpoint_interval: int | None = None,
         partial_block_hits: bool = True,
+        hash_lookahead_tokens: int = 0,
     ) -> None:
         if name != self.name:
             raise ValueError(f"{type(self).__name__} is the {self.name!r} policy, not {name!r}")
@@ -146,6 +147,8 @@ class CheckpointPolicy:
         self.retention_interval = retention_interval
         self.export_alignment = prefill_checkpoint_alignment
         self.h = hash_block_size
+        #: tokens after each hash unit its hash covers (MTP's lookahead hashes, :mod:`..hashing`)
+        self.lookahead = hash_lookahead_tokens
         # every state group checkpoints at its block multiples; they share one size in every
         # layout, and the plan's granularity (their lcm) keeps them in step if they did not
         self.block = plan.checkpoint_granularity if plan.state_groups else hash_block_size

@@ -60,6 +60,7 @@ def make_policy(plan: MemoryPlan, options: AllocatorOptions) -> CheckpointPolicy
             prefill_checkpoint_alignment=options.prefill_checkpoint_alignment,  # type: ignore[arg-type]
             checkpoint_interval=options.checkpoint_interval,
             partial_block_hits=options.partial_block_hits,
+            hash_lookahead_tokens=options.hash_lookahead_tokens,  # type: ignore[arg-type]
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
