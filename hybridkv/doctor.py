@@ -276,14 +276,22 @@ def _cache_findings(
                 f"per request for {rules.max_model_len or 'max_model_len'} tokens)",
             )
         ]
+    lookahead = rules.hash_lookahead_tokens
+    shortest = big + lookahead
+    after = (
+        f", and under MTP a block's hash covers the {lookahead} token{'s' * (lookahead > 1)} "
+        "after it"
+        if lookahead
+        else ""
+    )
     out = [
         Finding(
             "min_hit",
             "note",
-            f"no prefix hit is possible for a shared prefix shorter than {big} tokens: vLLM "
-            f"caches whole {big}-token blocks and keeps Mamba states only at block boundaries "
-            f"(nothing in its logs or metrics names this minimum)",
-            {"min_shared_tokens": big},
+            f"no prefix hit is possible for a shared prefix shorter than {shortest} tokens: vLLM "
+            f"caches whole {big}-token blocks and keeps Mamba states only at block boundaries"
+            f"{after} (nothing in its logs or metrics names this minimum)",
+            {"min_shared_tokens": shortest},
         )
     ]
     mml = target.max_model_len
@@ -298,7 +306,7 @@ def _cache_findings(
             )
         )
     if trace is not None:
-        whole = infinite_cache_hits(trace, big).sum()
+        whole = infinite_cache_hits(trace, big, lookahead=lookahead).sum()
         prompts = max(1, int(trace.prompt_lengths().sum()))
         shared = w["shared_fraction"] * prompts
         every = _hit_rate(

@@ -336,6 +336,19 @@ def test_doctor_predicts_the_lookahead_cost(capsys):
         rates.append(next(r for r in out["remedies"] if r["key"] == "as_given")["token_hit_rate"])
     without, under = rates
     assert without > under > 0
+    assert (
+        main([*flags, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}'])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    finding = {f["key"]: f for f in out["findings"]}
+    assert finding["min_hit"]["data"]["min_shared_tokens"] == 577  # a block and its next token
+    assert "shorter than 577 tokens" in finding["min_hit"]["text"]
+    # the shared prefix of each later prompt: two whole blocks that the next token proves
+    assert (
+        finding["align_checkpoint"]["data"]["whole_block_fraction"]
+        < finding["align_checkpoint"]["data"]["shared_fraction"]
+    )
     # the hits are whole blocks: three against two of each later prompt's 3,000 tokens
     assert under / without == pytest.approx(2 / 3, abs=0.01)
 

@@ -51,6 +51,23 @@ def test_shared_prefix_length_is_what_block_hashing_finds(name, block):
 
 
 @pytest.mark.parametrize("name", list(traces.WORKLOADS))
+@pytest.mark.parametrize("block, lookahead", [(16, 1), (64, 3)])
+def test_lookahead_hashes_serve_a_block_only_with_the_tokens_after_it(name, block, lookahead):
+    """MTP's lookahead hashes (each block's hash covers the next tokens): hashing finds what the
+    shared prefix lengths say once the lookahead is taken off them, and never more than plain
+    hashes (on block-aligned shared prefixes, a block less)."""
+    tr = small(name)
+    hashed = traces.hashed_shared_prefix(tr, block, lookahead)
+    assert np.array_equal(hashed, traces.infinite_cache_hits(tr, block, lookahead=lookahead))
+    plain = traces.infinite_cache_hits(tr, block)
+    assert np.all(hashed <= plain)
+    aligned = tr.shared_prefix_lengths() % block == 0
+    assert np.array_equal(
+        (plain - hashed)[aligned & (plain > 0)], np.full((aligned & (plain > 0)).sum(), block)
+    )
+
+
+@pytest.mark.parametrize("name", list(traces.WORKLOADS))
 def test_requests_are_ordered_and_well_formed(name):
     tr = small(name)
     assert np.all(np.diff(tr.arrivals()) >= 0)

@@ -57,30 +57,33 @@ def block_hit_tokens(
     return int(out) if np.ndim(out) == 0 else out
 
 
-def block_chain(tokens: np.ndarray, block_size: int) -> list[int]:
+def block_chain(tokens: np.ndarray, block_size: int, lookahead: int = 0) -> list[int]:
     """The chained hashes of ``tokens``' whole ``block_size`` blocks: element ``k`` stands for
     the prefix of ``k + 1`` blocks (equal prefixes, equal hashes; a partial last block has
-    none), the way a prefix cache names blocks."""
+    none), the way a prefix cache names blocks. ``lookahead``: each hash also covers that many
+    tokens after its block and exists only where they do (vLLM 0.33's lookahead hashes under
+    MTP, :mod:`hybridkv.alloc.hashing`)."""
     h, out = 0, []
-    for k in range(tokens.size // block_size):
-        h = hash((h, tokens[k * block_size : (k + 1) * block_size].tobytes()))
+    for k in range((tokens.size - lookahead) // block_size):
+        h = hash((h, tokens[k * block_size : (k + 1) * block_size + lookahead].tobytes()))
         out.append(h)
     return out
 
 
-def hashed_shared_prefix(trace: Trace, block_size: int) -> np.ndarray:
+def hashed_shared_prefix(trace: Trace, block_size: int, lookahead: int = 0) -> np.ndarray:
     """Per request, the longest prefix made of whole ``block_size`` blocks that matches an earlier
     request's prompt followed by its known output ids, found by chained block hashes the way a
-    prefix cache does (independent of ``Request.shared_prefix_length``)."""
+    prefix cache does (independent of ``Request.shared_prefix_length``); ``lookahead`` as in
+    :func:`block_chain`."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     seen: set[int] = set()
     out = np.zeros(len(trace), np.int64)
     for i, r in enumerate(trace):
         stream = r.prompt if r.output_ids is None else np.concatenate([r.prompt, r.output_ids])
-        chain = block_chain(stream, block_size)
+        chain = block_chain(stream, block_size, lookahead)
         matched = 0
-        for h in chain[: r.prompt_length // block_size]:
+        for h in chain[: max(0, r.prompt_length - lookahead) // block_size]:
             if h not in seen:
                 break
             matched += 1
@@ -89,15 +92,21 @@ def hashed_shared_prefix(trace: Trace, block_size: int) -> np.ndarray:
     return out
 
 
-def infinite_cache_hits(trace: Trace, block_size: int, mode: Mode = "full") -> np.ndarray:
-    """Per request, prompt tokens an unlimited cache with ``block_size`` blocks serves.
+def infinite_cache_hits(
+    trace: Trace, block_size: int, mode: Mode = "full", lookahead: int = 0
+) -> np.ndarray:
+    """Per request, prompt tokens an unlimited cache with ``block_size`` blocks serves; with a
+    hash ``lookahead`` (:func:`block_chain`) a block serves only when the tokens after it are
+    shared too.
 
     Uses ``shared_prefix_length`` when the trace knows it for every request, else hashes blocks
     (:func:`hashed_shared_prefix`, one pass; the same answer, slower).
     """
     shared = trace.shared_prefix_lengths()
     if shared is None:
-        shared = hashed_shared_prefix(trace, block_size)
+        shared = hashed_shared_prefix(trace, block_size, lookahead)
+    else:
+        shared = np.maximum(np.asarray(shared) - lookahead, 0)
     return np.asarray(block_hit_tokens(shared, block_size, mode))
 
 
