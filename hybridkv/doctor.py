@@ -20,6 +20,8 @@ plan's memory, with vLLM's allocator rules (align checkpoints, hash unit = block
 from __future__ import annotations
 
 import dataclasses
+import json
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -110,8 +112,10 @@ class Diagnosis:
             for r in self.remedies:
                 rate = r.token_hit_rate
                 hit = "" if rate is None else f", hit rate {100 * rate:.1f}%"
+                # a JSON flag value is quoted for the shell, as it is typed
+                flags = " ".join(shlex.quote(f) if f.startswith("{") else f for f in r.flags)
                 lines.append(
-                    f"  {' '.join(r.flags) or '(as given)':<44} block {r.block_size:>5}, "
+                    f"  {flags or '(as given)':<44} block {r.block_size:>5}, "
                     f"{r.token_capacity:>10,} tokens{hit}"
                 )
                 lines.append(f"      {r.why}")
@@ -648,6 +652,23 @@ def _remedies(
                 "the model's accuracy with it)",
                 half,
                 _vllm_options(half),
+            )
+        )
+    if plan.vllm.hash_lookahead_tokens:
+        # MTP's lookahead hashes cost a block wherever a shared prefix ends on one; vLLM's
+        # switch turns them off together with the block drop (SpeculativeConfig)
+        plain = dataclasses.replace(target, disable_eagle_block_drop=True)
+        _, p = plan_for(target=plain)
+        spec = {"method": "mtp", "num_speculative_tokens": model.num_spec_tokens}
+        out.append(
+            remedy(
+                "mtp_plain_hashes",
+                ("--speculative-config", json.dumps({**spec, "disable_eagle_block_drop": True})),
+                "plain block hashes: a hit no longer needs the token after it, and the drafter "
+                "reads a cached block's last position built from another next token (vLLM "
+                "warns that speculative acceptance may drop)",
+                p,
+                _vllm_options(p),
             )
         )
     mml = target.max_model_len

@@ -382,3 +382,36 @@ def test_speculative_switches_decide_the_hit_rule(capsys):
     bad = json.dumps({"method": "mtp", "num_speculative_tokens": 1, "disable_eagle_block_drop": 1})
     assert main([*flags, "--speculative-config", bad]) == 2
     assert "disable_eagle_block_drop must be true or false" in capsys.readouterr().err
+
+
+def test_mtp_turns_a_one_block_shared_prefix_into_zero_hits(capsys):
+    """vLLM #45238 reports hybrid prefix hits dropping to 0% and that speculative decoding also
+    triggers it. Under MTP a shared prefix of exactly one block (Qwen3.5-4B: 576 tokens, 64
+    requests of 1,000) hits nothing in vLLM 0.33 (the block's hash covers a token the prompts do
+    not share), where without MTP every later request hits it; the doctor says it is a problem
+    and predicts the switch that restores the hits (plain hashes)."""
+    flags = ["doctor", "--model", "qwen3.5-4b", "--prompt-len", "1000", "--shared-prefix", "576"]
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+
+    def run(*extra):
+        assert main([*flags, *extra, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out, {r["key"]: r for r in out["remedies"]}
+
+    out, remedies = run()
+    assert out["block_size"] == 576 and remedies["as_given"]["token_hit_rate"] > 0.5
+    plain_rate = remedies["as_given"]["token_hit_rate"]
+    out, remedies = run("--speculative-config", spec)
+    assert remedies["as_given"]["token_hit_rate"] == 0.0
+    assert (
+        next(f for f in out["findings"] if f["key"] == "align_checkpoint")["severity"] == "problem"
+    )
+    fix = remedies["mtp_plain_hashes"]
+    assert json.loads(fix["flags"][1]) == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+        "disable_eagle_block_drop": True,
+    }
+    assert fix["token_hit_rate"] == plain_rate
+    assert main([*flags, "--speculative-config", spec]) == 0  # the text form quotes the JSON
+    assert '--speculative-config \'{"method": "mtp"' in capsys.readouterr().out
