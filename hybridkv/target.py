@@ -25,11 +25,12 @@ here, each with the vLLM 0.33 file and function it follows:
   only), 0 otherwise.
 - **Mamba block size** (``MambaModelConfig``): the attention block size in ``align`` mode,
   ``max_model_len`` in ``none`` mode.
-- **GLM-5-Next's KDA** (``Glm5NextLinearAttention`` in ``vllm/models/glm5next/common/kda.py``):
-  its prefill runs on FlashKDA where ``_resolve_kda_prefill_backend`` allows (SM90 and newer,
-  bfloat16 model, ``linear_head_dim`` 128, a bounded gate: ``linear_lower_bound`` set), else on
-  Triton. Under FlashKDA its ``get_kv_cache_spec`` declares one prefill checkpoint block at an
-  alignment of 16 tokens (``kda_prefill_checkpoint_alignment`` in
+- **GLM-5-Next's and Kimi-Linear's KDA** (``Glm5NextLinearAttention`` in
+  ``vllm/models/glm5next/common/kda.py``, ``KimiK3DeltaAttention`` in
+  ``vllm/models/kimi_k3/nvidia/kda.py``): its prefill runs on FlashKDA where the resolver allows
+  (SM90 and newer, bfloat16 model, KDA head dim 128, a bounded gate: :func:`kda_prefill_backend`),
+  else on Triton. Under FlashKDA its ``get_kv_cache_spec`` declares one prefill checkpoint block
+  at an alignment of 16 tokens (``kda_prefill_checkpoint_alignment`` in
   ``vllm/model_executor/layers/mamba/kda_checkpoint.py``) in either Mamba cache mode; it does not
   override ``get_prefill_checkpoint_alignment``, so the platform's block alignment ignores it.
 - **Cache formats** (``VllmTarget.cache_formats``): where vLLM keeps a cache in another format
@@ -103,6 +104,8 @@ GLM5_NEXT_FAMILIES = frozenset({"glm5_next", "glm5_next_text"})
 #: (``AttentionBackend``'s ``MultipleOf(1)``), so the indexer adds nothing to the block's
 #: alignment; its PLE conv declares a prefill-checkpoint alignment of 1 in align mode.
 QWEN4_EXP_FAMILIES = frozenset({"qwen4_exp", "qwen4_exp_text"})
+#: Kimi-Linear's HF model type; its KDA layers (``KimiK3DeltaAttention``) may prefill on FlashKDA
+KIMI_LINEAR_FAMILY = "kimi_linear"
 #: ``vllm/v1/attention/backends/gdn_attn.py``: FlashInfer's GDN prefill emits mid-prefill states
 #: every 64 tokens.
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
@@ -170,23 +173,34 @@ def vllm_state_page_floor(model: HybridModel) -> int:
     return spec.state_bytes
 
 
-def glm5_next_kda_backend(model: HybridModel, gpu: str) -> str | None:
-    """The prefill backend vLLM 0.33 gives GLM-5-Next's KDA layers, ``"flashkda"`` or
-    ``"triton"`` (None for a model that is not GLM-5-Next or has no KDA layer).
+def kda_prefill_backend(model: HybridModel, gpu: str) -> str | None:
+    """The prefill backend vLLM 0.33 gives a model's KDA layers, ``"flashkda"`` or ``"triton"``
+    (None for a model that is neither GLM-5-Next nor Kimi-Linear, or has no KDA layer).
 
-    ``_resolve_kda_prefill_backend`` (``vllm/models/glm5next/common/kda.py``, with
-    ``kda_prefill_backend`` left at ``auto``): FlashKDA on CUDA SM90/SM10x/SM12x when the model
-    dtype is bfloat16, ``linear_head_dim`` is 128 and the gate is bounded
-    (``linear_lower_bound`` set; transformers' default is -5.0, so a config without the key has
-    one)."""
-    if model.family_key not in GLM5_NEXT_FAMILIES:
+    Both resolvers (``_resolve_kda_prefill_backend`` in ``vllm/models/glm5next/common/kda.py``,
+    ``resolve_kda_prefill_backend`` in ``vllm/models/kimi_k3/nvidia/kda.py``, with
+    ``kda_prefill_backend`` left at ``auto``) take FlashKDA on CUDA SM90/SM10x/SM12x when the
+    model dtype is bfloat16, the KDA head dim is 128 and the gate is bounded. GLM-5-Next's bound
+    is ``linear_lower_bound`` (transformers' default -5.0, so a config without the key has
+    one); Kimi-Linear's is ``linear_attn_config.gate_lower_bound``, read with ``.get(...,
+    None)``, which the released Kimi-Linear-48B-A3B config does not set (its
+    ``linear_attn_config`` holds five keys), so a zoo entry without a config runs Triton; Kimi's
+    resolver also needs a bf16 or fp32 recurrent state."""
+    family = model.family_key
+    kimi = family.replace("-", "_") == KIMI_LINEAR_FAMILY
+    if family not in GLM5_NEXT_FAMILIES and not kimi:
         return None
     kda = [layer.spec for layer in model.state_layers if isinstance(layer.spec, KDASpec)]
     if not kda:
         return None
     hf = model.extra.get("hf_config")
-    text = (hf.get("text_config") or hf) if isinstance(hf, dict) else {}
-    bounded = not isinstance(text, dict) or text.get("linear_lower_bound", -5.0) is not None
+    text = (hf.get("text_config") or hf) if isinstance(hf, dict) else None
+    if kimi:
+        linear = text.get("linear_attn_config") if isinstance(text, dict) else None
+        bounded = isinstance(linear, dict) and linear.get("gate_lower_bound") is not None
+        bounded = bounded and model.ssm_dtype in ("bfloat16", "float32")
+    else:
+        bounded = not isinstance(text, dict) or text.get("linear_lower_bound", -5.0) is not None
     flashkda = (
         GPU_FAMILIES[gpu] >= 90
         and (model.dtype or "").lower() in ("bfloat16", "bf16")
@@ -366,7 +380,7 @@ class VllmTarget:
         ):
             checkpoint_blocks = 1
         # GLM-5-Next's KDA layer declares one whenever its prefill runs on FlashKDA (0.33)
-        kda_backend = glm5_next_kda_backend(model, self.gpu) if new_rules else None
+        kda_backend = kda_prefill_backend(model, self.gpu) if new_rules else None
         if kda_backend == "flashkda":
             checkpoint_blocks = 1
         spec_blocks = model.num_spec_tokens

@@ -372,6 +372,57 @@ def test_glm5_next_inflate_matches_vllm_033(text_config, kv, block, prefix_cachi
     assert plan.vllm.mamba_cache_mode == ("align" if prefix_caching else "none")
 
 
+def _kimi_linear_config(**linear) -> dict:
+    """Kimi-Linear-48B-A3B's released config (its ``linear_attn_config`` holds five keys, no
+    ``gate_lower_bound``; 1-based layer lists), with ``linear`` added to that section."""
+    return {
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "hidden_size": 2304,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "max_position_embeddings": 1048576,
+        "linear_attn_config": {
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+            "head_dim": 128,
+            "num_heads": 32,
+            "short_conv_kernel_size": 4,
+            **linear,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("linear", "runtime", "gpu", "backend"),
+    [
+        ({}, {}, "hopper", "triton"),  # the released config: no gate bound
+        ({"gate_lower_bound": -5.0}, {}, "hopper", "flashkda"),
+        ({"gate_lower_bound": -5.0}, {}, "ampere", "triton"),  # FlashKDA needs SM90+
+        ({"gate_lower_bound": -5.0}, {"ssm_dtype": "float16"}, "hopper", "triton"),
+    ],
+)
+def test_kimi_linear_kda_checkpoint_block(linear, runtime, gpu, backend):
+    """KimiK3DeltaAttention (vllm/models/kimi_k3/nvidia/kda.py), which serves Kimi-Linear:
+    resolve_kda_prefill_backend takes FlashKDA on SM90+ for a bf16 model with head dim 128, a
+    bf16 or fp32 recurrent state and linear_attn_config.gate_lower_bound set (read with .get(...,
+    None)); get_kv_cache_spec then declares one prefill checkpoint block at 16 tokens, so in
+    align mode a request holds 3 state blocks rather than 2."""
+    model = models.from_hf_config(_kimi_linear_config(**linear), **runtime)
+    rules = VllmTarget(gpu=gpu).resolve(model)
+    assert rules.kda_prefill_backend == backend
+    assert rules.state_blocks_per_request == (3 if backend == "flashkda" else 2)
+    assert rules.spec_checkpoint_alignment == (16 if backend == "flashkda" else None)
+    zoo = VllmTarget().resolve(models.load("kimi-linear-48b-a3b"))  # no config: the released one
+    assert zoo.kda_prefill_backend == "triton" and zoo.state_blocks_per_request == 2
+
+
 @pytest.mark.parametrize(
     ("dtype", "gpu", "backend", "blocks"),
     [
