@@ -30,6 +30,7 @@ from hybridkv.executors import (
     open_executor,
 )
 
+from .provenance import run_meta
 from .registry import PACKAGES
 
 
@@ -56,31 +57,28 @@ def sim_tasks(n: int) -> list[tuple[int, str, str, str]]:
     ]
 
 
+#: the simulator result's fields a run's hash covers, in hash order
+SIM_FIELDS = (
+    "steps", "finished", "prompt_tokens", "hit_tokens", "shared_tokens", "preemptions",
+    "peak_running", "checkpoints", "checkpoint_bytes", "ttft_s", "kv_bytes", "state_bytes",
+)  # fmt: skip
+
+
 def sim_fingerprint(task: tuple[int, str, str, str]) -> tuple[str, dict]:
     from . import figures
 
     t0 = time.perf_counter()
     r = figures._sim_run(task)
     key = "sim " + " / ".join(map(str, task))
+    values = [getattr(r, name) for name in SIM_FIELDS]
     return key, {
         "steps": r.steps,
         "hit_tokens": r.hit_tokens,
         "preemptions": r.preemptions,
         "checkpoints": r.checkpoints,
-        "hash": _digest(
-            r.steps,
-            r.finished,
-            r.prompt_tokens,
-            r.hit_tokens,
-            r.shared_tokens,
-            r.preemptions,
-            r.peak_running,
-            r.checkpoints,
-            r.checkpoint_bytes,
-            r.ttft_s,
-            r.kv_bytes,
-            r.state_bytes,
-        ),
+        "hash": _digest(*values),
+        # one digest per field: a run that differs says which of them did
+        "parts": {name: _digest(v) for name, v in zip(SIM_FIELDS, values)},
         "wall_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -105,11 +103,19 @@ def marconi_fingerprint(task: tuple[str, int, str, str, int]) -> tuple[str, dict
     key = "replay " + " / ".join(map(str, task))
     if isinstance(r, str):
         return key, {"hash": _digest(r), "misfit": r}
+    parts = {
+        "hits": r.hits,
+        "checkpoints": r.checkpoints,
+        "evictions": r.evictions,
+        "samples": r.samples,
+        "marconi_alpha": r.marconi_alpha,
+    }
     return key, {
         "hit_tokens": int(r.hits.sum()),
         "checkpoints": r.checkpoints,
         "evictions": r.evictions,
-        "hash": _digest(r.hits, r.checkpoints, r.evictions, r.samples, r.marconi_alpha),
+        "hash": _digest(*parts.values()),
+        "parts": {name: _digest(v) for name, v in parts.items()},
         "wall_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -119,12 +125,22 @@ def compare(before: Path, after: Path) -> int:
     differ = [k for k in a if k in b and a[k]["hash"] != b[k]["hash"]]
     missing = sorted(set(a) ^ set(b))
     for k in differ:
-        print(f"differs: {k}: {a[k]} -> {b[k]}")
+        pa, pb = a[k].get("parts"), b[k].get("parts")
+        which = (
+            f" (in {', '.join(n for n in pa if pa[n] != pb.get(n)) or 'no recorded field'})"
+            if pa and pb
+            else ""
+        )
+        print(f"differs: {k}{which}: {_brief(a[k])} -> {_brief(b[k])}")
     for k in missing:
         print(f"only in one file: {k}")
     same = len([k for k in a if k in b]) - len(differ)
     print(f"{same} runs identical, {len(differ)} differ, {len(missing)} in one file only")
     return 1 if differ or missing else 0
+
+
+def _brief(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "parts"}
 
 
 def _fingerprint(job: tuple[Callable[[Any], tuple[str, dict]], Any]) -> tuple[str, dict]:
@@ -166,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(key, value, flush=True)
     except ExecutorUnavailable as exc:
         ap.error(str(exc))
-    text = json.dumps({"requests": args.requests, "runs": runs}, indent=1, sort_keys=True)
+    # where and with what the runs were made: a file made elsewhere may differ in floats
+    meta = run_meta("paper.fingerprint", argv)
+    text = json.dumps(
+        {"requests": args.requests, "meta": meta, "runs": runs}, indent=1, sort_keys=True
+    )
     if args.out:
         args.out.write_text(text + "\n")
     else:
