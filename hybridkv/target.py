@@ -275,6 +275,11 @@ class VllmTarget:
                 f"{', '.join(VLLM_VERSIONS)}"
             )
         object.__setattr__(self, "version", version)
+        if self.disable_lookahead_block_hashes and version != "0.33":
+            raise ValueError(
+                f"disable_lookahead_block_hashes is a vLLM 0.33 switch; vLLM {version} has no "
+                "lookahead hashes (it drops the last block of a hit under MTP): leave it out"
+            )
         if self.enable_prefix_caching is not None and not isinstance(
             self.enable_prefix_caching, bool
         ):

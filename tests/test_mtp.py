@@ -379,6 +379,11 @@ def test_speculative_switches_decide_the_hit_rule(capsys):
     assert "does not model" in mtp["text"]
     mtp, rate = doctor()
     assert rate < plain and mtp["data"]["hash_lookahead_tokens"] == 1
+    old = json.dumps(
+        {"method": "mtp", "num_speculative_tokens": 1, "disable_lookahead_block_hashes": True}
+    )
+    assert main([*flags, "--vllm-version", "0.32", "--speculative-config", old]) == 2
+    assert "vLLM 0.33 switch" in capsys.readouterr().err
     bad = json.dumps({"method": "mtp", "num_speculative_tokens": 1, "disable_eagle_block_drop": 1})
     assert main([*flags, "--speculative-config", bad]) == 2
     assert "disable_eagle_block_drop must be true or false" in capsys.readouterr().err
