@@ -384,7 +384,8 @@ class VllmTarget:
             GatedDeltaNetSpec in state_kinds and checkpoint_alignment is not None
         ):
             checkpoint_blocks = 1
-        # GLM-5-Next's KDA layer declares one whenever its prefill runs on FlashKDA (0.33)
+        # GLM-5-Next's and Kimi-Linear's KDA layers declare one whenever their prefill runs on
+        # FlashKDA (0.33)
         kda_backend = kda_prefill_backend(model, self.gpu) if new_rules else None
         if kda_backend == "flashkda":
             checkpoint_blocks = 1
