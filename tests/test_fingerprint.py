@@ -29,9 +29,7 @@ def test_compare_lists_the_runs_that_differ(tmp_path, capsys):
     assert "differs: b" in capsys.readouterr().out
 
 
-def test_a_run_records_a_digest_per_field_and_compare_names_the_one_that_differs(
-    tmp_path, capsys
-):
+def test_a_run_records_a_digest_per_field_and_compare_names_the_one_that_differs(tmp_path, capsys):
     task = (20, "chat", "inflate", "last")
     _, record = fingerprint.sim_fingerprint(task)
     assert set(record["parts"]) == set(fingerprint.SIM_FIELDS)
