@@ -944,7 +944,8 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help='vLLM\'s JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': '
         "with mtp the model's MTP layers' KV caches join its own (Qwen3-Next, Qwen3.5/3.6, "
-        "Nemotron-H); ngram and suffix keep none",
+        "Nemotron-H); ngram and suffix keep none. disable_eagle_block_drop and "
+        "disable_lookahead_block_hashes (vLLM's switches) change what MTP does to prefix hits",
     )
     tgt = p.add_argument_group("vLLM target (whose rules the shared-pool layouts follow)")
     tgt.add_argument(
