@@ -104,8 +104,6 @@ GLM5_NEXT_FAMILIES = frozenset({"glm5_next", "glm5_next_text"})
 #: (``AttentionBackend``'s ``MultipleOf(1)``), so the indexer adds nothing to the block's
 #: alignment; its PLE conv declares a prefill-checkpoint alignment of 1 in align mode.
 QWEN4_EXP_FAMILIES = frozenset({"qwen4_exp", "qwen4_exp_text"})
-#: Kimi-Linear's HF model type; its KDA layers (``KimiK3DeltaAttention``) may prefill on FlashKDA
-KIMI_LINEAR_FAMILY = "kimi_linear"
 #: ``vllm/v1/attention/backends/gdn_attn.py``: FlashInfer's GDN prefill emits mid-prefill states
 #: every 64 tokens.
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64
@@ -186,9 +184,9 @@ def kda_prefill_backend(model: HybridModel, gpu: str) -> str | None:
     None)``, which the released Kimi-Linear-48B-A3B config does not set (its
     ``linear_attn_config`` holds five keys), so a zoo entry without a config runs Triton; Kimi's
     resolver also needs a bf16 or fp32 recurrent state."""
-    family = model.family_key
-    kimi = family.replace("-", "_") == KIMI_LINEAR_FAMILY
-    if family not in GLM5_NEXT_FAMILIES and not kimi:
+    vllm = find_vllm_family(model)
+    kimi = vllm is not None and vllm.key == "kimi_linear"
+    if model.family_key not in GLM5_NEXT_FAMILIES and not kimi:
         return None
     kda = [layer.spec for layer in model.state_layers if isinstance(layer.spec, KDASpec)]
     if not kda:
@@ -459,7 +457,8 @@ class VllmTarget:
             return 0, False
         if self.version != "0.33" or self.disable_lookahead_block_hashes:
             return 0, True
-        qwen3_5 = model.family_key.startswith("qwen3_5")
+        family = find_vllm_family(model)
+        qwen3_5 = family is not None and family.key in ("qwen3_5", "qwen3_5_text")
         modules = 1 if qwen3_5 else len(model.mtp_attention_layers)
         multi_module = min(modules, model.num_spec_tokens) > 1
         return (model.num_spec_tokens if multi_module else 1), False

@@ -129,17 +129,12 @@ def extend_unit_hashes(
     if i >= n:
         return hashes
     parent = hashes[-1] if i else NONE_HASH
+    # unit k's bytes start at k * step and run on for its lookahead tokens
     step = 4 * h
+    width = step + 4 * lookahead
+    raw = _token_bytes(tokens, i * h, n * h + lookahead)
     append = hashes.append
-    if lookahead:
-        width = step + 4 * lookahead
-        raw = _token_bytes(tokens, i * h, n * h + lookahead)
-        for off in range(0, n * step - i * step, step):
-            parent = fn(parent + extra + raw[off : off + width])
-            append(parent)
-        return hashes
-    raw = _token_bytes(tokens, i * h, n * h)
-    for off in range(0, len(raw), step):
-        parent = fn(parent + extra + raw[off : off + step])
+    for off in range(0, (n - i) * step, step):
+        parent = fn(parent + extra + raw[off : off + width])
         append(parent)
     return hashes
