@@ -157,14 +157,22 @@ def plan_two_level(model: HybridModel, config: PlanConfig) -> MemoryPlan:
     ):
         need = (state_pages + max(1, len(attn_groups))) * large
         raise too_small(model, config, need, "layout 'two_level'")
+
     # attention kinds share the free large pages so that each holds the same number of tokens
+    # (a kind with more bytes a token takes more pages; the first kind's id 0 is the null id)
+    def pages_for(blocks: int) -> list[int]:
+        return [cdiv(blocks + (i == 0), counts[g.group_id]) for i, g in enumerate(attn_groups)]
+
     if attn_groups:
-        sets = free_pages // len(attn_groups)
-        kv_pages = sets * len(attn_groups)
-        ids = [sets * counts[g.group_id] - (1 if i == 0 else 0) for i, g in enumerate(attn_groups)]
-        token_capacity = min(ids) * block_size
+        lo, hi = 0, free_pages * max(counts[g.group_id] for g in attn_groups)
+        while lo < hi:  # the most blocks of every kind that fit the free pages
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if sum(pages_for(mid)) <= free_pages else (lo, mid - 1)
+        kind_pages = pages_for(lo)
+        kv_pages = sum(kind_pages)
+        token_capacity = lo * block_size
     else:
-        kv_pages, token_capacity = 0, 0
+        kind_pages, kv_pages, token_capacity = [], 0, 0
     padding = 0
     for g in state_groups:
         real = sum(
@@ -173,9 +181,9 @@ def plan_two_level(model: HybridModel, config: PlanConfig) -> MemoryPlan:
             if layer.name in g.layers
         )
         padding += cdiv(reserved, counts[g.group_id]) * large - reserved * real
-    for g in attn_groups:
+    for g, n in zip(attn_groups, kind_pages):
         per_page_real = counts[g.group_id] * small[g.group_id]
-        padding += (kv_pages // len(attn_groups)) * (large - per_page_real)
+        padding += n * (large - per_page_real)
     notes = [
         f"large page {large} B holds "
         + ", ".join(f"{c} {g.kind} page(s) of {p} B" for g, c, p in zip(groups, counts, padded))
