@@ -78,6 +78,7 @@ def _runtime(args: argparse.Namespace) -> dict:
         ssm_dtype=args.ssm_dtype or "auto",
         num_spec_tokens=tokens,
         speculative_method=method,
+        kv_dtype_skip_layers=tuple(getattr(args, "kv_dtype_skip_layers", None) or ()),
     )
 
 
@@ -379,8 +380,10 @@ def _describe(plan: MemoryPlan) -> str:
             f", ... ({len(g.layers)})" if len(g.layers) > 4 else ""
         )
         pad = f" +{g.padding_slots} padding" if g.padding_slots else ""
+        # groups' own block sizes (per-group layouts, unified pages under skip layers)
+        block = f"  block {g.block_size}" if g.block_size != plan.block_size else ""
         lines.append(
-            f"  {g.group_id:>3} {g.kind:<15} page {format_bytes(g.page_bytes):>11}  "
+            f"  {g.group_id:>3} {g.kind:<15} page {format_bytes(g.page_bytes):>11}{block}  "
             f"[{layers}]{pad}"
         )
     lines.append("first placements (bytes):")
@@ -915,6 +918,15 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         default=None,
         dest="kv_dtype",
         help="KV cache dtype: auto, bfloat16, fp8, ... (default auto: the model's dtype)",
+    )
+    par.add_argument(
+        "--kv-cache-dtype-skip-layers",
+        nargs="+",
+        default=None,
+        dest="kv_dtype_skip_layers",
+        metavar="LAYER",
+        help="vLLM's flag: decoder layer indices (or sliding_window) whose attention keeps the "
+        "model dtype under a quantized --kv-cache-dtype (default none)",
     )
     par.add_argument(
         "--conv-dtype",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .alloc import AllocatorOptions
+from .alloc.groups import group_roles
 from .alloc.policies import state_sized_scale
 from .layouts import PlanTooSmall, make_plan
 from .models.model import MTP_PREFIX, HybridModel
@@ -246,6 +248,8 @@ def diagnose(
     as_given = _hit_rate(plan, trace, _vllm_options(plan))
     findings += _cache_findings(plan, trace, target, workload, as_given)
     findings.append(_fp8_finding(model, plan, plan_for, runtime))
+    if model.kv_dtype_skip_layers:
+        findings.append(_skip_layers_finding(model, plan, plan_for))
     if model.speculative_method == "mtp":
         findings.append(_mtp_finding(model, plan, rules))
     findings.append(_concurrency_finding(model, plan, workload, max_num_seqs, refused))
@@ -263,6 +267,13 @@ def diagnose(
     )
 
 
+def _hit_block(plan: MemoryPlan) -> int:
+    """Tokens a whole-block prefix hit is a multiple of: the lcm of the block sizes of the
+    groups whose hits need the whole prefix (the block size, unless
+    --kv-cache-dtype-skip-layers gave the quantized layers larger blocks)."""
+    return math.lcm(*(block for _, block in group_roles(plan.groups).full)) or plan.block_size
+
+
 def _cache_findings(
     plan: MemoryPlan,
     trace: Trace | None,
@@ -270,7 +281,7 @@ def _cache_findings(
     w: dict[str, Any] | None,
     align: float | None,
 ) -> list[Finding]:
-    rules, big = plan.vllm, plan.block_size
+    rules, big = plan.vllm, _hit_block(plan)
     if not rules.enable_prefix_caching:
         return [
             Finding(
@@ -345,9 +356,10 @@ def _fp8_finding(
     """What fp8 KV buys: the pool's token slots (about 2x: vLLM doubles the block to fill the
     same state page) and what vLLM's start-up log will say, which counts each request's state
     blocks too and so shows less (vLLM #55196's 1.00-1.84x)."""
-    is_fp8 = model.kv_dtype.startswith("float8")
+    is_fp8 = model.kv_dtype.startswith("fp8")  # canonical names: fp8_e4m3, fp8_e5m2
     other_dtype = "auto" if is_fp8 else "fp8"
-    other_model, other = plan_for(kv_dtype=other_dtype)
+    # the unquantized plan has no layer to skip (and fp8's is the one as given, skips and all)
+    other_model, other = plan_for(kv_dtype=other_dtype, kv_dtype_skip_layers=())
     (fp8, fp8_model), (wide, wide_model) = (
         ((plan, model), (other, other_model)) if is_fp8 else ((other, other_model), (plan, model))
     )
@@ -359,10 +371,14 @@ def _fp8_finding(
     )
     text = (
         f"fp8 KV buys {ratio:.2f}x token capacity here ({wide.capacity.token_capacity:,} -> "
-        f"{fp8.capacity.token_capacity:,} tokens), {versus}; the block grows "
-        f"{wide.block_size} -> {fp8.block_size} tokens to hold the same state page, so each "
-        "hit needs twice the shared prefix"
+        f"{fp8.capacity.token_capacity:,} tokens), {versus}"
     )
+    if fp8.block_size > wide.block_size:
+        text += (
+            f"; the block grows {wide.block_size} -> {fp8.block_size} tokens to hold the same "
+            f"state page, so each hit needs {fp8.block_size / wide.block_size:.3g}x the shared "
+            "prefix"
+        )
     data: dict[str, Any] = {
         "capacity_ratio": ratio,
         "block_size_bf16": wide.block_size,
@@ -395,6 +411,42 @@ def _fp8_finding(
             state_blocks_per_request=before.state_blocks_per_request,
         )
     return Finding("fp8", severity, text, data)
+
+
+def _skip_layers_finding(model: HybridModel, plan: MemoryPlan, plan_for: Callable) -> Finding:
+    """What ``--kv-cache-dtype-skip-layers`` costs in vLLM's one pool of equal pages: the
+    skipped layers' pages are the widest, so every other page is unified to them (the
+    quantized layers' block grows, state pages are padded), against fp8 everywhere."""
+    _, plain = plan_for(kv_dtype_skip_layers=())
+    skipped = [
+        layer.index
+        for layer in model.attention_layers
+        if getattr(layer.spec, "kv_dtype", model.kv_dtype) != model.kv_dtype
+    ]
+    blocks = sorted({g.block_size for g in plan.attention_groups})
+    ratio = plan.capacity.token_capacity / max(1, plain.capacity.token_capacity)
+    text = (
+        f"--kv-cache-dtype-skip-layers keeps {len(skipped)} of {len(model.attention_layers)} "
+        f"attention layers at {model.dtype} ({', '.join(map(str, skipped[:8]))}"
+        f"{', ...' if len(skipped) > 8 else ''}); vLLM gives every page the size of the widest "
+        f"({plan.extra['page_bytes']:,} B, against {plain.extra['page_bytes']:,} B with "
+        f"{model.kv_dtype} everywhere), so attention blocks are "
+        f"{' and '.join(f'{b:,}' for b in blocks)} tokens (hits land on multiples of "
+        f"{plan.scheduler_block_size:,}) and each state page is padded to it: "
+        f"{plan.capacity.token_capacity:,} tokens, {ratio:.2f}x of fp8 everywhere "
+        f"({plain.capacity.token_capacity:,})"
+    )
+    data = {
+        "skipped_layers": skipped,
+        "attention_block_sizes": blocks,
+        "scheduler_block_size": plan.scheduler_block_size,
+        "page_bytes": plan.extra["page_bytes"],
+        "page_bytes_without_skip": plain.extra["page_bytes"],
+        "token_capacity": plan.capacity.token_capacity,
+        "token_capacity_without_skip": plain.capacity.token_capacity,
+        "capacity_ratio": ratio,
+    }
+    return Finding("skip_layers", "note" if ratio < 0.95 else "ok", text, data)
 
 
 def _logged_capacities(
@@ -510,28 +562,52 @@ def _check_starts(
     model: HybridModel, plan: MemoryPlan, plan_for: Callable, memory: int, target: VllmTarget
 ) -> None:
     """vLLM's start-up check (``check_enough_kv_cache_memory``): the cache must hold one
-    request of max_model_len, its KV in whole blocks beside its state pages, or vLLM raises
-    before serving anything. Counted in vLLM's pages where the plan is exportable, else in the
-    plan's capacity beside one request's states."""
+    request of max_model_len, its KV in whole blocks of each attention group beside its state
+    pages, or vLLM raises before serving anything. Counted in vLLM's pages where the plan is
+    exportable, else in the plan's capacity beside one request's states."""
     max_len = plan.vllm.max_model_len if plan.vllm else None
     if not max_len:
         return
-    big = plan.block_size
-    held = _held_tokens(plan, max_len)
-    one_block = _vllm_blocks(plan, model, big)
-    if one_block is not None:  # the null block serves no request
-        spare = one_block.num_blocks - 1 - one_block.state - one_block.ring
-        room = max(0, spare) // max(1, one_block.attention) * big
+    blocks = _vllm_blocks(plan, model, max_len)
+    if blocks is not None:
+        pages = blocks.num_blocks - 1  # the null block serves no request
+        if blocks.total <= pages:
+            return
+        spare = pages - blocks.state - blocks.ring
+        # the longest request whose attention blocks fit beside its state pages
+        room, longer = 0, max_len
+        while room < longer:
+            mid = (room + longer + 1) // 2
+            if blocks.attention_blocks(mid) <= spare:
+                room = mid
+            else:
+                longer = mid - 1
+        need = (
+            f"takes {blocks.total:,} of the pool's {pages:,} pages ({blocks.attention:,} "
+            f"attention in {_block_sizes_text(blocks)}-token blocks, "
+            f"{blocks.state + blocks.ring:,} state)"
+        )
     else:
         one = plan if plan.config.max_num_seqs == 1 else plan_for(num_seqs=1)[1]
         room = one.capacity.token_capacity
-    if held > room:
-        raise ValueError(
-            f"vLLM {target.version} would not start with {format_bytes(memory)} of cache: one "
-            f"request of max_model_len {max_len:,} tokens holds {held:,} tokens of KV in "
-            f"{big}-token blocks beside its state pages, and {room:,} fit; give the cache more "
-            f"memory (--gpu-memory) or lower --max-model-len (to {room:,} at most)"
+        held = _held_tokens(plan, max_len)
+        if held <= room:
+            return
+        need = (
+            f"holds {held:,} tokens of KV in {plan.block_size}-token blocks beside its state "
+            f"pages, and {room:,} fit"
         )
+    raise ValueError(
+        f"vLLM {target.version} would not start with {format_bytes(memory)} of cache: one "
+        f"request of max_model_len {max_len:,} tokens {need}; give the cache more memory "
+        f"(--gpu-memory) or lower --max-model-len (to {room:,} at most)"
+    )
+
+
+def _block_sizes_text(blocks: RequestBlocks) -> str:
+    """The attention groups' block sizes as text: ``1088`` or ``1088- and 2176``."""
+    sizes = sorted(set(blocks.attention_block_sizes))
+    return "- and ".join(str(size) for size in sizes)
 
 
 def _concurrency_finding(
@@ -549,8 +625,12 @@ def _concurrency_finding(
     the requests that run (:func:`_most_admitted`)."""
     big, planned = plan.block_size, plan.config.max_num_seqs
     tokens = _request_tokens(workload, plan.vllm.max_model_len)
-    held = _held_tokens(plan, tokens)
     blocks = _vllm_blocks(plan, model, tokens)
+    held, sizes, up_to = _held_tokens(plan, tokens), str(big), ""
+    if blocks is not None:  # each attention group at its own block size
+        held = max(-(-blocks.tokens // b) * b for b in blocks.attention_block_sizes)
+        sizes = _block_sizes_text(blocks)
+        up_to = "up to " if len(set(blocks.attention_block_sizes)) > 1 else ""
     if blocks is not None:
         fits = min(max_num_seqs, (blocks.num_blocks - 1) // blocks.total)
         ring = f", {blocks.ring} ring" if blocks.ring else ""
@@ -580,8 +660,8 @@ def _concurrency_finding(
     padding = f", {pct:.{0 if pct >= 1 else 1}f}% of it padding" if padded else ""
     flag = "" if refused is not None else f" (--max-num-seqs {max_num_seqs})"
     text = (
-        f"{count} of {length} {fit} at once{flag}: each holds {each} and {held:,} tokens of "
-        f"KV in whole {big}-token blocks{padding}"
+        f"{count} of {length} {fit} at once{flag}: each holds {each} and {up_to}{held:,} "
+        f"tokens of KV in whole {sizes}-token blocks{padding}"
     )
     if refused is not None:
         need = (
@@ -671,14 +751,27 @@ def _remedies(
                 _vllm_options(p),
             )
         )
-    mml = target.max_model_len
-    if mml is not None and mml < plan.block_size:
-        longer = dataclasses.replace(target, max_model_len=plan.block_size * 2)
+    if model.kv_dtype_skip_layers:
+        _, p = plan_for(kv_dtype_skip_layers=())
+        out.append(
+            remedy(
+                "skip_layers_off",
+                ("without --kv-cache-dtype-skip-layers",),
+                f"{model.kv_dtype} in every attention layer: equal pages, no unification (check "
+                "the model's accuracy without the wider layers; per_group keeps them in a "
+                "pool of their own at no cost to the rest)",
+                p,
+                _vllm_options(p),
+            )
+        )
+    mml, hit_block = target.max_model_len, _hit_block(plan)
+    if mml is not None and mml < hit_block:
+        longer = dataclasses.replace(target, max_model_len=hit_block * 2)
         _, p = plan_for(target=longer)
         out.append(
             remedy(
                 "max_model_len",
-                ("--max-model-len", str(plan.block_size * 2)),
+                ("--max-model-len", str(hit_block * 2)),
                 "a request must be able to fill a block for any hit",
                 p,
                 _vllm_options(p),

@@ -1009,10 +1009,17 @@ class RequestBlocks:
     attention: int
     state: int
     ring: int
+    #: the block size of each attention group, one entry per group (they differ where
+    #: --kv-cache-dtype-skip-layers made vLLM unify pages of two dtypes)
+    attention_block_sizes: tuple[int, ...]
 
     @property
     def total(self) -> int:
         return self.attention + self.state + self.ring
+
+    def attention_blocks(self, tokens: int) -> int:
+        """The attention blocks a request of ``tokens`` tokens takes, by the same count."""
+        return sum(-(-tokens // block) for block in self.attention_block_sizes)
 
 
 def request_blocks(plan: MemoryPlan, model: HybridModel, tokens: int) -> RequestBlocks:
@@ -1026,6 +1033,7 @@ def request_blocks(plan: MemoryPlan, model: HybridModel, tokens: int) -> Request
     rules = plan.vllm
     assert rules is not None  # kv_cache_config refuses a plan without vLLM rules
     attention = state = ring = 0
+    block_sizes: list[int] = []
     for group in config["kv_cache_groups"]:
         spec = group["kv_cache_spec"]
         kinds = {s["kind"] for s in _layer_specs(spec)}
@@ -1035,12 +1043,13 @@ def request_blocks(plan: MemoryPlan, model: HybridModel, tokens: int) -> Request
             ring += 1
         elif kinds <= {"FullAttentionSpec", "MLAAttentionSpec"}:
             attention += -(-tokens // spec["block_size"])
+            block_sizes.append(spec["block_size"])
         else:
             raise ValueError(
                 f"{plan.model_name}: a {'/'.join(sorted(kinds))} group's blocks per request "
                 "depend on vLLM's in-flight tokens, which the plan does not model"
             )
-    return RequestBlocks(tokens, config["num_blocks"], attention, state, ring)
+    return RequestBlocks(tokens, config["num_blocks"], attention, state, ring, tuple(block_sizes))
 
 
 def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:

@@ -26,6 +26,7 @@ rows, and states are padded up to it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ..dtypes import dtype_bytes
@@ -44,6 +45,7 @@ from ..target import vllm_state_page_floor
 from ._common import (
     Bucket,
     buckets,
+    cdiv,
     group_size_vllm,
     make_capacity,
     split_bucket,
@@ -54,8 +56,86 @@ from ._common import (
 )
 
 
-def _attn1(layer: CacheLayer) -> int:
-    return layer.spec.bytes_per_token  # type: ignore[attr-defined]
+def _attn1(layer: CacheLayer, dtype: str | None = None) -> int:
+    """Bytes one token of ``layer`` takes, in its own dtype or in ``dtype``."""
+    spec = layer.spec
+    if dtype is not None and spec.kv_dtype != dtype:  # type: ignore[attr-defined]
+        spec = replace(spec, kv_dtype=dtype)
+    return spec.bytes_per_token  # type: ignore[attr-defined]
+
+
+def _is_skipped(model: HybridModel, bucket: Bucket) -> bool:
+    """Whether ``--kv-cache-dtype-skip-layers`` keeps ``bucket``'s layers wider than
+    ``--kv-cache-dtype``."""
+    return bucket.kind != "indexer" and bucket.spec.kv_dtype != model.kv_dtype
+
+
+def _layer_list(bucket: Bucket) -> str:
+    indices = [layer.index for layer in bucket.layers]
+    return ", ".join(map(str, indices)) if len(indices) <= 4 else f"{indices[0]}..{indices[-1]}"
+
+
+def _check_skip_layers(model: HybridModel, attn_buckets: list[Bucket], layout: str) -> None:
+    """Refuse the skip-layer cases a shared pool here does not lay out as vLLM would."""
+    kinds = {b.kind for b in attn_buckets}
+    if kinds != {"full_attention"}:
+        other = ", ".join(sorted(kinds - {"full_attention"}))
+        raise ValueError(
+            f"{model.name}: --kv-cache-dtype-skip-layers beside {other} layers is not modelled "
+            f"in {layout!r}: vLLM 0.33 pads sliding-window pages to skip_page_size_padded and "
+            "cannot pad an MLA page to a wider one (unify_kv_cache_spec_page_size), and its "
+            "indexer caches ignore the flag; plan per_group or two_level, which keep each "
+            "dtype in pages of its own, or leave the flag out"
+        )
+
+
+def _skip_layer_block(
+    block: int,
+    kernel_block: int,
+    primary_packs: list[list[tuple[CacheLayer, ...]]],
+    skipped_packs: list[list[tuple[CacheLayer, ...]]],
+    primary: str,
+    has_states: bool,
+) -> tuple[int, str]:
+    """vLLM's ``Platform._align_heterogeneous_kv_block_size``: raise the block (a multiple of
+    ``max(kernel block, block)``) until the quantized primary's page covers the widest skipped
+    layer's page at the smallest kernel block, and the state page padded to the primary's.
+
+    The layers skipped keep the block, so their pages are the largest, and
+    :func:`plan_shared`'s unification doubles (for fp8 under bf16) the primary's block and
+    pads the state page to them."""
+    primary_bpt = max(sum(_attn1(layer, primary) for layer in packs[0]) for packs in primary_packs)
+    widest = max(sum(_attn1(layer) for layer in packs[0]) for packs in skipped_packs)
+    if widest <= primary_bpt:
+        return block, "the skipped layers' pages are no wider than the primary's"
+    alignment = max(kernel_block, block)
+    required = max(widest * kernel_block, block * primary_bpt if has_states else 0)
+    raised = alignment * cdiv(required, alignment * primary_bpt)
+    if raised > block:
+        return raised, (
+            f"_align_heterogeneous_kv_block_size: raised to {raised} so that the {primary} page "
+            f"covers the skipped layers' {widest:,} B/token at {kernel_block} tokens"
+        )
+    return block, (
+        f"_align_heterogeneous_kv_block_size keeps {block}: the {primary} page already covers "
+        f"the skipped layers' {widest:,} B/token at {kernel_block} tokens"
+    )
+
+
+def _tokens_within(blocks: int, block_sizes: list[int]) -> int:
+    """The most tokens every group can hold when a group of block size ``b`` needs
+    ``cdiv(tokens, b)`` of ``blocks`` ids shared by all (0 without groups)."""
+    if not block_sizes:
+        return 0
+    period = math.lcm(*block_sizes)
+    per_period = sum(period // b for b in block_sizes)
+    tokens = blocks // per_period * period
+    left = blocks % per_period
+    step = math.gcd(*block_sizes)
+    extra = 0
+    while extra + step < period and sum(cdiv(extra + step, b) for b in block_sizes) <= left:
+        extra += step
+    return tokens + extra
 
 
 def _kv_placement(
@@ -216,42 +296,71 @@ def plan_shared(
 
     # block size: vLLM's rule (hybridkv.target), with a pack's bytes per token for pack/aggregate.
     # An indexer's keys do not enter it: vLLM's _align_hybrid_block_size sizes the block by the
-    # model's attention (its latent, or K and V) alone
-    sizing = [
-        packs for b, packs in zip(attn_buckets, packs_per_bucket) if b.kind != "indexer"
-    ] or packs_per_bucket
+    # model's attention (its latent, or K and V) alone, at --kv-cache-dtype (layers that
+    # --kv-cache-dtype-skip-layers keeps wider are fitted after: _skip_layer_block)
+    skipped = [b for b in attn_buckets if _is_skipped(model, b)]
+    if skipped:
+        _check_skip_layers(model, attn_buckets, layout)
+    attention = [
+        (b, packs) for b, packs in zip(attn_buckets, packs_per_bucket) if b.kind != "indexer"
+    ]
+    # the quantized layers size the block; with every layer skipped, vLLM still sizes it by
+    # --kv-cache-dtype's page
+    sizing = (
+        [packs for b, packs in attention if b not in skipped]
+        or [packs for _, packs in attention]
+        or packs_per_bucket
+    )
+    primary = model.kv_dtype
     choices = [
         rules.block_size(
             config.block_size,
-            sum(_attn1(layer) for layer in packs[0] if not _is_indexer(layer))
-            or sum(_attn1(layer) for layer in packs[0]),
+            sum(_attn1(layer, primary) for layer in packs[0] if not _is_indexer(layer))
+            or sum(_attn1(layer, primary) for layer in packs[0]),
             vllm_state,
         )
         for packs in sizing
     ] or [rules.block_size(config.block_size, 0, vllm_state)]
     chosen = max(choices, key=lambda r: r.block_size)
     block_size, align = chosen.block_size, chosen.unit
-
-    def page_at(block: int) -> int:
-        return max(
-            (
-                block * sum(_attn1(layer) for layer in pack)
-                for packs in packs_per_bucket
-                for pack in packs
-            ),
-            default=0,
-        )
-
-    page = page_at(block_size)
     rule_text = chosen.text
+    if skipped:
+        block_size, why = _skip_layer_block(
+            block_size,
+            rules.kernel_block_size,
+            sizing,
+            [packs for b, packs in attention if b in skipped],
+            primary,
+            bool(state_buckets),
+        )
+        rule_text += f"; {why}"
+
+    def blocks_at(block: int) -> tuple[list[int], int]:
+        """Each attention bucket's block and the common page (vLLM's
+        unify_kv_cache_spec_page_size): a bucket whose page divides the largest one takes a
+        block that many times larger; any other is padded to it."""
+        pages = [block * sum(_attn1(layer) for layer in packs[0]) for packs in packs_per_bucket]
+        top = max(pages, default=0)
+        return [block * (top // p) if p and top % p == 0 else block for p in pages], top
+
+    bucket_blocks, page = blocks_at(block_size)
     if packs_per_bucket and max_state > page:
         # the slot's dtype alignment between state tensors can need a few bytes more than vLLM's
         # unpadded sum; take the next multiple of the unit and say so
-        while page_at(block_size) < max_state:
+        while blocks_at(block_size)[1] < max_state:
             block_size += align
-        page = page_at(block_size)
+        bucket_blocks, page = blocks_at(block_size)
         rule_text += (
             f"; raised to {block_size} so that the aligned state slot ({max_state} B) fits"
+        )
+    if len(set(bucket_blocks)) > 1:
+        notes.append(
+            "attention pages unified as vLLM's unify_kv_cache_spec_page_size does: "
+            + ", ".join(
+                f"{b.kind} {b.spec.kv_dtype} layers {_layer_list(b)} at {blk} tokens a block"
+                for b, blk in zip(attn_buckets, bucket_blocks)
+            )
+            + f"; every page {page:,} B"
         )
     requested = config.block_size or rules.default_block_size
     if block_size != requested:
@@ -290,14 +399,15 @@ def plan_shared(
         )
 
     # grouping (vLLM's uniform-page-size rule)
-    items_per_bucket: list[tuple[str, list]] = [
-        (b.kind, packs) for b, packs in zip(attn_buckets, packs_per_bucket)
-    ] + [("state", [(layer,) for layer in b.layers]) for b in state_buckets]
-    group_size = group_size_vllm([len(items) for _, items in items_per_bucket])
-    group_items: list[tuple[str, list[tuple[CacheLayer, ...]]]] = []
-    for kind, items in items_per_bucket:
+    items_per_bucket: list[tuple[str, list, int]] = [
+        (b.kind, packs, blk)
+        for b, packs, blk in zip(attn_buckets, packs_per_bucket, bucket_blocks)
+    ] + [("state", [(layer,) for layer in b.layers], block_size) for b in state_buckets]
+    group_size = group_size_vllm([len(items) for _, items, _ in items_per_bucket])
+    group_items: list[tuple[str, list[tuple[CacheLayer, ...]], int]] = []
+    for kind, items, blk in items_per_bucket:
         for members in split_bucket(items, group_size):
-            group_items.append((kind, members))
+            group_items.append((kind, members, blk))
 
     block_bytes = page * group_size
     num_blocks = config.memory_bytes // block_bytes
@@ -306,9 +416,10 @@ def plan_shared(
     groups: list[KVCacheGroup] = []
     kv_placements: list[KVPlacement] = []
     state_placements: list[StatePlacement] = []
-    attn_padding_per_block = 0  # padding inside one block of every attention group together
+    attn_padding: list[tuple[int, int]] = []  # (group block size, padding in one of its blocks)
     state_padding_per_block = 0
-    for gid, (kind, members) in enumerate(group_items):
+    for gid, (kind, members, group_block) in enumerate(group_items):
+        group_padding = 0
         names: list[str] = []
         window = None
         for slot, pack in enumerate(members):
@@ -329,7 +440,7 @@ def plan_shared(
                         layer,
                         group_id=gid,
                         tensor=tensor,
-                        block_size=block_size,
+                        block_size=group_block,
                         num_blocks=num_blocks,
                         page_offset=offset,
                         block_stride=page,
@@ -337,23 +448,23 @@ def plan_shared(
                         interleave_kv=config.target.interleaves_kv,
                     )
                 )
-                offset += block_size * _attn1(layer)
+                offset += group_block * _attn1(layer)
                 names.append(layer.name)
                 if not _is_indexer(layer):
                     window = getattr(layer.spec, "sliding_window", None)
-            attn_padding_per_block += page - offset
+            group_padding += page - offset
         pad_slots = group_size - len(members)
         if kind == "state":
             state_padding_per_block += pad_slots * page
         else:
-            attn_padding_per_block += pad_slots * page
+            attn_padding.append((group_block, group_padding + pad_slots * page))
         groups.append(
             KVCacheGroup(
                 group_id=gid,
                 kind=kind,
                 layers=tuple(names),
                 pool="shared",
-                block_size=block_size,
+                block_size=group_block,
                 page_bytes=page,
                 padding_slots=pad_slots,
                 sliding_window=window,
@@ -372,17 +483,17 @@ def plan_shared(
     if remaining < max(1, n_attn):
         need = (1 + reserved_state_blocks + max(1, n_attn)) * block_bytes
         raise too_small(model, config, need, f"layout {layout!r}")
-    token_blocks = remaining // n_attn if n_attn else 0
-    kv_blocks = token_blocks * n_attn
-    padding = (
-        reserved_state_blocks // max(1, n_state) * state_padding_per_block
-        + token_blocks * attn_padding_per_block
+    tokens = _tokens_within(remaining, [blk for blk, _ in attn_padding])
+    group_blocks = [cdiv(tokens, blk) for blk, _ in attn_padding]
+    kv_blocks = sum(group_blocks)
+    padding = reserved_state_blocks // max(1, n_state) * state_padding_per_block + sum(
+        n * pad for n, (_, pad) in zip(group_blocks, attn_padding)
     )
     unusable = config.memory_bytes - (reserved_state_blocks + kv_blocks) * block_bytes
     capacity = make_capacity(
         model=model,
         config=config,
-        token_capacity=token_blocks * block_size,
+        token_capacity=tokens,
         padding_bytes=padding,
         unusable_bytes=unusable,
         state_reserved_bytes=reserved_state_blocks * block_bytes,

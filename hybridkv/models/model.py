@@ -14,8 +14,10 @@ from ..specs import (
     InklingConvSpec,
     KDASpec,
     LayerSpec,
+    MLASpec,
     RGLRUSpec,
     RWKV4Spec,
+    SlidingWindowSpec,
     StateSpec,
     spec_from_dict,
     with_runtime,
@@ -23,6 +25,7 @@ from ..specs import (
 
 __all__ = [
     "MTP_FAMILIES",
+    "SKIP_SLIDING_WINDOW",
     "SPECULATIVE_METHODS",
     "CacheLayer",
     "HybridModel",
@@ -116,6 +119,10 @@ class HybridModel:
     conv_dtype: str = "bfloat16"
     ssm_dtype: str = "bfloat16"
     num_spec_tokens: int = 0
+    #: vLLM's ``--kv-cache-dtype-skip-layers`` as :meth:`configure` resolved it: the layer
+    #: indices (and ``"sliding_window"``) whose attention keeps the model dtype under a
+    #: quantized ``kv_dtype``; empty when every attention layer takes ``kv_dtype``
+    kv_dtype_skip_layers: tuple[str, ...] = ()
     #: positions, in the model's MTP drafter, of its decoder layers that hold attention (and so a
     #: KV cache, of the model's full-attention shape), from the config (Qwen3-Next's
     #: ``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``, Nemotron-H's pattern);
@@ -193,6 +200,7 @@ class HybridModel:
         ssm_dtype: str = "auto",
         num_spec_tokens: int = 0,
         speculative_method: str = "none",
+        kv_dtype_skip_layers: Sequence[str | int] = (),
     ) -> HybridModel:
         """The same model on one rank of ``tp_size``, with cache dtypes resolved like vLLM.
 
@@ -205,6 +213,13 @@ class HybridModel:
           target specs: ``get_kv_cache_spec`` in ``vllm/v1/worker/gpu_model_runner.py``).
 
         - ``kv_dtype`` (``--kv-cache-dtype``): ``auto`` is the model dtype; ``fp8`` is 1 byte.
+        - ``kv_dtype_skip_layers`` (``--kv-cache-dtype-skip-layers``): decoder layer indices,
+          and ``"sliding_window"`` for every sliding-window layer, whose attention (K and V, or
+          an MLA latent) keeps the model dtype while the rest take ``kv_dtype``, as vLLM 0.33's
+          ``Attention`` and ``MLAAttention`` read the flag. A sparse-attention indexer's keys
+          keep ``kv_dtype`` (vLLM's indexer caches do not read it). An entry that names no
+          attention layer, or a ``kv_dtype`` that quantizes nothing, is an error: the flag
+          would not act.
         - ``conv_dtype`` (``--mamba-cache-dtype``): ``auto`` is the model dtype.
         - ``ssm_dtype`` (``--mamba-ssm-cache-dtype``): ``auto`` is the dtype the config declares
           (Qwen3.5's ``mamba_ssm_dtype``, Nemotron's ``mamba_ssm_cache_dtype``), else the conv
@@ -222,8 +237,10 @@ class HybridModel:
         ssm_auto = ssm_dtype.strip().lower() == "auto" if isinstance(ssm_dtype, str) else False
         conv_auto = conv_dtype.strip().lower() == "auto" if isinstance(conv_dtype, str) else False
         ssm = canonical_dtype(ssm_dtype, auto=self.ssm_dtype_declared or conv, what="ssm_dtype")
+        cache_layers = self._with_drafter(speculative_method, num_spec_tokens)
+        skip = _skip_layers(self, cache_layers, kv, kv_dtype_skip_layers)
         layers = []
-        for layer in self._with_drafter(speculative_method, num_spec_tokens):
+        for layer in cache_layers:
             spec = layer.spec
             layer_ssm = ssm
             if ssm_auto and isinstance(spec, (KDASpec, RGLRUSpec, RWKV4Spec)):
@@ -233,7 +250,7 @@ class HybridModel:
                 new_spec = with_runtime(
                     spec,
                     tp_size=tp_size,
-                    kv_dtype=kv,
+                    kv_dtype=self.dtype if _skipped(layer, skip) else kv,
                     conv_dtype=layer_conv,
                     ssm_dtype=layer_ssm,
                     num_spec_tokens=num_spec_tokens,
@@ -250,6 +267,7 @@ class HybridModel:
             ssm_dtype=ssm,
             num_spec_tokens=num_spec_tokens,
             speculative_method=speculative_method,
+            kv_dtype_skip_layers=skip,
         )
 
     def _with_drafter(self, method: str, num_spec_tokens: int) -> list[CacheLayer]:
@@ -376,6 +394,77 @@ class HybridModel:
     def summary(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in self.layer_kinds.items())
         return f"{self.name}: {self.num_hidden_layers} layers ({kinds})"
+
+
+#: the ``--kv-cache-dtype-skip-layers`` entry that names every sliding-window layer
+SKIP_SLIDING_WINDOW = "sliding_window"
+
+
+def _skippable(layer: CacheLayer) -> bool:
+    """Whether vLLM's ``--kv-cache-dtype-skip-layers`` can keep ``layer``'s cache at the model
+    dtype: an ``Attention`` (full or sliding window) or ``MLAAttention`` layer's."""
+    return isinstance(layer.spec, (FullAttentionSpec, MLASpec))
+
+
+def _skipped(layer: CacheLayer, skip: tuple[str, ...]) -> bool:
+    if not skip or not _skippable(layer):
+        return False
+    window = isinstance(layer.spec, SlidingWindowSpec) and SKIP_SLIDING_WINDOW in skip
+    return window or str(layer.index) in skip
+
+
+def _skip_layers(
+    model: HybridModel, layers: Sequence[CacheLayer], kv: str, given: Sequence[str | int]
+) -> tuple[str, ...]:
+    """``kv_dtype_skip_layers`` checked against the cache layers, as sorted unique strings."""
+    if isinstance(given, (str, int)):
+        given = [given]
+    entries: list[str] = []
+    for entry in given:
+        text = str(entry).strip() if not isinstance(entry, bool) else ""
+        if text != SKIP_SLIDING_WINDOW and not text.isdigit():
+            raise ValueError(
+                f"kv_dtype_skip_layers entries are decoder layer indices or "
+                f"{SKIP_SLIDING_WINDOW!r} (vLLM's --kv-cache-dtype-skip-layers), got {entry!r}"
+            )
+        entries.append(text if text == SKIP_SLIDING_WINDOW else str(int(text)))
+    if not entries:
+        return ()
+    if kv == model.dtype:
+        raise ValueError(
+            f"{model.name}: --kv-cache-dtype-skip-layers keeps layers at the model dtype "
+            f"({model.dtype}), which every layer already has with kv_dtype {kv}; give a "
+            "quantized --kv-cache-dtype (e.g. fp8) or leave the flag out"
+        )
+    skippable = [layer for layer in layers if _skippable(layer)]
+    indices = sorted({layer.index for layer in skippable})
+    for text in dict.fromkeys(entries):
+        if text == SKIP_SLIDING_WINDOW:
+            if not any(isinstance(layer.spec, SlidingWindowSpec) for layer in skippable):
+                raise ValueError(
+                    f"{model.name}: --kv-cache-dtype-skip-layers {SKIP_SLIDING_WINDOW} names "
+                    "the sliding-window layers, and this model has none"
+                )
+        elif int(text) not in indices:
+            raise ValueError(
+                f"{model.name}: --kv-cache-dtype-skip-layers {text}: layer {text} holds no "
+                f"attention KV cache to keep unquantized; its attention layers are "
+                f"{_ranges(indices)}"
+            )
+    numbers = sorted({int(t) for t in entries if t != SKIP_SLIDING_WINDOW})
+    window = (SKIP_SLIDING_WINDOW,) if SKIP_SLIDING_WINDOW in entries else ()
+    return (*(str(i) for i in numbers), *window)
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    out: list[str] = []
+    for i in indices:
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 def _mtp_positions(name: str, value: Any) -> tuple[int, ...]:

@@ -38,8 +38,9 @@ class VllmAlign:
     Sizes: ``B`` = the state groups' block size (vLLM: ``cache_config.block_size``, which is the
     Mamba block size in align mode), ``S`` = the scheduler block size (the lcm of every group's
     block size, ``resolve_kv_cache_block_sizes`` in ``vllm/v1/core/kv_cache_utils.py``; ``S ==
-    B`` in every hybridkv layout), ``h`` = the hash unit (vLLM's ``prefix_match_unit``, by
-    default the gcd of the groups' block sizes, i.e. ``B``). *Partial hits* are on when ``h <
+    B`` unless ``--kv-cache-dtype-skip-layers`` gave the quantized layers larger blocks), ``h`` =
+    the hash unit (vLLM's ``prefix_match_unit``, by default the gcd of the groups' block sizes,
+    i.e. ``B``). *Partial hits* are on when ``h <
     B`` and every attention group can look hashes up inside a block (full attention / MLA, or a
     block of ``h``): ``partial_hash_hits_enabled`` in ``kv_cache_utils.py``. Hits then land on
     ``A = h``, else on ``A = S`` (``HybridKVCacheCoordinator._cache_hit_alignment_tokens`` in
