@@ -151,6 +151,31 @@ def test_vllm_55196_fp8_logs_less_than_twice_the_capacity(max_model_len, low, hi
     assert f.severity == "note"
 
 
+def test_fp8_above_twice_says_the_reserved_states_decide():
+    """Qwen3.5-27B at 40 GiB: 256 requests' states take 98% of the cache, so the blocks left
+    beside them (18 of 832 tokens in bf16, 50 of 1,600 in fp8: fp8's page is a little smaller)
+    give 5.34x; the finding says why rather than calling it about 2x."""
+    target = VllmTarget(max_model_len=32768)
+    d = _doctor("qwen3.5-27b", runtime={"kv_dtype": "fp8"}, target=target, seqs=256)
+    f = d.finding("fp8")
+    model = models.load("qwen3.5-27b")
+    plans = {
+        kv: make_plan(
+            model.configure(kv_dtype=kv), "inflate", memory=40 * GIB, max_num_seqs=256,
+            target=target,
+        )
+        for kv in ("auto", "fp8")
+    }  # fmt: skip
+    blocks = {kv: p.capacity.token_capacity // p.block_size for kv, p in plans.items()}
+    assert f.data["capacity_ratio"] > 2.05
+    share = plans["auto"].capacity.state_reserved_bytes / (40 * GIB)
+    assert share > 0.9
+    assert f"take {100 * share:.0f}% of the cache" in f.text
+    assert f"{blocks['auto']:,} of 832 tokens in bfloat16" in f.text
+    assert f"{blocks['fp8']:,} of 1600 in fp8_e4m3" in f.text
+    assert "about what attention-only" not in f.text
+
+
 def test_logged_capacity_follows_vllms_formula():
     # get_kv_cache_capacity in vLLM 0.33, by hand: num_blocks / (attention groups x
     # cdiv(max_model_len, block) + state groups x state blocks) x max_model_len
