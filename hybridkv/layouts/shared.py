@@ -77,15 +77,20 @@ def _layer_list(bucket: Bucket) -> str:
 
 def _check_skip_layers(model: HybridModel, attn_buckets: list[Bucket], layout: str) -> None:
     """Refuse the skip-layer cases a shared pool here does not lay out as vLLM would."""
-    kinds = {b.kind for b in attn_buckets}
-    if kinds != {"full_attention"}:
-        other = ", ".join(sorted(kinds - {"full_attention"}))
+    why = {
+        "sliding_window": "vLLM 0.33 fits a skipped sliding-window layer's page by its own "
+        "rule (skip_page_size_padded)",
+        "mla": "vLLM 0.33's unify_kv_cache_spec_page_size cannot pad an MLA page to a wider one",
+        "indexer": "vLLM 0.33's indexer caches do not read the flag, and their pages beside "
+        "unified ones are not modelled",
+    }
+    other = sorted({b.kind for b in attn_buckets} - {"full_attention"})
+    if other:
         raise ValueError(
-            f"{model.name}: --kv-cache-dtype-skip-layers beside {other} layers is not modelled "
-            f"in {layout!r}: vLLM 0.33 pads sliding-window pages to skip_page_size_padded and "
-            "cannot pad an MLA page to a wider one (unify_kv_cache_spec_page_size), and its "
-            "indexer caches ignore the flag; plan per_group or two_level, which keep each "
-            "dtype in pages of its own, or leave the flag out"
+            f"{model.name}: --kv-cache-dtype-skip-layers beside {', '.join(other)} layers is "
+            f"not modelled in {layout!r}: {'; '.join(why.get(k, k) for k in other)}; plan "
+            "per_group or two_level, which keep each dtype in pages of its own, or leave the "
+            "flag out"
         )
 
 
