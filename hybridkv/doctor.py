@@ -39,6 +39,7 @@ from .target import VllmRules, VllmTarget
 from .traces import Request, Trace
 from .traces.reuse import infinite_cache_hits
 from .units import format_bytes
+from .vllm_families import not_served_reason
 
 if TYPE_CHECKING:  # the export module is imported when a diagnosis needs it
     from .vllm_export import LoggedCapacity, RequestBlocks
@@ -218,6 +219,12 @@ def diagnose(
         )  # fmt: skip
         return model, plan
 
+    not_served = not_served_reason(load(**runtime))
+    if not_served is not None:
+        raise ValueError(
+            f"{not_served}, so there is no vLLM prefix cache for the doctor to diagnose; "
+            "`hybridkv compare` plans the model's memory in hybridkv's layouts"
+        )
     # each computed once: the workload's statistics and the replay of the flags as given
     workload = _workload(trace) if trace is not None else None
     planned = max_num_seqs
@@ -271,7 +278,8 @@ def _hit_block(plan: MemoryPlan) -> int:
     """Tokens a whole-block prefix hit is a multiple of: the lcm of the block sizes of the
     groups whose hits need the whole prefix (the block size, unless
     --kv-cache-dtype-skip-layers gave the quantized layers larger blocks)."""
-    return math.lcm(*(block for _, block in group_roles(plan.groups).full)) or plan.block_size
+    blocks = [block for _, block in group_roles(plan.groups).full]
+    return math.lcm(*blocks) if blocks else plan.block_size
 
 
 def _cache_findings(

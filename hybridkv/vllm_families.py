@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from .models.model import HybridModel
 
-__all__ = ["VLLM_FAMILIES", "VLLM_VERSION", "VllmFamily", "find_vllm_family", "vllm_family"]
+__all__ = [
+    "VLLM_FAMILIES",
+    "VLLM_VERSION",
+    "VllmFamily",
+    "find_vllm_family",
+    "not_served_reason",
+    "vllm_family",
+]
 
 #: the vLLM release whose model files the table follows
 VLLM_VERSION = "0.33"
@@ -327,6 +334,12 @@ def vllm_family(model: HybridModel) -> VllmFamily:
         if not archs & _TEXT_ONLY_ARCHS or archs & _WRAPPER_ARCHS:
             key = key.removesuffix("_text")
     return VLLM_FAMILIES[key]
+
+
+def not_served_reason(model: HybridModel) -> str | None:
+    """Why vLLM 0.33 does not serve ``model``'s family (None where it does, or the family is
+    unknown here)."""
+    return _NOT_SERVED.get(model.family_key)
 
 
 def find_vllm_family(model: HybridModel) -> VllmFamily | None:

@@ -176,6 +176,23 @@ def test_fp8_above_twice_says_the_reserved_states_decide():
     assert "about what attention-only" not in f.text
 
 
+@pytest.mark.parametrize("name", ["bamba-9b", "recurrentgemma-2b", "zamba-7b-v1", "minimax-m1"])
+def test_a_model_vllm_does_not_serve_is_refused(name):
+    """The doctor once diagnosed these as if vLLM 0.33 served them (RecurrentGemma: 'no hit
+    below 1 token')."""
+    with pytest.raises(ValueError, match=r"serve.*no vLLM prefix cache for the doctor"):
+        _doctor(name, target=VllmTarget())
+
+
+def test_hit_block_without_full_attention_groups_is_the_block():
+    """Sliding-window groups alone need no whole-prefix hit: the block, not lcm() = 1."""
+    from hybridkv.doctor import _hit_block
+
+    plan = make_plan(models.load("recurrentgemma-2b"), "inflate", memory=4 * GIB)
+    assert {g.kind for g in plan.groups} == {"sliding_window", "state"}
+    assert _hit_block(plan) == plan.block_size > 1
+
+
 def test_logged_capacity_follows_vllms_formula():
     # get_kv_cache_capacity in vLLM 0.33, by hand: num_blocks / (attention groups x
     # cdiv(max_model_len, block) + state groups x state blocks) x max_model_len
