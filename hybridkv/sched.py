@@ -6,8 +6,10 @@ Each :meth:`Scheduler.schedule` builds one step:
    (``allocate_slots(rid, 1)``);
 2. **chunked prefill**: running requests still in their prompt continue, oldest first, under a
    token budget (``max_num_batched_tokens``, and at most ``long_prefill_token_threshold`` per
-   request): a chunk the budget cuts ends on a multiple of the plan's checkpoint granularity, and
-   where a chunk ends is also the checkpoint policy's rule (below);
+   request): a chunk the budget cuts ends on a multiple of the plan's checkpoint granularity
+   (where that is wider than the per-request limit, a prompt advances by chunks of the limit
+   between multiples, as vLLM 0.33 does), and where a chunk ends is also the checkpoint policy's
+   rule (below);
 3. **admission**: waiting requests, first in first out, while the budget, ``max_num_seqs`` and
    memory allow, and only in a step that preempted nobody (as vLLM). An admitted request starts
    at its prefix hit (``add_request``); one whose first chunk does not fit stays waiting.
@@ -244,16 +246,15 @@ class Scheduler:
         self.alloc = alloc
         self.config = config
         self.contexts = contexts
-        plan = alloc.plan
-        self.align = plan.checkpoint_granularity
-        budget = config.max_num_batched_tokens
+        #: tokens between positions where a state can be kept; a budget narrower than it
+        #: advances a prompt by sub-block chunks between them (``prefill_chunk``)
+        self.align = alloc.plan.checkpoint_granularity
+        # the most prompt tokens of one request a step may run (vLLM's max_prefill_tokens in
+        # _mamba_block_aligned_split)
+        self.max_prefill_tokens = config.max_num_batched_tokens
         if config.long_prefill_token_threshold:
-            budget = min(budget, config.long_prefill_token_threshold)
-        if budget < self.align:
-            raise ValueError(
-                f"a step may run at most {budget} prompt tokens of a request, less than the "
-                f"plan's checkpoint granularity ({self.align} tokens): a long prompt would never "
-                "advance; raise max_num_batched_tokens / long_prefill_token_threshold"
+            self.max_prefill_tokens = min(
+                self.max_prefill_tokens, config.long_prefill_token_threshold
             )
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []  # by admission order
@@ -436,9 +437,7 @@ class Scheduler:
         if threshold:
             budget = min(budget, threshold)
         remaining = seq.num_tokens - done
-        return self.alloc.prefill_chunk(
-            seq.rid, min(remaining, budget), self.config.max_num_batched_tokens
-        )
+        return self.alloc.prefill_chunk(seq.rid, min(remaining, budget), self.max_prefill_tokens)
 
     def _allocate(self, seq: Seq, n: int, out: StepOutput) -> bool:
         """Slots for ``n`` more tokens of running ``seq``, preempting the newest running request

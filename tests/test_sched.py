@@ -208,11 +208,31 @@ def test_budget_and_threshold_cut_chunks_on_the_granularity():
     assert chunks[0] == 100 // g * g
 
 
-def test_threshold_below_the_granularity_is_refused():
-    plan = make_tiny_plan(tiny_bamba_config(), "pack", block_size=32)
-    alloc = HybridAllocator(plan, max_model_len=4096)
-    with pytest.raises(ValueError, match="checkpoint granularity"):
-        Scheduler(alloc, SchedulerConfig(long_prefill_token_threshold=16))
+@pytest.mark.parametrize("policy", ["align", "last", "marconi"])
+def test_a_threshold_below_the_granularity_advances_sub_block(policy):
+    """A 16-token threshold under a 32-token block (vLLM 0.33 runs it: a block too wide for one
+    chunk advances sub-block, _mamba_block_aligned_split): every prompt completes in chunks of
+    at most 16, states are kept only where one could be (the allocator stays consistent), and a
+    resent prompt hits what it hits under a 64-token threshold."""
+    from hybridkv.alloc.check import check_consistency
+
+    hits = {}
+    for threshold in (16, 64):
+        plan = make_tiny_plan(tiny_bamba_config(), "pack", block_size=32, cache_state_slots=4)
+        alloc = HybridAllocator(plan, checkpoint_policy=policy, max_model_len=4096)
+        sched = Scheduler(alloc, SchedulerConfig(long_prefill_token_threshold=threshold))
+        ex = _Tokens()
+        prompt = _prompt(200, 4)
+        for rid in ("first", "again"):
+            sched.add(Seq(rid, prompt, 2))
+            _run(sched, ex)
+            check_consistency(alloc)
+        chunks = [n for out in ex.steps for _, _, n in out.prefill]
+        again = next(seq for out in ex.steps for seq in out.finished if seq.rid == "again")
+        hits[threshold] = again.hits[0].num_cached_tokens
+        assert all(0 < n <= threshold for n in chunks)
+        assert sum(chunks) == 400 - hits[threshold]
+    assert hits[16] == hits[64] > 0
 
 
 @pytest.mark.parametrize(

@@ -502,7 +502,7 @@ class HybridAllocator:
         r = self._get(req_id)
         limit = _INF if max_prefill_tokens is None else max_prefill_tokens
         if not self.caching or not self._state:
-            return budget_cut(r.num_alloc, num_new_tokens, len(r.tokens), self._granularity)
+            return budget_cut(r.num_alloc, num_new_tokens, len(r.tokens), self._granularity, limit)
         return self.policy.chunk_tokens(r, num_new_tokens, limit)
 
     def split_prefill(

@@ -88,13 +88,22 @@ class EvictionHooks(Protocol):
         """Assert the bookkeeping agrees with the cache (for ``check_consistency``)."""
 
 
-def budget_cut(start: int, offered: int, total: int, granularity: int) -> int:
+def budget_cut(
+    start: int, offered: int, total: int, granularity: int, max_prefill_tokens: int
+) -> int:
     """Tokens of a chunk of ``offered`` from ``start`` of ``total``: all of them if they reach
     the end, else up to the last multiple of ``granularity`` (a chunk the token budget cuts
-    ends where a state could be kept)."""
-    if start + offered >= total:
+    ends where a state could be kept). Where ``granularity`` is wider than the scheduler's
+    per-step limit ``max_prefill_tokens`` and no multiple is in reach, the chunk runs what was
+    offered and the state stays the request's own until a later chunk reaches a multiple, as
+    vLLM 0.33's ``_mamba_block_aligned_split`` advances a block too wide for one chunk."""
+    end = start + offered
+    if end >= total:
         return offered
-    return max(0, (start + offered) // granularity * granularity - start)
+    aligned = end // granularity * granularity
+    if aligned > start or granularity <= max_prefill_tokens:
+        return max(0, aligned - start)
+    return offered
 
 
 class CheckpointPolicy:
@@ -205,7 +214,7 @@ class CheckpointPolicy:
         the scheduler's per-step limit): a budget cut ends on the granularity, and the chunk
         stops at :meth:`chunk_stop`."""
         start = r.num_alloc
-        n = budget_cut(start, offered, len(r.tokens), self.granularity)
+        n = budget_cut(start, offered, len(r.tokens), self.granularity, max_prefill_tokens)
         stop = self.chunk_stop(r) or 0
         if start < stop < start + n:
             n = stop - start
