@@ -208,6 +208,18 @@ def test_budget_and_threshold_cut_chunks_on_the_granularity():
     assert chunks[0] == 100 // g * g
 
 
+def test_without_prefix_caching_the_budget_is_not_cut_to_the_block():
+    """vLLM 0.33 aligns prefill chunks only in align mode: with prefix caching off a 200-token
+    prompt under a 50-token threshold runs 50, 50, 50, 50 (not 32-token multiples)."""
+    plan = make_tiny_plan(tiny_bamba_config(), "pack", block_size=32, cache_state_slots=4)
+    alloc = HybridAllocator(plan, enable_prefix_caching=False, max_model_len=4096)
+    sched = Scheduler(alloc, SchedulerConfig(long_prefill_token_threshold=50))
+    ex = _Tokens()
+    sched.add(Seq("plain", _prompt(200, 6), 2))
+    _run(sched, ex)
+    assert [n for out in ex.steps for _, _, n in out.prefill] == [50, 50, 50, 50]
+
+
 @pytest.mark.parametrize("policy", ["align", "last", "marconi"])
 def test_a_threshold_below_the_granularity_advances_sub_block(policy):
     """A 16-token threshold under a 32-token block (vLLM 0.33 runs it: a block too wide for one

@@ -61,7 +61,7 @@ from .groups import Coordinator
 from .hashing import encode_extra_keys, extend_unit_hashes, get_hash_fn, token_array
 from .options import AllocatorOptions
 from .policies import make_policy
-from .policies.base import EvictionHooks, budget_cut
+from .policies.base import EvictionHooks
 from .pools import build_pools
 from .prefix_cache import PrefixIndex
 from .request import INF as _INF
@@ -115,7 +115,6 @@ class HybridAllocator:
         has_state = bool(plan.state_groups)
         # exports need the start of each step: multi-token allocations take the slow path
         self._exports = has_state and self.policy.exports
-        self._granularity = plan.checkpoint_granularity
         self.hash_fn = get_hash_fn(o.hash_algo)
         self.lookahead: int = o.hash_lookahead_tokens  # type: ignore[assignment]  # MTP's hashes
         self.index = PrefixIndex(self.h, emit=o.kv_events)
@@ -498,11 +497,12 @@ class HybridAllocator:
         (:meth:`~.policies.CheckpointPolicy.chunk_tokens`): a chunk the budget cuts ends on the
         plan's checkpoint granularity, and a chunk ends where the policy wants a state
         (``align``: where vLLM's scheduler would end it). Without prefix caching or state
-        groups only the budget cut applies."""
+        groups no state is kept, so the budget's tokens run uncut, as vLLM 0.33 aligns chunks
+        only in ``align`` mode (``need_mamba_block_aligned_split``)."""
         r = self._get(req_id)
-        limit = _INF if max_prefill_tokens is None else max_prefill_tokens
         if not self.caching or not self._state:
-            return budget_cut(r.num_alloc, num_new_tokens, len(r.tokens), self._granularity, limit)
+            return num_new_tokens
+        limit = _INF if max_prefill_tokens is None else max_prefill_tokens
         return self.policy.chunk_tokens(r, num_new_tokens, limit)
 
     def split_prefill(
