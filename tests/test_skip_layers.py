@@ -129,24 +129,41 @@ def test_the_heterogeneous_alignment_raises_a_small_block():
     assert {g.block_size for g in plan.state_groups} == {32}
 
 
-@pytest.mark.parametrize(
-    "name, skip, kinds, both",
-    [
-        ("kimi-linear-48b-a3b", ["3"], "mla", True),
-        # every attention layer of RecurrentGemma slides: all of them stay bf16
-        ("recurrentgemma-2b", ["sliding_window"], "sliding", False),
-    ],
-)
-def test_shared_pools_refuse_what_they_do_not_lay_out_as_vllm(name, skip, kinds, both):
-    model = models.load(name, kv_dtype="fp8", kv_dtype_skip_layers=skip)
+def test_shared_pools_refuse_sliding_window_skips():
+    """Every attention layer of RecurrentGemma slides: vLLM fits those by their own rule
+    (skip_page_size_padded), not modelled in a shared pool; the own-pool layouts plan them."""
+    model = models.load(
+        "recurrentgemma-2b", kv_dtype="fp8", kv_dtype_skip_layers=["sliding_window"]
+    )
     for layout in ("inflate", "pack", "aggregate"):
-        with pytest.raises(ValueError, match=f"{kinds}.*per_group or two_level"):
+        with pytest.raises(ValueError, match=r"sliding_window.*per_group or two_level"):
             make_plan(model, layout, memory=40 * GIB, max_num_seqs=16)
-    # hybridkv's own layouts keep each dtype in pages of its own
     for layout in ("per_group", "two_level"):
         plan = make_plan(model, layout, memory=40 * GIB, max_num_seqs=16)
-        dtypes = {p.dtype for p in plan.kv_placements}
-        assert dtypes == ({"bfloat16", "fp8_e4m3"} if both else {"bfloat16"})
+        assert {p.dtype for p in plan.kv_placements} == {"bfloat16"}
+
+
+def test_mla_pages_unify_as_full_attention_pages():
+    """Kimi-Linear, fp8 with layer 3's latent kept bf16: vLLM 0.33 scales the fp8 MLA block
+    (its 576 B/token page divides the bf16 latent's 1,152) and pads the KDA states, as for full
+    attention: layer 3 at 3,840 tokens, the six fp8 layers at 7,680, every page 3,840 x 1,152 B;
+    a pack of three fp8 latents (1,728 B/token) is not a multiple of the bf16 page, which vLLM
+    cannot pad for MLA: refused."""
+    model = models.load("kimi-linear-48b-a3b", kv_dtype="fp8", kv_dtype_skip_layers=["3"])
+    plan = make_plan(model, "inflate", memory=40 * GIB, max_num_seqs=256)
+    blocks = {g.layers[0]: g.block_size for g in plan.groups if g.kind == "mla"}
+    assert blocks.pop("layers.3.attn") == 3840 and set(blocks.values()) == {7680}
+    assert {g.page_bytes for g in plan.groups} == {3840 * 1152}
+    # 7,680 tokens take 8 pages of 4,423,680 B (2 bf16, 6 fp8), where fp8 everywhere takes 14
+    # of half the size; states fill twice as many bytes: well under 8/7 of the capacity is left
+    plain = make_plan(models.load("kimi-linear-48b-a3b", kv_dtype="fp8"), "inflate",
+                      memory=40 * GIB, max_num_seqs=256)  # fmt: skip
+    assert 0.5 < plan.capacity.token_capacity / plain.capacity.token_capacity < 7 / 8
+    config = kv_cache_config(plan, model)
+    specs = [g["kv_cache_spec"] for g in config["kv_cache_groups"]]
+    assert {s["page_size_padded"] for s in specs if s["kind"] == "MambaSpec"} == {3840 * 1152}
+    with pytest.raises(ValueError, match="MLA layers a page that does not divide"):
+        make_plan(model, "pack", memory=40 * GIB, max_num_seqs=256, pack_size=3)
 
 
 def test_own_pool_layouts_hold_the_bytes_the_layers_need():

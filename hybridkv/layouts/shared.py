@@ -80,11 +80,12 @@ def _check_skip_layers(model: HybridModel, attn_buckets: list[Bucket], layout: s
     why = {
         "sliding_window": "vLLM 0.33 fits a skipped sliding-window layer's page by its own "
         "rule (skip_page_size_padded)",
-        "mla": "vLLM 0.33's unify_kv_cache_spec_page_size cannot pad an MLA page to a wider one",
         "indexer": "vLLM 0.33's indexer caches do not read the flag, and their pages beside "
         "unified ones are not modelled",
     }
-    other = sorted({b.kind for b in attn_buckets} - {"full_attention"})
+    # an MLA page unifies like a full-attention one where it divides the widest page (checked
+    # once the pages are known: _check_mla_pages)
+    other = sorted({b.kind for b in attn_buckets} - {"full_attention", "mla"})
     if other:
         raise ValueError(
             f"{model.name}: --kv-cache-dtype-skip-layers beside {', '.join(other)} layers is "
@@ -92,6 +93,28 @@ def _check_skip_layers(model: HybridModel, attn_buckets: list[Bucket], layout: s
             "per_group or two_level, which keep each dtype in pages of its own, or leave the "
             "flag out"
         )
+
+
+def _check_mla_pages(
+    model: HybridModel,
+    attn_buckets: list[Bucket],
+    packs_per_bucket: list[list[tuple[CacheLayer, ...]]],
+    blocks: list[int],
+    page: int,
+    layout: str,
+) -> None:
+    """vLLM 0.33's ``unify_kv_cache_spec_page_size`` scales an MLA page whose size divides the
+    widest page (fp8 under a skipped bf16 latent: 2x) but cannot pad one that does not; it then
+    raises and falls back to another allocation, which is not modelled."""
+    for bucket, packs, block in zip(attn_buckets, packs_per_bucket, blocks):
+        if bucket.kind == "mla" and block * sum(_attn1(layer) for layer in packs[0]) != page:
+            raise ValueError(
+                f"{model.name}: --kv-cache-dtype-skip-layers leaves the {bucket.spec.kv_dtype} "
+                f"MLA layers a page that does not divide the widest ({page:,} B): vLLM 0.33 "
+                "cannot pad an MLA page (unify_kv_cache_spec_page_size) and falls back to an "
+                f"allocation not modelled in {layout!r}; plan per_group or two_level, or leave "
+                "the flag out"
+            )
 
 
 def _skip_layer_block(
@@ -349,6 +372,8 @@ def plan_shared(
         return [block * (top // p) if p and top % p == 0 else block for p in pages], top
 
     bucket_blocks, page = blocks_at(block_size)
+    if skipped:
+        _check_mla_pages(model, attn_buckets, packs_per_bucket, bucket_blocks, page, layout)
     if packs_per_bucket and max_state > page:
         # the slot's dtype alignment between state tensors can need a few bytes more than vLLM's
         # unpadded sum; take the next multiple of the unit and say so
