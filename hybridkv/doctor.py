@@ -389,9 +389,12 @@ def _fp8_finding(
         versus = "about what attention-only models get (2.00x)"
     else:
         versus = "where attention-only models get 2.00x (vLLM #55196)"
+    skips = fp8_model.kv_dtype_skip_layers
+    which = f"layer{'s' if len(skips) > 1 else ''} {', '.join(skips)}"
+    given = f" ({which} kept {fp8_model.dtype}, as given)" if skips else ""
     text = (
-        f"fp8 KV buys {ratio:.2f}x token capacity here ({wide.capacity.token_capacity:,} -> "
-        f"{fp8.capacity.token_capacity:,} tokens), {versus}"
+        f"fp8 KV{given} buys {ratio:.2f}x token capacity here "
+        f"({wide.capacity.token_capacity:,} -> {fp8.capacity.token_capacity:,} tokens), {versus}"
     )
     if fp8.block_size > wide.block_size:
         text += (

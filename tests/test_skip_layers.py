@@ -299,6 +299,7 @@ def test_doctor_names_the_cost_and_the_remedy():
     ratio = plans["given"].capacity.token_capacity / plans["plain"].capacity.token_capacity
     assert skip.data["capacity_ratio"] == ratio < 0.9
     assert d.finding("min_hit").data["min_shared_tokens"] == 2176
+    assert "fp8 KV (layer 3 kept bfloat16, as given) buys" in d.finding("fp8").text
     remedies = {r.key: r for r in d.remedies}
     assert remedies["as_given"].token_hit_rate == 0.0
     off = remedies["skip_layers_off"]
