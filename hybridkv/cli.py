@@ -78,7 +78,7 @@ def _runtime(args: argparse.Namespace) -> dict:
         ssm_dtype=args.ssm_dtype or "auto",
         num_spec_tokens=tokens,
         speculative_method=method,
-        kv_dtype_skip_layers=tuple(getattr(args, "kv_dtype_skip_layers", None) or ()),
+        kv_dtype_skip_layers=tuple(args.kv_dtype_skip_layers or ()),
     )
 
 

@@ -441,11 +441,7 @@ def _skip_layers_finding(model: HybridModel, plan: MemoryPlan, plan_for: Callabl
     skipped layers' pages are the widest, so every other page is unified to them (the
     quantized layers' block grows, state pages are padded), against fp8 everywhere."""
     _, plain = plan_for(kv_dtype_skip_layers=())
-    skipped = [
-        layer.index
-        for layer in model.attention_layers
-        if getattr(layer.spec, "kv_dtype", model.kv_dtype) != model.kv_dtype
-    ]
+    skipped = [layer.index for layer in model.kv_dtype_skipped_layers]
     blocks = sorted({g.block_size for g in plan.attention_groups})
     ratio = plan.capacity.token_capacity / max(1, plain.capacity.token_capacity)
     text = (
@@ -649,12 +645,10 @@ def _concurrency_finding(
     big, planned = plan.block_size, plan.config.max_num_seqs
     tokens = _request_tokens(workload, plan.vllm.max_model_len)
     blocks = _vllm_blocks(plan, model, tokens)
-    held, sizes, up_to = _held_tokens(plan, tokens), str(big), ""
     if blocks is not None:  # each attention group at its own block size
         held = max(-(-blocks.tokens // b) * b for b in blocks.attention_block_sizes)
         sizes = _block_sizes_text(blocks)
         up_to = "up to " if len(set(blocks.attention_block_sizes)) > 1 else ""
-    if blocks is not None:
         fits = min(max_num_seqs, (blocks.num_blocks - 1) // blocks.total)
         ring = f", {blocks.ring} ring" if blocks.ring else ""
         each = (
@@ -662,6 +656,7 @@ def _concurrency_finding(
             f"state{ring}, {blocks.attention} attention)"
         )
     else:
+        held, sizes, up_to = _held_tokens(plan, tokens), str(big), ""
         fits = min(max_num_seqs, plan.capacity.token_capacity // held)
         each = "its state slot"
     if refused is not None:

@@ -433,11 +433,9 @@ class Scheduler:
         allows, cut where the checkpoint policy says (a chunk the budget cuts ends on the
         checkpoint granularity; where the policy wants a state, the chunk ends there:
         :meth:`HybridAllocator.prefill_chunk <hybridkv.alloc.HybridAllocator.prefill_chunk>`)."""
-        threshold = self.config.long_prefill_token_threshold
-        if threshold:
-            budget = min(budget, threshold)
-        remaining = seq.num_tokens - done
-        return self.alloc.prefill_chunk(seq.rid, min(remaining, budget), self.max_prefill_tokens)
+        limit = self.max_prefill_tokens
+        offered = min(seq.num_tokens - done, budget, limit)
+        return self.alloc.prefill_chunk(seq.rid, offered, limit)
 
     def _allocate(self, seq: Seq, n: int, out: StepOutput) -> bool:
         """Slots for ``n`` more tokens of running ``seq``, preempting the newest running request

@@ -1006,12 +1006,16 @@ class RequestBlocks:
 
     tokens: int
     num_blocks: int
-    attention: int
-    state: int
-    ring: int
     #: the block size of each attention group, one entry per group (they differ where
     #: --kv-cache-dtype-skip-layers made vLLM unify pages of two dtypes)
     attention_block_sizes: tuple[int, ...]
+    state: int
+    ring: int
+
+    @property
+    def attention(self) -> int:
+        """The attention blocks of this request (``tokens`` tokens)."""
+        return self.attention_blocks(self.tokens)
 
     @property
     def total(self) -> int:
@@ -1032,7 +1036,7 @@ def request_blocks(plan: MemoryPlan, model: HybridModel, tokens: int) -> Request
     config = kv_cache_config(plan, model)
     rules = plan.vllm
     assert rules is not None  # kv_cache_config refuses a plan without vLLM rules
-    attention = state = ring = 0
+    state = ring = 0
     block_sizes: list[int] = []
     for group in config["kv_cache_groups"]:
         spec = group["kv_cache_spec"]
@@ -1042,14 +1046,13 @@ def request_blocks(plan: MemoryPlan, model: HybridModel, tokens: int) -> Request
         elif kinds == {"CircularBufferSpec"}:
             ring += 1
         elif kinds <= {"FullAttentionSpec", "MLAAttentionSpec"}:
-            attention += -(-tokens // spec["block_size"])
             block_sizes.append(spec["block_size"])
         else:
             raise ValueError(
                 f"{plan.model_name}: a {'/'.join(sorted(kinds))} group's blocks per request "
                 "depend on vLLM's in-flight tokens, which the plan does not model"
             )
-    return RequestBlocks(tokens, config["num_blocks"], attention, state, ring, tuple(block_sizes))
+    return RequestBlocks(tokens, config["num_blocks"], tuple(block_sizes), state, ring)
 
 
 def logged_capacity(plan: MemoryPlan, model: HybridModel) -> LoggedCapacity:

@@ -64,12 +64,6 @@ def _attn1(layer: CacheLayer, dtype: str | None = None) -> int:
     return spec.bytes_per_token  # type: ignore[attr-defined]
 
 
-def _is_skipped(model: HybridModel, bucket: Bucket) -> bool:
-    """Whether ``--kv-cache-dtype-skip-layers`` keeps ``bucket``'s layers wider than
-    ``--kv-cache-dtype``."""
-    return bucket.kind != "indexer" and bucket.spec.kv_dtype != model.kv_dtype
-
-
 def _layer_list(bucket: Bucket) -> str:
     indices = [layer.index for layer in bucket.layers]
     return ", ".join(map(str, indices)) if len(indices) <= 4 else f"{indices[0]}..{indices[-1]}"
@@ -326,7 +320,9 @@ def plan_shared(
     # An indexer's keys do not enter it: vLLM's _align_hybrid_block_size sizes the block by the
     # model's attention (its latent, or K and V) alone, at --kv-cache-dtype (layers that
     # --kv-cache-dtype-skip-layers keeps wider are fitted after: _skip_layer_block)
-    skipped = [b for b in attn_buckets if _is_skipped(model, b)]
+    # a bucket's layers share one spec, so one layer says whether the flag kept them wide
+    wide = {layer.name for layer in model.kv_dtype_skipped_layers}
+    skipped = [b for b in attn_buckets if b.layers[0].name in wide]
     if skipped:
         _check_skip_layers(model, attn_buckets, layout)
     attention = [

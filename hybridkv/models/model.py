@@ -149,6 +149,13 @@ class HybridModel:
     def state_layers(self) -> tuple[CacheLayer, ...]:
         return tuple(layer for layer in self.layers if isinstance(layer.spec, StateSpec))
 
+    @cached_property
+    def kv_dtype_skipped_layers(self) -> tuple[CacheLayer, ...]:
+        """The attention layers :attr:`kv_dtype_skip_layers` keeps at the model dtype (their KV
+        is wider than ``kv_dtype``); empty without the flag."""
+        skip = self.kv_dtype_skip_layers
+        return tuple(layer for layer in self.attention_layers if _skipped(layer, skip))
+
     @property
     def is_hybrid(self) -> bool:
         return bool(self.attention_layers) and bool(self.state_layers)
