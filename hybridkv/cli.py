@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from . import __version__, models
 from .alloc import AllocatorOptions, ConfigError
+from .alloc.policies import policy_class
 from .costmodel import H100_SXM, H200, param_count
 from .executors import ExecutorUnavailable, add_executor_arguments, executor_options
 from .layouts import LAYOUTS, PlanTooSmall, make_plan
@@ -181,7 +182,11 @@ def _load_model(args: argparse.Namespace) -> HybridModel:
     return models.load(args.model, **options)
 
 
-def _plan(model: HybridModel, layout: str, args: argparse.Namespace) -> MemoryPlan:
+def _plan(
+    model: HybridModel, layout: str, args: argparse.Namespace, state_slots_per_seq: int = 1
+) -> MemoryPlan:
+    """``args``' plan in ``layout``; ``state_slots_per_seq`` is used where the flag is unset (the
+    checkpoint policy's own count in simulate, 1 in plan and compare)."""
     pack: int | str = args.pack_size
     if isinstance(pack, str) and pack != "auto":
         try:
@@ -195,7 +200,9 @@ def _plan(model: HybridModel, layout: str, args: argparse.Namespace) -> MemoryPl
         max_num_seqs=args.max_num_seqs,
         block_size=args.block_size,
         pack_size=pack,
-        state_slots_per_seq=args.state_slots_per_seq,
+        state_slots_per_seq=(
+            state_slots_per_seq if args.state_slots_per_seq is None else args.state_slots_per_seq
+        ),
         cache_state_slots=args.cache_state_slots,
         target=_target(args),
     )
@@ -661,7 +668,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     model = _load_model(args)
     _note_mtp_hits(model, args)
     trace = _load_trace(args)
-    plan = _plan(model, args.layout, args)
+    # the slots a running request holds are the policy's to say (align keeps two), as in advise
+    plan = _plan(model, args.layout, args, policy_class(args.policy).state_slots_per_request)
     config = SimConfig(allocator=_allocator_options(args, plan, SimConfig().allocator))
     unit = config.allocator.hash_block_size
     try:
@@ -690,6 +698,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             checkpoint_interval=args.checkpoint_interval,
             eviction=config.allocator.resolved_eviction(),
             hash_block_size=unit,
+        )
+        # the plan's capacity, in plan's and advise's names (README, "JSON output")
+        summary.update(
+            token_capacity=plan.capacity.token_capacity,
+            capacity_fraction=round(plan.capacity.fraction_of_ideal, 4),
         )
         out = {"config": config_info, "trace": info, "result": summary, "bounds": bounds}
         _print_json("simulate", out)
@@ -834,7 +847,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         flag
         for flag, value, default in (
             ("--pack-size", str(args.pack_size), "auto"),
-            ("--state-slots-per-seq", args.state_slots_per_seq, 1),
+            ("--state-slots-per-seq", args.state_slots_per_seq, None),
             ("--cache-state-slots", args.cache_state_slots, 0),
         )
         if value != default
@@ -893,9 +906,14 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="vLLM's fraction of GPU memory; the cache gets it times the GPU's memory "
-        "(--gpu preset or --gpu-total-memory) less --model-memory",
+        "(--gpu preset or --gpu-total-memory) less --model-memory (default: unset, the cache "
+        "is --gpu-memory)",
     )
-    mem.add_argument("--gpu-total-memory", default=None, help="the GPU's memory, e.g. 80GB")
+    mem.add_argument(
+        "--gpu-total-memory",
+        default=None,
+        help="the GPU's memory, e.g. 80GB (default: what the --gpu preset's device reports)",
+    )
     mem.add_argument(
         "--model-memory",
         default=None,
@@ -957,7 +975,8 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help='vLLM\'s JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': '
         "with mtp the model's MTP layers' KV caches join its own (Qwen3-Next, Qwen3.5/3.6, "
         "Nemotron-H); ngram and suffix keep none. disable_eagle_block_drop and "
-        "disable_lookahead_block_hashes (vLLM's switches) change what MTP does to prefix hits",
+        "disable_lookahead_block_hashes (vLLM's switches) change what MTP does to prefix hits "
+        "(default: unset, no speculative decoding)",
     )
     tgt = p.add_argument_group("vLLM target (whose rules the shared-pool layouts follow)")
     tgt.add_argument(
@@ -996,7 +1015,8 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="vLLM's --max-model-len (the Mamba block size without prefix caching)",
+        help="vLLM's --max-model-len (the Mamba block size without prefix caching; default: "
+        "unset, no limit on a request's length)",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -1008,7 +1028,8 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "--block-size",
         type=int,
         default=None,
-        help="requested attention block size (advise: the only block size tried)",
+        help="requested attention block size (advise: the only block size tried; default: "
+        "unset, the layout's own rule)",
     )
     p.add_argument(
         "--pack-size",
@@ -1018,8 +1039,9 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--state-slots-per-seq",
         type=int,
-        default=1,
-        help="state pages reserved per running request (advise default: 2 with align, else 1)",
+        default=None,
+        help="state pages reserved per running request (default: the checkpoint policy's in "
+        "simulate and advise, 2 with align, else 1; 1 in plan and compare)",
     )
     p.add_argument(
         "--cache-state-slots",
@@ -1067,7 +1089,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=INDEXER_KV_DTYPES,
         default=None,
         help="vLLM's --attention-config indexer_kv_dtype: the dtype of Qwen4-Exp's compressed "
-        "QSA keys in vLLM's formats (auto: bf16; fp8: e4m3 without scales)",
+        "QSA keys in vLLM's formats (auto: bf16; fp8: e4m3 without scales; default: auto)",
     )
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("compare", help="all layouts side by side")
@@ -1096,9 +1118,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_executor_arguments(p, "the configurations' simulations")
     # advise's own choices unless pinned (see hybridkv.advise.Pins)
-    p.set_defaults(
-        func=cmd_advise, max_num_seqs=64, state_slots_per_seq=None, cache_state_slots=None
-    )
+    p.set_defaults(func=cmd_advise, max_num_seqs=64, cache_state_slots=None)
     p = sub.add_parser(
         "simulate",
         help="replay a workload or a real trace on one plan; compare with attention-only bounds",
@@ -1156,7 +1176,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace",
         default=None,
         help="a .jsonl trace, 'mooncake', or a generated workload (multi_turn_chat, "
-        "shared_prefix, agentic, no_sharing)",
+        "shared_prefix, agentic, no_sharing; default: unset, and the findings about a "
+        "workload's prefixes and the remedies' hit rates are left out)",
     )
     w.add_argument(
         "--requests",
@@ -1164,9 +1185,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"requests of the workload (default {DEFAULT_REQUESTS}; 64 with --prompt-len)",
     )
-    w.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt")
     w.add_argument(
-        "--shared-prefix", type=int, default=None, help="tokens every prompt starts with"
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="tokens per prompt, with --shared-prefix (default: unset, no workload)",
+    )
+    w.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=None,
+        help="tokens every prompt starts with, with --prompt-len (default: unset)",
     )
     # the doctor describes what vLLM runs, so it plans vLLM's cache formats (GLM-5-Next's and
     # Qwen4-Exp's indexers; K and V side by side in a page, the same capacity, in every other)
@@ -1189,7 +1218,8 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
         if not action.option_strings or action.help in (None, argparse.SUPPRESS):
             continue
         default = action.default
-        if default in (None, False, argparse.SUPPRESS) or "default" in action.help:
+        # by identity: ``0 in (False,)`` holds, and a default of 0 (--seed) is worth showing
+        if any(default is x for x in (None, False, argparse.SUPPRESS)) or "default" in action.help:
             continue
         action.help += " (default: %(default)s)"
 

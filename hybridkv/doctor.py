@@ -84,6 +84,7 @@ class Diagnosis:
     block_size_rule: str
     prefix_caching: bool
     mamba_cache_mode: str
+    vllm_target: dict[str, Any]  # every vLLM setting the diagnosis follows (as in plan's JSON)
     workload: dict[str, Any] | None
     findings: tuple[Finding, ...]
     remedies: tuple[Remedy, ...]
@@ -268,6 +269,7 @@ def diagnose(
         block_size_rule=plan.block_size_rule,
         prefix_caching=rules.enable_prefix_caching,
         mamba_cache_mode=rules.mamba_cache_mode,
+        vllm_target=target.to_dict(),
         workload=workload,
         findings=tuple(findings),
         remedies=tuple(remedies),

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from hybridkv.cli import main
+from hybridkv.layouts import make_plan
+from hybridkv.models import load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -363,7 +365,8 @@ def test_the_cli_does_not_import_torch():
 
 
 def test_every_flag_has_help_and_its_default():
-    """Every option of every command has help; where it has a default, its help says it, per
+    """Every option of every command has help; every option that takes a value says its
+    default (what leaving it unset does, where that is None; a default of 0 is shown too), per
     command (--max-num-seqs is 256 for plan and doctor, 64 for simulate and advise)."""
     import argparse
 
@@ -378,9 +381,11 @@ def test_every_flag_has_help_and_its_default():
             if isinstance(action, argparse._HelpAction) or not action.option_strings:
                 continue
             assert action.help, f"{name} {action.option_strings[0]} has no help"
-            if action.default not in (None, False):
+            if not isinstance(action, argparse._StoreTrueAction):
                 assert "default" in action.help, f"{name} {action.option_strings[0]}"
         text = sub.format_help()
+        if "--seed" in text:
+            assert "(default: 0)" in " ".join(text.split()), name
         if "--max-num-seqs" in text:
             want = 64 if name in ("simulate", "advise") else 256
             assert f"(default: {want})" in " ".join(text.split()), name
@@ -407,3 +412,53 @@ def test_plan_format_vllm_exports_qwen4_exp_as_vllm_packs_it(capsys):
     assert json.loads(capsys.readouterr().out)["num_blocks"] == 5_735 == 2**36 // 11_980_800
     assert main([*argv, "--format", "vllm", "--cache-formats", "transformers"]) == 2
     assert "QSACompressedKeyCache" in capsys.readouterr().err
+
+
+def test_one_vocabulary_across_the_json_of_every_command(capsys):
+    """plan, simulate, advise and doctor name the same things the same way (README, "JSON
+    output"): the vLLM settings are ``vllm_target``, a plan's capacity is ``token_capacity`` and
+    ``capacity_fraction``, a hit rate ``token_hit_rate``; and the numbers agree across them."""
+    common = ["--model", "qwen3.5-0.8b", "--gpu-memory", "4GiB", "--max-num-seqs", "32", "--json"]
+    workload = ["--trace", "multi_turn_chat", "--requests", "12"]
+
+    def run(*argv: str) -> dict:
+        assert main(list(argv)) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["schema"] == 1 and out["command"] == argv[0]
+        return out
+
+    plan = run("plan", *common, "--state-slots-per-seq", "2")  # align holds 2, as simulate plans
+    sim = run("simulate", *common, *workload)
+    advise = run("advise", *common, *workload, "--policies", "align", "--no-progress")
+    doctor = run("doctor", *common)
+    for out in (plan["config"], sim["config"], advise["config"], doctor):
+        assert out["vllm_target"]["vllm_version"] == "0.33"
+    assert sim["result"]["token_capacity"] == plan["capacity"]["token_capacity"]
+    assert sim["result"]["capacity_fraction"] == round(plan["capacity"]["capacity_fraction"], 4)
+    (inflate,) = [r for r in advise["results"] if r["config"] == "inflate align"]
+    assert inflate["capacity_fraction"] == sim["result"]["capacity_fraction"]
+    assert 0 <= sim["result"]["token_hit_rate"] <= 1 and "token_hit_rate" in inflate
+    assert inflate["state_slots_per_seq"] == 2
+
+
+def test_simulate_reserves_the_state_slots_its_policy_holds(capsys):
+    """simulate plans the slots a running request holds under its checkpoint policy (align keeps
+    the running state and the previous step's: 2), as advise does; the flag overrides it."""
+    argv = ["simulate", "--model", "qwen3.5-0.8b", "--gpu-memory", "4GiB", "--max-num-seqs",
+            "32", "--trace", "multi_turn_chat", "--requests", "6", "--json"]  # fmt: skip
+
+    def capacity(*more: str) -> int:
+        assert main([*argv, *more]) == 0
+        return json.loads(capsys.readouterr().out)["result"]["token_capacity"]
+
+    def planned(slots: int) -> int:
+        plan = make_plan(
+            load("qwen3.5-0.8b"), "inflate", memory=4 * 2**30, max_num_seqs=32,
+            state_slots_per_seq=slots,
+        )  # fmt: skip
+        return plan.capacity.token_capacity
+
+    assert planned(2) < planned(1)
+    assert capacity() == capacity("--policy", "align") == planned(2)
+    assert capacity("--policy", "last") == planned(1)
+    assert capacity("--state-slots-per-seq", "1") == planned(1)
