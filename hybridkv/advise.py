@@ -18,7 +18,7 @@ from tqdm import tqdm
 from .alloc import POLICIES, AllocatorOptions
 from .alloc.policies import ALL_POLICIES, policy_class
 from .executors import Executor, LocalExecutor
-from .layouts import make_plan
+from .layouts import PlanTooSmall, make_plan
 from .models.model import HybridModel
 from .sim import SimConfig, simulate
 from .target import VllmTarget
@@ -174,6 +174,8 @@ def _run_candidate(sweep: _Sweep, cand: Candidate) -> dict:
             else (max_num_seqs if cand.layout == "per_group" else 0),
             target=sweep.target,
         )
+    except PlanTooSmall as exc:  # how much it would need, for a caller to name the smallest
+        return {"config": cand.label, "error": str(exc), "needed_bytes": exc.needed_bytes}
     except ValueError as exc:
         return {"config": cand.label, "error": str(exc)}
     config = sweep.config

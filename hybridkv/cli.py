@@ -796,12 +796,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
         _print_json("advise", out)
         return 0 if advice.results else 1
     memory = format_bytes(_cache_memory(args))
-    if not advice.results:  # nothing ran: say why, and fail
-        reasons = "; ".join(f"{r['config']}: {r['error']}" for r in advice.errors[:5])
-        raise ValueError(
-            f"no configuration fits {model.name} in {memory} for this workload ({reasons}); "
-            "give the cache more memory or lower --max-num-seqs"
-        )
+    if not advice.results:  # nothing ran: say why for every configuration, and fail
+        raise ValueError(_nothing_ran(model, memory, advice.errors, args.max_num_seqs))
     print(f"{model.name}  memory={memory}")
     print(_trace_line(_trace_info(trace)))
     good = [
@@ -838,6 +834,27 @@ def cmd_advise(args: argparse.Namespace) -> int:
             "any of them is as good on this workload"
         )
     return 0
+
+
+def _nothing_ran(model: HybridModel, memory: str, errors: list[dict], max_num_seqs: int) -> str:
+    """advise's error when no configuration ran: the smallest memory one would need, then one
+    line per configuration (its need where it did not fit, else its own error)."""
+    needs = [e for e in errors if "needed_bytes" in e]
+    head = f"no configuration fits {model.name} in {memory} for this workload"
+    if needs:
+        least = min(needs, key=lambda e: e["needed_bytes"])
+        head += (
+            f"; the smallest, {least['config']}, needs {format_bytes(least['needed_bytes'])} "
+            f"for --max-num-seqs {max_num_seqs}: give the cache that much (--gpu-memory) or "
+            "lower --max-num-seqs"
+        )
+    lines = [
+        f"  {e['config']}: needs {format_bytes(e['needed_bytes'])}"
+        if "needed_bytes" in e
+        else f"  {e['config']}: {e['error']}"
+        for e in errors
+    ]
+    return "\n".join([head + ":", *lines])
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

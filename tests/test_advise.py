@@ -10,6 +10,8 @@ import pytest
 from hybridkv import models, traces
 from hybridkv.advise import ADVISED_POLICIES, Pins, advise, candidates
 from hybridkv.cli import main
+from hybridkv.layouts import PlanTooSmall, make_plan
+from hybridkv.units import format_bytes
 
 MODEL = "qwen3.5-0.8b"
 BASE = ["advise", "--model", MODEL, "--gpu-memory", "4GiB", "--requests", "12", "--json"]
@@ -114,8 +116,31 @@ def test_json_keeps_errors_apart(capsys):
     got = _advise(capsys)
     assert set(got) >= {"config", "trace", "results", "errors", "recommended", "ties"}
     assert all("error" not in r for r in got["results"])
-    assert all(set(r) == {"config", "error"} for r in got["errors"])
+    assert all(set(r) in ({"config", "error"}, {"config", "error", "needed_bytes"})
+               for r in got["errors"])  # fmt: skip
     assert got["config"]["model"] == MODEL
+
+
+def test_nothing_fits_fails_naming_the_smallest_need_and_every_configuration(capsys):
+    """When no configuration fits, advise exits non-zero; its error names the least memory any
+    configuration needs (the plans' own figures) and has a line for every configuration, none
+    left out; --json keeps each need in bytes."""
+    argv = ["advise", "--model", MODEL, "--gpu-memory", "256MiB", "--trace", "multi_turn_chat",
+            "--requests", "4", "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert main([*argv, "--json"]) == 1
+    errors = json.loads(capsys.readouterr().out)["errors"]
+    assert len(errors) > 5 and all(e["needed_bytes"] > 256 * 2**20 for e in errors)
+    least = min(errors, key=lambda e: e["needed_bytes"])
+    assert f"the smallest, {least['config']}, needs {format_bytes(least['needed_bytes'])}" in err
+    lines = [line.strip() for line in err.splitlines()[1:]]
+    assert lines == [f"{e['config']}: needs {format_bytes(e['needed_bytes'])}" for e in errors]
+    with pytest.raises(PlanTooSmall) as too_small:  # the figure is the plan's own
+        make_plan(models.load(MODEL), "inflate", memory="256MiB", max_num_seqs=64,
+                  state_slots_per_seq=2)  # fmt: skip
+    (inflate_align,) = [e for e in errors if e["config"] == "inflate align"]
+    assert inflate_align["needed_bytes"] == too_small.value.needed_bytes
 
 
 def test_one_progress_bar(capsys):
