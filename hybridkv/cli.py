@@ -80,6 +80,7 @@ def _runtime(args: argparse.Namespace) -> dict:
         num_spec_tokens=tokens,
         speculative_method=method,
         kv_dtype_skip_layers=tuple(args.kv_dtype_skip_layers or ()),
+        dcp_size=args.dcp,
     )
 
 
@@ -352,7 +353,9 @@ def _describe(plan: MemoryPlan) -> str:
     lines = [
         f"{plan.model_name}  layout={plan.layout}"
         + (f"({plan.pack_size})" if plan.layout == "pack" else "")
-        + f"  TP={plan.tp_size}  kv_dtype={plan.kv_dtype}  "
+        + f"  TP={plan.tp_size}"
+        + (f"  DCP={plan.dcp_size}" if plan.dcp_size > 1 else "")
+        + f"  kv_dtype={plan.kv_dtype}  "
         f"memory={format_bytes(plan.config.memory_bytes)}  "
         f"max_num_seqs={plan.config.max_num_seqs}",
         f"block size        {plan.block_size} tokens (kernel alignment {plan.kernel_alignment})",
@@ -389,6 +392,8 @@ def _describe(plan: MemoryPlan) -> str:
         pad = f" +{g.padding_slots} padding" if g.padding_slots else ""
         # groups' own block sizes (per-group layouts, unified pages under skip layers)
         block = f"  block {g.block_size}" if g.block_size != plan.block_size else ""
+        if g.dcp_size > 1:  # DCP: the block's tokens over dcp ranks, one rank's page its rows
+            block += f" ({g.rows_per_block} a rank, dcp {g.dcp_size})"
         lines.append(
             f"  {g.group_id:>3} {g.kind:<15} page {format_bytes(g.page_bytes):>11}{block}  "
             f"[{layers}]{pad}"
@@ -465,7 +470,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         row["padding"] = format_bytes(row["padding_bytes"])
         row["unusable"] = format_bytes(row["unusable_bytes"])
     print(
-        f"{model.name}  TP={model.tp_size}  kv={model.kv_dtype}  state={model.conv_dtype}/"
+        f"{model.name}  TP={model.tp_size}"
+        + (f"  DCP={model.dcp_size}" if model.dcp_size > 1 else "")
+        + f"  kv={model.kv_dtype}  state={model.conv_dtype}/"
         f"{model.ssm_dtype}  memory={format_bytes(_cache_memory(args))}  "
         f"max_num_seqs={args.max_num_seqs}  "
         f"ideal capacity {ideal:,} tokens"
@@ -496,6 +503,7 @@ def _run_config(model: HybridModel, args: argparse.Namespace) -> dict:
     return {
         "model": model.name,
         "tp_size": model.tp_size,
+        "dcp_size": model.dcp_size,
         "kv_dtype": model.kv_dtype,
         "conv_dtype": model.conv_dtype,
         "ssm_dtype": model.ssm_dtype,
@@ -946,6 +954,16 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         default=None,
         dest="tp",
         help="tensor-parallel size; the plan is one rank's (default 1)",
+    )
+    par.add_argument(
+        "--decode-context-parallel-size",
+        "-dcp",
+        type=int,
+        default=1,
+        dest="dcp",
+        help="vLLM's decode context parallelism: the TP ranks that shard each attention layer's "
+        "tokens instead of replicating its KV; a rank keeps one token in this many and an "
+        "attention block spans this many times its page's tokens (default 1)",
     )
     par.add_argument(
         "--kv-dtype",

@@ -330,6 +330,10 @@ class StepCoster:
         self.per_token = 2 * p.active / self.tp
         self.state_fpt = state_flops_per_token(model)
         self.kv = model.kv_bytes_per_token
+        #: KV bytes of one cached token on a rank: one token in dcp_size under decode context
+        #: parallelism, whose ranks read only their own share of a context (the queries are
+        #: gathered, so the FLOPs stay; the all-gather and the LSE merge are not priced)
+        self.kv_cached = self.kv if model.dcp_size == 1 else self.kv / model.dcp_size
         self.state2 = 2 * _state_bytes(model)
         self.peak_flops = gpu.flops(weight_dtype) * mfu
         self.peak_bw = gpu.hbm_bandwidth * mbu
@@ -357,8 +361,9 @@ class StepCoster:
         context read and of the new tokens written, the recurrent state read and written."""
         return (
             _weights(self.params, new_tokens) / self.tp * self.wbytes
-            + self.kv * (cached_tokens + new_tokens)  # read the context
-            + self.kv * new_tokens  # write the new tokens
+            # read the context: the cached part a rank's share of it, the new tokens' own K/V
+            + (self.kv_cached * cached_tokens + self.kv * new_tokens)
+            + self.kv_cached * new_tokens  # write the new tokens (a rank its share)
             + self.state2
         )
 
@@ -398,11 +403,12 @@ class StepCoster:
 
     def decode_bytes(self, batch: int, context_sum: int) -> float:
         """Bytes on one rank of that step: the weights once, every context's KV read and the
-        new tokens' written, every request's state read and written."""
+        new tokens' written (the rank's share of them under DCP), every request's state read
+        and written."""
         return (
             _weights(self.params, batch) / self.tp * self.wbytes
-            + self.kv * float(context_sum)
-            + self.kv * batch
+            + self.kv_cached * float(context_sum)
+            + self.kv_cached * batch
             + self.state2 * batch
         )
 

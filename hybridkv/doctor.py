@@ -169,7 +169,8 @@ def _vllm_options(plan: MemoryPlan, hash_unit: int | None = None) -> AllocatorOp
         enable_prefix_caching=on,
         hash_block_size=unit,
         checkpoint_policy="align",
-        partial_block_hits=unit < plan.block_size,
+        # partial_hash_hits_enabled: a unit finer than the state block, or as fine under DCP
+        partial_block_hits=unit < plan.block_size or plan.dcp_size > 1,
         evict_unreachable=False,
     )
 
@@ -277,11 +278,22 @@ def diagnose(
 
 
 def _hit_block(plan: MemoryPlan) -> int:
-    """Tokens a whole-block prefix hit is a multiple of: the lcm of the block sizes of the
-    groups whose hits need the whole prefix (the block size, unless
-    --kv-cache-dtype-skip-layers gave the quantized layers larger blocks)."""
+    """Tokens a prefix hit is a multiple of under vLLM's own hash unit: the lcm of the block
+    sizes of the groups whose hits need the whole prefix (the block size, unless
+    --kv-cache-dtype-skip-layers gave the quantized layers larger blocks). Under DCP the hash
+    unit is the gcd of the blocks' spans, the state block, and vLLM accepts it for hits inside
+    the sharded attention blocks (``partial_hash_hits_enabled``): hits land on the state
+    block."""
+    if plan.dcp_size > 1 and plan.state_groups:
+        return plan.checkpoint_granularity
     blocks = [block for _, block in group_roles(plan.groups).full]
     return math.lcm(*blocks) if blocks else plan.block_size
+
+
+def _hit_block_text(plan: MemoryPlan) -> str:
+    """The whole-prefix attention groups' block sizes, as the findings print them."""
+    blocks = sorted({block for _, block in group_roles(plan.groups).full})
+    return " and ".join(f"{b:,}-token" for b in blocks)
 
 
 def _cache_findings(
@@ -314,8 +326,15 @@ def _cache_findings(
             "min_hit",
             "note",
             f"no prefix hit is possible for a shared prefix shorter than {shortest} tokens: vLLM "
-            f"caches whole {big}-token blocks and keeps Mamba states only at block boundaries"
-            f"{after} (nothing in its logs or metrics names this minimum)",
+            + (
+                f"keeps Mamba states only at {big}-token block boundaries, where it hits its "
+                f"{_hit_block_text(plan)} attention blocks (sharded over {plan.dcp_size} "
+                "decode-context-parallel ranks)"
+                if plan.dcp_size > 1
+                else f"caches whole {big}-token blocks and keeps Mamba states only at block "
+                "boundaries"
+            )
+            + f"{after} (nothing in its logs or metrics names this minimum)",
             {"min_shared_tokens": shortest},
         )
     ]

@@ -121,6 +121,11 @@ class KVCacheGroup:
     (the attention block size in the shared layouts).
     ``page_bytes`` is one layer's page; in a plan whose groups mix pages of different sizes
     (vLLM's block-outermost packing, :attr:`MemoryPlan.kv_cache_layout`), the group's largest.
+    ``dcp_size``: the ranks an attention group's tokens are sharded over under decode context
+    parallelism (:attr:`~hybridkv.models.HybridModel.dcp_size`; 1 otherwise, and for states):
+    a block then spans ``block_size`` tokens of which one rank's page holds
+    :attr:`rows_per_block` (vLLM's ``resolve_dcp_kv_block_size``: the manager's block is the
+    spec's times the DCP size).
     """
 
     group_id: int
@@ -131,10 +136,23 @@ class KVCacheGroup:
     page_bytes: int
     padding_slots: int = 0
     sliding_window: int | None = None
+    dcp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dcp_size < 1 or self.block_size % self.dcp_size:
+            raise ValueError(
+                f"group {self.group_id}: a block of {self.block_size} tokens cannot be sharded "
+                f"over {self.dcp_size} decode-context-parallel ranks"
+            )
 
     @property
     def is_state(self) -> bool:
         return self.kind == "state"
+
+    @property
+    def rows_per_block(self) -> int:
+        """Tokens one rank's page of this group holds (``block_size`` without DCP)."""
+        return self.block_size // self.dcp_size
 
 
 @dataclass(frozen=True)
@@ -487,6 +505,12 @@ class MemoryPlan:
         """Tokens between positions where a state checkpoint can be taken: the lcm of the state
         groups' block sizes (1 without state groups)."""
         return math.lcm(*(g.block_size for g in self.state_groups))
+
+    @property
+    def dcp_size(self) -> int:
+        """Decode-context-parallel ranks the attention groups shard their tokens over (1
+        without DCP)."""
+        return max((g.dcp_size for g in self.groups), default=1)
 
     @property
     def scheduler_block_size(self) -> int:

@@ -751,13 +751,20 @@ def _layer_specs(spec: dict) -> list[dict]:
     return [spec]
 
 
-def _block_sizes(groups: list[dict], rules) -> tuple[int, int]:
+def _span(spec: dict, dcp: int) -> int:
+    """Tokens a block of ``spec`` spans: its block size, times the DCP size where DCP shards it
+    (``resolve_dcp_kv_block_size``)."""
+    return spec["block_size"] * (dcp if spec["dcp_sharded"] else 1)
+
+
+def _block_sizes(groups: list[dict], rules, dcp: int = 1) -> tuple[int, int]:
     """(hash_block_size, cache_hit_alignment_tokens) as the engine core resolves them
     (``resolve_kv_cache_block_sizes`` / ``resolve_cache_hit_alignment_tokens`` in
-    ``vllm/v1/core/kv_cache_utils.py``, no ``--prefix-match-unit``, no DCP). The hash block is
-    the gcd of the prefix-cacheable groups' blocks: a ``CircularBufferSpec`` ring is not
-    (``prefix_cacheable`` is False), so GLM-5-Next's 16-slot rings do not shrink it."""
-    sizes = [g["kv_cache_spec"]["block_size"] for g in groups]
+    ``vllm/v1/core/kv_cache_utils.py``, no ``--prefix-match-unit``), over the blocks' token spans
+    under a decode context parallel size of ``dcp``. The hash block is the gcd of the
+    prefix-cacheable groups' blocks: a ``CircularBufferSpec`` ring is not (``prefix_cacheable``
+    is False), so GLM-5-Next's 16-slot rings do not shrink it."""
+    sizes = [_span(g["kv_cache_spec"], dcp) for g in groups]
     if len(sizes) <= 1:
         return sizes[0], sizes[0]
     scheduler = math.lcm(*sizes)
@@ -769,13 +776,16 @@ def _block_sizes(groups: list[dict], rules) -> tuple[int, int]:
     if any(s["mamba_cache_mode"] != "align" for s in mamba):
         return scheduler, scheduler
     cacheable = [
-        g["kv_cache_spec"]["block_size"]
+        _span(g["kv_cache_spec"], dcp)
         for g in groups
         if all(s["kind"] != "CircularBufferSpec" for s in _layer_specs(g["kv_cache_spec"]))
     ]
     hash_block = math.gcd(*(cacheable or sizes))
-    # partial (sub-block) hits need a Mamba block larger than the hash block
-    partial = any(s["block_size"] > hash_block for s in mamba)
+    # partial (sub-block) hits need a Mamba block larger than the hash block, or as large under
+    # DCP (which scales the attention blocks instead: partial_hash_hits_enabled)
+    partial = any(
+        s["block_size"] > hash_block or (dcp > 1 and s["block_size"] == hash_block) for s in mamba
+    )
     return hash_block, hash_block if partial else scheduler
 
 
@@ -836,12 +846,15 @@ def _config(
 ) -> dict[str, Any]:
     rules = plan.vllm
     assert rules is not None
-    hash_block, hit_alignment = _block_sizes(groups, rules)
-    # kv_cache_groups_tp_replicas: gcd over layers of tp // max_tp_shards (1 for unset, Mamba)
+    hash_block, hit_alignment = _block_sizes(groups, rules, model.dcp_size)
+    # kv_cache_groups_tp_replicas: gcd over layers of tp // max_tp_shards (1 for unset, Mamba,
+    # and a layer DCP shards: its ranks then hold different tokens)
     replicas = model.tp_size
     for g in groups:
         for spec in _layer_specs(g["kv_cache_spec"]):
             shards = spec.get("max_tp_shards")
+            if spec.get("dcp_sharded") and model.dcp_size > 1:
+                shards = None
             replicas = math.gcd(replicas, max(1, model.tp_size // shards) if shards else 1)
     return {
         "num_blocks": plan.pools[0].num_blocks,
@@ -1046,7 +1059,9 @@ def request_blocks(plan: MemoryPlan, model: HybridModel, tokens: int) -> Request
         elif kinds == {"CircularBufferSpec"}:
             ring += 1
         elif kinds <= {"FullAttentionSpec", "MLAAttentionSpec"}:
-            block_sizes.append(spec["block_size"])
+            # under DCP a block spans dcp times its rows: cdiv(cdiv(n, dcp), rows) blocks, as
+            # FullAttentionSpec.max_memory_usage_bytes counts them
+            block_sizes.append(_span(spec, model.dcp_size))
         else:
             raise ValueError(
                 f"{plan.model_name}: a {'/'.join(sorted(kinds))} group's blocks per request "

@@ -616,6 +616,13 @@ def check_wired(plan: Any) -> None:
             "vllm) and simulation. Serve a plan in transformers' formats "
             "(cache_formats='transformers', the default)"
         )
+    sharded = max((g.dcp_size for g in plan.groups), default=1)
+    if sharded > 1:
+        raise Unservable(
+            f"{plan.model_name}: this plan shards its attention tokens over {sharded} decode-"
+            "context-parallel ranks (dcp_size), and the engine is one process serving one "
+            "rank's whole context; serve a plan of the model at dcp_size 1"
+        )
     drafter = [p.layer for p in plan.kv_placements if p.layer.startswith(MTP_PREFIX)]
     if drafter:
         raise Unservable(

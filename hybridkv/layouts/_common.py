@@ -158,7 +158,8 @@ def ideal_capacity(model: HybridModel, config: PlanConfig) -> tuple[int, int]:
     kv = model.kv_bytes_per_token
     if kv == 0:
         return 0, state
-    return max(0, (config.memory_bytes - state) // kv), state
+    # under DCP a rank keeps one token in dcp_size (kv is per token a rank keeps)
+    return max(0, (config.memory_bytes - state) * model.dcp_size // kv), state
 
 
 class PlanTooSmall(ValueError):

@@ -105,7 +105,8 @@ def plan_per_group(model: HybridModel, config: PlanConfig) -> MemoryPlan:
                 )
             )
         pools.append(PoolPlan(name, "per_group", (name,), num_blocks, block_bytes, (gid,)))
-        tokens = (num_blocks - 1) * block_size
+        span = block_size * model.dcp_size  # under DCP one rank's page holds 1/dcp of it
+        tokens = (num_blocks - 1) * span
         token_capacity = tokens if token_capacity is None else min(token_capacity, tokens)
         kv_bytes += (num_blocks - 1) * block_bytes
         groups.append(
@@ -114,9 +115,10 @@ def plan_per_group(model: HybridModel, config: PlanConfig) -> MemoryPlan:
                 kind=b.kind,
                 layers=tuple(layer.name for layer in b.layers),
                 pool=name,
-                block_size=block_size,
+                block_size=span,
                 page_bytes=page,
                 sliding_window=getattr(b.spec, "sliding_window", None),
+                dcp_size=model.dcp_size,
             )
         )
 

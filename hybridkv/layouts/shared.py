@@ -480,20 +480,23 @@ def plan_shared(
                     window = getattr(layer.spec, "sliding_window", None)
             group_padding += page - offset
         pad_slots = group_size - len(members)
+        # under DCP an attention block's rows are one rank's share of dcp times the tokens
+        dcp = 1 if kind == "state" else model.dcp_size
         if kind == "state":
             state_padding_per_block += pad_slots * page
         else:
-            attn_padding.append((group_block, group_padding + pad_slots * page))
+            attn_padding.append((group_block * dcp, group_padding + pad_slots * page))
         groups.append(
             KVCacheGroup(
                 group_id=gid,
                 kind=kind,
                 layers=tuple(names),
                 pool="shared",
-                block_size=group_block,
+                block_size=group_block * dcp,
                 page_bytes=page,
                 padding_slots=pad_slots,
                 sliding_window=window,
+                dcp_size=dcp,
             )
         )
     if any(g.padding_slots for g in groups):

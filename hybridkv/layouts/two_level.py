@@ -132,15 +132,17 @@ def plan_two_level(model: HybridModel, config: PlanConfig) -> MemoryPlan:
                     )
                 )
                 offset += block_size * _attn1(layer)
+        dcp = 1 if kind == "state" else model.dcp_size  # a small page: one rank's share
         groups.append(
             KVCacheGroup(
                 group_id=gid,
                 kind=kind,
                 layers=tuple(layer.name for layer in b.layers),  # type: ignore[attr-defined]
                 pool="pages",
-                block_size=block_size,
+                block_size=block_size * dcp,
                 page_bytes=page,
                 sliding_window=getattr(b.spec, "sliding_window", None),  # type: ignore[attr-defined]
+                dcp_size=dcp,
             )
         )
 
@@ -170,7 +172,7 @@ def plan_two_level(model: HybridModel, config: PlanConfig) -> MemoryPlan:
             lo, hi = (mid, hi) if sum(pages_for(mid)) <= free_pages else (lo, mid - 1)
         kind_pages = pages_for(lo)
         kv_pages = sum(kind_pages)
-        token_capacity = lo * block_size
+        token_capacity = lo * block_size * model.dcp_size
     else:
         kind_pages, kv_pages, token_capacity = [], 0, 0
     padding = 0

@@ -11,6 +11,7 @@ Hugging Face repository id (``Qwen/Qwen3.5-4B``), in any case.
 from __future__ import annotations
 
 import difflib
+import inspect
 import json
 import re
 from functools import cache, lru_cache
@@ -108,8 +109,9 @@ def _configured(name: str, options: tuple[tuple[str, Any], ...]) -> HybridModel:
 
 def load(name: str, **configure: Any) -> HybridModel:
     """A zoo model, configured with :meth:`HybridModel.configure` (``tp_size``, ``kv_dtype``,
-    ``conv_dtype``, ``ssm_dtype``, ``num_spec_tokens``, ``speculative_method``); without
-    options, the model at TP 1 with its own dtypes. Models are immutable and cached, so loading
+    ``conv_dtype``, ``ssm_dtype``, ``num_spec_tokens``, ``speculative_method``,
+    ``kv_dtype_skip_layers``, ``dcp_size``); without options, the model at TP 1 with its own
+    dtypes. Models are immutable and cached, so loading
     one often is cheap."""
     zoo_name = resolve_name(name)
     if not configure:
@@ -119,9 +121,9 @@ def load(name: str, **configure: Any) -> HybridModel:
         return _configured(zoo_name, options)
     except TypeError as exc:
         if "unexpected keyword" in str(exc):
+            known = [p for p in inspect.signature(HybridModel.configure).parameters][1:]
             raise TypeError(
-                f"load() got an unknown option ({exc}); use tp_size, kv_dtype, conv_dtype, "
-                "ssm_dtype, num_spec_tokens or speculative_method"
+                f"load() got an unknown option ({exc}); use {', '.join(known[:-1])} or {known[-1]}"
             ) from None
         if "unhashable" not in str(exc):
             raise

@@ -123,6 +123,10 @@ class HybridModel:
     #: indices (and ``"sliding_window"``) whose attention keeps the model dtype under a
     #: quantized ``kv_dtype``; empty when every attention layer takes ``kv_dtype``
     kv_dtype_skip_layers: tuple[str, ...] = ()
+    #: vLLM's ``--decode-context-parallel-size``: the TP ranks over which each attention
+    #: layer's tokens are sharded (:meth:`configure`); a block of an attention group then spans
+    #: ``dcp_size`` times the tokens one rank's page holds, states are not sharded
+    dcp_size: int = 1
     #: positions, in the model's MTP drafter, of its decoder layers that hold attention (and so a
     #: KV cache, of the model's full-attention shape), from the config (Qwen3-Next's
     #: ``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``, Nemotron-H's pattern);
@@ -162,7 +166,8 @@ class HybridModel:
 
     @cached_property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token adds to the KV cache of one TP rank, over all attention layers."""
+        """Bytes one token adds to the KV cache of the TP rank that keeps it, over all
+        attention layers (under DCP a rank keeps one token in :attr:`dcp_size`)."""
         return sum(layer.spec.bytes_per_token for layer in self.attention_layers)  # type: ignore[attr-defined]
 
     @cached_property
@@ -208,6 +213,7 @@ class HybridModel:
         num_spec_tokens: int = 0,
         speculative_method: str = "none",
         kv_dtype_skip_layers: Sequence[str | int] = (),
+        dcp_size: int = 1,
     ) -> HybridModel:
         """The same model on one rank of ``tp_size``, with cache dtypes resolved like vLLM.
 
@@ -232,6 +238,17 @@ class HybridModel:
           (Qwen3.5's ``mamba_ssm_dtype``, Nemotron's ``mamba_ssm_cache_dtype``), else the conv
           dtype; KDA, RG-LRU and RWKV-4 WKV recurrent states default to float32, as their
           engines keep them (transformers' RWKV keeps num / den / max in float32).
+
+        - ``dcp_size`` (``--decode-context-parallel-size``): decode context parallelism, which
+          reuses the TP ranks to shard every attention layer's tokens instead of replicating
+          its KV: a rank keeps one token in ``dcp_size`` (vLLM 0.33's ``dcp_sharded`` specs),
+          its page the same bytes as without DCP, so a block spans ``dcp_size`` times the
+          tokens; recurrent states are not sharded. vLLM's rules are checked: TP divisible by
+          it; for grouped-query attention TP above the KV heads, ``dcp_size`` at most TP // KV
+          heads and dividing the query heads per KV head (``ModelConfig``); full attention and
+          MLA only beside the states (the hybrid coordinator's assertion; sliding windows and
+          chunked local attention assert ``dcp_world_size == 1``). Sparse attention's indexer
+          keys and top-k rows under DCP are not modelled and refused.
 
         Inkling's short-conv states (``inkling_sconv``) resolve a conv ``auto`` to float32, not
         the model dtype: transformers, their only implementation, computes and keeps them in
@@ -265,6 +282,7 @@ class HybridModel:
             except ValueError as exc:
                 raise ValueError(f"{self.name}, layer {layer.name}: {exc}") from None
             layers.append(replace(layer, spec=new_spec))
+        _check_dcp(self.name, layers, tp_size, dcp_size)
         return replace(
             self,
             layers=tuple(layers),
@@ -275,6 +293,7 @@ class HybridModel:
             num_spec_tokens=num_spec_tokens,
             speculative_method=speculative_method,
             kv_dtype_skip_layers=skip,
+            dcp_size=dcp_size,
         )
 
     def _with_drafter(self, method: str, num_spec_tokens: int) -> list[CacheLayer]:
@@ -411,6 +430,78 @@ def _skippable(layer: CacheLayer) -> bool:
     """Whether vLLM's ``--kv-cache-dtype-skip-layers`` can keep ``layer``'s cache at the model
     dtype: an ``Attention`` (full or sliding window) or ``MLAAttention`` layer's."""
     return isinstance(layer.spec, (FullAttentionSpec, MLASpec))
+
+
+def _check_dcp(name: str, layers: Sequence[CacheLayer], tp: int, dcp: int) -> None:
+    """vLLM 0.33's checks of ``--decode-context-parallel-size`` against TP and the model's
+    attention (``ParallelConfig``, ``ModelConfig.verify_with_parallel_config``, the hybrid
+    coordinator), and what hybridkv does not model under it."""
+    if not isinstance(dcp, int) or isinstance(dcp, bool) or dcp < 1:
+        raise ValueError(f"dcp_size must be a positive integer, got {dcp!r}")
+    if dcp == 1:
+        return
+    if tp % dcp:
+        raise ValueError(
+            f"decode context parallel size {dcp} must divide the tensor-parallel size {tp}: "
+            "DCP reuses the TP ranks (vLLM's ParallelConfig); use a TP size that is a multiple "
+            f"of {dcp}"
+        )
+    attention = [layer for layer in layers if isinstance(layer.spec, AttentionSpec)]
+    if not attention:
+        raise ValueError(
+            f"{name} has no attention layers: decode context parallelism shards attention KV, "
+            f"so a decode context parallel size of {dcp} would shard nothing; use 1"
+        )
+    unsharded = sorted(
+        {
+            f"sparse {layer.spec.kind}"
+            if getattr(layer.spec, "sparse_topk", 0)
+            else layer.spec.kind
+            for layer in attention
+            if type(layer.spec) not in (FullAttentionSpec, MLASpec)
+            or getattr(layer.spec, "sparse_topk", 0)
+        }
+    )
+    if unsharded:
+        why = []
+        if "sliding_window" in unsharded:
+            why.append("vLLM 0.33's sliding-window manager asserts dcp_world_size == 1")
+        if any(k.startswith("sparse") or k == "indexer" for k in unsharded):
+            why.append(
+                "sparse attention's indexer keys and top-k reads are not modelled under DCP"
+            )
+        if not why:
+            why.append(
+                "vLLM 0.33's hybrid coordinator allows only full attention, Mamba and replicated "
+                "draft groups under DCP"
+            )
+        raise ValueError(
+            f"{name}: decode context parallelism is modelled for full attention and MLA beside "
+            f"recurrent states, and this model has {', '.join(unsharded)} layers "
+            f"({'; '.join(why)}); use a decode context parallel size of 1"
+        )
+    gqa = [layer.spec for layer in attention if isinstance(layer.spec, FullAttentionSpec)]
+    if any(isinstance(layer.spec, MLASpec) for layer in attention):
+        return  # vLLM checks heads only where the model does not use MLA
+    for spec in {(s.num_heads, s.num_kv_heads) for s in gqa}:
+        heads, kv = spec
+        if tp <= kv:
+            raise ValueError(
+                f"{name}: decode context parallelism for grouped-query attention needs a "
+                f"tensor-parallel size above the model's {kv} KV heads (TP {tp}): it shards the "
+                "tokens of the KV heads TP would replicate (vLLM's ModelConfig); raise the TP "
+                "size or use a decode context parallel size of 1"
+            )
+        if dcp > tp // kv:
+            raise ValueError(
+                f"{name}: decode context parallel size {dcp} exceeds {tp // kv}, the most for "
+                f"TP {tp} and {kv} KV heads (TP // KV heads: vLLM's ModelConfig)"
+            )
+        if (heads // kv) % dcp:
+            raise ValueError(
+                f"{name}: the {heads // kv} query heads per KV head must be divisible by the "
+                f"decode context parallel size {dcp} (vLLM's ModelConfig, for GQA/MQA)"
+            )
 
 
 def _skipped(layer: CacheLayer, skip: tuple[str, ...]) -> bool:

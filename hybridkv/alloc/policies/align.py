@@ -31,14 +31,16 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class VllmAlign:
-    """vLLM 0.33's ``align`` rules, for one allocator (no KV connector, no context parallelism:
-    what the simulator models; under MTP, vLLM 0.33's lookahead hashes, not 0.32's EAGLE block
-    drop).
+    """vLLM 0.33's ``align`` rules, for one allocator (no KV connector, no prefill context
+    parallelism: what the simulator models; under MTP, vLLM 0.33's lookahead hashes, not 0.32's
+    EAGLE block drop; under decode context parallelism the attention groups' blocks span ``dcp``
+    times ``B``, so ``S = dcp * B``, and partial hits also take ``h == B``).
 
     Sizes: ``B`` = the state groups' block size (vLLM: ``cache_config.block_size``, which is the
     Mamba block size in align mode), ``S`` = the scheduler block size (the lcm of every group's
     block size, ``resolve_kv_cache_block_sizes`` in ``vllm/v1/core/kv_cache_utils.py``; ``S ==
-    B`` unless ``--kv-cache-dtype-skip-layers`` gave the quantized layers larger blocks), ``h`` =
+    B`` unless ``--kv-cache-dtype-skip-layers`` gave the quantized layers larger blocks or DCP
+    sharded them), ``h`` =
     the hash unit (vLLM's ``prefix_match_unit``, by default the gcd of the groups' block sizes,
     i.e. ``B``). *Partial hits* are on when ``h <
     B`` and every attention group can look hashes up inside a block (full attention / MLA, or a
@@ -291,10 +293,13 @@ class AlignPolicy(CheckpointPolicy):
         # MLA, and a sparse-attention indexer's keys: vLLM 0.33 keeps those as an
         # MLAAttentionSpec) or has blocks of one unit; a ring (CircularBufferSpec) is not
         # prefix-cacheable, so vLLM leaves it out of the question
+        # (under DCP a hash unit equal to the state block is enough: the attention blocks it
+        # shards span dcp of them, vLLM 0.33's `dcp_world_size > 1 and block_size >= hash`)
         scratch = group_roles(plan.groups).scratch
+        sharded = any(g.dcp_size > 1 for g in plan.groups)
         partial = (
             bool(plan.state_groups)
-            and hash_block_size < self.block
+            and (hash_block_size < self.block or (sharded and hash_block_size == self.block))
             and all(
                 g.kind in ("full_attention", "mla", "indexer") or g.block_size == hash_block_size
                 for g in plan.groups
