@@ -803,6 +803,24 @@ def _remedies(
                 _vllm_options(p),
             )
         )
+    dcp = _dcp_remedy(model, plan, plan_for, target)
+    if dcp is not None:
+        size, p = dcp
+        mla = any(layer.spec.kind == "mla" for layer in model.layers)
+        held = "MLA latent" if mla else "KV head"
+        out.append(
+            remedy(
+                "dcp",
+                ("--decode-context-parallel-size", str(size)),
+                f"the {size} TP ranks that keep copies of one {held} shard its tokens instead: "
+                f"{size}x the tokens in the same memory, hits still on the "
+                f"{p.checkpoint_granularity:,}-token state block; decode then gathers queries "
+                "and merges partial attention across them (time not priced here), and vLLM "
+                "needs an attention backend that returns the softmax LSE in decode",
+                p,
+                _vllm_options(p),
+            )
+        )
     mml, hit_block = target.max_model_len, _hit_block(plan)
     if mml is not None and mml < hit_block:
         longer = dataclasses.replace(target, max_model_len=hit_block * 2)
@@ -818,6 +836,25 @@ def _remedies(
         )
     out.append(_hybridkv_remedy(model, plan, trace))
     return out
+
+
+def _dcp_remedy(
+    model: HybridModel, plan: MemoryPlan, plan_for: Callable, target: VllmTarget
+) -> tuple[int, MemoryPlan] | None:
+    """The largest decode context parallel size vLLM 0.33 accepts for this model and TP where
+    the flags set none (the ranks that replicate the KV shard its tokens instead), and its
+    plan; None where TP is 1, DCP is set, or no size passes vLLM's checks."""
+    if model.dcp_size > 1 or model.tp_size == 1 or target.version != "0.33":
+        return None
+    for size in range(model.tp_size, 1, -1):
+        if model.tp_size % size:
+            continue
+        try:
+            _, p = plan_for(dcp_size=size)
+        except ValueError:  # vLLM's checks of the size (or a layer kind DCP does not take)
+            continue
+        return size, p
+    return None
 
 
 def _per_group_plan(model: HybridModel, plan: MemoryPlan) -> MemoryPlan:

@@ -220,3 +220,29 @@ def test_the_doctor_says_where_hits_land(capsys):
     findings = {f["key"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
     assert findings["min_hit"]["data"]["min_shared_tokens"] == 192
     assert "768-token attention blocks (sharded over 4" in findings["min_hit"]["text"]
+
+
+def test_the_doctor_offers_the_largest_size_vllm_accepts(capsys):
+    """Where TP replicates the KV, the doctor's remedies include DCP at the largest size vLLM's
+    checks pass (Qwen3-Next at TP 8: 4, TP // its 2 KV heads; Kimi-Linear's MLA: all 8), at
+    that many times the tokens; none at TP 1, none where DCP is set, none where no size passes
+    (Qwen3-Next at TP 2: no more ranks than KV heads)."""
+
+    def remedies(*argv: str) -> dict:
+        assert main(["doctor", "--gpu-memory", "20GiB", "--json", *argv]) == 0
+        return {r["key"]: r for r in json.loads(capsys.readouterr().out)["remedies"]}
+
+    for model, size in ((QWEN, 4), ("kimi-linear-48b-a3b", 8)):
+        got = remedies("--model", model, "-tp", "8")
+        assert got["dcp"]["flags"] == ["--decode-context-parallel-size", str(size)]
+        assert got["dcp"]["token_capacity"] == size * got["as_given"]["token_capacity"]
+    assert "dcp" not in remedies("--model", QWEN, "-tp", "8", "-dcp", "2")
+    assert "dcp" not in remedies("--model", QWEN)
+    assert "dcp" not in remedies("--model", QWEN, "-tp", "2")
+
+
+def test_only_vllm_033s_rules_are_modelled():
+    from hybridkv.layouts import VllmTarget
+
+    with pytest.raises(ValueError, match=r"modelled with vLLM 0\.33's rules, not 0\.32's"):
+        make_plan(_qwen(2), "inflate", memory="4GiB", target=VllmTarget(version="0.32"))

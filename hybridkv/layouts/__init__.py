@@ -118,6 +118,12 @@ def _smallest_fit(model: HybridModel, layout: str, config: PlanConfig, tokens: i
 
 def plan_with_config(model: HybridModel, layout: str, config: PlanConfig) -> MemoryPlan:
     target = config.target
+    if model.dcp_size > 1 and target.version != "0.33":
+        # read in 0.33 only: which groups DCP may shard beside Mamba, the spans' hash block
+        raise ValueError(
+            f"decode context parallelism (dcp_size {model.dcp_size}) is modelled with vLLM "
+            f"0.33's rules, not {target.version}'s; plan it for vLLM 0.33 (--vllm-version 0.33)"
+        )
     if (
         target.indexer_kv_dtype != "auto"
         and model.family_key in QWEN4_EXP_FAMILIES
