@@ -31,13 +31,14 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from hybridkv import costmodel, traces, viz
+from hybridkv import costmodel, models, traces, viz
 from hybridkv.executors import (
     ExecutorUnavailable,
     add_executor_arguments,
     executor_options,
     open_executor,
 )
+from hybridkv.layouts import make_plan
 
 from . import data
 from .data import Deployment, GiB, available, layout_label, markdown_table, plan
@@ -305,8 +306,6 @@ NEW_FAMILIES_SMALL = ("lfm3",)
 
 def _new_family_model(family: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    from hybridkv import models
 
     return models.from_hf_config(CONFIG_MAPPING[family]().to_dict())
 
@@ -1502,6 +1501,89 @@ def sim_memory(ctx: Context) -> list[Path]:
         ],
     )
     return [ctx.save(fig, "sim_memory"), ctx.table("sim_memory", table)]
+
+
+#: models whose KV TP 8 replicates (2 KV heads, or MLA's one latent), planned with vLLM 0.33's
+#: --decode-context-parallel-size at 1 and at the largest size its checks pass
+DCP_MODELS = ("qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "nemotron-3-super-120b-a12b",
+              "kimi-linear-48b-a3b")  # fmt: skip
+DCP_TP = 8
+
+
+def _largest_dcp(model: str, tp: int) -> int:
+    """The largest decode context parallel size vLLM 0.33's checks pass at ``tp``."""
+    for size in range(tp, 1, -1):
+        if tp % size == 0:
+            try:
+                models.load(model, tp_size=tp, dcp_size=size)
+            except ValueError:
+                continue
+            return size
+    return 1
+
+
+@register(
+    "dcp_capacity",
+    "Decode context parallelism multiplies the tokens a rank holds, not its states: the ranks "
+    "that kept copies of a KV head shard its tokens, attention blocks span that many times "
+    "their rows, and a request's states weigh that many times more tokens of KV.",
+)
+def dcp_capacity(ctx: Context) -> list[Path]:
+    rows = []
+    facts = []
+    for name in DCP_MODELS[:1] if ctx.small else DCP_MODELS:
+        largest = _largest_dcp(name, DCP_TP)
+        base = None
+        for size in sorted({1, largest}):
+            model = models.load(name, tp_size=DCP_TP, dcp_size=size)
+            p = make_plan(model, "inflate", memory=40 * GiB, max_num_seqs=256)
+            (span,) = {g.block_size for g in p.attention_groups}
+            base = base or p
+            weight = size * model.state_bytes_per_seq / model.kv_bytes_per_token
+            share = p.capacity.state_reserved_bytes / p.config.memory_bytes
+            rows.append(
+                {
+                    "model": f"{name} TP{DCP_TP}",
+                    "dcp": str(size),
+                    "block": f"{p.block_size:,}",
+                    "span": f"{span:,}",
+                    "tokens": f"{p.capacity.token_capacity:,}",
+                    "ratio": f"{p.capacity.token_capacity / base.capacity.token_capacity:.2f}",
+                    "share": f"{100 * share:.1f}",
+                    "weight": f"{weight:,.0f}",
+                }
+            )
+        facts.append(f"{name} {rows[-1]['ratio']}x at DCP {largest}")
+    ctx.summaries["dcp_capacity"] = (
+        f"At TP {DCP_TP}, 40 GiB a rank and 256 running requests (inflate, vLLM 0.33's rules), "
+        f"the largest decode context parallel size vLLM accepts gives {'; '.join(facts)} the "
+        "tokens; the states, not sharded, keep their bytes, so each request's states weigh "
+        "that many times more tokens of KV, and a state page (one attention page) stands for "
+        "a block of that many times the tokens."
+    )
+    table = markdown_table(
+        rows,
+        [
+            ("model", "model"),
+            ("dcp", "DCP"),
+            ("block", "block (a rank's rows)"),
+            ("span", "attention block (tokens)"),
+            ("tokens", "token capacity"),
+            ("ratio", "x DCP 1"),
+            ("share", "states' share of the budget (%)"),
+            ("weight", "a request's states, in tokens of KV"),
+        ],
+    )
+    note = (
+        "\n\n`inflate` with vLLM 0.33's rules and defaults, 40 GiB per rank, 256 running "
+        "requests' states reserved (one slot each, as in `capacity.md`). DCP reuses the TP ranks "
+        "that would hold copies of one KV head (or of MLA's latent) to shard its tokens: a rank "
+        "keeps one token in DCP, its pages the same bytes, so an attention block spans DCP times "
+        "its rows; vLLM's hash unit is the gcd of the blocks' spans (the state block), and hits "
+        "still land on it. The decode's query gather and partial-attention merge across the "
+        "ranks are not priced by the roofline."
+    )
+    return [ctx.table("dcp_capacity", table + note)]
 
 
 from . import real_trace  # noqa: E402, F401  (registers the real-trace figure, after the others)

@@ -483,8 +483,7 @@ def _check_dcp(name: str, layers: Sequence[CacheLayer], tp: int, dcp: int) -> No
     gqa = [layer.spec for layer in attention if isinstance(layer.spec, FullAttentionSpec)]
     if any(isinstance(layer.spec, MLASpec) for layer in attention):
         return  # vLLM checks heads only where the model does not use MLA
-    for spec in {(s.num_heads, s.num_kv_heads) for s in gqa}:
-        heads, kv = spec
+    for heads, kv in {(s.num_heads, s.num_kv_heads) for s in gqa}:
         if tp <= kv:
             raise ValueError(
                 f"{name}: decode context parallelism for grouped-query attention needs a "
