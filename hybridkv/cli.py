@@ -806,7 +806,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
     memory = format_bytes(_cache_memory(args))
     if not advice.results:  # nothing ran: say why for every configuration, and fail
         raise ValueError(_nothing_ran(model, memory, advice.errors, args.max_num_seqs))
-    print(f"{model.name}  memory={memory}")
+    dcp = f"  DCP={model.dcp_size}" if model.dcp_size > 1 else ""
+    print(f"{model.name}  TP={model.tp_size}{dcp}  memory={memory}")
     print(_trace_line(_trace_info(trace)))
     good = [
         {

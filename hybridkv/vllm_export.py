@@ -825,16 +825,28 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
             spec = _mamba_spec(plan, model, group)
         else:
             spec = _attention_spec(plan, model, group)
-        group_dicts.append(_group([names[name] for name in group.layers], spec))
+        group_dicts.append(
+            _group([names[name] for name in group.layers], spec, _is_eagle_group(plan, group))
+        )
     layout = _BLOCK_OUTER_LAYOUT if packed else _LAYER_OUTER_LAYOUT
     return _config(plan, model, tensors, group_dicts, layout)
 
 
-def _group(names: list[str], spec: dict) -> dict:
+def _is_eagle_group(plan: MemoryPlan, group: KVCacheGroup) -> bool:
+    """vLLM tags a group holding the drafter's layers only where it drops a block of every
+    hit for them (``SpeculativeConfig.use_eagle_block_drop``: MTP with lookahead hashes
+    disabled); with 0.33's lookahead hashes no group is tagged."""
+    rules = plan.vllm
+    return bool(rules is not None and rules.eagle_block_drop) and any(
+        name.startswith(MTP_PREFIX) for name in group.layers
+    )
+
+
+def _group(names: list[str], spec: dict, eagle: bool = False) -> dict:
     return {
         "layer_names": names,
         "kv_cache_spec": spec,
-        "is_eagle_group": False,
+        "is_eagle_group": eagle,
         "host_resident": False,
         "enable_kv_transfer": True,
         "role": "DEFAULT",
@@ -952,6 +964,7 @@ def _packed_config(plan: MemoryPlan, model: HybridModel, names: dict[str, str]) 
                     "kv_cache_specs": inner,
                     "page_size_bytes": sum(s["page_size_bytes"] for s in specs.values()),
                 },
+                _is_eagle_group(plan, group),
             )
         )
         # layers_by_spec: equal specs (the same dataclass values) share a tensor

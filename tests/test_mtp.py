@@ -420,3 +420,17 @@ def test_mtp_turns_a_one_block_shared_prefix_into_zero_hits(capsys):
     assert fix["token_hit_rate"] == plain_rate
     assert main([*flags, "--speculative-config", spec]) == 0  # the text form quotes the JSON
     assert '--speculative-config \'{"method": "mtp"' in capsys.readouterr().out
+
+
+def test_the_export_tags_the_drafters_group_only_under_the_block_drop():
+    """vLLM 0.33 sets ``is_eagle_group`` on the groups holding the drafter's layers only when
+    it drops a block of every hit for them (``use_eagle_block_drop``: lookahead hashes turned
+    off); with its default lookahead hashes, and without MTP, no group is tagged."""
+    for switches, tagged in (({}, []), ({"disable_lookahead_block_hashes": True}, [3])):
+        target = VllmTarget(**switches)
+        model = models.load("qwen3-next-80b-a3b", **MTP)
+        plan = make_plan(model, "inflate", memory="40GiB", target=target)
+        groups = kv_cache_config(plan, model)["kv_cache_groups"]
+        assert [i for i, g in enumerate(groups) if g["is_eagle_group"]] == tagged
+        for i in tagged:
+            assert any(n.startswith("mtp.") for n in groups[i]["layer_names"])
