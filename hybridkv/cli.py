@@ -643,6 +643,7 @@ ALLOCATOR_FLAGS: dict[str, str] = {
     "checkpoint_interval": "checkpoint_interval",
     "hash_block_size": "hash_block_size",
     "eviction": "eviction",
+    "partial_hit_points": "partial_hit_points",
 }
 
 
@@ -706,6 +707,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             checkpoint_interval=args.checkpoint_interval,
             eviction=config.allocator.resolved_eviction(),
             hash_block_size=unit,
+            partial_hit_points=config.allocator.partial_hit_points,
         )
         # the plan's capacity, in plan's and advise's names (README, "JSON output")
         summary.update(
@@ -1161,7 +1163,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_plan_options(p)
     _add_trace_options(p, "mooncake")
-    from .alloc.options import EVICTIONS
+    from .alloc.options import EVICTIONS, PARTIAL_HIT_POINTS
 
     p.add_argument("--layout", default="inflate", choices=LAYOUTS, help="memory layout")
     _add_cache_formats(p, "; its sparse-attention indexers' rings are per-request scratch")
@@ -1193,6 +1195,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=EVICTIONS,
         help="lru, marconi (recency against prefill FLOPs saved per byte, across KV and states) "
         "or auto: the policy's own (marconi for marconi and hash_ladder, else lru)",
+    )
+    p.add_argument(
+        "--partial-hit-points",
+        default="units",
+        choices=PARTIAL_HIT_POINTS,
+        help="where a hit inside an attention block may land: units (any hash unit a cached "
+        "block holds: hybridkv's cache) or keys (only a full block's end or an earlier prompt's "
+        "tail, as vLLM keys them: what vLLM serves with --prefix-match-unit below the block or "
+        "decode context parallelism; the doctor's predictions use keys) (default: units)",
     )
     p.add_argument(
         "--progress",

@@ -169,8 +169,10 @@ def _vllm_options(plan: MemoryPlan, hash_unit: int | None = None) -> AllocatorOp
         enable_prefix_caching=on,
         hash_block_size=unit,
         checkpoint_policy="align",
-        # partial_hash_hits_enabled: a unit finer than the state block, or as fine under DCP
+        # partial_hash_hits_enabled: a unit finer than the state block, or as fine under DCP;
+        # inside a block, hits land only on vLLM's keys (a full block's end, a prompt's tail)
         partial_block_hits=unit < plan.block_size or plan.dcp_size > 1,
+        partial_hit_points="keys",
         evict_unreachable=False,
     )
 
@@ -261,6 +263,8 @@ def diagnose(
         findings.append(_skip_layers_finding(model, plan, plan_for))
     if model.speculative_method == "mtp":
         findings.append(_mtp_finding(model, plan, rules))
+    if model.dcp_size > 1:
+        findings.append(_dcp_finding(model, plan, plan_for))
     findings.append(_concurrency_finding(model, plan, workload, max_num_seqs, refused))
     remedies = _remedies(model, plan, plan_for, runtime, trace, target, as_given)
     return Diagnosis(
@@ -321,21 +325,28 @@ def _cache_findings(
         if lookahead
         else ""
     )
+    data: dict[str, Any] = {"min_shared_tokens": shortest}
+    if plan.dcp_size > 1:
+        # vLLM keys an attention block at its end and a prompt at its tail only: a prefix that
+        # different prompts share hits on whole (sharded) attention blocks
+        spans = sorted({block for _, block in group_roles(plan.groups).full})
+        across = math.lcm(*spans) + lookahead
+        data["min_shared_tokens_across_prompts"] = across
+        where = (
+            f"keeps Mamba states only at {big}-token block boundaries and keys its "
+            f"{_hit_block_text(plan)} attention blocks (sharded over {plan.dcp_size} "
+            "decode-context-parallel ranks) at their ends and at an earlier prompt's tail, so a "
+            f"prefix that different prompts share (a system prompt) needs {across:,} tokens"
+        )
+    else:
+        where = f"caches whole {big}-token blocks and keeps Mamba states only at block boundaries"
     out = [
         Finding(
             "min_hit",
             "note",
             f"no prefix hit is possible for a shared prefix shorter than {shortest} tokens: vLLM "
-            + (
-                f"keeps Mamba states only at {big}-token block boundaries, where it hits its "
-                f"{_hit_block_text(plan)} attention blocks (sharded over {plan.dcp_size} "
-                "decode-context-parallel ranks)"
-                if plan.dcp_size > 1
-                else f"caches whole {big}-token blocks and keeps Mamba states only at block "
-                "boundaries"
-            )
-            + f"{after} (nothing in its logs or metrics names this minimum)",
-            {"min_shared_tokens": shortest},
+            f"{where}{after} (nothing in its logs or metrics names this minimum)",
+            data,
         )
     ]
     mml = target.max_model_len
@@ -501,6 +512,34 @@ def _logged_capacities(
         return logged_capacity(wide, wide_model), logged_capacity(fp8, fp8_model)
     except ValueError:
         return None
+
+
+def _dcp_finding(model: HybridModel, plan: MemoryPlan, plan_for: Callable) -> Finding:
+    """What ``--decode-context-parallel-size`` does here: the attention blocks span it times a
+    rank's rows and a rank holds it times the tokens, while the states, not sharded, keep their
+    bytes, so each request's states weigh it times more tokens of KV."""
+    _, plain = plan_for(dcp_size=1)
+    dcp = model.dcp_size
+    spans = _hit_block_text(plan)
+    ratio = plan.capacity.token_capacity / max(1, plain.capacity.token_capacity)
+    weight = dcp * model.state_bytes_per_seq / model.kv_bytes_per_token
+    text = (
+        f"--decode-context-parallel-size {dcp}: each rank keeps one token in {dcp} of every "
+        f"attention layer, so its {plan.block_size}-row pages hold {spans} attention blocks and "
+        f"{plan.capacity.token_capacity:,} tokens fit ({ratio:.2f}x the "
+        f"{plain.capacity.token_capacity:,} without DCP); the recurrent states are not sharded, "
+        f"so a request's states weigh as much as {weight:,.0f} tokens of KV (against "
+        f"{weight / dcp:,.0f}) and every cached state costs {dcp}x the context it would"
+    )
+    data = {
+        "dcp_size": dcp,
+        "attention_block_sizes": sorted({b for _, b in group_roles(plan.groups).full}),
+        "rows_per_block": plan.block_size,
+        "token_capacity": plan.capacity.token_capacity,
+        "token_capacity_without_dcp": plain.capacity.token_capacity,
+        "state_weight_tokens": weight,
+    }
+    return Finding("dcp", "ok", text, data)
 
 
 def _mtp_finding(model: HybridModel, plan: MemoryPlan, rules: VllmRules) -> Finding:
@@ -813,8 +852,10 @@ def _remedies(
                 "dcp",
                 ("--decode-context-parallel-size", str(size)),
                 f"the {size} TP ranks that keep copies of one {held} shard its tokens instead: "
-                f"{size}x the tokens in the same memory, hits still on the "
-                f"{p.checkpoint_granularity:,}-token state block; decode then gathers queries "
+                f"{size}x the tokens in the same memory; a resend or extension of a prompt still "
+                f"hits on the {p.checkpoint_granularity:,}-token state block, a prefix that "
+                "different prompts share only in whole (sharded) attention blocks; decode then "
+                "gathers queries "
                 "and merges partial attention across them (time not priced here), and vLLM "
                 "needs an attention backend that returns the softmax LSE in decode",
                 p,

@@ -1579,9 +1579,11 @@ def dcp_capacity(ctx: Context) -> list[Path]:
         "requests' states reserved (one slot each, as in `capacity.md`). DCP reuses the TP ranks "
         "that would hold copies of one KV head (or of MLA's latent) to shard its tokens: a rank "
         "keeps one token in DCP, its pages the same bytes, so an attention block spans DCP times "
-        "its rows; vLLM's hash unit is the gcd of the blocks' spans (the state block), and hits "
-        "still land on it. The decode's query gather and partial-attention merge across the "
-        "ranks are not priced by the roofline."
+        "its rows; vLLM's hash unit is the gcd of the blocks' spans (the state block), where a "
+        "resend or an extension of a prompt still hits, while a prefix that different prompts "
+        "share hits in whole attention blocks (vLLM keys a block at its end and a prompt at "
+        "its tail). The decode's query gather and partial-attention merge across the ranks are "
+        "not priced by the roofline."
     )
     return [ctx.table("dcp_capacity", table + note)]
 

@@ -477,3 +477,45 @@ def test_an_indexer_group_keeps_partial_hash_hits(layout):
     assert "mla" in kinds and ("indexer" in kinds) == (layout != "inflate")
     assert _block(plan) > 16
     assert CheckpointPolicy("align", plan, 16).vllm.partial
+
+
+def test_vllm_keys_a_prompts_tail_until_its_block_fills():
+    """``partial_hit_points="keys"`` (vLLM's ``BlockPool``): a hit inside an attention block
+    lands only on a key, and a prompt's tail is one only until the block fills (its promotion to
+    a full entry removes the partial key). Qwen3-Next's 576-token blocks, 16-token units: a
+    1,000-token prompt is hit at its tail (992) by a prompt sharing it, until decoding fills the
+    block; then at 576 under vLLM's keys, still at 992 under hybridkv's units."""
+    import random
+
+    from hybridkv.alloc import AllocatorOptions
+
+    plan = make_plan(models.load("qwen3-next-80b-a3b"), "inflate", memory="8GiB", max_num_seqs=16)
+    assert plan.block_size == 576
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 50_000) for _ in range(1000)]
+    other = [*prompt, *range(60_000, 60_050)]
+    for points, after in (("keys", 576), ("units", 992)):
+        options = AllocatorOptions(
+            hash_block_size=16, max_model_len=1 << 16, prefill_checkpoint_alignment=None,
+            partial_hit_points=points,
+        )  # fmt: skip
+        a = HybridAllocator(plan, options)
+        a.add_request("x", prompt)
+        while a.num_tokens("x") < len(prompt):
+            assert a.allocate_slots("x", a.split_prefill("x", len(prompt) - a.num_tokens("x")))
+            a.take_state_copies()
+        assert a.find_longest_cache_hit(other) == 992
+        while a.num_tokens("x") < 2 * 576 + 8:  # decode past the tail block's end
+            a.append_tokens("x", [rng.randrange(1, 50_000)])
+            assert a.allocate_slots("x", 1)
+            a.take_state_copies()
+        check_consistency(a)
+        a.free("x")
+        assert a.find_longest_cache_hit(other) == after, points
+
+
+def test_partial_hit_points_is_checked():
+    from hybridkv.alloc import AllocatorOptions
+
+    with pytest.raises(ConfigError, match="partial_hit_points must be one of units, keys"):
+        AllocatorOptions(partial_hit_points="any")

@@ -145,11 +145,11 @@ def _serve(a: HybridAllocator, rid: str, tokens: list[int]) -> None:
     check_consistency(a)
 
 
-def test_hits_land_on_the_state_block_inside_sharded_attention_blocks():
-    """vLLM's align mode with its own hash unit (the 192-token state block) at DCP 4: attention
-    blocks span 768 tokens, and a resend of a 9-block prompt still hits 9 blocks (1,728 tokens,
-    not 1,536, the last multiple of 768), as at DCP 1; a 3-block prompt, which fills no attention
-    block, hits its tail (vLLM caches a prompt's partial tail block)."""
+def test_a_resend_hits_its_tail_inside_sharded_attention_blocks():
+    """vLLM's align mode with its own hash unit (the 192-token state block) and its keys at
+    DCP 4: attention blocks span 768 tokens, and a resend of a 9-block prompt still hits 9
+    blocks (1,728 tokens, not 1,536, the last multiple of 768: vLLM keys the prompt's tail), as
+    at DCP 1; a 3-block prompt, which fills no attention block, hits its tail too."""
     rng = random.Random(7)
     for dcp in (1, 4):
         plan = make_plan(_qwen(dcp), "inflate", memory="4GiB", max_num_seqs=16)
@@ -157,7 +157,10 @@ def test_hits_land_on_the_state_block_inside_sharded_attention_blocks():
         a = HybridAllocator(
             plan,
             AllocatorOptions(
-                hash_block_size=B, max_model_len=1 << 16, prefill_checkpoint_alignment=None
+                hash_block_size=B,
+                max_model_len=1 << 16,
+                prefill_checkpoint_alignment=None,
+                partial_hit_points="keys",
             ),
         )
         for blocks in (9, 3):
@@ -213,13 +216,23 @@ def test_cli(capsys):
 
 
 def test_the_doctor_says_where_hits_land(capsys):
-    """Under DCP the shortest shared prefix that can hit is the state block (192), not the
-    768-token attention block."""
+    """Under DCP a resend or an extension of an earlier prompt can hit from the state block
+    (192 tokens) on, while a prefix that different prompts share needs a whole 768-token
+    attention block (vLLM keys blocks at their ends); the dcp finding gives the spans, the rows
+    and the capacity against DCP 1."""
     argv = ["doctor", "--model", QWEN, "-tp", "8", "--gpu-memory", "20GiB", "--json"]
     assert main([*argv, "-dcp", "4"]) == 0
     findings = {f["key"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
-    assert findings["min_hit"]["data"]["min_shared_tokens"] == 192
+    data = findings["min_hit"]["data"]
+    assert (data["min_shared_tokens"], data["min_shared_tokens_across_prompts"]) == (192, 768)
     assert "768-token attention blocks (sharded over 4" in findings["min_hit"]["text"]
+    assert (
+        "different prompts share (a system prompt) needs 768 tokens"
+        in (findings["min_hit"]["text"])
+    )
+    dcp = findings["dcp"]["data"]
+    assert (dcp["attention_block_sizes"], dcp["rows_per_block"]) == ([768], 192)
+    assert dcp["token_capacity"] == 4 * dcp["token_capacity_without_dcp"]
 
 
 def test_the_doctor_offers_the_largest_size_vllm_accepts(capsys):
@@ -246,3 +259,44 @@ def test_only_vllm_033s_rules_are_modelled():
 
     with pytest.raises(ValueError, match=r"modelled with vLLM 0\.33's rules, not 0\.32's"):
         make_plan(_qwen(2), "inflate", memory="4GiB", target=VllmTarget(version="0.32"))
+
+
+def _shared_prefix_hits(dcp: int, points: str, shared: int) -> list[int]:
+    """Four prompts sharing their first ``shared`` tokens (then 300 of their own), served in
+    turn under vLLM's align rules at vLLM's own hash unit (the 192-token state block): the
+    tokens each one found cached."""
+    plan = make_plan(_qwen(dcp), "inflate", memory="4GiB", max_num_seqs=16)
+    options = AllocatorOptions(
+        hash_block_size=plan.block_size, max_model_len=1 << 16,
+        prefill_checkpoint_alignment=None, partial_hit_points=points, evict_unreachable=False,
+    )  # fmt: skip
+    a = HybridAllocator(plan, options)
+    rng = random.Random(shared)
+    prefix = [rng.randrange(1, 50_000) for _ in range(shared)]
+    hits = []
+    for i in range(4):
+        tokens = [*prefix, *(rng.randrange(50_001, 90_000) for _ in range(300))]
+        a.add_request(i, tokens)
+        hits.append(a.num_tokens(i))
+        while a.num_tokens(i) < len(tokens):
+            assert a.allocate_slots(i, a.split_prefill(i, len(tokens) - a.num_tokens(i)))
+            a.take_state_copies()
+        check_consistency(a)
+        a.free(i)
+    return hits
+
+
+@pytest.mark.parametrize(
+    ("shared", "vllm", "units"),
+    [(500, 0, 384), (1000, 768, 960), (1900, 1536, 1728)],
+)
+def test_different_prompts_hit_whole_sharded_blocks_as_vllm_keys_them(shared, vllm, units):
+    """vLLM keys a full attention block at its end and a prompt at its tail only (BlockPool),
+    so under DCP 4 a prefix that different prompts share hits on whole 768-token blocks: the
+    third and fourth prompts hit 0, 768, 1,536 tokens of a 500, 1,000, 1,900-token shared
+    prefix (vLLM 0.33's KVCacheManager, run on a CPU with the same prompts, gives these), though
+    the states lie every 192 tokens; hybridkv's own cache (any unit a block holds) hits on the
+    192 grid. Without DCP the blocks are 192 tokens and both agree."""
+    assert _shared_prefix_hits(4, "keys", shared) == [0, 0, vllm, vllm]
+    assert _shared_prefix_hits(4, "units", shared) == [0, 0, units, units]
+    assert _shared_prefix_hits(1, "keys", shared) == _shared_prefix_hits(1, "units", shared)

@@ -22,13 +22,15 @@ from .policies import POLICY_CLASSES
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import MemoryPlan
 
-__all__ = ["AUTO", "EVICTIONS", "AllocatorOptions"]
+__all__ = ["AUTO", "EVICTIONS", "PARTIAL_HIT_POINTS", "AllocatorOptions"]
 
 #: ``prefill_checkpoint_alignment`` taken from the plan's vLLM target; ``eviction``: the
 #: policy's own
 AUTO = "auto"
 #: the evictions ``AllocatorOptions.eviction`` names
 EVICTIONS = (AUTO, "lru", "marconi")
+#: where ``AllocatorOptions.partial_hit_points`` lets a hit inside a block land
+PARTIAL_HIT_POINTS = ("units", "keys")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class AllocatorOptions:
     - ``partial_block_hits``: let attention hit inside a block (at hash-unit granularity) by
       copying the reused tokens into a new block; pays off where state checkpoints are finer
       than the attention block (``last``/``marconi`` with large blocks).
+    - ``partial_hit_points``: where such a hit may land. ``"units"``: at any hash unit a cached
+      block holds that agrees with the prompt (hybridkv's cache). ``"keys"``: only where vLLM
+      0.33 keys an entry (``BlockPool``): a full block's last unit, or a prompt's tail cached as
+      a partial entry, which a block's promotion to a full entry removes; what vLLM serves,
+      fewer hits where states are kept finer than the attention blocks' keys (``--prefix-match-
+      unit`` below the block, decode context parallelism).
     - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
     - ``marconi_alpha``, ``marconi_flops`` (Marconi's eviction only): its weight of FLOPs saved
       per byte against recency, and the FLOP model (``costmodel.StepCoster(model,
@@ -87,6 +95,7 @@ class AllocatorOptions:
     checkpoint_policy: str = "align"
     max_model_len: int = 32768
     partial_block_hits: bool = True
+    partial_hit_points: str = "units"
     hash_algo: str = "sha256"
     marconi_alpha: float = 1.0
     marconi_flops: PrefillFlops | None = field(default=None, compare=False)
@@ -113,6 +122,11 @@ class AllocatorOptions:
         if self.hash_algo not in HASH_ALGOS:
             raise ConfigError(
                 f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}"
+            )
+        if self.partial_hit_points not in PARTIAL_HIT_POINTS:
+            raise ConfigError(
+                f"partial_hit_points must be one of {', '.join(PARTIAL_HIT_POINTS)}, got "
+                f"{self.partial_hit_points!r}"
             )
         if self.eviction not in EVICTIONS:
             raise ConfigError(

@@ -79,6 +79,9 @@ class GroupManager(ABC):
         self.hit_step = hit_step
         #: hash units per block
         self.units_per_block = group.block_size // hash_block_size
+        #: a hit inside a block lands only where an entry is keyed (vLLM's), not at any unit a
+        #: cached block holds (``AllocatorOptions.partial_hit_points``; the coordinator sets it)
+        self.keyed_partial_hits = False
 
     @property
     def window(self) -> int:

@@ -103,8 +103,10 @@ class Coordinator:
     """The group managers of one allocator, in group order, and the hits across them.
 
     ``ids``: group -> where its ids come from; ``partial_hits``: attention may hit inside a
-    block (at hash-unit granularity); ``state_hit_step``: the checkpoint policy's spacing of
-    state hit points; ``slots_per_seq``: state slots each request reserves."""
+    block (at hash-unit granularity), ``keyed_partial_hits`` only where an entry is keyed
+    (vLLM's, ``AllocatorOptions.partial_hit_points``); ``state_hit_step``: the checkpoint
+    policy's spacing of state hit points; ``slots_per_seq``: state slots each request
+    reserves."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class Coordinator:
         hash_block_size: int,
         partial_hits: bool,
         state_hit_step: int,
+        keyed_partial_hits: bool = False,
         slots_per_seq: int,
     ) -> None:
         h = self.h = hash_block_size
@@ -129,6 +132,7 @@ class Coordinator:
             else:
                 step = h if partial_hits else g.block_size
                 m = cls(g, ids[g.group_id], tables, index, h, step)
+                m.keyed_partial_hits = keyed_partial_hits
             self.managers.append(m)
         self.attention = [m for m in self.managers if not m.is_state]
         self.states = [m for m in self.managers if m.is_state]

@@ -39,11 +39,20 @@ class FullAttentionManager(GroupManager):
         while n < nblocks and self.lookup(hashes[(n + 1) * s - 1]) is not None:
             n += 1
         hit = n * B
-        if self.hit_step < B:  # partial hit inside block n, one step at a time
+        if self.hit_step < B:  # partial hit inside block n
             per, h = self.hit_step // self.h, self.h
-            i = n * s + per - 1
+            first = n * s + per - 1
             end = min((n + 1) * s, limit // h)
-            holder = self.index.holder
+            if self.keyed_partial_hits:
+                # vLLM probes the block's hit points from the top for a key (a prompt tail's
+                # partial entry): the units a full block holds are not keys of their own
+                i = first + (end - 1 - first) // per * per
+                while i >= first:
+                    if self.lookup(hashes[i]) is not None:
+                        return (i + 1) * h
+                    i -= per
+                return hit
+            holder, i = self.index.holder, first
             while i < end and holder(self.group_id, hashes[i]) is not None:
                 hit = (i + 1) * h
                 i += per
