@@ -800,10 +800,14 @@ def kv_cache_config(plan: MemoryPlan, model: HybridModel) -> dict[str, Any]:
     ``VllmTarget(cache_formats="vllm")``).
     """
     _check_exportable(plan)
-    if model.name != plan.model_name or model.tp_size != plan.tp_size:
+    if (model.name, model.tp_size, model.dcp_size) != (
+        plan.model_name,
+        plan.tp_size,
+        plan.dcp_size,
+    ):
         raise ValueError(
-            f"the plan is for {plan.model_name} at TP {plan.tp_size}, the model given is "
-            f"{model.name} at TP {model.tp_size}"
+            f"the plan is for {plan.model_name} at TP {plan.tp_size} and DCP {plan.dcp_size}, "
+            f"the model given is {model.name} at TP {model.tp_size} and DCP {model.dcp_size}"
         )
     names, order = _names_and_order(model)  # a family vLLM does not serve raises here
     if plan.kv_cache_layout is not None:
@@ -858,14 +862,14 @@ def _config(
 ) -> dict[str, Any]:
     rules = plan.vllm
     assert rules is not None
-    hash_block, hit_alignment = _block_sizes(groups, rules, model.dcp_size)
+    hash_block, hit_alignment = _block_sizes(groups, rules, plan.dcp_size)
     # kv_cache_groups_tp_replicas: gcd over layers of tp // max_tp_shards (1 for unset, Mamba,
     # and a layer DCP shards: its ranks then hold different tokens)
     replicas = model.tp_size
     for g in groups:
         for spec in _layer_specs(g["kv_cache_spec"]):
             shards = spec.get("max_tp_shards")
-            if spec.get("dcp_sharded") and model.dcp_size > 1:
+            if spec.get("dcp_sharded") and plan.dcp_size > 1:
                 shards = None
             replicas = math.gcd(replicas, max(1, model.tp_size // shards) if shards else 1)
     return {
@@ -1074,7 +1078,7 @@ def request_blocks(plan: MemoryPlan, model: HybridModel, tokens: int) -> Request
         elif kinds <= {"FullAttentionSpec", "MLAAttentionSpec"}:
             # under DCP a block spans dcp times its rows: cdiv(cdiv(n, dcp), rows) blocks, as
             # FullAttentionSpec.max_memory_usage_bytes counts them
-            block_sizes.append(_span(spec, model.dcp_size))
+            block_sizes.append(_span(spec, plan.dcp_size))
         else:
             raise ValueError(
                 f"{plan.model_name}: a {'/'.join(sorted(kinds))} group's blocks per request "

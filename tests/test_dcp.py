@@ -300,3 +300,9 @@ def test_different_prompts_hit_whole_sharded_blocks_as_vllm_keys_them(shared, vl
     assert _shared_prefix_hits(4, "keys", shared) == [0, 0, vllm, vllm]
     assert _shared_prefix_hits(4, "units", shared) == [0, 0, units, units]
     assert _shared_prefix_hits(1, "keys", shared) == _shared_prefix_hits(1, "units", shared)
+
+
+def test_the_export_refuses_a_model_at_another_dcp_size():
+    plan = make_plan(_qwen(4), "inflate", memory="20GiB", max_num_seqs=64)
+    with pytest.raises(ValueError, match=r"at TP 8 and DCP 4, the model given is .* DCP 1"):
+        kv_cache_config(plan, _qwen(1))
