@@ -707,7 +707,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             checkpoint_interval=args.checkpoint_interval,
             eviction=config.allocator.resolved_eviction(),
             hash_block_size=unit,
-            partial_hit_points=config.allocator.partial_hit_points,
+            partial_hit_points=config.allocator.resolved_partial_hit_points(),
         )
         # the plan's capacity, in plan's and advise's names (README, "JSON output")
         summary.update(
@@ -1198,12 +1198,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--partial-hit-points",
-        default="units",
+        default="auto",
         choices=PARTIAL_HIT_POINTS,
         help="where a hit inside an attention block may land: units (any hash unit a cached "
         "block holds: hybridkv's cache) or keys (only a full block's end or an earlier prompt's "
         "tail, as vLLM keys them: what vLLM serves with --prefix-match-unit below the block or "
-        "decode context parallelism; the doctor's predictions use keys) (default: units)",
+        "decode context parallelism) (default: auto, the policy's own: keys for align, units "
+        "for the others)",
     )
     p.add_argument(
         "--progress",

@@ -169,10 +169,9 @@ def _vllm_options(plan: MemoryPlan, hash_unit: int | None = None) -> AllocatorOp
         enable_prefix_caching=on,
         hash_block_size=unit,
         checkpoint_policy="align",
-        # partial_hash_hits_enabled: a unit finer than the state block, or as fine under DCP;
-        # inside a block, hits land only on vLLM's keys (a full block's end, a prompt's tail)
+        # partial_hash_hits_enabled: a unit finer than the state block, or as fine under DCP
+        # (align's hits inside a block land on vLLM's keys: a full block's end, a prompt's tail)
         partial_block_hits=unit < plan.block_size or plan.dcp_size > 1,
-        partial_hit_points="keys",
         evict_unreachable=False,
     )
 

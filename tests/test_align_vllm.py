@@ -266,17 +266,21 @@ def test_junction_checkpoint(unit):
     a.free("c")
 
 
-def test_a_junction_inside_the_first_block_cuts_nothing():
+@pytest.mark.parametrize(("points", "junction"), [("units", 1), ("keys", 0)])
+def test_a_junction_inside_the_first_block_cuts_nothing(points, junction):
+    """A prefix shared inside the first (full) block: on hybridkv's units attention finds it
+    and it is the junction; on vLLM's keys the block is keyed at its end only, so attention
+    finds nothing there and there is no junction. Either way no block boundary lies below it
+    to keep, and the first chunk runs to pos(len, B)."""
     _, plan = gdn()
     B = _block(plan)
-    a = _alloc(plan)
+    a = _alloc(plan, partial_hit_points=points)
     shared = list(range(B // 2))
     _prefill(a, "a", shared + [7] * (2 * B))
     a.free("a")
     b = shared + [8] * (2 * B)
     assert a.add_request("b", b).num_cached_tokens == 0
-    assert a.junction("b") == B // 2
-    # no block boundary to keep below the junction: the first chunk runs to pos(len, B)
+    assert a.junction("b") == junction * B // 2
     assert a.split_prefill("b", len(b)) == pos(len(b), B)
     a.free("b")
 
@@ -380,7 +384,7 @@ def test_last_and_marconi_ignore_the_align_options():
 def test_the_prompts_partial_attention_tail_grows_into_a_full_block():
     """With 16-token hash units the attention block holding the prompt's last hash boundary is
     cached up to it (a later request hits it and copies those tokens); once decode fills the
-    block, the entry becomes the whole block, and the events say so."""
+    block, the entry becomes the whole block, keyed at its end only, and the events say so."""
     from hybridkv.alloc import CacheIndex
 
     _, plan = gdn()
@@ -407,9 +411,10 @@ def test_the_prompts_partial_attention_tail_grows_into_a_full_block():
     assert a.pool[attn].key_of(block) == (attn, units[3 * B // 16 - 1])  # the whole block now
     assert index.errors == 0 and index.parent == a.cached_units()
     a.free("a")
-    # the prompt's tail state is still served, by the full block's first tokens
+    # the full block is keyed at its end only (vLLM's promotion removes the tail's partial key),
+    # so the prompt's tail state is no longer reached: the resend hits the two blocks before
     hit = a.add_request("b", [*prompt, 9])
-    assert hit.num_cached_tokens == tail and hit.kv_copies
+    assert tail > 2 * B and hit.num_cached_tokens == 2 * B and not hit.kv_copies
     a.free("b")
     check_consistency(a)
 
@@ -517,5 +522,16 @@ def test_vllm_keys_a_prompts_tail_until_its_block_fills():
 def test_partial_hit_points_is_checked():
     from hybridkv.alloc import AllocatorOptions
 
-    with pytest.raises(ConfigError, match="partial_hit_points must be one of units, keys"):
+    with pytest.raises(ConfigError, match="partial_hit_points must be one of auto, units, keys"):
         AllocatorOptions(partial_hit_points="any")
+
+
+def test_vllms_align_lands_on_its_keys_by_default():
+    """``partial_hit_points="auto"``: the policy's own, vLLM's keys under its ``align``,
+    hybridkv's units under its own policies; either can be asked for."""
+    from hybridkv.alloc import AllocatorOptions
+
+    assert AllocatorOptions().resolved_partial_hit_points() == "keys"
+    for policy in ("last", "marconi", "align_every_block", "periodic", "hash_ladder"):
+        assert AllocatorOptions(checkpoint_policy=policy).resolved_partial_hit_points() == "units"
+    assert AllocatorOptions(partial_hit_points="units").resolved_partial_hit_points() == "units"

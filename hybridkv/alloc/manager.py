@@ -132,7 +132,7 @@ class HybridAllocator:
             self.index,
             hash_block_size=self.h,
             partial_hits=o.partial_block_hits,
-            keyed_partial_hits=o.partial_hit_points == "keys",
+            keyed_partial_hits=o.resolved_partial_hit_points() == "keys",
             state_hit_step=self.policy.step,
             slots_per_seq=self.slots_per_seq,
         )

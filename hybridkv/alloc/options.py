@@ -30,7 +30,7 @@ AUTO = "auto"
 #: the evictions ``AllocatorOptions.eviction`` names
 EVICTIONS = (AUTO, "lru", "marconi")
 #: where ``AllocatorOptions.partial_hit_points`` lets a hit inside a block land
-PARTIAL_HIT_POINTS = ("units", "keys")
+PARTIAL_HIT_POINTS = (AUTO, "units", "keys")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class AllocatorOptions:
       0.33 keys an entry (``BlockPool``): a full block's last unit, or a prompt's tail cached as
       a partial entry, which a block's promotion to a full entry removes; what vLLM serves,
       fewer hits where states are kept finer than the attention blocks' keys (``--prefix-match-
-      unit`` below the block, decode context parallelism).
+      unit`` below the block, decode context parallelism). ``"auto"`` (default): the policy's
+      own (``keys`` for vLLM's ``align``, ``units`` for hybridkv's policies).
     - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
     - ``marconi_alpha``, ``marconi_flops`` (Marconi's eviction only): its weight of FLOPs saved
       per byte against recency, and the FLOP model (``costmodel.StepCoster(model,
@@ -95,7 +96,7 @@ class AllocatorOptions:
     checkpoint_policy: str = "align"
     max_model_len: int = 32768
     partial_block_hits: bool = True
-    partial_hit_points: str = "units"
+    partial_hit_points: str = AUTO
     hash_algo: str = "sha256"
     marconi_alpha: float = 1.0
     marconi_flops: PrefillFlops | None = field(default=None, compare=False)
@@ -162,6 +163,13 @@ class AllocatorOptions:
         if self.eviction != AUTO:
             return self.eviction
         return POLICY_CLASSES[self.checkpoint_policy].eviction
+
+    def resolved_partial_hit_points(self) -> str:
+        """``"units"`` or ``"keys"``: :attr:`partial_hit_points`, or the policy's own for
+        ``"auto"``."""
+        if self.partial_hit_points != AUTO:
+            return self.partial_hit_points
+        return POLICY_CLASSES[self.checkpoint_policy].partial_hit_points
 
     def replace(self, **changes: Any) -> AllocatorOptions:
         """A copy with ``changes`` (validated again); unknown names raise :class:`ConfigError`."""

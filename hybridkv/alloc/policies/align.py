@@ -269,6 +269,7 @@ class AlignPolicy(CheckpointPolicy):
     name = "align"
     admission_probe = "junction"
     state_slots_per_request = 2
+    partial_hit_points = "keys"  # vLLM's BlockPool: hits inside a block land on its keys
 
     def configure(self, plan: MemoryPlan) -> None:
         retention_interval = self.retention_interval

@@ -126,6 +126,10 @@ class CheckpointPolicy:
     #: ``"lru"`` (the pools') or ``"marconi"`` (recency against FLOPs saved per byte,
     #: ``marconi_alpha``)
     eviction: ClassVar[str] = "lru"
+    #: where a hit inside an attention block lands unless ``AllocatorOptions.
+    #: partial_hit_points`` says otherwise: ``"units"`` (any unit a cached block holds:
+    #: hybridkv's cache) or ``"keys"`` (vLLM's keys: a block's end, a prompt's tail)
+    partial_hit_points: ClassVar[str] = "units"
 
     def __new__(cls, name: str, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if cls is CheckpointPolicy:
