@@ -289,6 +289,12 @@ def _hit_block(plan: MemoryPlan) -> int:
     block."""
     if plan.dcp_size > 1 and plan.state_groups:
         return plan.checkpoint_granularity
+    return _whole_block(plan)
+
+
+def _whole_block(plan: MemoryPlan) -> int:
+    """The lcm of the block sizes of the groups whose hits need the whole prefix: where vLLM's
+    keys of full blocks fall together (the block size where there is none)."""
     blocks = [block for _, block in group_roles(plan.groups).full]
     return math.lcm(*blocks) if blocks else plan.block_size
 
@@ -328,8 +334,7 @@ def _cache_findings(
     if plan.dcp_size > 1:
         # vLLM keys an attention block at its end and a prompt at its tail only: a prefix that
         # different prompts share hits on whole (sharded) attention blocks
-        spans = sorted({block for _, block in group_roles(plan.groups).full})
-        across = math.lcm(*spans) + lookahead
+        across = _whole_block(plan) + lookahead
         data["min_shared_tokens_across_prompts"] = across
         where = (
             f"keeps Mamba states only at {big}-token block boundaries and keys its "
@@ -884,17 +889,10 @@ def _dcp_remedy(
     """The largest decode context parallel size vLLM 0.33 accepts for this model and TP where
     the flags set none (the ranks that replicate the KV shard its tokens instead), and its
     plan; None where TP is 1, DCP is set, or no size passes vLLM's checks."""
-    if model.dcp_size > 1 or model.tp_size == 1 or target.version != "0.33":
+    if model.dcp_size > 1 or target.version != "0.33":
         return None
-    for size in range(model.tp_size, 1, -1):
-        if model.tp_size % size:
-            continue
-        try:
-            _, p = plan_for(dcp_size=size)
-        except ValueError:  # vLLM's checks of the size (or a layer kind DCP does not take)
-            continue
-        return size, p
-    return None
+    size = model.largest_dcp_size()
+    return (size, plan_for(dcp_size=size)[1]) if size > 1 else None
 
 
 def _per_group_plan(model: HybridModel, plan: MemoryPlan) -> MemoryPlan:

@@ -1510,18 +1510,6 @@ DCP_MODELS = ("qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "nemotron-3-super-120b-
 DCP_TP = 8
 
 
-def _largest_dcp(model: str, tp: int) -> int:
-    """The largest decode context parallel size vLLM 0.33's checks pass at ``tp``."""
-    for size in range(tp, 1, -1):
-        if tp % size == 0:
-            try:
-                models.load(model, tp_size=tp, dcp_size=size)
-            except ValueError:
-                continue
-            return size
-    return 1
-
-
 @register(
     "dcp_capacity",
     "Decode context parallelism multiplies the tokens a rank holds, not its states: the ranks "
@@ -1532,7 +1520,7 @@ def dcp_capacity(ctx: Context) -> list[Path]:
     rows = []
     facts = []
     for name in DCP_MODELS[:1] if ctx.small else DCP_MODELS:
-        largest = _largest_dcp(name, DCP_TP)
+        largest = models.load(name, tp_size=DCP_TP).largest_dcp_size()
         base = None
         for size in sorted({1, largest}):
             model = models.load(name, tp_size=DCP_TP, dcp_size=size)

@@ -296,6 +296,18 @@ class HybridModel:
             dcp_size=dcp_size,
         )
 
+    def largest_dcp_size(self) -> int:
+        """The largest ``dcp_size`` vLLM 0.33's checks accept at this model's TP size (1 where
+        none above 1 does): the ranks that keep copies of a KV head, or of MLA's latent."""
+        for size in range(self.tp_size, 1, -1):
+            if self.tp_size % size == 0:
+                try:
+                    _check_dcp(self.name, self.layers, self.tp_size, size)
+                except ValueError:
+                    continue
+                return size
+        return 1
+
     def _with_drafter(self, method: str, num_spec_tokens: int) -> list[CacheLayer]:
         """The target model's cache layers, and the MTP drafter's attention layers under
         ``method="mtp"`` (built from the target's full-attention spec, as vLLM builds them)."""
