@@ -323,18 +323,28 @@ def _cache_findings(
             )
         ]
     lookahead = rules.hash_lookahead_tokens
-    shortest = big + lookahead
-    after = (
-        f", and under MTP a block's hash covers the {lookahead} token{'s' * (lookahead > 1)} "
-        "after it"
-        if lookahead
-        else ""
-    )
+    # under EAGLE's block drop a hit gives a hit unit back (the block; a state block of the
+    # sharded attention blocks under DCP): a prefix serves only once a unit more is shared
+    drop = big if rules.eagle_block_drop else 0
+    extra = lookahead + drop
+    shortest = big + extra
+    if lookahead:
+        after = (
+            f", and under MTP a block's hash covers the {lookahead} "
+            f"token{'s' * (lookahead > 1)} after it"
+        )
+    elif drop:
+        after = (
+            f", and under MTP it drops the last {drop:,} tokens of every hit (EAGLE's block "
+            "drop), so a prefix serves a block less than it shares"
+        )
+    else:
+        after = ""
     data: dict[str, Any] = {"min_shared_tokens": shortest}
     if plan.dcp_size > 1:
         # vLLM keys an attention block at its end and a prompt at its tail only: a prefix that
         # different prompts share hits on whole (sharded) attention blocks
-        across = _whole_block(plan) + lookahead
+        across = _whole_block(plan) + extra
         data["min_shared_tokens_across_prompts"] = across
         where = (
             f"keeps Mamba states only at {big}-token block boundaries and keys its "
@@ -563,7 +573,8 @@ def _mtp_finding(model: HybridModel, plan: MemoryPlan, rules: VllmRules) -> Find
         {
             "drafter_layers": drafter,
             # schema 1's key: whether the predictions follow what vLLM does to hits under MTP
-            "hit_drop_modelled": not rules.eagle_block_drop,
+            # (the lookahead hashes and EAGLE's block drop both are)
+            "hit_drop_modelled": True,
             "hash_lookahead_tokens": rules.hash_lookahead_tokens,
             "eagle_block_drop": rules.eagle_block_drop,
         },
@@ -816,19 +827,24 @@ def _remedies(
                 _vllm_options(half),
             )
         )
-    if plan.vllm.hash_lookahead_tokens:
-        # MTP's lookahead hashes cost a block wherever a shared prefix ends on one; vLLM's
-        # switch turns them off together with the block drop (SpeculativeConfig)
+    if plan.vllm.hash_lookahead_tokens or plan.vllm.eagle_block_drop:
+        # MTP's lookahead hashes cost a block wherever a shared prefix ends on one, EAGLE's
+        # block drop a block of every hit; vLLM's switch turns both off (SpeculativeConfig)
         plain = dataclasses.replace(target, disable_eagle_block_drop=True)
         _, p = plan_for(target=plain)
         spec = {"method": "mtp", "num_speculative_tokens": model.num_spec_tokens}
+        gain = (
+            "a hit no longer needs the token after it"
+            if plan.vllm.hash_lookahead_tokens
+            else "a hit no longer gives its last block back"
+        )
         out.append(
             remedy(
                 "mtp_plain_hashes",
                 ("--speculative-config", json.dumps({**spec, "disable_eagle_block_drop": True})),
-                "plain block hashes: a hit no longer needs the token after it, and the drafter "
-                "reads a cached block's last position built from another next token (vLLM "
-                "warns that speculative acceptance may drop)",
+                f"plain block hashes: {gain}, and the drafter reads a cached block's last "
+                "position built from another next token (vLLM warns that speculative "
+                "acceptance may drop)",
                 p,
                 _vllm_options(p),
             )

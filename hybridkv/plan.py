@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import dtype_bytes, torch_dtype
+from .models.model import MTP_PREFIX
 from .target import VllmRules, VllmTarget
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,6 +149,12 @@ class KVCacheGroup:
     @property
     def is_state(self) -> bool:
         return self.kind == "state"
+
+    @property
+    def holds_drafter(self) -> bool:
+        """The group holds layers of an MTP drafter (``mtp.layers.*``, beside the target's):
+        vLLM's ``is_eagle_group``, the group whose hits lose a block under EAGLE's block drop."""
+        return any(name.startswith(MTP_PREFIX) for name in self.layers)
 
     @property
     def rows_per_block(self) -> int:

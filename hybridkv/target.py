@@ -500,7 +500,7 @@ class VllmRules:
     #: together with the tokens after it; 0 without MTP or prefix caching
     hash_lookahead_tokens: int = 0
     #: vLLM drops the last block of every prefix hit instead (vLLM 0.32's EAGLE block drop,
-    #: with align's checkpoints a block earlier), which hybridkv's allocator does not model
+    #: with align's checkpoints a block earlier: ``AllocatorOptions.eagle_block_drop``)
     eagle_block_drop: bool = False
 
     @property
@@ -525,9 +525,8 @@ class VllmRules:
             return (
                 f"{version} drops the last block of every prefix hit in the drafter's group "
                 "(EAGLE's block drop) and keeps align's checkpoints a block earlier "
-                "(get_mamba_prefill_checkpoint_position with drop_eagle_block), which "
-                "hybridkv's allocator does not model: predicted hits can exceed vLLM's by up "
-                "to one block per hit"
+                "(get_mamba_prefill_checkpoint_position with drop_eagle_block); modelled in "
+                "these predictions (AllocatorOptions.eagle_block_drop)"
             )
         n = self.hash_lookahead_tokens
         if not n:

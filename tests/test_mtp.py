@@ -8,8 +8,8 @@ its capacity by hand, the export's layer names and the refusals.
 
 The drafter's KV at a position is built from the next token, so vLLM 0.33 hashes every unit with
 the token(s) after it (lookahead block hashes, ``num_hash_lookahead_tokens``) where 0.32 dropped
-the last block of each hit: the lookahead is modelled (hashes, the allocator's hits, align's
-checkpoint positions, the doctor's predictions), 0.32's drop is said not to be."""
+the last block of each hit: both are modelled (hashes, the allocator's hits, align's checkpoint
+positions, the doctor's predictions); the drop's own tests are in ``test_eagle_block_drop.py``."""
 
 from __future__ import annotations
 
@@ -148,8 +148,8 @@ def test_the_engine_refuses_a_drafter_cache():
 
 
 def test_the_doctor_says_what_mtp_costs_and_what_vllm_does_to_hits(capsys):
-    """The drafter's layer is planned; vLLM 0.33's lookahead hashes are modelled and said so,
-    vLLM 0.32's block drop is not and is said so, in the doctor and in simulate's note."""
+    """The drafter's layer is planned; vLLM 0.33's lookahead hashes and vLLM 0.32's block drop
+    are modelled and said so, in the doctor and in simulate's note."""
     spec = '{"method": "mtp", "num_speculative_tokens": 2}'
     assert main(["doctor", "--speculative-config", spec, "--json"]) == 0
     finding = next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["key"] == "mtp")
@@ -164,8 +164,8 @@ def test_the_doctor_says_what_mtp_costs_and_what_vllm_does_to_hits(capsys):
     old = ["doctor", "--speculative-config", spec, "--vllm-version", "0.32", "--json"]
     assert main(old) == 0
     finding = next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["key"] == "mtp")
-    assert finding["data"]["hit_drop_modelled"] is False and finding["data"]["eagle_block_drop"]
-    assert "does not model" in finding["text"]
+    assert finding["data"]["hit_drop_modelled"] is True and finding["data"]["eagle_block_drop"]
+    assert "EAGLE's block drop" in finding["text"] and "modelled in these" in finding["text"]
     args = ["simulate", "--speculative-config", spec, "--trace", "shared_prefix"]
     assert main([*args, "--requests", "4"]) == 0
     assert "lookahead block hashes" in capsys.readouterr().err
@@ -355,7 +355,7 @@ def test_doctor_predicts_the_lookahead_cost(capsys):
 
 def test_speculative_switches_decide_the_hit_rule(capsys):
     """vLLM's ``disable_eagle_block_drop`` (plain hashes: hits as without MTP) and
-    ``disable_lookahead_block_hashes`` (back to the block drop, not modelled) are read from
+    ``disable_lookahead_block_hashes`` (back to the block drop) are read from
     ``--speculative-config``; a value that is not a bool is refused by name."""
     flags = ["doctor", "--prompt-len", "3000", "--shared-prefix", "1728", "--json"]
 
@@ -374,9 +374,10 @@ def test_speculative_switches_decide_the_hit_rule(capsys):
     mtp, rate = doctor(disable_eagle_block_drop=True)
     assert rate == plain and mtp["data"]["hash_lookahead_tokens"] == 0
     assert "disable_eagle_block_drop" in mtp["text"]
-    mtp, _ = doctor(disable_lookahead_block_hashes=True)
-    assert mtp["data"]["eagle_block_drop"] and not mtp["data"]["hit_drop_modelled"]
-    assert "does not model" in mtp["text"]
+    mtp, dropped = doctor(disable_lookahead_block_hashes=True)
+    assert mtp["data"]["eagle_block_drop"] and mtp["data"]["hit_drop_modelled"]
+    assert "EAGLE's block drop" in mtp["text"]
+    assert dropped < plain  # a block of every hit given back
     mtp, rate = doctor()
     assert rate < plain and mtp["data"]["hash_lookahead_tokens"] == 1
     old = json.dumps(

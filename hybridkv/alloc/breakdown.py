@@ -115,6 +115,12 @@ class BreakdownSource(Protocol):
         """Every id running requests hold, as ``(group, ids)``; an id once per holder."""
         ...
 
+    @property
+    def hit_peek_units(self) -> Mapping[int, int]:
+        """Group -> hash units a hit needs cached past it (EAGLE's block drop; empty
+        without)."""
+        ...
+
 
 def memory_breakdown(alloc: BreakdownSource) -> MemoryBreakdown:
     """Classify every byte of ``alloc``'s plan; see the module docstring."""
@@ -220,7 +226,9 @@ def _cached(
 def _useful_units(alloc: BreakdownSource) -> dict[int, set[bytes]]:
     """Group -> the units of it a hit could use (:meth:`.reach.Reach.useful_units`)."""
     roles = group_roles(alloc.plan.groups)
-    return Reach(alloc.index).useful_units(roles.full_ids, list(roles.window), list(roles.state))
+    return Reach(alloc.index).useful_units(
+        roles.full_ids, list(roles.window), list(roles.state), alloc.hit_peek_units
+    )
 
 
 def breakdown_table(samples: list[MemoryBreakdown]) -> dict[str, Any]:

@@ -44,12 +44,19 @@ class Evicted(NamedTuple):
 class Cascade:
     """The eviction cascade over ``index`` and the pools of ``groups`` (``pools``: group id ->
     its :class:`~.block_pool.IdCache`; read when settling, so it may be filled in after the
-    pools that call :meth:`evicted` are built)."""
+    pools that call :meth:`evicted` are built). ``peek``: group -> hash units a hit needs
+    cached past it there (EAGLE's block drop; empty without): the cascade keeps them past
+    every state that stays."""
 
     def __init__(
-        self, index: PrefixIndex, groups: Sequence[KVCacheGroup], pools: Mapping[int, IdCache]
+        self,
+        index: PrefixIndex,
+        groups: Sequence[KVCacheGroup],
+        pools: Mapping[int, IdCache],
+        peek: Mapping[int, int] | None = None,
     ) -> None:
         self.index = index
+        self.keep_past_states(peek or {})
         self.reach = Reach(index)
         self.pools = pools
         roles = group_roles(groups)
@@ -65,6 +72,14 @@ class Cascade:
         self.other_kv_groups = len(self.chain_groups) > 1
         #: entries evicted since the last :meth:`settle`, oldest first
         self.pending: list[Evicted] = []
+
+    def keep_past_states(self, peek: Mapping[int, int]) -> None:
+        """Set ``peek`` (see the class docstring): the allocator knows it once its group
+        managers are built, after the pools that call :meth:`evicted`."""
+        self.peek = dict(peek)
+        # units kept after the state or branch point above a dead segment (one figure for
+        # every chain group walked: the drafter's group is the only full one in practice)
+        self.peek_units = max(self.peek.values(), default=0)
 
     def evicted(self, key: CacheKey, bid: int) -> None:
         """A pool evicted ``key`` (held in ``bid``): update the index and remember the entry for
@@ -128,7 +143,11 @@ class Cascade:
                         _doom(doomed, self.state, [u])
                 elif full and (full[0], u) not in done:
                     done.add((full[0], u))
-                    _doom(doomed, self.chain_groups, reach.dead_segment(full[0], u, e.first_unit))
+                    _doom(
+                        doomed,
+                        self.chain_groups,
+                        reach.dead_segment(full[0], u, e.first_unit, self.peek_units),
+                    )
             elif e.group in full:
                 gone = [u for u in e.units if (e.group, u) not in parent]
                 if not gone:
@@ -144,7 +163,9 @@ class Cascade:
                 if e.above is not None and above in parent and above not in done:
                     # the chain above the gap served only what lay below it, perhaps
                     done.add(above)
-                    segment = reach.dead_segment(e.group, e.above, e.first_unit - 1)
+                    segment = reach.dead_segment(
+                        e.group, e.above, e.first_unit - 1, self.peek_units
+                    )
                     _doom(doomed, self.chain_groups, segment)
         return doomed
 
@@ -176,7 +197,10 @@ class Cascade:
         if last == len(hashes):
             return
         entries, h = self.index.entries, self.index.h
+        state_end = last
         for gid, B in self.full_blocks:
+            # the units a hit at the last state looks up past it stay (EAGLE's block drop)
+            last = min(len(hashes), state_end + self.peek.get(gid, 0)) if state_end else 0
             pool, row, s = self.pools[gid], blocks[gid], B // h
             for j in range(last // s, len(row)):
                 bid = row[j]

@@ -125,17 +125,7 @@ class HybridAllocator:
         fixed = {g.group_id: slots for g in plan.state_groups}
         self.tables = BlockTables(len(self.groups), fixed=fixed)
         #: the group managers and the hits across them
-        self.coordinator = Coordinator(
-            plan,
-            self.pool,
-            self.tables,
-            self.index,
-            hash_block_size=self.h,
-            partial_hits=o.partial_block_hits,
-            keyed_partial_hits=o.resolved_partial_hit_points() == "keys",
-            state_hit_step=self.policy.step,
-            slots_per_seq=self.slots_per_seq,
-        )
+        self.coordinator = self._build_coordinator()
         self._state = [m.group_id for m in self.coordinator.states]
         self._probe_rules = self.coordinator.probe_rules(self.policy.admission_probe)
         self._kv_rules = self._attention_only_rules()
@@ -170,6 +160,13 @@ class HybridAllocator:
         return tuple(self._pools)
 
     @property
+    def hit_peek_units(self) -> dict[int, int]:
+        """Group -> hash units a hit needs cached past it there, beyond the ones it reuses
+        (vLLM's EAGLE block drop, ``AllocatorOptions.eagle_block_drop``: the drafter's groups
+        look a unit past every hit and give it back); empty without the drop."""
+        return dict(self._cascade.peek)
+
+    @property
     def last_exports(self) -> list[tuple[int, int, int]]:
         """States exported from inside the last committed step, ``(group, slot, position)``."""
         return self._commit.last_exports
@@ -185,6 +182,26 @@ class HybridAllocator:
         return self._commit.num_checkpoint_ids
 
     # ---- construction -----------------------------------------------------------------------
+    def _build_coordinator(self) -> Coordinator:
+        o = self.options
+        coordinator = Coordinator(
+            self.plan,
+            self.pool,
+            self.tables,
+            self.index,
+            hash_block_size=self.h,
+            partial_hits=o.partial_block_hits,
+            keyed_partial_hits=o.resolved_partial_hit_points() == "keys",
+            state_hit_step=self.policy.step,
+            slots_per_seq=self.slots_per_seq,
+            eagle_block_drop=o.eagle_block_drop,  # type: ignore[arg-type]
+        )
+        # the cascade keeps what EAGLE's block drop looks up past each state
+        self._cascade.keep_past_states(
+            {m.group_id: m.eagle_drop // self.h for m in coordinator.managers if m.eagle_drop}
+        )
+        return coordinator
+
     def _build_pools(self) -> None:
         self.pool: dict[int, IdCache] = {}  # group -> where its ids come from
         # evicts what evictions leave unreachable; reads self.pool, filled in below

@@ -85,6 +85,20 @@ class AllocatorOptions:
       equal: vLLM 0.33's lookahead block hashes under MTP, whose drafter KV at a unit's last
       position depends on the next token (:mod:`.hashing`); 0 for plain hashes; ``"auto"``:
       the plan's vLLM target's (:attr:`hybridkv.target.VllmRules.hash_lookahead_tokens`).
+    - ``eagle_block_drop``: vLLM's EAGLE block drop (``SpeculativeConfig.use_eagle_block_drop``:
+      vLLM 0.32 under MTP, 0.33 with ``disable_lookahead_block_hashes``): the drafter's group
+      (:attr:`hybridkv.plan.KVCacheGroup.holds_drafter`, every attention group of its spec;
+      all full-attention groups where no group holds a drafter, as vLLM falls back to) looks
+      a hit up one drop unit further (a hash unit where hits land inside a block, else a
+      block) and gives that unit back, so a hit at ``P`` needs that group's KV cached to
+      ``P`` plus the unit: the drafter's KV at ``P - 1`` is recomputed from the prompt's own
+      next token. ``align`` then keeps its states a unit earlier, as vLLM does
+      (:class:`.policies.align.VllmAlign`); the eviction cascade keeps the unit past each
+      state. ``"auto"`` (default): the plan's vLLM target's
+      (:attr:`hybridkv.target.VllmRules.eagle_block_drop`) for ``align``; off for hybridkv's
+      own policies (:attr:`.policies.CheckpointPolicy.follows_eagle_block_drop`), which place
+      their states for hits without a drop. Not together with ``hash_lookahead_tokens``:
+      vLLM proves the next token with one or the other.
     - ``kv_events``: build vLLM's KV events (``BlockStored`` with the block's tokens,
       ``BlockRemoved``, ``AllBlocksCleared``: :meth:`~.manager.HybridAllocator.take_events`)
       for a subscriber; ``False`` builds none (the simulator, where nobody subscribes: building
@@ -108,6 +122,7 @@ class AllocatorOptions:
     marconi_across_groups: bool = True
     eviction: str = AUTO
     hash_lookahead_tokens: int | str = AUTO
+    eagle_block_drop: bool | str = AUTO
     kv_events: bool = True
 
     def __post_init__(self) -> None:
@@ -145,6 +160,16 @@ class AllocatorOptions:
         if n != AUTO and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise ConfigError(
                 f"hash_lookahead_tokens must be 'auto' or an integer >= 0, got {n!r}"
+            )
+        drop = self.eagle_block_drop
+        if drop != AUTO and not isinstance(drop, bool):
+            raise ConfigError(f"eagle_block_drop must be 'auto', True or False, got {drop!r}")
+        if drop is True and n != AUTO and n:
+            raise ConfigError(
+                f"eagle_block_drop=True with hash_lookahead_tokens={n} (given, or under 'auto' "
+                "the plan's vLLM target's): vLLM proves the token after a hit for an MTP "
+                "drafter with one or the other (0.33's lookahead hashes clear the drop); set "
+                "hash_lookahead_tokens=0 or eagle_block_drop=False"
             )
         r = self.prefix_cache_retention_interval
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
@@ -195,8 +220,9 @@ class AllocatorOptions:
     def for_plan(self, plan: MemoryPlan) -> AllocatorOptions:
         """These options checked against ``plan``, with ``"auto"`` resolved: the prefill
         checkpoint alignment the plan's vLLM target exports at (Mamba-2 anywhere, Qwen's GDN
-        under FlashInfer on its grid, otherwise none: the prefill is split) and its hash
-        lookahead (MTP under vLLM 0.33, otherwise 0)."""
+        under FlashInfer on its grid, otherwise none: the prefill is split), its hash
+        lookahead (MTP under vLLM 0.33, otherwise 0) and its EAGLE block drop (MTP under vLLM
+        0.32, for ``align``)."""
         h = self.hash_block_size
         # a ring (vLLM's CircularBufferSpec) is one block per request, never hashed
         # (hybridkv.alloc.groups.ring): its block size need not divide into hash units
@@ -211,6 +237,29 @@ class AllocatorOptions:
         if self.hash_lookahead_tokens == AUTO:
             lookahead = plan.vllm.hash_lookahead_tokens if plan.vllm is not None else 0
             resolved = dataclasses.replace(resolved, hash_lookahead_tokens=lookahead)
+        if self.eagle_block_drop == AUTO:
+            drop = (
+                plan.vllm is not None
+                and plan.vllm.eagle_block_drop
+                and POLICY_CLASSES[self.checkpoint_policy].follows_eagle_block_drop
+            )
+            resolved = dataclasses.replace(resolved, eagle_block_drop=bool(drop))
+        if resolved.eagle_block_drop and resolved.resolved_eviction() == "marconi":
+            raise ConfigError(
+                "eagle_block_drop with Marconi's eviction: its segments do not keep the unit "
+                "a hit looks up past each state, so its victims are not modelled under the "
+                "drop; use eviction='lru'"
+            )
+        if resolved.eagle_block_drop:
+            windowed = [
+                g.group_id for g in plan.groups if g.kind == "sliding_window" and g.sliding_window
+            ]
+            if windowed and not any(g.holds_drafter for g in plan.groups):
+                raise ConfigError(
+                    f"eagle_block_drop on a plan with no drafter's group: vLLM then drops a "
+                    f"block in every group, sliding-window groups {windowed} included, whose "
+                    "drop (one more contiguous block per hit) hybridkv does not model"
+                )
         if self.prefill_checkpoint_alignment != AUTO:
             return resolved
         grid = (

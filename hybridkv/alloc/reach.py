@@ -21,7 +21,7 @@ up a chain ends at the root or right after the first unit that is not cached.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from itertools import repeat
 from typing import TYPE_CHECKING
 
@@ -196,11 +196,16 @@ class Reach:
                 return True
         return False
 
-    def dead_segment(self, gid: int, unit: bytes, depth: int | None = None) -> list[bytes]:
+    def dead_segment(
+        self, gid: int, unit: bytes, depth: int | None = None, peek: int = 0
+    ) -> list[bytes]:
         """The units of ``gid`` that no state serves once the state at ``unit`` is gone: none
         if a state lies at or below ``unit``; else ``unit``'s subtree and the cached chain
         above it up to the previous state or branch point (exclusive). ``depth``: ``unit``'s
-        index in its chain, when known (:meth:`state_reachable` then answers, walking little)."""
+        index in its chain, when known (:meth:`state_reachable` then answers, walking little).
+        ``peek``: units a hit needs cached past its state (EAGLE's block drop): the ``peek``
+        units after the previous state or branch point stay, and nothing is dead when they
+        reach into ``unit``'s subtree."""
         has_state = self.index.state_units.__contains__
         # given up at the first state: with states every few hundred tokens (periodic),
         # collecting whole subtrees first made this quadratic
@@ -212,7 +217,12 @@ class Reach:
         seg = self.subtree(gid, [unit], stop=has_state)
         if seg is None:  # a state past the first SUBTREE_LIMIT units of the oldest-first walk
             return []
-        above, _ = self.segment_above(gid, unit, has_state)
+        above, stop = self.segment_above(gid, unit, has_state)
+        if peek and stop is not None:
+            # the state (or a state past the branch point) above needs these for its hits
+            if len(above) < peek:
+                return []
+            del above[len(above) - peek :]
         if above and (gid, above[-1]) not in self.index.parent:
             above.pop()  # its KV is gone already
         seg += above
@@ -220,13 +230,19 @@ class Reach:
 
     # ---- everything ---------------------------------------------------------------------------
     def useful_units(
-        self, full: list[int], window: list[tuple[int, int]], states: list[int]
+        self,
+        full: list[int],
+        window: list[tuple[int, int]],
+        states: list[int],
+        peek: Mapping[int, int] | None = None,
     ) -> dict[int, set[bytes]]:
         """Group -> the units of it a hit could use: for state groups, units where every state
         group has a checkpoint and the attention groups have the prefix (``window``:
-        ``(group, window tokens)``); for attention groups, the units on the prefix of such a
-        checkpoint (of any cached unit when the model has no state). Per group, so that the
-        byte breakdown's pass over every entry asks a set of hashes, not of fresh tuples."""
+        ``(group, window tokens)``) and, in the groups of ``peek`` (group -> units: EAGLE's
+        block drop), that many units cached after it, which count as useful too; for
+        attention groups, the units on the prefix of such a checkpoint (of any cached unit
+        when the model has no state). Per group, so that the byte breakdown's pass over every
+        entry asks a set of hashes, not of fresh tuples."""
         index, h = self.index, self.index.h
         parent = index.parent
         spans = [(g, max(1, -(-(W - 1) // h))) for g, W in window]  # units of each window
@@ -246,10 +262,19 @@ class Reach:
         # units with a checkpoint of every state group (the index counts them per unit): the
         # result does not depend on the order they are visited in
         num_states = len(states)
+        peeks_wanted = [(g, n) for g, n in (peek or {}).items() if n > 0]
         for u, count in index.state_units.items():
             if count != num_states:
                 continue
             if spans and not all(self.window_cached(g, u, n) for g, n in spans):
+                continue
+            peeks = []
+            for g, n in peeks_wanted:
+                path = self.path_down(g, u, n)
+                if path is None:
+                    break
+                peeks.append((g, path))
+            if len(peeks) < len(peeks_wanted):
                 continue
             if len(full) == 1:
                 # the last test: every unit a rooted walk meets in the memo is marked already,
@@ -266,9 +291,30 @@ class Reach:
                 continue
             for g in states:
                 useful[g].add(u)
+            for g, path in peeks:
+                useful[g].update(path)
             for g, n in spans:
                 useful[g].update(x for x in self.path_up(g, u, n) if (g, x) in parent)
         return useful
+
+    def path_down(self, gid: int, unit: bytes, n: int) -> list[bytes] | None:
+        """``n`` units cached one after another right after ``unit`` in ``gid`` (the oldest
+        branch that has them, depth first), or None: what EAGLE's block drop looks up past a
+        hit at ``unit`` before giving it back."""
+        children_of = self.index.children.get
+        stack: list[tuple[bytes, int]] = [(unit, 0)]
+        path: list[bytes] = []
+        while stack:
+            x, depth = stack.pop()
+            if depth:
+                del path[depth - 1 :]  # back up to this unit's parent
+                path.append(x)
+            if depth == n:
+                return path
+            kids = children_of((gid, x))
+            if kids:
+                stack.extend((k, depth + 1) for k in reversed(kids))
+        return None
 
     def rooted(self, gid: int, unit: bytes, memo: dict[bytes, bool]) -> list[bytes] | None:
         """Whether ``unit`` and every unit before it are cached in ``gid`` (*rooted*): the units

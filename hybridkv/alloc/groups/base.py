@@ -82,6 +82,10 @@ class GroupManager(ABC):
         #: a hit inside a block lands only where an entry is keyed (vLLM's), not at any unit a
         #: cached block holds (``AllocatorOptions.partial_hit_points``; the coordinator sets it)
         self.keyed_partial_hits = False
+        #: tokens a hit gives back under vLLM's EAGLE block drop (0: none): this group's hits
+        #: need its KV cached that far past them (``AllocatorOptions.eagle_block_drop``; the
+        #: coordinator sets it on the drafter's groups)
+        self.eagle_drop = 0
 
     @property
     def window(self) -> int:

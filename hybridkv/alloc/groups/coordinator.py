@@ -106,7 +106,8 @@ class Coordinator:
     block (at hash-unit granularity), ``keyed_partial_hits`` only where an entry is keyed
     (vLLM's, ``AllocatorOptions.partial_hit_points``); ``state_hit_step``: the checkpoint
     policy's spacing of state hit points; ``slots_per_seq``: state slots each request
-    reserves."""
+    reserves; ``eagle_block_drop``: vLLM's EAGLE block drop (:meth:`eagle_groups` give a
+    drop unit back from every hit)."""
 
     def __init__(
         self,
@@ -120,6 +121,7 @@ class Coordinator:
         state_hit_step: int,
         keyed_partial_hits: bool = False,
         slots_per_seq: int,
+        eagle_block_drop: bool = False,
     ) -> None:
         h = self.h = hash_block_size
         self.managers: list[GroupManager] = []
@@ -145,6 +147,35 @@ class Coordinator:
         self.attention_rules = self.whole_prefix + windowed
         self.hit_rules = self.attention_rules + self.states
         self.windowed = windowed
+        if eagle_block_drop:
+            for m in self.eagle_groups(plan):
+                # eagle_proof_margin: a hash unit where hits land inside a block, else a block
+                # (the drop vLLM gives back is the same unit)
+                m.eagle_drop = m.hit_step
+
+    def eagle_groups(self, plan: MemoryPlan) -> list[GroupManager]:
+        """The managers vLLM's EAGLE block drop applies to: the groups holding the drafter's
+        layers (``is_eagle_group``) and every attention group of their spec (vLLM looks groups
+        of one spec up together, and drops for all of them if one is the drafter's); every
+        attention group when none holds a drafter (vLLM's fallback). Only full-attention
+        groups drop here; a sliding window's drop is refused."""
+        drafter = {g.group_id for g in plan.groups if g.holds_drafter}
+        cached = [m for m in self.attention if m.caches_blocks]
+        flagged = [m for m in cached if m.group_id in drafter] if drafter else cached
+
+        def spec(m: GroupManager) -> tuple[object, ...]:
+            g = plan.groups[m.group_id]
+            return (g.kind, g.block_size, g.page_bytes, g.sliding_window, g.dcp_size)
+
+        specs = {spec(m) for m in flagged}
+        out = [m for m in cached if spec(m) in specs]
+        windowed = [m.group_id for m in out if not m.needs_whole_prefix]
+        if windowed:
+            raise ConfigError(
+                f"EAGLE's block drop on sliding-window groups {windowed} (one more contiguous "
+                "block per hit, then a pop) is not modelled; leave eagle_block_drop off"
+            )
+        return out
 
     def longest_hit(
         self, hashes: list[bytes], max_len: int, rules: list[GroupManager] | None = None

@@ -26,7 +26,15 @@ class FullAttentionManager(GroupManager):
         # downward closed: the prefix found at the first visit bounds every later one
         got = memo.get(self.group_id)
         if got is None:
-            got = memo[self.group_id] = self.cached_prefix(hashes, limit)
+            drop = self.eagle_drop
+            if drop:
+                # EAGLE's block drop: look one drop unit past the candidate, give it back (once
+                # per lookup: vLLM trims, and does not drop again, as the candidate shrinks)
+                got = self.cached_prefix(hashes, min(limit + drop, len(hashes) * self.h))
+                got = max(0, got - drop)
+            else:
+                got = self.cached_prefix(hashes, limit)
+            memo[self.group_id] = got
         step = self.hit_step
         return min(limit, got) // step * step
 

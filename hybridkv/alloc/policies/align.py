@@ -32,9 +32,10 @@ def _cdiv(a: int, b: int) -> int:
 
 class VllmAlign:
     """vLLM 0.33's ``align`` rules, for one allocator (no KV connector, no prefill context
-    parallelism: what the simulator models; under MTP, vLLM 0.33's lookahead hashes, not 0.32's
-    EAGLE block drop; under decode context parallelism the attention groups' blocks span ``dcp``
-    times ``B``, so ``S = dcp * B``, and partial hits also take ``h == B``).
+    parallelism: what the simulator models; under MTP, vLLM 0.33's lookahead hashes or vLLM
+    0.32's EAGLE block drop, rule 6; under decode context parallelism the attention groups'
+    blocks span ``dcp`` times ``B``, so ``S = dcp * B``, and partial hits also take ``h ==
+    B``).
 
     Sizes: ``B`` = the state groups' block size (vLLM: ``cache_config.block_size``, which is the
     Mamba block size in align mode), ``S`` = the scheduler block size (the lcm of every group's
@@ -105,6 +106,18 @@ class VllmAlign:
     5. **Hits** (``MambaManager.find_longest_cache_hit``): a state hit needs a cached state
        exactly at the hit length, searched on multiples of ``A`` (``h`` with partial hits).
        States cached in a step serve hits from the next step on (``cached_blocks_this_step``).
+    6. **EAGLE's block drop** (``eagle_block_drop``: MTP under vLLM 0.32, or 0.33 with
+       ``disable_lookahead_block_hashes``). The drafter's attention group looks a hit up one
+       unit ``d`` further (``h`` with partial hits, else its block) and gives ``d`` back
+       (``HybridKVCacheCoordinator.find_longest_cache_hit``, ``eagle_proof_margin``: the
+       group managers do it), so the states move a unit earlier to meet it:
+       ``pos(n, u) = max(0, n // u * u - u)`` (``get_mamba_prefill_checkpoint_position`` with
+       ``drop_eagle_block``: no token is held back, a unit is), in every rule above; the
+       reachable boundaries of rule 3 become ``(p - 1) // S * S - S`` and ``p // S * S - S``
+       for a prompt of ``p`` (``replay_boundaries`` with ``use_eagle``: a resend and a longer
+       sibling reach different blocks); and attention caches the prompt's tail up to
+       ``p // h * h``, the whole prompt an EAGLE lookup reads before its drop
+       (``FullAttentionManager._cache_partial_tail_block``).
 
     vLLM 0.32 has the same rules; what differs is which layers export (rule 2): 0.32's Gated
     DeltaNet layers never do (``prefill_checkpoint_alignment=None``), Mamba-2 layers do in
@@ -121,8 +134,13 @@ class VllmAlign:
         retention_interval: int | None = 0,
         prefill_checkpoint_alignment: int | None = None,
         hash_lookahead_tokens: int = 0,
+        eagle_block_drop: bool = False,
     ) -> None:
+        if eagle_block_drop and hash_lookahead_tokens:
+            raise ValueError("EAGLE's block drop and lookahead hashes exclude each other")
         self.block = block_size
+        #: rule 6: hits give a unit back, so states sit a unit earlier
+        self.eagle = eagle_block_drop
         #: tokens a position's hash needs after it (``num_hash_lookahead_tokens``), at least the
         #: one token a resend always recomputes
         self.proof = max(1, hash_lookahead_tokens)
@@ -147,8 +165,31 @@ class VllmAlign:
         )
 
     def pos(self, num_tokens: int, unit: int) -> int:
-        """``get_mamba_prefill_checkpoint_position`` (without EAGLE's block drop)."""
+        """``get_mamba_prefill_checkpoint_position``: the last boundary of ``unit`` a resend
+        of ``num_tokens`` can hit (rule 6 under EAGLE's block drop)."""
+        if self.eagle:
+            return max(0, num_tokens // unit * unit - unit)
         return max(0, (num_tokens - self.proof) // unit * unit)
+
+    def replay_boundaries(self, num_prompt: int) -> tuple[int, ...]:
+        """``replay_boundaries``: where a later request replaying the prompt resumes, before
+        rule 3 floors them to a state block (a resend hits at most ``num_prompt - 1`` tokens;
+        under EAGLE's block drop a resend and a longer sibling land a block apart)."""
+        if not self.eagle:
+            return (num_prompt - 1,)
+        S = self.scheduler_block
+        resend = (num_prompt - 1) // S * S
+        extension = num_prompt // S * S
+        return (max(resend - S, 0), max(extension - S, 0))
+
+    def attention_tail(self, num_prompt: int) -> int:
+        """Where attention caches the prompt's tail as a partial entry with hits inside a
+        block (``FullAttentionManager._cache_partial_tail_block``): the last hash boundary a
+        resend hits, or under EAGLE's block drop the prompt's last, which its lookup reads
+        before giving a unit back."""
+        if self.eagle:
+            return num_prompt // self.unit * self.unit
+        return self.pos(num_prompt, self.unit)
 
     def export_valid(self, start: int, end: int, cp: int) -> bool:
         """``is_mamba_prefill_checkpoint_valid``: can the backend export ``cp`` in this query."""
@@ -209,7 +250,9 @@ class VllmAlign:
 
     def keeps_block(self, P: int, num_prompt: int, junction: int) -> bool:
         """Rule 3: the block mask keeps the state at ``P`` (a multiple of ``B``)."""
-        if self._retained(P) or self.boundary(num_prompt - 1) == P:
+        if self._retained(P) or any(
+            self.boundary(b) == P for b in self.replay_boundaries(num_prompt)
+        ):
             return True
         return junction > 0 and self.boundary(junction) == P
 
@@ -252,7 +295,7 @@ class VllmAlign:
         elif self.period:
             best = (after // self.period + 1) * self.period
         for p in (
-            self.boundary(num_prompt - 1),
+            *(self.boundary(b) for b in self.replay_boundaries(num_prompt)),
             self.boundary(junction) if junction > 0 else 0,
             self.pos(num_prompt, self.unit) if self.partial else 0,
         ):
@@ -270,6 +313,7 @@ class AlignPolicy(CheckpointPolicy):
     admission_probe = "junction"
     state_slots_per_request = 2
     partial_hit_points = "keys"  # vLLM's BlockPool: hits inside a block land on its keys
+    follows_eagle_block_drop = True
 
     def configure(self, plan: MemoryPlan) -> None:
         retention_interval = self.retention_interval
@@ -315,6 +359,7 @@ class AlignPolicy(CheckpointPolicy):
             retention_interval=retention_interval,
             prefill_checkpoint_alignment=prefill_checkpoint_alignment,
             hash_lookahead_tokens=self.lookahead,
+            eagle_block_drop=self.eagle_block_drop,
         )
         self.step = self.vllm.hit_unit
 
@@ -355,7 +400,7 @@ class AlignPolicy(CheckpointPolicy):
         if self.promotes_tail:
             # FullAttentionManager._cache_partial_tail_block: the block holding the
             # prompt's last hash boundary is cached up to it once computed
-            t = vllm.pos(r.nprompt, self.h)
+            t = vllm.attention_tail(r.nprompt)
             if 0 < t <= known:
                 act.cache_tail_blocks(r, t)
         if known == P and P > 0:

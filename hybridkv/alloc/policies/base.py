@@ -130,6 +130,10 @@ class CheckpointPolicy:
     #: partial_hit_points`` says otherwise: ``"units"`` (any unit a cached block holds:
     #: hybridkv's cache) or ``"keys"`` (vLLM's keys: a block's end, a prompt's tail)
     partial_hit_points: ClassVar[str] = "units"
+    #: runs vLLM's EAGLE block drop where the plan's vLLM target applies it
+    #: (``AllocatorOptions.eagle_block_drop="auto"``): vLLM's ``align``, whose states move a
+    #: unit earlier for it; hybridkv's policies place theirs for hits without a drop
+    follows_eagle_block_drop: ClassVar[bool] = False
 
     def __new__(cls, name: str, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if cls is CheckpointPolicy:
@@ -149,6 +153,7 @@ class CheckpointPolicy:
         checkpoint_interval: int | None = None,
         partial_block_hits: bool = True,
         hash_lookahead_tokens: int = 0,
+        eagle_block_drop: bool = False,
     ) -> None:
         if name != self.name:
             raise ValueError(f"{type(self).__name__} is the {self.name!r} policy, not {name!r}")
@@ -162,6 +167,9 @@ class CheckpointPolicy:
         self.h = hash_block_size
         #: tokens after each hash unit its hash covers (MTP's lookahead hashes, :mod:`..hashing`)
         self.lookahead = hash_lookahead_tokens
+        #: vLLM's EAGLE block drop (``AllocatorOptions.eagle_block_drop``): a hit gives back
+        #: the drafter group's last unit, so the states a hit can use lie a unit earlier
+        self.eagle_block_drop = eagle_block_drop
         # every state group checkpoints at its block multiples; they share one size in every
         # layout, and the plan's granularity (their lcm) keeps them in step if they did not
         self.block = plan.checkpoint_granularity if plan.state_groups else hash_block_size

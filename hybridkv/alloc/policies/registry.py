@@ -61,6 +61,7 @@ def make_policy(plan: MemoryPlan, options: AllocatorOptions) -> CheckpointPolicy
             checkpoint_interval=options.checkpoint_interval,
             partial_block_hits=options.partial_block_hits,
             hash_lookahead_tokens=options.hash_lookahead_tokens,  # type: ignore[arg-type]
+            eagle_block_drop=options.eagle_block_drop,  # type: ignore[arg-type]
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
