@@ -175,6 +175,77 @@ def test_a_shared_prefix_hits_a_block_less_under_the_drop():
     assert out[True] == [0, 2 * B, 2 * B]
 
 
+def _fine(drop: bool, evict_unreachable: bool = True) -> HybridAllocator:
+    """Qwen3.5-4B under vLLM 0.32 with 16-token hash units (partial hits)."""
+    options = AllocatorOptions(
+        hash_block_size=16,
+        max_model_len=1 << 16,
+        prefill_checkpoint_alignment=None,
+        evict_unreachable=evict_unreachable,
+        eagle_block_drop="auto" if drop else False,
+    )
+    a = HybridAllocator(_plan(version="0.32"), options)
+    assert a.options.eagle_block_drop is drop
+    return a
+
+
+def _chunks(a: HybridAllocator, rid: str, tokens: list[int]) -> list[tuple[int, int]]:
+    """Prefill ``tokens`` as the scheduler asks (``prefill_chunk``) and free: the chunks."""
+    a.add_request(rid, tokens)
+    chunks = []
+    while (start := a.num_tokens(rid)) < len(tokens):
+        n = a.prefill_chunk(rid, len(tokens) - start)
+        assert n > 0 and a.allocate_slots(rid, n)
+        a.take_state_copies()
+        check_consistency(a)
+        chunks.append((start, start + n))
+    a.free(rid)
+    check_consistency(a)
+    return chunks
+
+
+@pytest.mark.parametrize("evict_unreachable", [True, False])
+@pytest.mark.parametrize("fresh", [0, 1])
+def test_a_prompt_inside_one_block_keeps_its_attention_tail_past_the_state(
+    fresh, evict_unreachable
+):
+    """A prompt of 108 shared tokens (+ ``fresh``) under 16-token units. With the drop its
+    state is ``pos = 108 // 16 * 16 - 16 = 80`` (the first chunk ends there), and attention
+    caches its tail to ``108 // 16 * 16 = 96``, which the lookup reads before giving a unit
+    back: a prompt sharing 173 tokens hits 80 (vLLM 0.32's own KVCacheManager: 80). The tail
+    is computed by the last chunk, whose commit must run though no state is kept at its end
+    (it was skipped, and the hit was 0). Without the drop the state and the tail are both at
+    96."""
+    rng = random.Random(fresh)
+    base = [rng.randrange(1, 50_000) for _ in range(200)]
+    prompt = base[:108] + [60_000 + i for i in range(fresh)]
+    probe = base[:173] + [70_000 + i for i in range(20)]
+    a = _fine(drop=True, evict_unreachable=evict_unreachable)
+    assert _chunks(a, "r", prompt) == [(0, 80), (80, len(prompt))]
+    assert a.find_longest_cache_hit(probe) == 80
+    b = _fine(drop=False, evict_unreachable=evict_unreachable)
+    _chunks(b, "r", prompt)
+    assert b.find_longest_cache_hit(probe) == 96
+
+
+@pytest.mark.parametrize("length", [2660, 2668])
+def test_a_prompt_tail_on_a_block_boundary_is_kept_under_the_drop(length):
+    """Prompts of 2,660 and 2,668 tokens (B = 528): under the drop with 16-token units the
+    prompt's tail state is ``length // 16 * 16 - 16 = 2640 = 5B``, a block boundary but not a
+    replay boundary (``length // B * B - B = 2112``). vLLM keeps it as the prompt's tail
+    (``MambaManager._cache_partial_tail_block`` runs on block boundaries too), so a longer
+    prompt sharing the whole prompt hits 2640 (vLLM 0.32's KVCacheManager: 2640); kept only by
+    the block mask it was dropped and the hit fell to 2112."""
+    rng = random.Random(length)
+    base = [rng.randrange(1, 50_000) for _ in range(3000)]
+    a = _fine(drop=True)
+    assert _chunks(a, "r", base[:length]) == [(0, 2112), (2112, 2640), (2640, length)]
+    assert a.find_longest_cache_hit(base[: length + 40]) == 2640
+    b = _fine(drop=False)
+    _chunks(b, "r", base[:length])
+    assert b.find_longest_cache_hit(base[: length + 40]) == 2656
+
+
 # ---- options -----------------------------------------------------------------------------------
 
 

@@ -91,7 +91,8 @@ class VllmAlign:
          - 1`` tokens) or the junction's ``J // A * A // B * B``. With the default ``R = 0``
          nothing else: states at other chunk ends and every decode block boundary are dropped;
        - or, with partial hits and no export in that step, ``P == pos(prompt, h)``: the
-         prompt's last hash boundary, cached as a partial block.
+         prompt's last hash boundary, cached as a partial block (on a block boundary too,
+         where under rule 6 it need not be a replay boundary).
 
        An exported state at ``cp`` is cached when ``cp == pos(prompt, A)`` (the prompt's
        checkpoint), or ``cp`` is a multiple of ``B`` that the retention interval keeps (``None``
@@ -117,7 +118,10 @@ class VllmAlign:
        for a prompt of ``p`` (``replay_boundaries`` with ``use_eagle``: a resend and a longer
        sibling reach different blocks); and attention caches the prompt's tail up to
        ``p // h * h``, the whole prompt an EAGLE lookup reads before its drop
-       (``FullAttentionManager._cache_partial_tail_block``).
+       (``FullAttentionManager._cache_partial_tail_block``), a unit past the tail state, so
+       the commit of the step that computes it has work of its own (:meth:`next_position`).
+       ``python -m paper.peers.vllm_eagle_hits`` holds these rules to vLLM 0.32's own
+       ``KVCacheManager`` and scheduler split, request by request.
 
     vLLM 0.32 has the same rules; what differs is which layers export (rule 2): 0.32's Gated
     DeltaNet layers never do (``prefill_checkpoint_alignment=None``), Mamba-2 layers do in
@@ -279,15 +283,18 @@ class VllmAlign:
             or cp == junction
         ):
             cp = 0  # a transient state: vLLM evicts its block at once
-        if P % self.block == 0:
-            keep = self.keeps_block(P, num_prompt, junction)
-        else:
-            keep = self.partial and not exported and self.pos(num_prompt, self.unit) == P
+        # the prompt's last hash boundary (MambaManager._cache_partial_tail_block, on a block
+        # boundary too: under EAGLE's drop it need not be a replay boundary, which the
+        # scheduler block floors)
+        tail = self.partial and not exported and self.pos(num_prompt, self.unit) == P
+        keep = tail or (P % self.block == 0 and self.keeps_block(P, num_prompt, junction))
         return keep, cp
 
     def next_position(self, after: int, num_prompt: int, junction: int) -> int:
-        """The smallest step end ``P > after`` at which rule 3 may keep a state (exports are
-        found at the commit of the step that makes them)."""
+        """The smallest step end ``P > after`` whose commit has work: rule 3 may keep a state
+        there, or (with partial hits) the prompt's attention tail becomes computed, which under
+        EAGLE's block drop lies a unit past the tail state (exports are found at the commit of
+        the step that makes them)."""
         B = self.block
         best = _INF
         if self.dense:
@@ -298,6 +305,7 @@ class VllmAlign:
             *(self.boundary(b) for b in self.replay_boundaries(num_prompt)),
             self.boundary(junction) if junction > 0 else 0,
             self.pos(num_prompt, self.unit) if self.partial else 0,
+            self.attention_tail(num_prompt) if self.partial else 0,
         ):
             if after < p < best:
                 best = p
