@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import vllm
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -305,7 +306,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "# EAGLE's block drop: hybridkv against vLLM 0.32's KVCacheManager",
         "",
         f"`python -m paper.peers.vllm_eagle_hits` at `{meta['commit']}`, {meta['date']}, "
-        f"vLLM {meta['versions'].get('vllm', '0.32.0')}. Qwen3.5-4B, one MTP token, "
+        f"vLLM {meta['versions']['vllm']}. Qwen3.5-4B, one MTP token, "
         f"{rows[0]['block_size']}-token blocks; hits and chunk boundaries of every request.",
         "",
         "| prompts | hash unit | drop | retention | requests | hit tokens (vLLM) "
@@ -328,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = compare(args.sets)
     meta = run_meta("EAGLE's block drop against vLLM 0.32's KVCacheManager", argv)
+    meta["versions"]["vllm"] = vllm.__version__
     path = write_results(args.out, "vllm-eagle-hits", meta, rows, markdown(rows, meta))
     bad = sum(len(r["disagreements"]) for r in rows)
     print(f"{bad} disagreements in {len(rows)} configurations; wrote {path}")
