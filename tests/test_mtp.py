@@ -435,3 +435,47 @@ def test_the_export_tags_the_drafters_group_only_under_the_block_drop():
         assert [i for i, g in enumerate(groups) if g["is_eagle_group"]] == tagged
         for i in tagged:
             assert any(n.startswith("mtp.") for n in groups[i]["layer_names"])
+
+
+@pytest.mark.parametrize("h", [None, 16])
+def test_a_decode_state_on_a_block_boundary_is_cached_once_the_next_token_is_known(h):
+    """vLLM 0.33 under MTP, align keeping a state at every block (retention ``None``): a decode
+    step ending on a block boundary computes the state there, but the unit's lookahead hash
+    covers the token after it, which the step has not sampled yet. vLLM keeps the state block in
+    the request's table and caches it once the hash exists (the next step), so a next chat turn
+    resumes from that block; hybridkv copies the state at once and keys it then. An answer that
+    ends on the boundary leaves the state unkeyed, and it is freed with the request."""
+    rng = random.Random(h)
+    _, plan = _qwen35(speculative_method="mtp", num_spec_tokens=1)
+    B = plan.block_size
+    options = AllocatorOptions(
+        hash_block_size=h or B,
+        max_model_len=1 << 16,
+        prefill_checkpoint_alignment=None,
+        prefix_cache_retention_interval=None,
+        evict_unreachable=False,
+    )
+    for answer_len, decode_state_cached in ((B, True), (B - 100 + 1, False)):
+        a = HybridAllocator(plan, options)
+        assert a.lookahead == 1
+        prompt = [rng.randrange(1, 50_000) for _ in range(B + 100)]
+        answer = [rng.randrange(1, 50_000) for _ in range(answer_len)]
+        a.add_request("turn-1", prompt)
+        while (start := a.num_tokens("turn-1")) < len(prompt):
+            n = a.prefill_chunk("turn-1", len(prompt) - start, 8192)
+            assert n > 0 and a.allocate_slots("turn-1", n)
+            a.take_state_copies()
+        for token in answer[:-1]:  # the last token is sampled, never computed
+            a.append_tokens("turn-1", [token])
+            assert a.allocate_slots("turn-1", 1)
+            a.take_state_copies()
+            check_consistency(a)
+        a.free("turn-1")
+        check_consistency(a)
+        # the last decode step ended at B + 100 + answer_len - 1 == 2B in the second case:
+        # its state's hash needs the token after 2B, which never came, so only the prompt's
+        # states are found
+        hit = a.find_longest_cache_hit([*prompt, *answer, *range(1, 300)])
+        prompt_hit = a.find_longest_cache_hit([*prompt, *range(50_001, 50_300)])
+        assert B <= prompt_hit < 2 * B
+        assert hit == (2 * B if decode_state_cached else prompt_hit)

@@ -109,6 +109,8 @@ class Committer:
             if cacheable // m.block_size > ncached[m.group_id]:  # a block filled since the last
                 m.cache_computed(r, cacheable, self.promote)
         if self.state:
+            if r.unkeyed:
+                self.key_deferred(r, held)
             # the policy keeps, exports or rolls states through keep / export / roll
             self._copies, self._held = copies, held
             self.policy.step_end(r, r.num_alloc, known, self)
@@ -181,16 +183,38 @@ class Committer:
         """Copy the running state into a new slot cached at ``P`` (released after the commit,
         so that no other checkpoint of this commit evicts it). Best effort per group: a group
         whose pool has no free or evictable id skips this checkpoint. ``export``: the state
-        was exported from inside the step; ``copies`` gets ``(group, slot, P)`` instead."""
+        was exported from inside the step; ``copies`` gets ``(group, slot, P)`` instead.
+
+        With lookahead hashes a decode step ending at ``P`` does not know the token after
+        ``P`` yet, so ``P`` has no key: the state is copied now and keyed by the first commit
+        that knows it (vLLM's state block stays in the request's table and is cached once its
+        hash exists), or released when the request leaves first (:meth:`key_deferred`)."""
         unit = P // self.h - 1
         if unit >= len(r.hashes) and not self._hash_up_to(r, P):
-            return  # lookahead hashes: the tokens after P are not known yet, so P has no key
+            if not export:  # an export lies inside a prefill: the tokens after it are known
+                taken = self._take_slots(r, None)
+                if taken:
+                    copies.extend((gid, r.blocks[gid][0], dst) for gid, dst in taken)
+                    r.unkeyed.append((P, taken))
+            return
         u = r.hashes[unit]
+        taken = self._take_slots(r, u)
+        if not taken:
+            return
+        if export:
+            copies.extend((gid, dst, P) for gid, dst in taken)
+        else:
+            copies.extend((gid, r.blocks[gid][0], dst) for gid, dst in taken)
+        self._key(r, unit, taken, held)
+
+    def _take_slots(self, r: Request, u: bytes | None) -> list[tuple[int, int]]:
+        """A slot per state group without a cached state at unit ``u`` (every group when
+        ``u`` is None): the request's spares first, then free or evictable ids."""
         taken: list[tuple[int, int]] = []
         for pool, gids in self.state_pools:
             need = []
             for gid in gids:
-                if pool.lookup((gid, u)) is not None:
+                if u is not None and pool.lookup((gid, u)) is not None:
                     continue
                 sid = self.take_spare(r, gid)
                 if sid is not None:
@@ -199,19 +223,49 @@ class Committer:
                     need.append(gid)
             if need:
                 taken.extend(zip(need, pool.allocate_some(len(need))))
-        if not taken:
-            return
-        self.num_checkpoints += 1
-        self.num_checkpoint_ids += len(taken)
+        return taken
+
+    def _key(self, r: Request, unit: int, taken: list[tuple[int, int]], held: Held) -> None:
+        """Cache the slots ``taken`` (holding the state after ``unit``) under its key; they
+        are released after the commit (``held``)."""
+        u = r.hashes[unit]
         pool_of = self.pool
+        cached = []
         for gid, dst in taken:
             pool = pool_of[gid]
-            copies.append((gid, dst, P) if export else (gid, r.blocks[gid][0], dst))
-            pool.cache(dst, (gid, u))
+            if pool.cache(dst, (gid, u)):
+                cached.append((gid, dst))
             held.append((pool, dst))
-        self.index.add_checkpoints(taken, unit, r.hashes, r.tokens, r.lora_id)
+        if not cached:
+            return
+        self.num_checkpoints += 1
+        self.num_checkpoint_ids += len(cached)
+        self.index.add_checkpoints(cached, unit, r.hashes, r.tokens, r.lora_id)
         if self.scorer is not None:
             self.scorer.accessed(u)
+
+    def key_deferred(self, r: Request, held: Held) -> None:
+        """Key the states :meth:`checkpoint` copied before their position had a key, where
+        the tokens known now give it one."""
+        h, waiting = self.h, []
+        for P, taken in r.unkeyed:
+            if P // h > len(r.hashes) and not self._hash_up_to(r, P):
+                waiting.append((P, taken))
+                continue
+            # a state cached at P meanwhile (another request's) leaves this copy unneeded
+            u = r.hashes[P // h - 1]
+            fresh = [(g, s) for g, s in taken if self.pool[g].lookup((g, u)) is None]
+            held.extend((self.pool[g], s) for g, s in taken if (g, s) not in fresh)
+            self._key(r, P // h - 1, fresh, held)
+        r.unkeyed = waiting
+
+    def release_deferred(self, r: Request) -> None:
+        """The request leaves: free the states still waiting for a key (vLLM frees a state
+        block it never hashed)."""
+        for _, taken in r.unkeyed:
+            for gid, sid in taken:
+                self.pool[gid].free((sid,))
+        r.unkeyed = []
 
     # ---- at free ----------------------------------------------------------------------------
     def cache_end_state(self, r: Request) -> None:

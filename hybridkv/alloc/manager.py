@@ -409,7 +409,8 @@ class HybridAllocator:
         if limit > self.max_model_len:
             limit = self.max_model_len + 1
         if self.caching and self._state:
-            nxt = self.policy.next_work(r)
+            # a state waiting for its key: the next commit may know it
+            nxt = r.num_alloc + 1 if r.unkeyed else self.policy.next_work(r)
             if nxt < work:
                 work = nxt
         r.work_at = work
@@ -456,6 +457,8 @@ class HybridAllocator:
         entry. Raises :class:`DoubleFree` or :class:`UnknownRequest` for ids not running."""
         r = self._get(req_id)
         self._dirty.pop(req_id, None)  # allocated but never committed: not computed
+        if r.unkeyed:
+            self._commit.release_deferred(r)
         self._commit.cache_end_state(r)
         if r.sources:
             self._commit.release_sources(r)
@@ -582,8 +585,9 @@ class HybridAllocator:
 
     def held_ids(self) -> list[tuple[int, list[int]]]:
         """Every id running requests hold, as ``(group, ids)``: each request's block list per
-        group, its private end checkpoints, and the cached entries its hit copies from until
-        the commit (an id appears once per holder)."""
+        group, its private end checkpoints, the states waiting for their key (lookahead
+        hashes), and the cached entries its hit copies from until the commit (an id appears
+        once per holder)."""
         out: list[tuple[int, list[int]]] = []
         for r in self.reqs.values():
             for gid, blocks in enumerate(r.blocks):
@@ -591,6 +595,8 @@ class HybridAllocator:
                     out.append((gid, blocks))
             for gid, sid in r.end_ckpt.items():
                 out.append((gid, [sid]))
+            for _, taken in r.unkeyed:
+                out.extend((gid, [sid]) for gid, sid in taken)
             for gid, sid in r.sources:
                 out.append((gid, [sid]))
         return out

@@ -35,6 +35,7 @@ class Request:
         "sources",
         "step_start",
         "tokens",
+        "unkeyed",
         "work_at",
     )
 
@@ -73,3 +74,6 @@ class Request:
         self.step_start = -1  # align with exports: num_alloc when the uncommitted step began
         self.last_mark = 0  # periodic / hash_boundary: the last position a state was kept at
         self.hit_unit: bytes | None = None  # the hash unit of the state its hit copied from
+        #: states copied at a position whose key needs tokens not known yet (lookahead hashes):
+        #: ``(position, [(group, slot), ...])``, keyed by a later commit
+        self.unkeyed: list[tuple[int, list[tuple[int, int]]]] = []

@@ -120,7 +120,7 @@ class VllmAlign:
        ``p // h * h``, the whole prompt an EAGLE lookup reads before its drop
        (``FullAttentionManager._cache_partial_tail_block``), a unit past the tail state, so
        the commit of the step that computes it has work of its own (:meth:`next_position`).
-       ``python -m paper.peers.vllm_eagle_hits`` holds these rules to vLLM 0.32's own
+       ``python -m paper.peers.vllm_align_hits`` holds these rules to vLLM 0.32's own
        ``KVCacheManager`` and scheduler split, request by request.
 
     vLLM 0.32 has the same rules; what differs is which layers export (rule 2): 0.32's Gated
