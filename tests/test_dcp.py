@@ -10,6 +10,7 @@ import json
 import random
 
 import pytest
+from alloc_serving import serve_prefill
 
 from hybridkv import models
 from hybridkv.alloc import AllocatorOptions, HybridAllocator
@@ -133,18 +134,6 @@ def test_the_export_resolves_vllms_block_sizes_under_dcp():
                           _qwen(1), 10_000).attention == -(-10_000 // 192)  # fmt: skip
 
 
-def _serve(a: HybridAllocator, rid: str, tokens: list[int]) -> None:
-    """Prefill ``tokens`` as vLLM's scheduler splits them, then free."""
-    a.add_request(rid, tokens)
-    while a.num_tokens(rid) < len(tokens):
-        n = a.split_prefill(rid, len(tokens) - a.num_tokens(rid))
-        assert n > 0 and a.allocate_slots(rid, n)
-        a.take_state_copies()
-        check_consistency(a)
-    a.free(rid)
-    check_consistency(a)
-
-
 def test_a_resend_hits_its_tail_inside_sharded_attention_blocks():
     """vLLM's align mode with its own hash unit (the 192-token state block) and its keys at
     DCP 4: attention blocks span 768 tokens, and a resend of a 9-block prompt still hits 9
@@ -165,7 +154,7 @@ def test_a_resend_hits_its_tail_inside_sharded_attention_blocks():
         )
         for blocks in (9, 3):
             tokens = [rng.randrange(1, 50_000) for _ in range(blocks * B + 10)]
-            _serve(a, f"r{blocks}", tokens)
+            serve_prefill(a, f"r{blocks}", tokens)
             assert a.find_longest_cache_hit([*tokens, 7]) == blocks * B
             assert a.find_longest_cache_hit([*tokens[: B + 5], 50_001]) == 0  # no state there
 

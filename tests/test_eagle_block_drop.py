@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from alloc_serving import serve_prefill
 
 from hybridkv import models
 from hybridkv.alloc import AllocatorOptions, ConfigError, HybridAllocator
@@ -29,18 +30,6 @@ MTP = dict(speculative_method="mtp", num_spec_tokens=1)
 def _plan(layout: str = "inflate", memory: str = "8GiB", **target):
     model = models.load("qwen3.5-4b", **MTP)
     return make_plan(model, layout, memory=memory, max_num_seqs=16, target=VllmTarget(**target))
-
-
-def _serve(a: HybridAllocator, rid: str, tokens: list[int]) -> None:
-    """Prefill ``tokens`` in the chunks the policy splits them into, then free."""
-    a.add_request(rid, tokens)
-    while a.num_tokens(rid) < len(tokens):
-        n = a.split_prefill(rid, len(tokens) - a.num_tokens(rid))
-        assert n > 0 and a.allocate_slots(rid, n)
-        a.take_state_copies()
-        check_consistency(a)
-    a.free(rid)
-    check_consistency(a)
 
 
 # ---- the rules, against vLLM's formulas ------------------------------------------------------
@@ -131,7 +120,7 @@ def test_hits_give_a_unit_back(fine, evict_unreachable):
         a = HybridAllocator(plan, options)
         assert a.options.eagle_block_drop is drop
         assert a.hit_peek_units == ({0: 1} if drop else {})
-        _serve(a, "first", tokens)
+        serve_prefill(a, "first", tokens)
         hits[drop] = (
             a.find_longest_cache_hit([*tokens, 7]),
             a.find_longest_cache_hit(tokens[: 2 * B] + other),
@@ -168,7 +157,7 @@ def test_a_shared_prefix_hits_a_block_less_under_the_drop():
         for i in range(3):
             prompt = shared + [60_000 + 100 * i + j for j in range(50)]
             got.append(a.find_longest_cache_hit(prompt))
-            _serve(a, f"r{i}", prompt)
+            serve_prefill(a, f"r{i}", prompt)
         out[drop] = got
     B = 528
     assert out[False] == [0, 3 * B, 3 * B]
@@ -343,7 +332,7 @@ def test_the_drop_keeps_the_allocator_consistent(layout, policy):
         hit = a.find_longest_cache_hit(tokens)
         assert hit == 0 or hit + drop <= longest, (i, hit, longest)
         hits += hit
-        _serve(a, f"r{i}", tokens)
+        serve_prefill(a, f"r{i}", tokens)
         seen.append(tokens)
     if policy == "align":
         assert hits > 0  # the drop leaves hits where prompts share more than a unit

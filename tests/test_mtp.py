@@ -18,6 +18,7 @@ import random
 from pathlib import Path
 
 import pytest
+from alloc_serving import serve_prefill
 
 from hybridkv import models
 from hybridkv.alloc import AllocatorOptions, ConfigError, HybridAllocator
@@ -210,18 +211,6 @@ def _qwen35(memory: str = "8GiB", **runtime):
     return model, make_plan(model, "inflate", memory=memory, max_num_seqs=16)
 
 
-def _serve(a: HybridAllocator, rid: str, tokens: list[int]) -> None:
-    """Prefill ``tokens`` as the scheduler would (vLLM's chunk split), then free."""
-    a.add_request(rid, tokens)
-    while a.num_tokens(rid) < len(tokens):
-        n = a.split_prefill(rid, len(tokens) - a.num_tokens(rid))
-        assert n > 0 and a.allocate_slots(rid, n)
-        a.take_state_copies()
-        check_consistency(a)
-    a.free(rid)
-    check_consistency(a)
-
-
 @pytest.mark.parametrize("h", [16, None])
 def test_a_prefix_shared_up_to_a_block_boundary_hits_a_block_earlier_under_mtp(h):
     """vLLM 0.33's rule on Qwen3.5-4B's 544-token blocks (align, vLLM's layout): a prompt that
@@ -239,7 +228,7 @@ def test_a_prefix_shared_up_to_a_block_boundary_hits_a_block_earlier_under_mtp(h
         a = HybridAllocator(plan, options)
         assert a.lookahead == lookahead  # "auto": the plan's vLLM rules
         tokens = [rng.randrange(1, 50_000) for _ in range(2 * B + 10)]
-        _serve(a, "first", tokens)
+        serve_prefill(a, "first", tokens)
         other = [50_001 + i for i in range(40)]  # tokens no prompt had
         assert a.find_longest_cache_hit([*tokens, 7]) == 2 * B
         exact = a.find_longest_cache_hit(tokens[: 2 * B] + other)
@@ -273,7 +262,7 @@ def test_lookahead_keeps_hybridkv_layouts_consistent():
             longest = max((_common(tokens, s) for s in seen), default=0)
             hit = a.find_longest_cache_hit(tokens)
             assert hit <= max(0, longest - 1), (policy, i, hit, longest)
-            _serve(a, f"r{i}", tokens)
+            serve_prefill(a, f"r{i}", tokens)
             seen.append(tokens)
 
 

@@ -16,10 +16,10 @@ import math
 import random
 
 import pytest
+from alloc_serving import serve_prefill
 
 from hybridkv import models
 from hybridkv.alloc import AllocatorOptions, HybridAllocator
-from hybridkv.alloc.check import check_consistency
 from hybridkv.cli import main
 from hybridkv.doctor import diagnose, prefix_trace
 from hybridkv.layouts import VllmTarget, make_plan
@@ -206,17 +206,6 @@ def test_two_level_splits_pages_by_what_each_kind_needs():
     assert fraction > 0.95
 
 
-def _serve(a: HybridAllocator, rid: str, tokens: list[int]) -> None:
-    a.add_request(rid, tokens)
-    while a.num_tokens(rid) < len(tokens):
-        n = a.split_prefill(rid, len(tokens) - a.num_tokens(rid))
-        assert n > 0 and a.allocate_slots(rid, n)
-        a.take_state_copies()
-        check_consistency(a)
-    a.free(rid)
-    check_consistency(a)
-
-
 def _allocator(policy: str = "align", **extra) -> HybridAllocator:
     plan = make_plan(_qwen(), "inflate", memory=40 * GIB, max_num_seqs=8)
     options = AllocatorOptions(
@@ -241,7 +230,7 @@ def test_every_hit_is_a_whole_quantized_block(policy, extra):
         shared = rng.randrange(500, 8000)
         prompt = base[:shared] + [50_001 + 1000 * i + j for j in range(rng.randrange(1, 900))]
         hits.append(a.find_longest_cache_hit(prompt))
-        _serve(a, f"r{i}", prompt)
+        serve_prefill(a, f"r{i}", prompt)
     assert all(h % 2176 == 0 for h in hits)
     if policy in ("align", "periodic"):  # states inside prompts that later prompts share
         assert any(hits)
@@ -255,7 +244,7 @@ def test_align_keeps_its_checkpoint_on_the_scheduler_block():
     for blocks, want in ((4, 4 * 1088), (3, 2176)):
         a = _allocator()
         first = [rng.randrange(1, 50_000) for _ in range(blocks * 1088 + 5)]
-        _serve(a, "first", first)
+        serve_prefill(a, "first", first)
         again = first[: blocks * 1088] + [50_001 + j for j in range(300)]
         assert a.find_longest_cache_hit(again) == want
 
