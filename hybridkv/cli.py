@@ -81,6 +81,7 @@ def _runtime(args: argparse.Namespace) -> dict:
         speculative_method=method,
         kv_dtype_skip_layers=tuple(args.kv_dtype_skip_layers or ()),
         dcp_size=args.dcp,
+        cp_kv_cache_interleave_size=args.cp_interleave,
     )
 
 
@@ -504,6 +505,7 @@ def _run_config(model: HybridModel, args: argparse.Namespace) -> dict:
         "model": model.name,
         "tp_size": model.tp_size,
         "dcp_size": model.dcp_size,
+        "cp_kv_cache_interleave_size": model.cp_kv_cache_interleave_size,
         "kv_dtype": model.kv_dtype,
         "conv_dtype": model.conv_dtype,
         "ssm_dtype": model.ssm_dtype,
@@ -967,6 +969,15 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="vLLM's decode context parallelism: the TP ranks that shard each attention layer's "
         "tokens instead of replicating its KV; a rank keeps one token in this many and an "
         "attention block spans this many times its page's tokens (default 1)",
+    )
+    par.add_argument(
+        "--cp-kv-cache-interleave-size",
+        type=int,
+        default=1,
+        dest="cp_interleave",
+        help="vLLM's DCP interleave: the tokens a rank keeps in a row before the next rank's "
+        "turn; moves no byte, but must divide the block's rows and, for GLM-5-Next's "
+        "k-pooled indexer, be a multiple of its pool (default 1)",
     )
     par.add_argument(
         "--kv-dtype",

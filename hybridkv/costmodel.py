@@ -162,14 +162,18 @@ def _attention_terms(model: HybridModel) -> tuple[tuple[float, int | None], ...]
     reads ``min(context, k)`` tokens, the same sum as a sliding window's. A sparse-attention
     indexer scores every pool of ``pool_tokens`` tokens with ``index_n_heads`` query heads of
     ``index_head_dim``: ``2 * heads * dim / pool`` per context token, over the whole context
-    (none counted when the spec does not know its heads). The top-k selection itself and the
-    pools' compression are not counted."""
+    (none counted when the spec does not know its heads); under decode context parallelism a
+    rank scores only the keys it keeps, one pool in ``dcp_size``, and the ranks merge their
+    top-k (vLLM's ``_merge_dcp_topk_global``, not priced), while the attention's queries are
+    gathered and keep their FLOPs. The top-k selection itself and the pools' compression are
+    not counted."""
     terms: list[tuple[float, int | None]] = []
     for layer in model.attention_layers:
         spec = layer.spec
         if isinstance(spec, IndexerSpec):
             if spec.index_n_heads:
-                work, pool = 2 * spec.index_n_heads * spec.index_head_dim, spec.pool_tokens
+                work = 2 * spec.index_n_heads * spec.index_head_dim
+                pool = spec.pool_tokens * model.dcp_size
                 terms.append((work // pool if work % pool == 0 else work / pool, None))
             continue
         if isinstance(spec, MLASpec):

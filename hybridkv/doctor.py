@@ -413,7 +413,12 @@ def _fp8_finding(
     is_fp8 = model.kv_dtype.startswith("fp8")  # canonical names: fp8_e4m3, fp8_e5m2
     other_dtype = "auto" if is_fp8 else "fp8"
     # the unquantized plan has no layer to skip (and fp8's is the one as given, skips and all)
-    other_model, other = plan_for(kv_dtype=other_dtype, kv_dtype_skip_layers=())
+    try:
+        other_model, other = plan_for(kv_dtype=other_dtype, kv_dtype_skip_layers=())
+    except ValueError as refused:  # vLLM serves no such configuration (e.g. fp8 sparse MLA
+        # under DCP): the finding says why, rather than the doctor failing on its own question
+        text = f"--kv-cache-dtype {other_dtype} is not an option with these flags: {refused}"
+        return Finding("fp8", "note", text, {"refused": str(refused)})
     (fp8, fp8_model), (wide, wide_model) = (
         ((plan, model), (other, other_model)) if is_fp8 else ((other, other_model), (plan, model))
     )
@@ -532,7 +537,7 @@ def _dcp_finding(model: HybridModel, plan: MemoryPlan, plan_for: Callable) -> Fi
     """What ``--decode-context-parallel-size`` does here: the attention blocks span it times a
     rank's rows and a rank holds it times the tokens, while the states, not sharded, keep their
     bytes, so each request's states weigh it times more tokens of KV."""
-    _, plain = plan_for(dcp_size=1)
+    _, plain = plan_for(dcp_size=1, cp_kv_cache_interleave_size=1)
     dcp = model.dcp_size
     spans = _hit_block_text(plan)
     ratio = plan.capacity.token_capacity / max(1, plain.capacity.token_capacity)
@@ -864,13 +869,16 @@ def _remedies(
         )
     dcp = _dcp_remedy(model, plan, plan_for, target)
     if dcp is not None:
-        size, p = dcp
+        size, interleave, p = dcp
         mla = any(layer.spec.kind == "mla" for layer in model.layers)
         held = "MLA latent" if mla else "KV head"
+        flags = ("--decode-context-parallel-size", str(size))
+        if interleave > 1:  # a k-pooled indexer's keys each on one rank (vLLM's requirement)
+            flags += ("--cp-kv-cache-interleave-size", str(interleave))
         out.append(
             remedy(
                 "dcp",
-                ("--decode-context-parallel-size", str(size)),
+                flags,
                 f"the {size} TP ranks that keep copies of one {held} shard its tokens instead: "
                 f"{size}x the tokens in the same memory; a resend or extension of a prompt still "
                 f"hits on the {p.checkpoint_granularity:,}-token state block, a prefix that "
@@ -901,14 +909,17 @@ def _remedies(
 
 def _dcp_remedy(
     model: HybridModel, plan: MemoryPlan, plan_for: Callable, target: VllmTarget
-) -> tuple[int, MemoryPlan] | None:
+) -> tuple[int, int, MemoryPlan] | None:
     """The largest decode context parallel size vLLM 0.33 accepts for this model and TP where
-    the flags set none (the ranks that replicate the KV shard its tokens instead), and its
-    plan; None where TP is 1, DCP is set, or no size passes vLLM's checks."""
+    the flags set none (the ranks that replicate the KV shard its tokens instead), the least
+    interleave it needs, and its plan; None where TP is 1, DCP is set, or no size passes
+    vLLM's checks."""
     if model.dcp_size > 1 or target.version != "0.33":
         return None
-    size = model.largest_dcp_size()
-    return (size, plan_for(dcp_size=size)[1]) if size > 1 else None
+    size, interleave = model.largest_dcp_size(), model.dcp_interleave_unit
+    if size == 1:
+        return None
+    return size, interleave, plan_for(dcp_size=size, cp_kv_cache_interleave_size=interleave)[1]
 
 
 def _per_group_plan(model: HybridModel, plan: MemoryPlan) -> MemoryPlan:

@@ -151,6 +151,12 @@ class KVCacheGroup:
         return self.kind == "state"
 
     @property
+    def is_per_request(self) -> bool:
+        """One block per running request, whatever its length: a state, or an indexer's ring of
+        the open pool's keys (``indexer_ring``); the other groups grow with the tokens."""
+        return self.kind in ("state", "indexer_ring")
+
+    @property
     def holds_drafter(self) -> bool:
         """The group holds layers of an MTP drafter (``mtp.layers.*``, beside the target's):
         vLLM's ``is_eagle_group``, the group whose hits lose a block under EAGLE's block drop."""
@@ -493,6 +499,24 @@ class MemoryPlan:
     @property
     def attention_groups(self) -> tuple[KVCacheGroup, ...]:
         return tuple(g for g in self.groups if not g.is_state)
+
+    @property
+    def token_groups(self) -> tuple[KVCacheGroup, ...]:
+        """The groups whose blocks grow with a request's tokens (none of those whose
+        :attr:`KVCacheGroup.is_per_request`)."""
+        return tuple(g for g in self.groups if not g.is_per_request)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes one rank keeps per token of a :attr:`token_groups` block's rows, over every
+        layer (in this plan's cache formats: vLLM's k-pooled indexer keys count a pool's entry
+        over its tokens), padding aside."""
+        grows = {g.group_id for g in self.token_groups}
+        return sum(
+            (p.k_bytes_per_block + p.v_bytes_per_block) / p.block_size
+            for p in self.kv_placements
+            if p.group_id in grows
+        )
 
     @property
     def state_groups(self) -> tuple[KVCacheGroup, ...]:

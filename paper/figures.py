@@ -38,7 +38,7 @@ from hybridkv.executors import (
     executor_options,
     open_executor,
 )
-from hybridkv.layouts import make_plan
+from hybridkv.layouts import VllmTarget, make_plan
 
 from . import data
 from .data import Deployment, GiB, available, layout_label, markdown_table, plan
@@ -1506,8 +1506,21 @@ def sim_memory(ctx: Context) -> list[Path]:
 #: models whose KV TP 8 replicates (2 KV heads, or MLA's one latent), planned with vLLM 0.33's
 #: --decode-context-parallel-size at 1 and at the largest size its checks pass
 DCP_MODELS = ("qwen3-next-80b-a3b", "qwen3.5-397b-a17b", "nemotron-3-super-120b-a12b",
-              "kimi-linear-48b-a3b")  # fmt: skip
+              "kimi-linear-48b-a3b", "glm5_next")  # fmt: skip
 DCP_TP = 8
+#: GLM-5-Next at transformers' default sizes (no released config is stored): sparse MLA with
+#: a k-pooled indexer, planned in vLLM 0.33's cache formats (latent and pooled keys sharded,
+#: the tail ring not) with the least interleave vLLM accepts
+DCP_GLM5_NEXT = Path(__file__).parents[1] / "examples" / "glm5_next-defaults.json"
+
+
+def _dcp_model(name: str, size: int) -> models.HybridModel:
+    """``name`` at TP :data:`DCP_TP` and DCP ``size`` (with the interleave its indexer needs)."""
+    if name != "glm5_next":
+        return models.load(name, tp_size=DCP_TP, dcp_size=size)
+    model = models.from_hf_config(DCP_GLM5_NEXT, tp_size=DCP_TP)
+    interleave = model.dcp_interleave_unit if size > 1 else 1
+    return model.configure(tp_size=DCP_TP, dcp_size=size, cp_kv_cache_interleave_size=interleave)
 
 
 @register(
@@ -1520,14 +1533,15 @@ def dcp_capacity(ctx: Context) -> list[Path]:
     rows = []
     facts = []
     for name in DCP_MODELS[:1] if ctx.small else DCP_MODELS:
-        largest = models.load(name, tp_size=DCP_TP).largest_dcp_size()
+        largest = _dcp_model(name, 1).largest_dcp_size()
+        target = VllmTarget(cache_formats="vllm")  # GLM-5-Next's indexer as vLLM keeps it
         base = None
         for size in sorted({1, largest}):
-            model = models.load(name, tp_size=DCP_TP, dcp_size=size)
-            p = make_plan(model, "inflate", memory=40 * GiB, max_num_seqs=256)
-            (span,) = {g.block_size for g in p.attention_groups}
+            model = _dcp_model(name, size)
+            p = make_plan(model, "inflate", memory=40 * GiB, max_num_seqs=256, target=target)
+            (span,) = {g.block_size for g in p.token_groups}
             base = base or p
-            weight = size * model.state_bytes_per_seq / model.kv_bytes_per_token
+            weight = size * model.state_bytes_per_seq / p.kv_bytes_per_token
             share = p.capacity.state_reserved_bytes / p.config.memory_bytes
             rows.append(
                 {
@@ -1571,7 +1585,12 @@ def dcp_capacity(ctx: Context) -> list[Path]:
         "resend or an extension of a prompt still hits, while a prefix that different prompts "
         "share hits in whole attention blocks (vLLM keys a block at its end and a prompt at "
         "its tail). The decode's query gather and partial-attention merge across the ranks are "
-        "not priced by the roofline."
+        "not priced by the roofline. glm5_next: transformers' default sizes "
+        "(`examples/glm5_next-defaults.json`; no released config is stored) in vLLM's cache "
+        "formats: its latent and k-pooled indexer keys are sharded, its tail rings (one block a "
+        "request, in the states' share here) and KDA states are not; vLLM requires "
+        "`--cp-kv-cache-interleave-size` to cover whole k-pools (16 tokens) and serves the "
+        "sparse MLA with FlashMLA's backend under DCP (bfloat16 latents only)."
     )
     return [ctx.table("dcp_capacity", table + note)]
 

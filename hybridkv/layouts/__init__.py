@@ -117,6 +117,26 @@ def _smallest_fit(model: HybridModel, layout: str, config: PlanConfig, tokens: i
 
 
 def plan_with_config(model: HybridModel, layout: str, config: PlanConfig) -> MemoryPlan:
+    return _check_interleave(model, _plan_layout(model, layout, config))
+
+
+def _check_interleave(model: HybridModel, plan: MemoryPlan) -> MemoryPlan:
+    """vLLM's ``VllmConfig.validate_block_size`` under DCP: the interleave (the tokens a rank
+    keeps in a row) at most a block's rows, and dividing them, in every sharded group."""
+    interleave = model.cp_kv_cache_interleave_size
+    for g in plan.groups:
+        if g.dcp_size > 1 and g.rows_per_block % interleave:
+            raise ValueError(
+                f"{model.name} with layout {plan.layout!r}: group {g.group_id}'s blocks hold "
+                f"{g.rows_per_block} rows a rank, which --cp-kv-cache-interleave-size "
+                f"{interleave} does not divide; vLLM 0.33 asserts that the block size is at "
+                "least the interleave and a multiple of it (VllmConfig.validate_block_size); "
+                f"give a --block-size that is a multiple of {interleave}, or a smaller interleave"
+            )
+    return plan
+
+
+def _plan_layout(model: HybridModel, layout: str, config: PlanConfig) -> MemoryPlan:
     target = config.target
     if model.dcp_size > 1 and target.version != "0.33":
         # read in 0.33 only: which groups DCP may shard beside Mamba, the spans' hash block

@@ -634,10 +634,12 @@ def _qwen4_caches(
 
 
 def _lay_out(
-    groups: list[list[_Cache]], block: int, num_blocks: int, block_bytes: int
+    groups: list[list[_Cache]], block: int, num_blocks: int, block_bytes: int, dcp: int
 ) -> tuple[list[KVPlacement], list[StatePlacement], list[KVCacheGroup]]:
     """Each group's pages at their offsets inside a block (vLLM's
-    ``get_kv_cache_config_from_groups``) and the plan's groups."""
+    ``get_kv_cache_config_from_groups``) and the plan's groups; under a decode context
+    parallel size ``dcp`` a sharded group's block spans ``dcp`` times its rows
+    (``resolve_dcp_kv_block_size``), a ring's and a state's do not."""
     kv_placements: list[KVPlacement] = []
     state_placements: list[StatePlacement] = []
     plan_groups: list[KVCacheGroup] = []
@@ -656,14 +658,16 @@ def _lay_out(
             kind = "indexer_ring"
         else:
             kind = "mla" if "latent" in parts else "full_attention"
+        span = dcp if members[0].dcp_sharded else 1
         plan_groups.append(
             KVCacheGroup(
                 group_id=gid,
                 kind=kind,
                 layers=tuple(c.name for c in members),
                 pool="shared",
-                block_size=members[0].block_size if kind == "indexer_ring" else block,
+                block_size=(members[0].block_size if kind == "indexer_ring" else block) * span,
                 page_bytes=max(c.page for c in members),
+                dcp_size=span,
             )
         )
     return kv_placements, state_placements, plan_groups
@@ -690,7 +694,9 @@ def plan_vllm_packed(model: HybridModel, config: PlanConfig) -> MemoryPlan:
     num_blocks = config.memory_bytes // block_bytes
     tensor = TensorPlan(_TENSOR, num_blocks * block_bytes)
 
-    kv_placements, state_placements, plan_groups = _lay_out(groups, block, num_blocks, block_bytes)
+    kv_placements, state_placements, plan_groups = _lay_out(
+        groups, block, num_blocks, block_bytes, model.dcp_size
+    )
 
     capacity = _capacity(model, config, plan_groups, groups, num_blocks, block_bytes, block)
     pool = PoolPlan(
@@ -850,13 +856,15 @@ def _capacity(
         padding += token_blocks * (block_bytes - sum(c.page for c in members))
     kv_blocks = token_blocks * len(token_groups)
     # the padding-free ideal in vLLM's formats: the per-token caches' bytes of a block (latents
-    # or K/V, and the compressed or k-pooled indexer rows), once the states and rings are held
+    # or K/V, and the compressed or k-pooled indexer rows), once the states and rings are held;
+    # under DCP a block's rows are one rank's share of dcp_size times the tokens
     state = per_seq * model.state_bytes_per_seq
     rings = config.max_num_seqs * sum(c.page for m in groups for c in m if c.part == "ring")
     per_block = sum(c.page for m in groups for c in m if c.part in ("latent", "kv", "indexer"))
-    ideal = max(0, (config.memory_bytes - state - rings) * block // per_block)
+    span = block * model.dcp_size
+    ideal = max(0, (config.memory_bytes - state - rings) * span // per_block)
     return Capacity(
-        token_capacity=token_blocks * block,
+        token_capacity=token_blocks * span,
         ideal_token_capacity=int(ideal),
         padding_bytes=int(padding),
         unusable_bytes=int(config.memory_bytes - (reserved + kv_blocks) * block_bytes),

@@ -110,9 +110,9 @@ def _configured(name: str, options: tuple[tuple[str, Any], ...]) -> HybridModel:
 def load(name: str, **configure: Any) -> HybridModel:
     """A zoo model, configured with :meth:`HybridModel.configure` (``tp_size``, ``kv_dtype``,
     ``conv_dtype``, ``ssm_dtype``, ``num_spec_tokens``, ``speculative_method``,
-    ``kv_dtype_skip_layers``, ``dcp_size``); without options, the model at TP 1 with its own
-    dtypes. Models are immutable and cached, so loading
-    one often is cheap."""
+    ``kv_dtype_skip_layers``, ``dcp_size``, ``cp_kv_cache_interleave_size``); without options,
+    the model at TP 1 with its own dtypes. Models are immutable and cached, so loading one
+    often is cheap."""
     zoo_name = resolve_name(name)
     if not configure:
         return _base(zoo_name)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from ..dtypes import canonical_dtype
+from ..dtypes import canonical_dtype, dtype_bytes
 from ..specs import (
     AttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     InklingConvSpec,
     KDASpec,
     LayerSpec,
@@ -127,6 +129,11 @@ class HybridModel:
     #: layer's tokens are sharded (:meth:`configure`); a block of an attention group then spans
     #: ``dcp_size`` times the tokens one rank's page holds, states are not sharded
     dcp_size: int = 1
+    #: vLLM's ``--cp-kv-cache-interleave-size`` under DCP: the consecutive tokens one rank keeps
+    #: before the next rank takes its turn (1: token ``i`` on rank ``i % dcp_size``). It moves no
+    #: byte of the plan; vLLM requires it to divide the block's rows and, for a k-pooled indexer,
+    #: to cover whole pools (:meth:`configure`)
+    cp_kv_cache_interleave_size: int = 1
     #: positions, in the model's MTP drafter, of its decoder layers that hold attention (and so a
     #: KV cache, of the model's full-attention shape), from the config (Qwen3-Next's
     #: ``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``, Nemotron-H's pattern);
@@ -214,6 +221,7 @@ class HybridModel:
         speculative_method: str = "none",
         kv_dtype_skip_layers: Sequence[str | int] = (),
         dcp_size: int = 1,
+        cp_kv_cache_interleave_size: int = 1,
     ) -> HybridModel:
         """The same model on one rank of ``tp_size``, with cache dtypes resolved like vLLM.
 
@@ -247,8 +255,18 @@ class HybridModel:
           it; for grouped-query attention TP above the KV heads, ``dcp_size`` at most TP // KV
           heads and dividing the query heads per KV head (``ModelConfig``); full attention and
           MLA only beside the states (the hybrid coordinator's assertion; sliding windows and
-          chunked local attention assert ``dcp_world_size == 1``). Sparse attention's indexer
-          keys and top-k rows under DCP are not modelled and refused.
+          chunked local attention assert ``dcp_world_size == 1``). Sparse MLA with its
+          indexer (GLM-5-Next's) is sharded like MLA: the latent and the k-pooled indexer keys
+          (``dcp_sharded``), the indexer's per-request tail ring not (``CircularBufferSpec``,
+          ``dcp_sharded=False``: every rank keeps the open pool), and vLLM's checks apply: its
+          sparse-MLA backend under DCP is FlashMLA's (FlashInfer's SM90 sparse MLA has no DCP),
+          which keeps a 512-wide latent in bfloat16 only, and the indexer's backend asks for an
+          interleave covering whole k-pools. Qwen4-Exp's QSA is refused, as vLLM refuses it.
+        - ``cp_kv_cache_interleave_size`` (``--cp-kv-cache-interleave-size``): the tokens a rank
+          keeps in a row under DCP; any value other than 1 without DCP is an error (it would
+          not act). A k-pooled indexer needs a multiple of its pool
+          (``DeepseekV32IndexerMetadataBuilder``); the layouts check that it divides a block's
+          rows (``VllmConfig.validate_block_size``).
 
         Inkling's short-conv states (``inkling_sconv``) resolve a conv ``auto`` to float32, not
         the model dtype: transformers, their only implementation, computes and keeps them in
@@ -282,7 +300,7 @@ class HybridModel:
             except ValueError as exc:
                 raise ValueError(f"{self.name}, layer {layer.name}: {exc}") from None
             layers.append(replace(layer, spec=new_spec))
-        _check_dcp(self.name, layers, tp_size, dcp_size)
+        _check_dcp(self.name, layers, tp_size, dcp_size, cp_kv_cache_interleave_size)
         return replace(
             self,
             layers=tuple(layers),
@@ -294,15 +312,25 @@ class HybridModel:
             speculative_method=speculative_method,
             kv_dtype_skip_layers=skip,
             dcp_size=dcp_size,
+            cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
         )
+
+    @property
+    def dcp_interleave_unit(self) -> int:
+        """The tokens ``cp_kv_cache_interleave_size`` must be a multiple of under DCP: a k-pooled
+        indexer's pool (each pooled key lives on one rank), 1 otherwise."""
+        return _interleave_unit(self.layers)
 
     def largest_dcp_size(self) -> int:
         """The largest ``dcp_size`` vLLM 0.33's checks accept at this model's TP size (1 where
-        none above 1 does): the ranks that keep copies of a KV head, or of MLA's latent."""
+        none above 1 does): the ranks that keep copies of a KV head, or of MLA's latent; with
+        an interleave of :attr:`dcp_interleave_unit` (the least a k-pooled indexer accepts)."""
         for size in range(self.tp_size, 1, -1):
             if self.tp_size % size == 0:
                 try:
-                    _check_dcp(self.name, self.layers, self.tp_size, size)
+                    _check_dcp(
+                        self.name, self.layers, self.tp_size, size, self.dcp_interleave_unit
+                    )
                 except ValueError:
                     continue
                 return size
@@ -444,13 +472,26 @@ def _skippable(layer: CacheLayer) -> bool:
     return isinstance(layer.spec, (FullAttentionSpec, MLASpec))
 
 
-def _check_dcp(name: str, layers: Sequence[CacheLayer], tp: int, dcp: int) -> None:
+def _check_dcp(
+    name: str, layers: Sequence[CacheLayer], tp: int, dcp: int, interleave: int = 1
+) -> None:
     """vLLM 0.33's checks of ``--decode-context-parallel-size`` against TP and the model's
     attention (``ParallelConfig``, ``ModelConfig.verify_with_parallel_config``, the hybrid
-    coordinator), and what hybridkv does not model under it."""
+    coordinator, the sparse-attention backends) and of ``--cp-kv-cache-interleave-size``, and
+    what hybridkv does not model under it."""
     if not isinstance(dcp, int) or isinstance(dcp, bool) or dcp < 1:
         raise ValueError(f"dcp_size must be a positive integer, got {dcp!r}")
+    if not isinstance(interleave, int) or isinstance(interleave, bool) or interleave < 1:
+        raise ValueError(
+            f"cp_kv_cache_interleave_size must be a positive integer, got {interleave!r}"
+        )
     if dcp == 1:
+        if interleave != 1:
+            raise ValueError(
+                f"cp_kv_cache_interleave_size {interleave} spreads a context's tokens over decode "
+                "context parallel ranks, and there are none (dcp_size 1): give "
+                "--decode-context-parallel-size above 1, or leave the interleave at 1"
+            )
         return
     if tp % dcp:
         raise ValueError(
@@ -464,34 +505,40 @@ def _check_dcp(name: str, layers: Sequence[CacheLayer], tp: int, dcp: int) -> No
             f"{name} has no attention layers: decode context parallelism shards attention KV, "
             f"so a decode context parallel size of {dcp} would shard nothing; use 1"
         )
+    qsa = [
+        layer
+        for layer in attention
+        if isinstance(layer.spec, FullAttentionSpec) and layer.spec.sparse_topk
+    ]
+    if qsa:
+        raise ValueError(
+            f"{name}: its sparse full attention (Qwen4-Exp's QSA, layer {qsa[0].name}) is not "
+            'served under decode context parallelism: vLLM 0.33 raises "Qwen4Exp QSA does not '
+            'support context parallelism" (vllm/models/qwen4_exp/nvidia/qsa.py); use a decode '
+            "context parallel size of 1"
+        )
     unsharded = sorted(
         {
-            f"sparse {layer.spec.kind}"
-            if getattr(layer.spec, "sparse_topk", 0)
-            else layer.spec.kind
+            layer.spec.kind
             for layer in attention
-            if type(layer.spec) not in (FullAttentionSpec, MLASpec)
-            or getattr(layer.spec, "sparse_topk", 0)
+            if type(layer.spec) not in (FullAttentionSpec, MLASpec, IndexerSpec)
         }
     )
     if unsharded:
         why = []
         if "sliding_window" in unsharded:
             why.append("vLLM 0.33's sliding-window manager asserts dcp_world_size == 1")
-        if any(k.startswith("sparse") or k == "indexer" for k in unsharded):
-            why.append(
-                "sparse attention's indexer keys and top-k reads are not modelled under DCP"
-            )
         if not why:
             why.append(
                 "vLLM 0.33's hybrid coordinator allows only full attention, Mamba and replicated "
                 "draft groups under DCP"
             )
         raise ValueError(
-            f"{name}: decode context parallelism is modelled for full attention and MLA beside "
-            f"recurrent states, and this model has {', '.join(unsharded)} layers "
+            f"{name}: decode context parallelism is modelled for full attention, MLA and sparse "
+            f"MLA beside recurrent states, and this model has {', '.join(unsharded)} layers "
             f"({'; '.join(why)}); use a decode context parallel size of 1"
         )
+    _check_sparse_mla_dcp(name, attention, interleave)
     gqa = [layer.spec for layer in attention if isinstance(layer.spec, FullAttentionSpec)]
     if any(isinstance(layer.spec, MLASpec) for layer in attention):
         return  # vLLM checks heads only where the model does not use MLA
@@ -513,6 +560,47 @@ def _check_dcp(name: str, layers: Sequence[CacheLayer], tp: int, dcp: int) -> No
                 f"{name}: the {heads // kv} query heads per KV head must be divisible by the "
                 f"decode context parallel size {dcp} (vLLM's ModelConfig, for GQA/MQA)"
             )
+
+
+def _interleave_unit(layers: Sequence[CacheLayer]) -> int:
+    """The lcm of the k-pools of the k-pooled indexers among ``layers`` (1: none)."""
+    pools = {
+        layer.spec.pool_tokens
+        for layer in layers
+        if isinstance(layer.spec, IndexerSpec) and layer.spec.pool_tokens > 1
+    }
+    return math.lcm(*pools) if pools else 1
+
+
+def _check_sparse_mla_dcp(name: str, attention: Sequence[CacheLayer], interleave: int) -> None:
+    """vLLM 0.33's conditions for sparse MLA and its indexer under DCP. The backend: FlashInfer's
+    SM90 sparse MLA has no DCP (``supports_dcp`` False), so vLLM's selector falls to
+    ``FLASHMLA_SPARSE``, which takes a 512-wide NoPE latent only as bfloat16 or its own
+    ``fp8_ds_mla`` (``FlashMLASparseBackend.supports_combination``). The indexer: each k-pooled
+    key lives on one rank, so the interleave covers whole pools
+    (``DeepseekV32IndexerMetadataBuilder``)."""
+    sparse = [
+        layer for layer in attention if isinstance(layer.spec, MLASpec) and layer.spec.sparse_topk
+    ]
+    quantized = [layer for layer in sparse if dtype_bytes(layer.spec.kv_dtype) == 1]
+    if quantized:
+        first = quantized[0]
+        raise ValueError(
+            f"{name}: under decode context parallelism vLLM 0.33 serves sparse MLA with "
+            "FLASHMLA_SPARSE (FlashInfer's SM90 sparse MLA does not support DCP), which keeps a "
+            f"512-wide latent in bfloat16 or its fp8_ds_mla layout only, not "
+            f"{first.spec.kv_dtype} (layer {first.name}); use --kv-cache-dtype auto, or a "
+            "decode context "
+            "parallel size of 1"
+        )
+    unit = _interleave_unit(attention)
+    if interleave % unit:
+        raise ValueError(
+            f"{name}: under decode context parallelism each k-pooled indexer key lives on one "
+            f"rank, so vLLM 0.33 requires --cp-kv-cache-interleave-size to be a multiple of the "
+            f"pool ({unit} tokens; DeepseekV32IndexerMetadataBuilder), got {interleave}; give "
+            f"--cp-kv-cache-interleave-size {unit}"
+        )
 
 
 def _skipped(layer: CacheLayer, skip: tuple[str, ...]) -> bool:
