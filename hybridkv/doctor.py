@@ -867,7 +867,7 @@ def _remedies(
                 _vllm_options(p),
             )
         )
-    dcp = _dcp_remedy(model, plan, plan_for, target)
+    dcp = _dcp_remedy(model, plan_for)
     if dcp is not None:
         size, interleave, p = dcp
         mla = any(layer.spec.kind == "mla" for layer in model.layers)
@@ -907,14 +907,12 @@ def _remedies(
     return out
 
 
-def _dcp_remedy(
-    model: HybridModel, plan: MemoryPlan, plan_for: Callable, target: VllmTarget
-) -> tuple[int, int, MemoryPlan] | None:
-    """The largest decode context parallel size vLLM 0.33 accepts for this model and TP where
+def _dcp_remedy(model: HybridModel, plan_for: Callable) -> tuple[int, int, MemoryPlan] | None:
+    """The largest decode context parallel size vLLM accepts for this model and TP where
     the flags set none (the ranks that replicate the KV shard its tokens instead), the least
     interleave it needs, and its plan; None where TP is 1, DCP is set, or no size passes
     vLLM's checks."""
-    if model.dcp_size > 1 or target.version != "0.33":
+    if model.dcp_size > 1:
         return None
     size, interleave = model.largest_dcp_size(), model.dcp_interleave_unit
     if size == 1:

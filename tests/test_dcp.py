@@ -243,11 +243,19 @@ def test_the_doctor_offers_the_largest_size_vllm_accepts(capsys):
     assert "dcp" not in remedies("--model", QWEN, "-tp", "2")
 
 
-def test_only_vllm_033s_rules_are_modelled():
+def test_vllm_032_shards_alike():
+    """vLLM 0.32 resolves DCP as 0.33 does (the same spans, hash block and checks): under its
+    rules too each attention group spans dcp times its rows, states keep theirs, and a rank
+    holds dcp times the tokens."""
     from hybridkv.layouts import VllmTarget
 
-    with pytest.raises(ValueError, match=r"modelled with vLLM 0\.33's rules, not 0\.32's"):
-        make_plan(_qwen(2), "inflate", memory="4GiB", target=VllmTarget(version="0.32"))
+    old = VllmTarget(version="0.32")
+    plain = make_plan(_qwen(1), "inflate", memory="20GiB", max_num_seqs=64, target=old)
+    plan = make_plan(_qwen(4), "inflate", memory="20GiB", max_num_seqs=64, target=old)
+    for g, p in zip(plan.groups, plain.groups, strict=True):
+        assert (g.rows_per_block, g.block_size) == (p.block_size, p.block_size * g.dcp_size)
+        assert g.dcp_size == (1 if g.is_state else 4)
+    assert plan.capacity.token_capacity == 4 * plain.capacity.token_capacity
 
 
 def _shared_prefix_hits(dcp: int, points: str, shared: int) -> list[int]:

@@ -138,12 +138,10 @@ def _check_interleave(model: HybridModel, plan: MemoryPlan) -> MemoryPlan:
 
 def _plan_layout(model: HybridModel, layout: str, config: PlanConfig) -> MemoryPlan:
     target = config.target
-    if model.dcp_size > 1 and target.version != "0.33":
-        # read in 0.33 only: which groups DCP may shard beside Mamba, the spans' hash block
-        raise ValueError(
-            f"decode context parallelism (dcp_size {model.dcp_size}) is modelled with vLLM "
-            f"0.33's rules, not {target.version}'s; plan it for vLLM 0.33 (--vllm-version 0.33)"
-        )
+    # decode context parallelism: vLLM 0.32 and 0.33 shard the same groups beside Mamba and
+    # resolve the same spans, hash block and hit alignment (resolve_dcp_kv_block_size,
+    # partial_hash_hits_enabled, resolve_kv_cache_block_sizes, the hybrid coordinator's check
+    # and ModelConfig's are equal in both), so the plans follow one rule for both
     if (
         target.indexer_kv_dtype != "auto"
         and model.family_key in QWEN4_EXP_FAMILIES
