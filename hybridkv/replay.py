@@ -219,7 +219,8 @@ class AlphaTuner:
     alpha of ``grid`` (:func:`tune_marconi_alpha`, made by ``make``) and the best is set on the
     allocator. With ``retune`` it tunes again after every further window, on the last window, so
     alpha follows a workload that drifts; without, once (Marconi's simulator, :func:`replay`).
-    ``tuned_at``: the finished-request counts at which it tuned."""
+    ``tuned_at``: the finished-request counts at which it tuned; ``choices``: the alpha each
+    tuning chose."""
 
     def __init__(
         self,
@@ -242,6 +243,7 @@ class AlphaTuner:
         self.count = 0
         self.window: int | None = None
         self.tuned_at: list[int] = []
+        self.choices: list[float] = []
         self._seen: deque[Request] = deque()
 
     def observe(self, alloc: HybridAllocator, req: Request) -> None:
@@ -263,6 +265,7 @@ class AlphaTuner:
                 self.make, list(self._seen), self.grid, self.tuning_last, flops=self.flops
             )
             self.tuned_at.append(self.count)
+            self.choices.append(alloc.marconi_alpha)
 
 
 def tune_marconi_alpha(

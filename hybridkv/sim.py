@@ -115,7 +115,8 @@ class SimConfig:
     ``tune_marconi_alpha`` (Marconi's eviction only): tune its alpha online as Marconi's
     system does (:class:`hybridkv.replay.AlphaTuner` with ``retune``: from 0 until the first
     eviction, then on the last window of finished requests, again after every window), instead
-    of the options' fixed ``marconi_alpha``."""
+    of the options' fixed ``marconi_alpha``; with ``retune_marconi_alpha`` off, once, on the
+    first window (as Marconi's simulator and :func:`hybridkv.replay.replay` do)."""
 
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # most prompt tokens of one request per step (0: any)
@@ -128,6 +129,7 @@ class SimConfig:
     params: ParamCount | None = None
     allocator: AllocatorOptions = SIM_ALLOCATOR
     tune_marconi_alpha: bool = False
+    retune_marconi_alpha: bool = True
 
     def __post_init__(self) -> None:
         for name, least in (("sample_every", 1), ("max_samples", 2), ("breakdowns", 0)):
@@ -187,6 +189,8 @@ class SimResult:
     #: (``SimConfig.tune_marconi_alpha``), the finished-request counts at which it was
     marconi_alpha: float | None = None
     alpha_tuned_at: tuple[int, ...] = ()
+    #: the alpha each of those tunings chose, in order
+    alpha_choices: tuple[float, ...] = ()
 
     def breakdown_mean(self) -> dict[str, float]:
         """Mean bytes per breakdown field over the run's breakdown samples."""
@@ -294,7 +298,11 @@ def _simulate(
         # marconi weighs the FLOPs a state saves by the same cost model as the clock
         options = options.replace(marconi_flops=coster.prefill_flops)
     alloc = HybridAllocator(plan, options)
-    tuner = _alpha_tuner(plan, options, alloc) if config.tune_marconi_alpha else None
+    tuner = (
+        _alpha_tuner(plan, options, alloc, config.retune_marconi_alpha)
+        if config.tune_marconi_alpha
+        else None
+    )
     # sliding-window layers: the decode cost needs every context, not just their sum
     sched = Scheduler(alloc, scheduler_config(plan, config), contexts=bool(coster.windows))
     clock = RooflineClock(coster)
@@ -424,10 +432,13 @@ def _simulate(
         request_kv_hits=request_kv_hits,
         marconi_alpha=alloc.marconi_alpha,
         alpha_tuned_at=tuple(tuner.tuned_at) if tuner is not None else (),
+        alpha_choices=tuple(tuner.choices) if tuner is not None else (),
     )
 
 
-def _alpha_tuner(plan: MemoryPlan, options: AllocatorOptions, alloc: HybridAllocator):
+def _alpha_tuner(
+    plan: MemoryPlan, options: AllocatorOptions, alloc: HybridAllocator, retune: bool
+):
     """The online tuner of ``SimConfig.tune_marconi_alpha``; ``alloc`` starts at alpha 0."""
     from .replay import AlphaTuner
 
@@ -439,7 +450,7 @@ def _alpha_tuner(plan: MemoryPlan, options: AllocatorOptions, alloc: HybridAlloc
     alloc.marconi_alpha = 0.0  # Marconi's tuner starts at 0
     return AlphaTuner(
         lambda: HybridAllocator(plan, options),
-        retune=True,
+        retune=retune,
         flops=options.marconi_flops or tokens_as_flops,
     )
 

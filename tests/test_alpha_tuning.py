@@ -121,8 +121,34 @@ def test_paper_alpha_online_writes_its_table(tmp_path):
 
     assert alpha_online.main(["--requests", "40", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "alpha-online.json").read_text())["rows"]
-    assert [(r["layout"], r["setting"]) for r in rows] == [
-        (layout, label) for layout in alpha_online.LAYOUTS for label, _ in alpha_online.SETTINGS
+    assert [(r["seed"], r["layout"], r["setting"]) for r in rows] == [
+        (seed, layout, label)
+        for seed in alpha_online.SEEDS
+        for layout in alpha_online.LAYOUTS
+        for label, _, _ in alpha_online.SETTINGS
     ]
     assert [r["alpha_end"] for r in rows[:2]] == [1.0, 0.0]
-    assert "| two_level | tuned online |" in (tmp_path / "alpha-online.md").read_text()
+    assert all(len(r["choices"]) == len(r["tuned_at"]) for r in rows)
+    assert "| 0 | two_level | tuned online |" in (tmp_path / "alpha-online.md").read_text()
+
+
+def test_the_simulator_tunes_once_without_retuning(small):
+    """``retune_marconi_alpha=False``: one tuning, on the first window (Marconi's simulator);
+    each tuning's choice is recorded and the last is the alpha at the end."""
+    model, plan, trace = small
+    once = simulate(
+        plan,
+        model,
+        trace,
+        SimConfig(
+            checkpoint_policy="marconi", tune_marconi_alpha=True, retune_marconi_alpha=False
+        ),
+    )
+    again = simulate(
+        plan, model, trace, SimConfig(checkpoint_policy="marconi", tune_marconi_alpha=True)
+    )
+    assert len(once.alpha_tuned_at) == len(once.alpha_choices) == 1
+    assert once.alpha_tuned_at[0] == again.alpha_tuned_at[0]
+    assert once.alpha_choices[0] == again.alpha_choices[0] == once.marconi_alpha
+    assert len(again.alpha_choices) == len(again.alpha_tuned_at)
+    assert again.alpha_choices[-1] == again.marconi_alpha
