@@ -11,6 +11,7 @@ import json
 import warnings
 
 import pytest
+from vllm_planning import glm5_registered, planner_config
 
 from hybridkv import models
 from hybridkv.cli import main
@@ -170,14 +171,6 @@ def test_a_rank_scores_only_the_indexer_keys_it_keeps():
     )
 
 
-def _registered(item: tuple[str, object]) -> tuple[int, int]:
-    """vLLM's registration order of GLM-5-Next's caches: by decoder layer; inside an MLA layer
-    the Indexer's k_cache and tail_cache, then the attention."""
-    layer, _, rest = item[0].removeprefix("language_model.model.layers.").partition(".")
-    rank = {"indexer.k_cache": 0, "indexer.tail_cache": 1}
-    return int(layer), rank.get(rest.removeprefix("self_attn."), 2)
-
-
 def test_vllms_own_functions_agree_under_dcp():
     """Where vLLM 0.33 is importable: its grouping of the exported specs is the export's (the
     latent and pooled keys sharded, rings and states not), its coordinator's DCP condition
@@ -200,24 +193,17 @@ def test_vllms_own_functions_agree_under_dcp():
         plan = make_plan(model, "inflate", memory="40GiB", target=VLLM_FORMATS)
         config, exported = vllm_objects(plan, model), kv_cache_config(plan, model)
         layout = KVCacheLayout[config.kv_cache_layout]
-        vllm_config = SimpleNamespace(
-            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-            attention_config=SimpleNamespace(hisparse_config=None),
-            cache_config=SimpleNamespace(
-                get_resolved_kv_cache_layout=lambda layout=layout: layout,
-                num_gpu_blocks_override=None,
-                prefix_cache_retention_interval=0,
-                block_size=plan.block_size,
-                prefix_match_unit=None,
-                enable_prefix_caching=True,
-            ),
-            parallel_config=SimpleNamespace(decode_context_parallel_size=dcp),
-            kv_transfer_config=None,
+        vllm_config = planner_config(
+            layout, block_size=plan.block_size, prefix_match_unit=None, enable_prefix_caching=True
         )
+        vllm_config.parallel_config = SimpleNamespace(decode_context_parallel_size=dcp)
+        vllm_config.kv_transfer_config = None
         specs = {
             n: s for g in config.kv_cache_groups for n, s in g.kv_cache_spec.kv_cache_specs.items()
         }
-        groups = kp.get_kv_cache_groups(vllm_config, dict(sorted(specs.items(), key=_registered)))
+        groups = kp.get_kv_cache_groups(
+            vllm_config, dict(sorted(specs.items(), key=lambda item: glm5_registered(item[0])))
+        )
         assert [g.layer_names for g in groups] == [g.layer_names for g in config.kv_cache_groups]
         # the scheduler's config (a group's first layer spec), then vLLM's own coordinator: it
         # asserts every sharded group is full attention, and its managers' blocks are ours

@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from vllm_planning import glm5_registered, planner_config
 
 from hybridkv import models
 from hybridkv.layouts import make_plan
@@ -1118,22 +1119,11 @@ def test_glm5_next_causal_lm_names():
     assert rings[0] == "model.layers.3.self_attn.indexer.tail_cache"
 
 
-_REGISTRATION_RANK = {"indexer.k_cache": 0, "indexer.tail_cache": 1, "attn": 2}
-
-
-def _registered(name: str) -> tuple[int, int]:
-    """vLLM's registration order of a GLM-5-Next cache: by decoder layer; inside an MLA layer
-    the Indexer's k_cache and tail_cache, then the MLAAttention (Glm5NextMLAAttention)."""
-    layer, _, rest = name.removeprefix("language_model.model.layers.").partition(".")
-    return int(layer), _REGISTRATION_RANK.get(rest.removeprefix("self_attn."), 0)
-
-
 def test_glm5_next_vllm_planner_builds_the_same_config():
     """vLLM's own grouping and placement (get_kv_cache_groups with a BLHNC layout, then
     get_kv_cache_config_from_groups), run on the exported specs in vLLM's registration order,
     give the exported groups, tensors and num_blocks."""
     pytest.importorskip("vllm")
-    from types import SimpleNamespace
 
     from vllm.v1.core import kv_cache_planning as kp
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -1145,17 +1135,9 @@ def test_glm5_next_vllm_planner_builds_the_same_config():
         specs = {
             n: s for g in config.kv_cache_groups for n, s in g.kv_cache_spec.kv_cache_specs.items()
         }
-        ordered = dict(sorted(specs.items(), key=lambda item: _registered(item[0])))
+        ordered = dict(sorted(specs.items(), key=lambda item: glm5_registered(item[0])))
         layout = KVCacheLayout[config.kv_cache_layout]
-        vllm_config = SimpleNamespace(
-            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-            attention_config=SimpleNamespace(hisparse_config=None),
-            cache_config=SimpleNamespace(
-                get_resolved_kv_cache_layout=lambda layout=layout: layout,
-                num_gpu_blocks_override=None,
-                prefix_cache_retention_interval=0,
-            ),
-        )
+        vllm_config = planner_config(layout)
         groups = kp.get_kv_cache_groups(vllm_config, ordered)
         assert [g.layer_names for g in groups] == [g.layer_names for g in config.kv_cache_groups]
         assert [g.kv_cache_spec for g in groups] == [
@@ -1540,7 +1522,6 @@ def test_qwen4_exp_vllm_planner_builds_the_same_config():
     get_kv_cache_config_from_groups), run on the exported specs in vLLM's registration order,
     give the exported groups, tensors and num_blocks."""
     pytest.importorskip("vllm")
-    from types import SimpleNamespace
 
     from vllm.v1.core import kv_cache_planning as kp
     from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -1554,15 +1535,7 @@ def test_qwen4_exp_vllm_planner_builds_the_same_config():
         }
         ordered = dict(sorted(specs.items(), key=lambda item: _qwen4_registered(item[0])))
         layout = KVCacheLayout[config.kv_cache_layout]
-        vllm_config = SimpleNamespace(
-            scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-            attention_config=SimpleNamespace(hisparse_config=None),
-            cache_config=SimpleNamespace(
-                get_resolved_kv_cache_layout=lambda layout=layout: layout,
-                num_gpu_blocks_override=None,
-                prefix_cache_retention_interval=0,
-            ),
-        )
+        vllm_config = planner_config(layout)
         groups = kp.get_kv_cache_groups(vllm_config, ordered)
         assert [g.layer_names for g in groups] == [g.layer_names for g in config.kv_cache_groups]
         assert [g.kv_cache_spec for g in groups] == [

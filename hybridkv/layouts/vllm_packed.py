@@ -843,9 +843,7 @@ def _capacity(
         elif g.kind == "indexer_ring":
             ring_ids += config.max_num_seqs
             padding += config.max_num_seqs * (block_bytes - data)
-    token_groups = [
-        (g, m) for g, m in zip(plan_groups, groups) if g.kind not in ("state", "indexer_ring")
-    ]
+    token_groups = [(g, m) for g, m in zip(plan_groups, groups) if not g.is_per_request]
     reserved = state_ids + ring_ids
     remaining = num_blocks - 1 - reserved  # block 0 is the null block
     if remaining < len(token_groups):
