@@ -35,8 +35,12 @@ from .traces import Request, Trace, answer_ids
 __all__ = [
     "MARCONI_ALPHAS",
     "REPLAY_OPTIONS",
+    "SERVING_ALPHA_STRIDE",
     "AlphaTuner",
     "ReplayResult",
+    "alpha_scores",
+    "best_alpha",
+    "coarse_to_fine",
     "replay",
     "serve",
     "tune_marconi_alpha",
@@ -104,6 +108,10 @@ def _requests(trace: Trace | Iterable[Request]) -> Sequence[Request]:
 
 #: Marconi's grid for ``alpha`` (its ``ConfigTuner.tune_config``)
 MARCONI_ALPHAS = tuple(round(0.1 * i, 1) for i in range(21))
+#: the serving path's search over that grid (:func:`coarse_to_fine`): every fifth value, then
+#: the best one's neighbours within two places, 9 replays of Marconi's 21 (its whole grid
+#: multiplied a chat simulation's wall time by up to seven)
+SERVING_ALPHA_STRIDE = 5
 
 
 #: :func:`replay`'s allocator options unless it is given some: Marconi's policy, as its simulator
@@ -117,8 +125,8 @@ def replay(
     *,
     sample_every: int = 0,
     progress: bool = False,
-    marconi_alpha: float | str = "auto",
     alpha_grid: Sequence[float] = MARCONI_ALPHAS,
+    alpha_stride: int = 1,
     bootstrap_multiplier: int = 5,
     tuning_last: int = 500,
     **overrides: Any,
@@ -126,30 +134,21 @@ def replay(
     """Replay ``trace`` on ``plan`` one request at a time (see the module docstring).
 
     ``options``: the allocator's (default :data:`REPLAY_OPTIONS`); keyword ``overrides``
-    replace some of them (``checkpoint_policy="last"``, ``evict_unreachable=False``, ...).
-    Replay sets two itself: ``max_model_len`` to the trace's longest request, and under
-    ``marconi`` the alpha (``marconi_alpha`` below, which tuning changes during the run).
-    ``sample_every`` > 0 records the memory breakdown after every that many requests (0: none).
-    Requests need ``output_ids`` (the answer's tokens) when ``output_length`` > 0: later turns
-    of a conversation resend them. A request that does not fit in the plan's memory alone
-    raises ``ValueError``.
+    replace some of them (``checkpoint_policy="last"``, ``evict_unreachable=False``,
+    ``marconi_alpha=0.5``, ...). Replay sets ``max_model_len`` itself, to the trace's longest
+    request. ``sample_every`` > 0 records the memory breakdown after every that many requests
+    (0: none). Requests need ``output_ids`` (the answer's tokens) when ``output_length`` > 0:
+    later turns of a conversation resend them. A request that does not fit in the plan's
+    memory alone raises ``ValueError``.
 
-    ``marconi_alpha`` (``marconi`` only): a number fixes it; ``"auto"`` tunes it as Marconi
-    does (:func:`tune_marconi_alpha`): it starts at 0, and once ``bootstrap_multiplier`` times
-    as many requests as were served before the first eviction have been seen, those requests
-    are replayed from an empty cache with each value of ``alpha_grid``; the value that saved
+    Under Marconi's eviction with ``marconi_alpha="auto"`` (the options' default) alpha is tuned
+    as Marconi does (:func:`tune_marconi_alpha`): it starts at 0, and once
+    ``bootstrap_multiplier`` times as many requests as were served before the first eviction
+    have been seen, those requests are replayed from an empty cache with each value of
+    ``alpha_grid`` (``alpha_stride`` > 1: :func:`coarse_to_fine`'s fewer); the value that saved
     the most prefill FLOPs over the last ``tuning_last`` of them is used from then on."""
     reqs = _requests(trace)
     options = (options or REPLAY_OPTIONS).replace(**overrides)
-    # Marconi's eviction (marconi's, hash_ladder's, or asked for) has an alpha to fix or tune
-    marconi = options.resolved_eviction() == "marconi"
-    auto = marconi and marconi_alpha == "auto"
-    if marconi and not auto:
-        if isinstance(marconi_alpha, str):
-            raise ValueError(f"marconi_alpha must be a number or 'auto', got {marconi_alpha!r}")
-        options = options.replace(marconi_alpha=marconi_alpha)
-    elif auto:
-        options = options.replace(marconi_alpha=0.0)  # Marconi's tuner starts at 0
     # every request of the trace fits its length: only the plan's memory may refuse one
     options = options.replace(
         max_model_len=max((len(r.prompt) + r.output_length for r in reqs), default=1)
@@ -160,10 +159,11 @@ def replay(
 
     alloc = make()
     tuner = None
-    if auto:
+    if options.tunes_marconi_alpha:
         tuner = AlphaTuner(
             make,
             grid=alpha_grid,
+            stride=alpha_stride,
             bootstrap_multiplier=bootstrap_multiplier,
             tuning_last=tuning_last,
             flops=_flops(options),
@@ -215,18 +215,20 @@ class AlphaTuner:
 
     Until the first eviction nothing is tuned (the allocator starts at Marconi's 0). Once
     ``bootstrap_multiplier`` times as many requests as had finished at the first eviction have
-    finished (the *window*), the last window of them is replayed from an empty cache with each
-    alpha of ``grid`` (:func:`tune_marconi_alpha`, made by ``make``) and the best is set on the
-    allocator. With ``retune`` it tunes again after every further window, on the last window, so
-    alpha follows a workload that drifts; without, once (Marconi's simulator, :func:`replay`).
-    ``tuned_at``: the finished-request counts at which it tuned; ``choices``: the alpha each
-    tuning chose."""
+    finished (the *window*), the last window of them is replayed from an empty cache with
+    alphas of ``grid`` (:func:`tune_marconi_alpha`, made by ``make``; ``stride`` says which) and
+    the best is set on the allocator. With ``retune`` it tunes again after every further window,
+    on the last window, so alpha follows a workload that drifts; without, once (Marconi's
+    simulator, :func:`replay`). ``tuned_at``: the finished-request counts at which it tuned;
+    ``choices``: the alpha each tuning chose; ``scores``: per tuning, the prefill FLOPs each
+    alpha tried saved."""
 
     def __init__(
         self,
         make: Callable[[], HybridAllocator],
         *,
         grid: Sequence[float] = MARCONI_ALPHAS,
+        stride: int = 1,
         bootstrap_multiplier: int = 5,
         tuning_last: int = 500,
         retune: bool = False,
@@ -234,9 +236,8 @@ class AlphaTuner:
     ) -> None:
         if bootstrap_multiplier < 1:
             raise ValueError(f"bootstrap_multiplier must be >= 1, got {bootstrap_multiplier}")
-        if not grid:
-            raise ValueError("alpha_grid is empty; give at least one value")
-        self.make, self.grid, self.flops = make, tuple(grid), flops
+        _check_search(grid, stride)
+        self.make, self.grid, self.stride, self.flops = make, tuple(grid), stride, flops
         self.bootstrap_multiplier, self.tuning_last, self.retune = (
             bootstrap_multiplier, tuning_last, retune,
         )  # fmt: skip
@@ -244,6 +245,7 @@ class AlphaTuner:
         self.window: int | None = None
         self.tuned_at: list[int] = []
         self.choices: list[float] = []
+        self.scores: list[dict[float, float]] = []
         self._seen: deque[Request] = deque()
 
     def observe(self, alloc: HybridAllocator, req: Request) -> None:
@@ -261,11 +263,77 @@ class AlphaTuner:
             self.retune and self.count - last >= self.window
         )  # fmt: skip
         if due:
-            alloc.marconi_alpha = tune_marconi_alpha(
-                self.make, list(self._seen), self.grid, self.tuning_last, flops=self.flops
-            )
+            scores = alpha_scores(
+                self.make, list(self._seen), self.grid, self.tuning_last,
+                stride=self.stride, flops=self.flops,
+            )  # fmt: skip
+            alloc.marconi_alpha = best_alpha(scores, self.grid)
             self.tuned_at.append(self.count)
             self.choices.append(alloc.marconi_alpha)
+            self.scores.append(scores)
+
+
+def _check_search(grid: Sequence[float], stride: int) -> None:
+    if not grid:
+        raise ValueError("alpha_grid is empty; give at least one value")
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"the alpha search's stride must be an integer >= 1, got {stride!r}")
+
+
+def coarse_to_fine(grid: Sequence[float], stride: int, score: Callable[[float], float]) -> None:
+    """Call ``score`` on the values of ``grid`` a search of ``stride`` tries: with stride 1,
+    every value; else every ``stride``-th value and the last (the coarse pass), then the values
+    within ``stride // 2`` places of the best of those on either side (the fine pass). Each
+    value is scored at most once (``score`` memoises nothing itself)."""
+    n = len(grid)
+    coarse = sorted({*range(0, n, stride), n - 1})
+    seen: dict[int, float] = {}
+
+    def at(i: int) -> float:
+        if i not in seen:
+            seen[i] = score(grid[i])
+        return seen[i]
+
+    for i in coarse:
+        at(i)
+    if stride > 1:
+        # the first best in grid order, as the whole search picks ties
+        best = max(coarse, key=lambda i: (seen[i], -i))
+        for i in range(max(0, best - stride // 2), min(n, best + stride // 2 + 1)):
+            at(i)
+
+
+def alpha_scores(
+    make: Callable[[], HybridAllocator],
+    requests: Sequence[Request],
+    grid: Sequence[float] = MARCONI_ALPHAS,
+    last: int = 500,
+    *,
+    stride: int = 1,
+    flops: Callable[[int, int], float] = tokens_as_flops,
+) -> dict[float, float]:
+    """Marconi's retrospective replays: ``requests`` replayed on a fresh allocator from ``make``
+    (an empty cache, as Marconi's snapshot taken before its first request) with each alpha
+    :func:`coarse_to_fine` picks from ``grid``; per alpha tried, the prefill FLOPs its hits
+    saved over the last ``last`` requests."""
+    _check_search(grid, stride)
+    scores: dict[float, float] = {}
+
+    def score(alpha: float) -> float:
+        alloc = make()
+        alloc.marconi_alpha = alpha
+        hits = [serve(alloc, r, index=i) for i, r in enumerate(requests)]
+        scores[float(alpha)] = sum(flops(h, 0) for h in hits[-last:] if h)
+        return scores[float(alpha)]
+
+    coarse_to_fine(grid, stride, score)
+    return scores
+
+
+def best_alpha(scores: dict[float, float], grid: Sequence[float]) -> float:
+    """The alpha of most FLOPs saved (the first such in grid order on a tie)."""
+    tried = [float(a) for a in grid if float(a) in scores]
+    return max(tried, key=lambda a: (scores[a], -tried.index(a)))
 
 
 def tune_marconi_alpha(
@@ -274,23 +342,14 @@ def tune_marconi_alpha(
     grid: Sequence[float] = MARCONI_ALPHAS,
     last: int = 500,
     *,
+    stride: int = 1,
     flops: Callable[[int, int], float] = tokens_as_flops,
 ) -> float:
-    """Marconi's retrospective tuning: replay ``requests`` on a fresh allocator from ``make``
-    (an empty cache, as Marconi's snapshot taken before its first request) with each ``alpha``
-    of ``grid``; return the one whose hits saved the most prefill FLOPs over the last ``last``
-    requests (the first such in grid order on a tie)."""
-    if not grid:
-        raise ValueError("alpha_grid is empty; give at least one value")
-    best, best_saved = grid[0], -1.0
-    for alpha in grid:
-        alloc = make()
-        alloc.marconi_alpha = alpha
-        hits = [serve(alloc, r, index=i) for i, r in enumerate(requests)]
-        saved = sum(flops(h, 0) for h in hits[-last:] if h)
-        if saved > best_saved:
-            best, best_saved = alpha, saved
-    return float(best)
+    """Marconi's retrospective tuning (:func:`alpha_scores`): the alpha whose hits saved the
+    most prefill FLOPs over the last ``last`` requests (the first such in grid order on a
+    tie)."""
+    scores = alpha_scores(make, requests, grid, last, stride=stride, flops=flops)
+    return best_alpha(scores, grid)
 
 
 def serve(alloc: HybridAllocator, req: Request, *, index: int | None = None) -> int:

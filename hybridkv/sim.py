@@ -55,6 +55,7 @@ from .costmodel import GPU, H100_SXM, ParamCount, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
 from .rare_gc import rare_cyclic_gc
+from .replay import SERVING_ALPHA_STRIDE, AlphaTuner
 from .sched import Scheduler, SchedulerConfig, Seq, StepOutput
 from .traces import Trace, answer_ids
 
@@ -112,11 +113,15 @@ class SimConfig:
     samples spread over the requests measure a mean as well as 64 and cost half as much (a
     breakdown of a full 40 GiB pool of 64-token blocks takes about 0.1 s).
 
-    ``tune_marconi_alpha`` (Marconi's eviction only): tune its alpha online as Marconi's
-    system does (:class:`hybridkv.replay.AlphaTuner` with ``retune``: from 0 until the first
-    eviction, then on the last window of finished requests, again after every window), instead
-    of the options' fixed ``marconi_alpha``; with ``retune_marconi_alpha`` off, once, on the
-    first window (as Marconi's simulator and :func:`hybridkv.replay.replay` do)."""
+    Marconi's alpha (Marconi's eviction only: ``marconi``, ``hash_ladder``) is tuned online as
+    Marconi's system does, unless the options fix it (``marconi_alpha``, default ``"auto"``):
+    :class:`hybridkv.replay.AlphaTuner`, from 0 until the first eviction, then once, on the first
+    window of finished requests (as Marconi's simulator and :func:`hybridkv.replay.replay`), or
+    again after every window with ``retune_marconi_alpha`` (it loses on chat: paper section
+    4.8). ``marconi_alpha_stride``: which alphas of Marconi's grid (0 to 2 by 0.1) the tuning
+    replays; 1 tries all 21, as Marconi does; the default 5 tries every fifth and then the best
+    one's neighbours within two places (9 replays; :func:`hybridkv.replay.coarse_to_fine`).
+    The replays are Marconi's background work: they take wall time, no simulated time."""
 
     max_num_batched_tokens: int = 8192
     long_prefill_token_threshold: int = 0  # most prompt tokens of one request per step (0: any)
@@ -128,11 +133,16 @@ class SimConfig:
     #: the model's parameters for the roofline (default: the zoo's count for the model)
     params: ParamCount | None = None
     allocator: AllocatorOptions = SIM_ALLOCATOR
-    tune_marconi_alpha: bool = False
-    retune_marconi_alpha: bool = True
+    retune_marconi_alpha: bool = False
+    marconi_alpha_stride: int = SERVING_ALPHA_STRIDE
 
     def __post_init__(self) -> None:
-        for name, least in (("sample_every", 1), ("max_samples", 2), ("breakdowns", 0)):
+        for name, least in (
+            ("sample_every", 1),
+            ("max_samples", 2),
+            ("breakdowns", 0),
+            ("marconi_alpha_stride", 1),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"SimConfig.{name} must be an integer >= {least}, got {value!r}")
@@ -185,8 +195,8 @@ class SimResult:
     #: at the prompt): ``request_kv_hits - request_hits`` is what missing states cost it
     request_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     request_kv_hits: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    #: ``marconi``'s alpha at the end (None for other policies) and, when it was tuned online
-    #: (``SimConfig.tune_marconi_alpha``), the finished-request counts at which it was
+    #: Marconi's alpha at the end (None under LRU eviction) and, when it was tuned online
+    #: (``marconi_alpha="auto"``), the finished-request counts at which it was
     marconi_alpha: float | None = None
     alpha_tuned_at: tuple[int, ...] = ()
     #: the alpha each of those tunings chose, in order
@@ -298,11 +308,7 @@ def _simulate(
         # marconi weighs the FLOPs a state saves by the same cost model as the clock
         options = options.replace(marconi_flops=coster.prefill_flops)
     alloc = HybridAllocator(plan, options)
-    tuner = (
-        _alpha_tuner(plan, options, alloc, config.retune_marconi_alpha)
-        if config.tune_marconi_alpha
-        else None
-    )
+    tuner = _alpha_tuner(plan, options, alloc, config)
     # sliding-window layers: the decode cost needs every context, not just their sum
     sched = Scheduler(alloc, scheduler_config(plan, config), contexts=bool(coster.windows))
     clock = RooflineClock(coster)
@@ -437,20 +443,25 @@ def _simulate(
 
 
 def _alpha_tuner(
-    plan: MemoryPlan, options: AllocatorOptions, alloc: HybridAllocator, retune: bool
+    plan: MemoryPlan, options: AllocatorOptions, alloc: HybridAllocator, config: SimConfig
 ):
-    """The online tuner of ``SimConfig.tune_marconi_alpha``; ``alloc`` starts at alpha 0."""
-    from .replay import AlphaTuner
-
-    if alloc.marconi_alpha is None:
-        raise ValueError(
-            f"tune_marconi_alpha tunes Marconi's eviction, which checkpoint_policy "
-            f"{options.checkpoint_policy!r} runs without (eviction='marconi' turns it on)"
-        )
-    alloc.marconi_alpha = 0.0  # Marconi's tuner starts at 0
+    """The online tuner of Marconi's alpha where the options leave it ``"auto"`` (None where
+    they fix it or nothing evicts by Marconi's utility)."""
+    if not options.tunes_marconi_alpha:
+        if config.retune_marconi_alpha:
+            fixed = options.resolved_eviction() == "marconi"
+            raise ValueError(
+                f"retune_marconi_alpha tunes Marconi's alpha, which marconi_alpha="
+                f"{options.marconi_alpha!r} fixes; leave marconi_alpha 'auto'"
+                if fixed
+                else "retune_marconi_alpha tunes Marconi's eviction, which checkpoint_policy "
+                f"{options.checkpoint_policy!r} runs without (eviction='marconi' turns it on)"
+            )
+        return None
     return AlphaTuner(
         lambda: HybridAllocator(plan, options),
-        retune=retune,
+        stride=config.marconi_alpha_stride,
+        retune=config.retune_marconi_alpha,
         flops=options.marconi_flops or tokens_as_flops,
     )
 

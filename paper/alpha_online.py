@@ -3,11 +3,13 @@ a time): ``python -m paper.alpha_online [--requests 600] [--out paper/results]``
 
 Multi-turn chat (``traces.multi_turn_chat(n, seed)``, seeds 0 and 1) on Qwen3.5-4B with 3 GiB
 of cache and 16 running requests at most (small enough that the cache evicts within a few
-hundred requests), ``marconi`` with alpha fixed at 1.0 (the allocator's default), fixed at 0.0
-(Marconi's tuner's start), tuned once on the first window (``retune_marconi_alpha=False``,
-Marconi's simulator) and tuned on every window (``SimConfig.tune_marconi_alpha``, Marconi's
-system), on two_level and inflate. Records token hit rate, the prefill FLOPs the hits saved (the
-tuner's own objective), TTFT, when it was tuned and what each tuning chose, and the wall time.
+hundred requests), ``marconi`` with alpha fixed at 1.0 (the allocator's default until
+2026-12-07), fixed at 0.0 (Marconi's tuner's start), tuned once on the first window with all 21
+values of Marconi's grid (``marconi_alpha_stride=1``, Marconi's simulator), tuned once with the
+simulator's default coarse-to-fine search (9 of them) and tuned on every window
+(``retune_marconi_alpha``, Marconi's system), on two_level and inflate. Records token hit
+rate, the prefill FLOPs the hits saved (the tuner's own objective), TTFT, when it was tuned and
+what each tuning chose, and the wall time.
 Writes ``alpha-online.json`` and ``alpha-online.md`` (date, machine, commit)."""
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ MODEL, MEMORY, MAX_NUM_SEQS = "qwen3.5-4b", "3GiB", 16
 LAYOUTS = ("two_level", "inflate")
 #: chat traces: two seeds, so that a choice that holds on one is checked on another
 SEEDS = (0, 1)
-#: (label, fixed alpha or None, retune): fixed, tuned once on the first window (Marconi's
-#: simulator), tuned on every window (Marconi's system)
-SETTINGS = (
-    ("alpha 1.0", 1.0, False),
-    ("alpha 0.0", 0.0, False),
-    ("tuned once", None, False),
-    ("tuned online", None, True),
-)
+#: label: the simulator's options (alpha fixed or ``"auto"``, retuning, the search's stride):
+#: fixed, tuned once on the first window (Marconi's simulator: its whole grid; the default:
+#: coarse to fine), tuned on every window (Marconi's system)
+SETTINGS = {
+    "alpha 1.0": {"marconi_alpha": 1.0},
+    "alpha 0.0": {"marconi_alpha": 0.0},
+    "tuned once, 21 alphas": {"marconi_alpha_stride": 1},
+    "tuned once (default)": {},
+    "tuned online": {"retune_marconi_alpha": True},
+}
 
 
 def measure(n: int) -> list[dict]:
@@ -46,15 +50,8 @@ def measure(n: int) -> list[dict]:
         trace = traces.multi_turn_chat(n, seed=seed)
         for layout in LAYOUTS:
             plan = make_plan(model, layout, memory=MEMORY, max_num_seqs=MAX_NUM_SEQS)
-            for label, alpha, retune in SETTINGS:
-                if alpha is None:
-                    config = SimConfig(
-                        checkpoint_policy="marconi",
-                        tune_marconi_alpha=True,
-                        retune_marconi_alpha=retune,
-                    )
-                else:
-                    config = SimConfig(checkpoint_policy="marconi", marconi_alpha=alpha)
+            for label, settings in SETTINGS.items():
+                config = SimConfig(checkpoint_policy="marconi", **settings)
                 t0 = time.perf_counter()
                 r = simulate(plan, model, trace, config)
                 s = r.summary()

@@ -1,8 +1,11 @@
 """Marconi's alpha tuned online (:class:`hybridkv.replay.AlphaTuner`): when it tunes (after the
 bootstrap window, again after every window with ``retune``), that :func:`~hybridkv.replay.replay`
-keeps tuning once, and the simulator's ``SimConfig.tune_marconi_alpha``."""
+keeps tuning once, the simulator's (``marconi_alpha="auto"``, the default) and the
+coarse-to-fine search that picks which alphas it replays."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -48,24 +51,29 @@ def test_tunes_after_the_bootstrap_window_and_then_every_window(monkeypatch, ret
     # first eviction seen at the 3rd request, multiplier 5: a window of 15 requests
     replayed: list[list[int]] = []
 
-    def fake_tune(make, requests, grid, last, *, flops):
+    def fake_scores(make, requests, grid, last, *, stride, flops):
         replayed.append([r.request_id for r in requests])
-        return 0.3
+        return {0.0: 1.0, 0.3: 2.0}
 
-    monkeypatch.setattr("hybridkv.replay.tune_marconi_alpha", fake_tune)
+    monkeypatch.setattr("hybridkv.replay.alpha_scores", fake_scores)
     alloc = _Evictions(first_eviction=3)
     tuner = AlphaTuner(lambda: None, retune=retune)
     for r in traces.multi_turn_chat(50, seed=1).requests:
         tuner.observe(alloc, r)
     assert tuner.window == 15 and tuner.tuned_at == expected
     assert alloc.alphas == [0.3] * len(expected)
+    assert tuner.scores == [{0.0: 1.0, 0.3: 2.0}] * len(expected)
     # each tuning replays the last window of finished requests, in the order they finished
     assert replayed == [list(range(n - 15, n)) for n in expected]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"bootstrap_multiplier": 0}, "bootstrap_multiplier must be >= 1"), ({"grid": ()}, "empty")],
+    [
+        ({"bootstrap_multiplier": 0}, "bootstrap_multiplier must be >= 1"),
+        ({"grid": ()}, "empty"),
+        ({"stride": 0}, "stride must be an integer >= 1, got 0"),
+    ],
 )
 def test_bad_tuner_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -81,11 +89,10 @@ def test_replay_tunes_once(small):
 
 def test_the_simulator_tunes_online(small):
     model, plan, trace = small
-    fixed = simulate(plan, model, trace, SimConfig(checkpoint_policy="marconi"))
+    fixed = simulate(plan, model, trace, SimConfig(checkpoint_policy="marconi", marconi_alpha=1.0))
     assert fixed.marconi_alpha == 1.0 and fixed.alpha_tuned_at == ()
-    tuned = simulate(
-        plan, model, trace, SimConfig(checkpoint_policy="marconi", tune_marconi_alpha=True)
-    )
+    config = SimConfig(checkpoint_policy="marconi", retune_marconi_alpha=True)
+    tuned = simulate(plan, model, trace, config)
     assert len(tuned.alpha_tuned_at) >= 1
     window = tuned.alpha_tuned_at[0]
     assert all(b - a >= window for a, b in zip(tuned.alpha_tuned_at, tuned.alpha_tuned_at[1:]))
@@ -95,10 +102,21 @@ def test_the_simulator_tunes_online(small):
 def test_tuning_needs_marconi(small):
     model, plan, trace = small
     with pytest.raises(ValueError, match="'last' runs without \\(eviction='marconi' turns"):
-        simulate(plan, model, trace, SimConfig(checkpoint_policy="last", tune_marconi_alpha=True))
-    with pytest.raises(ValueError, match="'marconi' runs without"):
-        config = SimConfig(checkpoint_policy="marconi", eviction="lru", tune_marconi_alpha=True)
+        config = SimConfig(checkpoint_policy="last", retune_marconi_alpha=True)
         simulate(plan, model, trace, config)
+    with pytest.raises(ValueError, match="'marconi' runs without"):
+        config = SimConfig(checkpoint_policy="marconi", eviction="lru", retune_marconi_alpha=True)
+        simulate(plan, model, trace, config)
+    with pytest.raises(ValueError, match=r"which marconi_alpha=0\.5 fixes; leave marconi_alpha"):
+        config = SimConfig(checkpoint_policy="marconi", marconi_alpha=0.5)
+        simulate(plan, model, trace, dataclasses.replace(config, retune_marconi_alpha=True))
+    # a fixed alpha where nothing evicts by Marconi's utility would be ignored: refused
+    with pytest.raises(ValueError, match=r"marconi_alpha=0\.5 weighs Marconi's eviction, which "
+                       "checkpoint_policy 'last' with eviction='auto' runs without"):  # fmt: skip
+        SimConfig(checkpoint_policy="last", marconi_alpha=0.5)
+    # the default under LRU eviction: nothing to tune, nothing refused
+    plain = simulate(plan, model, trace, SimConfig(checkpoint_policy="last"))
+    assert plain.marconi_alpha is None and plain.alpha_tuned_at == ()
 
 
 def test_the_shadow_allocator_is_fresh(small):
@@ -125,30 +143,77 @@ def test_paper_alpha_online_writes_its_table(tmp_path):
         (seed, layout, label)
         for seed in alpha_online.SEEDS
         for layout in alpha_online.LAYOUTS
-        for label, _, _ in alpha_online.SETTINGS
+        for label in alpha_online.SETTINGS
     ]
     assert [r["alpha_end"] for r in rows[:2]] == [1.0, 0.0]
     assert all(len(r["choices"]) == len(r["tuned_at"]) for r in rows)
     assert "| 0 | two_level | tuned online |" in (tmp_path / "alpha-online.md").read_text()
 
 
-def test_the_simulator_tunes_once_without_retuning(small):
-    """``retune_marconi_alpha=False``: one tuning, on the first window (Marconi's simulator);
-    each tuning's choice is recorded and the last is the alpha at the end."""
+def test_the_simulator_tunes_once_by_default(small):
+    """The default: one tuning, on the first window (Marconi's simulator), coarse to fine (9 of
+    Marconi's 21 alphas); each tuning's choice and scores are recorded and the last choice is
+    the alpha at the end. Retuning tunes first at the same point, with the same choice."""
     model, plan, trace = small
-    once = simulate(
-        plan,
-        model,
-        trace,
-        SimConfig(
-            checkpoint_policy="marconi", tune_marconi_alpha=True, retune_marconi_alpha=False
-        ),
-    )
+    once = simulate(plan, model, trace, SimConfig(checkpoint_policy="marconi"))
     again = simulate(
-        plan, model, trace, SimConfig(checkpoint_policy="marconi", tune_marconi_alpha=True)
+        plan, model, trace, SimConfig(checkpoint_policy="marconi", retune_marconi_alpha=True)
     )
     assert len(once.alpha_tuned_at) == len(once.alpha_choices) == 1
     assert once.alpha_tuned_at[0] == again.alpha_tuned_at[0]
     assert once.alpha_choices[0] == again.alpha_choices[0] == once.marconi_alpha
     assert len(again.alpha_choices) == len(again.alpha_tuned_at)
     assert again.alpha_choices[-1] == again.marconi_alpha
+
+
+def test_hash_ladder_tunes_too(small):
+    # Marconi's eviction is hash_ladder's own: its alpha is tuned the same way
+    model, plan, trace = small
+    r = simulate(plan, model, trace, SimConfig(checkpoint_policy="hash_ladder"))
+    assert len(r.alpha_tuned_at) == 1 and r.marconi_alpha == r.alpha_choices[0]
+
+
+@pytest.mark.parametrize(
+    ("n", "stride", "tried"),
+    [
+        (21, 1, list(range(21))),
+        # coarse 0, 5, 10, 15, 20; best 10 -> its neighbours 8, 9, 11, 12
+        (21, 5, [0, 5, 10, 15, 20, 8, 9, 11, 12]),
+        # the last value is always in the coarse pass; neighbours clipped at the ends
+        (7, 4, [0, 4, 6, 2, 3, 5]),
+    ],
+)
+def test_coarse_to_fine_tries_each_value_once(n, stride, tried):
+    from hybridkv.replay import coarse_to_fine
+
+    peak = {21: 10, 7: 4}[n]
+    calls: list[int] = []
+
+    def score(alpha: float) -> float:
+        calls.append(round(alpha * 10))
+        return -abs(alpha * 10 - peak)
+
+    coarse_to_fine([i / 10 for i in range(n)], stride, score)
+    assert calls == tried
+
+
+def test_coarse_to_fine_finds_the_grid_best_on_a_smooth_score():
+    from hybridkv.replay import best_alpha, coarse_to_fine
+
+    grid = [round(0.1 * i, 1) for i in range(21)]
+    for peak in grid:
+        scores: dict[float, float] = {}
+
+        def score(alpha: float, peak: float = peak, scores: dict = scores) -> float:
+            scores[alpha] = -((alpha - peak) ** 2)
+            return scores[alpha]
+
+        coarse_to_fine(grid, 5, score)
+        assert best_alpha(scores, grid) == peak and len(scores) <= 9
+
+
+def test_best_alpha_breaks_ties_in_grid_order():
+    from hybridkv.replay import best_alpha
+
+    assert best_alpha({0.5: 3.0, 0.0: 3.0, 1.0: 1.0}, (0.0, 0.5, 1.0)) == 0.0
+    assert best_alpha({0.5: 3.0, 1.0: 4.0}, (0.0, 0.5, 1.0)) == 1.0

@@ -342,8 +342,10 @@ def test_marconi_eviction_keeps_what_is_worth_more_than_lru_does():
             t += 1.0
     trace = Trace("docs-again", tuple(reqs))
     hits = {}
-    for eviction in ("lru", "marconi"):
+    # alpha fixed at 1: the weight of prefill saved is what this is about (30 requests are too
+    # few for the default's tuning, which would leave Marconi's starting 0, recency alone)
+    for eviction, alpha in (("lru", "auto"), ("marconi", 1.0)):
         cfg = SimConfig(checkpoint_policy="hash_ladder", hash_block_size=H, eviction=eviction,
-                        checkpoint_interval=256)  # fmt: skip
+                        checkpoint_interval=256, marconi_alpha=alpha)  # fmt: skip
         hits[eviction] = simulate(plan, model, trace, cfg).hit_tokens
     assert hits["marconi"] > hits["lru"] > 0

@@ -22,8 +22,9 @@ nothing depends on). A pool whose groups have ids of their own in shared memory 
 chooses across its groups with :class:`MarconiPoolEvictor`: the segment of least utility goes
 from every group at once, whichever group needed the memory.
 
-``alpha = 0`` is recency alone. Marconi tunes ``alpha`` online (:func:`hybridkv.replay.replay`
-does the same with ``marconi_alpha="auto"``).
+``alpha = 0`` is recency alone. Marconi tunes ``alpha`` online; so do the simulator and
+:func:`hybridkv.replay.replay` under ``marconi_alpha="auto"`` (the options' default; an allocator
+run without them keeps Marconi's starting 0).
 """
 
 from __future__ import annotations
@@ -576,7 +577,12 @@ def install_marconi_eviction(
     across a pool's groups when they have ids of their own (``marconi_across_groups``);
     returns the scorer the allocator tells about accesses."""
     scorer = MarconiScorer(
-        index, plan, pool_of, options.marconi_alpha, options.marconi_flops, incremental=True
+        index,
+        plan,
+        pool_of,
+        options.starting_marconi_alpha(),
+        options.marconi_flops,
+        incremental=True,
     )
     for pool in pools:
         evictors = []

@@ -55,9 +55,15 @@ class AllocatorOptions:
       own (``keys`` for vLLM's ``align``, ``units`` for hybridkv's policies).
     - ``hash_algo``: ``sha256``, ``blake2b`` or ``builtin`` (:mod:`.hashing`).
     - ``marconi_alpha``, ``marconi_flops`` (Marconi's eviction only): its weight of FLOPs saved
-      per byte against recency, and the FLOP model (``costmodel.StepCoster(model,
-      gpu).prefill_flops``; default: every token costs the same). ``eviction_window``: how many
-      of the oldest cached ids a pool's fallback (no cached state is a candidate) looks at.
+      per byte against recency (a number >= 0; 0 is recency alone), or ``"auto"`` (default):
+      tuned online as Marconi tunes it wherever a run can replay what it served (the
+      simulator, :func:`hybridkv.replay.replay`, ``advise``), from Marconi's starting 0, which
+      an allocator run without a tuner keeps. No constant suits every workload: multi-turn
+      chat wants recency (0), Mooncake's long shared documents the FLOPs' weight (paper
+      section 4.8); a number where the eviction is LRU is refused. Then the FLOP model
+      (``costmodel.StepCoster(model, gpu).prefill_flops``; default: every token costs the
+      same). ``eviction_window``: how many of the oldest cached ids a pool's fallback (no
+      cached state is a candidate) looks at.
     - ``prefix_cache_retention_interval`` (``align`` only): vLLM's option: 0 keeps only the
       replay boundary and junction states, ``R > 0`` also every multiple of ``R`` a step ends
       on, ``None`` every block boundary a step ends on.
@@ -112,7 +118,7 @@ class AllocatorOptions:
     partial_block_hits: bool = True
     partial_hit_points: str = AUTO
     hash_algo: str = "sha256"
-    marconi_alpha: float = 1.0
+    marconi_alpha: float | str = AUTO
     marconi_flops: PrefillFlops | None = field(default=None, compare=False)
     eviction_window: int = 32
     prefix_cache_retention_interval: int | None = 0
@@ -148,8 +154,7 @@ class AllocatorOptions:
             raise ConfigError(
                 f"eviction must be one of {', '.join(EVICTIONS)}, got {self.eviction!r}"
             )
-        if not self.marconi_alpha >= 0:
-            raise ConfigError(f"marconi_alpha must be >= 0, got {self.marconi_alpha}")
+        self._check_marconi_alpha()
         a = self.prefill_checkpoint_alignment
         bad_int = isinstance(a, bool) or not isinstance(a, int) or a < 1
         if a != AUTO and a is not None and bad_int:
@@ -188,6 +193,32 @@ class AllocatorOptions:
         if self.eviction != AUTO:
             return self.eviction
         return POLICY_CLASSES[self.checkpoint_policy].eviction
+
+    def _check_marconi_alpha(self) -> None:
+        alpha = self.marconi_alpha
+        if alpha == AUTO:
+            return
+        if isinstance(alpha, (bool, str)) or not isinstance(alpha, (int, float)) or not alpha >= 0:
+            raise ConfigError(f"marconi_alpha must be 'auto' or a number >= 0, got {alpha!r}")
+        if self.resolved_eviction() != "marconi":  # a fixed alpha nothing would read
+            raise ConfigError(
+                f"marconi_alpha={alpha!r} weighs Marconi's eviction, which checkpoint_policy "
+                f"{self.checkpoint_policy!r} with eviction={self.eviction!r} runs without; "
+                "leave marconi_alpha 'auto' or set eviction='marconi'"
+            )
+
+    @property
+    def tunes_marconi_alpha(self) -> bool:
+        """Whether a run that can replay what it served tunes Marconi's alpha online: the
+        eviction is Marconi's and ``marconi_alpha`` is ``"auto"``."""
+        return self.marconi_alpha == AUTO and self.resolved_eviction() == "marconi"
+
+    def starting_marconi_alpha(self) -> float | None:
+        """The alpha Marconi's eviction starts at: the fixed one, or under ``"auto"`` Marconi's
+        0 (a tuner may change it); None under LRU eviction."""
+        if self.resolved_eviction() != "marconi":
+            return None
+        return 0.0 if self.marconi_alpha == AUTO else float(self.marconi_alpha)
 
     def resolved_partial_hit_points(self) -> str:
         """``"units"`` or ``"keys"``: :attr:`partial_hit_points`, or the policy's own for

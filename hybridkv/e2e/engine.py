@@ -78,12 +78,15 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..alloc import AllocatorOptions, HybridAllocator
 from ..alloc.options import AUTO
 from ..plan import MemoryPlan
+from ..replay import SERVING_ALPHA_STRIDE, AlphaTuner
 from ..sched import Scheduler, SchedulerConfig, Seq, StepOutput
+from ..traces import Request as TraceRequest
 from . import attn
 from .states import (
     FORMATS,
@@ -130,6 +133,18 @@ class _StateLayer:
     pools: dict[str, torch.Tensor]
     fmt: StateFormat
     module: torch.nn.Module
+
+
+def _flops(options: AllocatorOptions) -> Callable[[int, int], float]:
+    from ..alloc.marconi import tokens_as_flops
+
+    return options.marconi_flops or tokens_as_flops
+
+
+def _as_trace_request(r: Request, index: int) -> TraceRequest:
+    """A finished request as the alpha tuner's replays resend it: its prompt and answer."""
+    out = np.asarray(r.output, dtype=np.int64)
+    return TraceRequest(index, 0.0, np.asarray(r.prompt, dtype=np.int32), len(out), out)
 
 
 def engine_options(
@@ -180,7 +195,9 @@ class Engine:
     :class:`~hybridkv.sched.StepOutput` after it ran. ``options``: the allocator's
     (:class:`~hybridkv.alloc.AllocatorOptions`); keyword ``overrides`` replace some of them
     (``checkpoint_policy="last"``, ...). What the engine decides itself is
-    :func:`engine_options`.
+    :func:`engine_options`. Under Marconi's eviction with ``marconi_alpha="auto"`` (the
+    default) the engine tunes alpha as the simulator does (``alpha_tuner``: Marconi's replays
+    of the requests it finished, on allocators of its own, once their window is seen).
     """
 
     def __init__(
@@ -202,7 +219,17 @@ class Engine:
         self.model = model
         self.config = model.config
         self.plan = plan
-        self.alloc = HybridAllocator(plan, engine_options(self.config, options, **overrides))
+        options = engine_options(self.config, options, **overrides)
+        self.alloc = HybridAllocator(plan, options)
+        self.alpha_tuner = (
+            AlphaTuner(
+                lambda: HybridAllocator(plan, options),
+                stride=SERVING_ALPHA_STRIDE,
+                flops=_flops(options),
+            )
+            if options.tunes_marconi_alpha
+            else None
+        )
         self.scheduler = Scheduler(
             self.alloc,
             SchedulerConfig(
@@ -307,6 +334,8 @@ class Engine:
         self.num_steps += 1
         for r in out.finished:
             self.finished[r.rid] = r
+            if self.alpha_tuner is not None:
+                self.alpha_tuner.observe(self.alloc, _as_trace_request(r, self.alpha_tuner.count))
         if self.on_step is not None:
             self.on_step(out)
 
