@@ -166,7 +166,7 @@ def replay(
             stride=alpha_stride,
             bootstrap_multiplier=bootstrap_multiplier,
             tuning_last=tuning_last,
-            flops=_flops(options),
+            flops=options.marconi_flops,
         )
     hits = np.zeros(len(reqs), dtype=np.int64)
     kv_hits = np.zeros(len(reqs), dtype=np.int64)
@@ -205,10 +205,6 @@ def _evictions(alloc: HybridAllocator) -> int:
     return sum(p.get("evictions", 0) for p in alloc.stats()["pools"].values())
 
 
-def _flops(options: AllocatorOptions) -> Callable[[int, int], float]:
-    return options.marconi_flops or tokens_as_flops
-
-
 class AlphaTuner:
     """Marconi's online tuning of ``marconi``'s alpha, fed the requests a cache has served (in
     the order they finished) and the allocator serving them.
@@ -232,12 +228,14 @@ class AlphaTuner:
         bootstrap_multiplier: int = 5,
         tuning_last: int = 500,
         retune: bool = False,
-        flops: Callable[[int, int], float] = tokens_as_flops,
+        flops: Callable[[int, int], float] | None = None,
     ) -> None:
         if bootstrap_multiplier < 1:
             raise ValueError(f"bootstrap_multiplier must be >= 1, got {bootstrap_multiplier}")
         _check_search(grid, stride)
-        self.make, self.grid, self.stride, self.flops = make, tuple(grid), stride, flops
+        # no FLOP model (the options' marconi_flops None): every token costs the same
+        self.flops = flops or tokens_as_flops
+        self.make, self.grid, self.stride = make, tuple(grid), stride
         self.bootstrap_multiplier, self.tuning_last, self.retune = (
             bootstrap_multiplier, tuning_last, retune,
         )  # fmt: skip

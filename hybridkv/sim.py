@@ -50,7 +50,6 @@ from tqdm import tqdm  # a text bar: in a notebook tqdm.auto would want ipywidge
 
 from .alloc import AllocatorOptions, HybridAllocator, MemoryBreakdown
 from .alloc.breakdown import breakdown_table
-from .alloc.marconi import tokens_as_flops
 from .costmodel import GPU, H100_SXM, ParamCount, StepCoster
 from .models.model import HybridModel
 from .plan import MemoryPlan
@@ -462,7 +461,7 @@ def _alpha_tuner(
         lambda: HybridAllocator(plan, options),
         stride=config.marconi_alpha_stride,
         retune=config.retune_marconi_alpha,
-        flops=options.marconi_flops or tokens_as_flops,
+        flops=options.marconi_flops,
     )
 
 

@@ -135,12 +135,6 @@ class _StateLayer:
     module: torch.nn.Module
 
 
-def _flops(options: AllocatorOptions) -> Callable[[int, int], float]:
-    from ..alloc.marconi import tokens_as_flops
-
-    return options.marconi_flops or tokens_as_flops
-
-
 def _as_trace_request(r: Request, index: int) -> TraceRequest:
     """A finished request as the alpha tuner's replays resend it: its prompt and answer."""
     out = np.asarray(r.output, dtype=np.int64)
@@ -225,7 +219,7 @@ class Engine:
             AlphaTuner(
                 lambda: HybridAllocator(plan, options),
                 stride=SERVING_ALPHA_STRIDE,
-                flops=_flops(options),
+                flops=options.marconi_flops,
             )
             if options.tunes_marconi_alpha
             else None
