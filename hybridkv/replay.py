@@ -249,6 +249,8 @@ class AlphaTuner:
     def observe(self, alloc: HybridAllocator, req: Request) -> None:
         """``req`` finished on ``alloc`` (with its answer's ``output_ids``): tune if it is time."""
         self.count += 1
+        if self.tuned_at and not self.retune:  # tuned once, for good: nothing to keep
+            return
         self._seen.append(req)
         if self.window is None:
             if not _evictions(alloc):
