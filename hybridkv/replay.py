@@ -17,6 +17,7 @@ and stops.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -217,7 +218,8 @@ class AlphaTuner:
     on the last window, so alpha follows a workload that drifts; without, once (Marconi's
     simulator, :func:`replay`). ``tuned_at``: the finished-request counts at which it tuned;
     ``choices``: the alpha each tuning chose; ``scores``: per tuning, the prefill FLOPs each
-    alpha tried saved."""
+    alpha tried saved; ``seconds``: the wall time its replays took in all (Marconi's system runs
+    them in the background, so a benchmark of the serving path can count them apart)."""
 
     def __init__(
         self,
@@ -244,6 +246,7 @@ class AlphaTuner:
         self.tuned_at: list[int] = []
         self.choices: list[float] = []
         self.scores: list[dict[float, float]] = []
+        self.seconds = 0.0
         self._seen: deque[Request] = deque()
 
     def observe(self, alloc: HybridAllocator, req: Request) -> None:
@@ -263,6 +266,7 @@ class AlphaTuner:
             self.retune and self.count - last >= self.window
         )  # fmt: skip
         if due:
+            t0 = time.perf_counter()
             scores = alpha_scores(
                 self.make, list(self._seen), self.grid, self.tuning_last,
                 stride=self.stride, flops=self.flops,
@@ -271,6 +275,7 @@ class AlphaTuner:
             self.tuned_at.append(self.count)
             self.choices.append(alloc.marconi_alpha)
             self.scores.append(scores)
+            self.seconds += time.perf_counter() - t0
 
 
 def _check_search(grid: Sequence[float], stride: int) -> None:

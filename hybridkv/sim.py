@@ -200,6 +200,9 @@ class SimResult:
     alpha_tuned_at: tuple[int, ...] = ()
     #: the alpha each of those tunings chose, in order
     alpha_choices: tuple[float, ...] = ()
+    #: wall seconds the tunings' replays took (Marconi's background work: within the run's
+    #: wall time, outside its simulated time)
+    alpha_tuning_s: float = 0.0
 
     def breakdown_mean(self) -> dict[str, float]:
         """Mean bytes per breakdown field over the run's breakdown samples."""
@@ -438,6 +441,7 @@ def _simulate(
         marconi_alpha=alloc.marconi_alpha,
         alpha_tuned_at=tuple(tuner.tuned_at) if tuner is not None else (),
         alpha_choices=tuple(tuner.choices) if tuner is not None else (),
+        alpha_tuning_s=tuner.seconds if tuner is not None else 0.0,
     )
 
 

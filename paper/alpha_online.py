@@ -63,6 +63,7 @@ def measure(n: int) -> list[dict]:
                     "alpha_end": r.marconi_alpha, "tuned_at": list(r.alpha_tuned_at),
                     "choices": list(r.alpha_choices),
                     "wall_s": round(time.perf_counter() - t0, 1),
+                    "alpha_tuning_s": round(r.alpha_tuning_s, 1),
                 })  # fmt: skip
                 print(rows[-1], flush=True)
     return rows
@@ -77,15 +78,15 @@ def table(rows: list[dict], meta: dict) -> str:
         f"`{meta['commit'][:12]}`; `python -m paper.alpha_online {' '.join(meta['argv'])}`.",
         "",
         "| seed | layout | alpha | token hit rate | prefill saved (PFLOP) | TTFT p50 / p90 (ms) "
-        "| tuned after (finished requests): alpha chosen | wall (s) |",
-        "|---:|---|---|---:|---:|---:|---|---:|",
+        "| tuned after (finished requests): alpha chosen | wall (s) | of it tuning (s) |",
+        "|---:|---|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         tuned = ", ".join(f"{n}: {a:.1f}" for n, a in zip(r["tuned_at"], r["choices"])) or "-"
         out.append(
             f"| {r['seed']} | {r['layout']} | {r['setting']} | {100 * r['token_hit_rate']:.1f}% "
             f"| {r['compute_saved_pflop']:.2f} | {r['ttft_p50_ms']:.0f} / "
-            f"{r['ttft_p90_ms']:.0f} | {tuned} | {r['wall_s']:.1f} |"
+            f"{r['ttft_p90_ms']:.0f} | {tuned} | {r['wall_s']:.1f} | {r['alpha_tuning_s']:.1f} |"
         )
     return "\n".join(out) + "\n"
 

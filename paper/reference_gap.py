@@ -106,6 +106,8 @@ def _run(task: tuple[int, float, str, str]) -> dict | None:
     gap = traces.reference_gap(r.request_hits, r.request_kv_hits, reference)
     return {"memory_gib": memory_gib, "layout": layout, "block": plan.block_size,
             "policy": label, "eviction": config.allocator.resolved_eviction(),
+            "marconi_alpha": r.marconi_alpha, "alpha_tuned_at": list(r.alpha_tuned_at),
+            "alpha_tuning_s": round(r.alpha_tuning_s, 1),
             "prompt_tokens": int(trace.prompt_lengths().sum()),
             "ttft_p50_ms": round(1e3 * float(np.median(r.ttft_s)), 1),
             "checkpoints": r.checkpoints, "checkpoint_gib": round(r.checkpoint_bytes / 2**30, 1),
@@ -121,6 +123,15 @@ def bounds(n: int, memory_gib: float) -> dict:
     return {"memory_gib": memory_gib, "interval": BOUND_INTERVAL,
             "token_capacity": plan.capacity.ideal_token_capacity, **b.to_dict(),
             "prompt_boundary+seen_branch": b.total("prompt_boundary", "seen_branch")}  # fmt: skip
+
+
+def _eviction(row: dict) -> str:
+    """The eviction a row ran, with Marconi's alpha: the one chosen and when, if tuned."""
+    if row.get("marconi_alpha") is None:  # LRU (or a file written before alpha was recorded)
+        return row["eviction"]
+    tuned = row.get("alpha_tuned_at")
+    when = f" (tuned after {tuned[0]:,})" if tuned else ""
+    return f"{row['eviction']}, alpha {row['marconi_alpha']:g}{when}"
 
 
 def _pct(x: int, total: int) -> str:
@@ -194,7 +205,9 @@ def table(rows: list[dict], bound_rows: list[dict], meta: dict) -> str:
         "the KV, no state let a hit reach it. *lost to KV*: the KV was evicted. *beyond*: "
         "served past the reference. served + lost to state + lost to KV - beyond = 100%. "
         "`hash_ladder` without an interval starts its ladder at the state's size in KV tokens "
-        "(2,048 here); its own eviction is Marconi's (alpha 1.0), `, LRU` runs it with the "
+        "(2,048 here); its own eviction is Marconi's, its alpha tuned online once (the "
+        "simulator's default; *eviction* says what it chose after how many finished requests), "
+        "`, LRU` runs it with the "
         "pools' LRU. vLLM 0.33's default is `inflate` with `align`. The reference evicts by "
         "LRU: an eviction that weighs what a prefix saves can serve more than it (*beyond*).",
         "",
@@ -206,7 +219,7 @@ def table(rows: list[dict], bound_rows: list[dict], meta: dict) -> str:
         ref = r["reference"]
         out.append(
             f"| {r['memory_gib']:g} | {r['layout']} | {r['block']} | {r['policy']} | "
-            f"{r['eviction']} | {_pct(r['served'], ref)}% | "
+            f"{_eviction(r)} | {_pct(r['served'], ref)}% | "
             f"{_pct(r['served'], r['prompt_tokens'])}% | {_pct(r['lost_to_state'], ref)}% | "
             f"{_pct(r['lost_to_kv'], ref)}% | {_pct(r['beyond'], ref)}% | {r['ttft_p50_ms']} | "
             f"{r['checkpoints']:,} ({r['checkpoint_gib']:,}) | "

@@ -6,6 +6,7 @@ coarse-to-fine search that picks which alphas it replays."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -91,12 +92,17 @@ def test_the_simulator_tunes_online(small):
     model, plan, trace = small
     fixed = simulate(plan, model, trace, SimConfig(checkpoint_policy="marconi", marconi_alpha=1.0))
     assert fixed.marconi_alpha == 1.0 and fixed.alpha_tuned_at == ()
+    assert fixed.alpha_tuning_s == 0.0  # nothing tuned, no replay timed
     config = SimConfig(checkpoint_policy="marconi", retune_marconi_alpha=True)
+    t0 = time.perf_counter()
     tuned = simulate(plan, model, trace, config)
+    wall = time.perf_counter() - t0
     assert len(tuned.alpha_tuned_at) >= 1
     window = tuned.alpha_tuned_at[0]
     assert all(b - a >= window for a, b in zip(tuned.alpha_tuned_at, tuned.alpha_tuned_at[1:]))
     assert 0.0 <= tuned.marconi_alpha <= 2.0
+    # the replays are timed apart: some of the run's wall time, not all of it
+    assert 0.0 < tuned.alpha_tuning_s < wall
 
 
 def test_tuning_needs_marconi(small):

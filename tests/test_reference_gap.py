@@ -157,6 +157,16 @@ def test_paper_reference_gap_writes_its_table(tmp_path):
     assert (again / "reference-gap.md").read_text() == text
 
 
+def test_paper_reference_gap_names_the_alpha_it_ran():
+    from paper.reference_gap import _eviction
+
+    assert _eviction({"eviction": "lru", "marconi_alpha": None}) == "lru"
+    untuned = {"eviction": "marconi", "marconi_alpha": 0.0, "alpha_tuned_at": []}
+    assert _eviction(untuned) == "marconi, alpha 0"
+    tuned = {"eviction": "marconi", "marconi_alpha": 0.3, "alpha_tuned_at": [1540]}
+    assert _eviction(tuned) == "marconi, alpha 0.3 (tuned after 1,540)"
+
+
 def test_paper_reference_gap_refuses_bad_budgets(capsys):
     from paper import reference_gap
 
