@@ -200,6 +200,8 @@ class SimResult:
     alpha_tuned_at: tuple[int, ...] = ()
     #: the alpha each of those tunings chose, in order
     alpha_choices: tuple[float, ...] = ()
+    #: per tuning, the prefill FLOPs each alpha it tried saved in its replay
+    alpha_scores: tuple[dict[float, float], ...] = ()
     #: wall seconds the tunings' replays took (Marconi's background work: within the run's
     #: wall time, outside its simulated time)
     alpha_tuning_s: float = 0.0
@@ -441,6 +443,7 @@ def _simulate(
         marconi_alpha=alloc.marconi_alpha,
         alpha_tuned_at=tuple(tuner.tuned_at) if tuner is not None else (),
         alpha_choices=tuple(tuner.choices) if tuner is not None else (),
+        alpha_scores=tuple(tuner.scores) if tuner is not None else (),
         alpha_tuning_s=tuner.seconds if tuner is not None else 0.0,
     )
 

@@ -9,7 +9,8 @@ values of Marconi's grid (``marconi_alpha_stride=1``, Marconi's simulator), tune
 simulator's default coarse-to-fine search (9 of them) and tuned on every window
 (``retune_marconi_alpha``, Marconi's system), on two_level and inflate. Records token hit
 rate, the prefill FLOPs the hits saved (the tuner's own objective), TTFT, when it was tuned and
-what each tuning chose, and the wall time.
+what each tuning chose, the first tuning's replay score per alpha tried, and the wall time with
+the tuning's part of it.
 Writes ``alpha-online.json`` and ``alpha-online.md`` (date, machine, commit)."""
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def measure(n: int) -> list[dict]:
                     "choices": list(r.alpha_choices),
                     "wall_s": round(time.perf_counter() - t0, 1),
                     "alpha_tuning_s": round(r.alpha_tuning_s, 1),
+                    # per tuning, the replay's prefill PFLOP saved per alpha tried
+                    "scores": [
+                        {f"{a:g}": round(v / 1e15, 4) for a, v in sorted(sc.items())}
+                        for sc in r.alpha_scores
+                    ],
                 })  # fmt: skip
                 print(rows[-1], flush=True)
     return rows
@@ -88,6 +94,23 @@ def table(rows: list[dict], meta: dict) -> str:
             f"| {r['compute_saved_pflop']:.2f} | {r['ttft_p50_ms']:.0f} / "
             f"{r['ttft_p90_ms']:.0f} | {tuned} | {r['wall_s']:.1f} | {r['alpha_tuning_s']:.1f} |"
         )
+    firsts = [r for r in rows if r["scores"]]
+    if firsts:
+        alphas = sorted({a for r in firsts for a in r["scores"][0]}, key=float)
+        out += [
+            "",
+            "## The first tuning's replay scores",
+            "",
+            "Prefill PFLOP each alpha saved in the first tuning's replay (the tuner's objective; "
+            "blank: not tried by that search).",
+            "",
+            "| seed | layout | alpha | " + " | ".join(alphas) + " |",
+            "|---:|---|---|" + "---:|" * len(alphas),
+        ]
+        for r in firsts:
+            first = r["scores"][0]
+            cells = " | ".join(f"{first[a]:.3f}" if a in first else "" for a in alphas)
+            out.append(f"| {r['seed']} | {r['layout']} | {r['setting']} | {cells} |")
     return "\n".join(out) + "\n"
 
 

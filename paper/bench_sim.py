@@ -64,6 +64,8 @@ def bench(num_requests: int, layouts: list[str], policies: list[str], progress: 
                 # and the rest, the serving path the 30 s target is about
                 "alpha_tuning_s": round(r.alpha_tuning_s, 3),
                 "serving_s": round(wall - r.alpha_tuning_s, 3),
+                "marconi_alpha": r.marconi_alpha,  # at the end (None: LRU eviction)
+                "alpha_tuned_at": list(r.alpha_tuned_at),
                 "trace_s": round(trace_s, 3),
                 "steps": r.steps,
                 "sim_time_s": round(r.sim_time_s, 3),

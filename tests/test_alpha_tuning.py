@@ -154,6 +154,29 @@ def test_paper_alpha_online_writes_its_table(tmp_path):
     assert [r["alpha_end"] for r in rows[:2]] == [1.0, 0.0]
     assert all(len(r["choices"]) == len(r["tuned_at"]) for r in rows)
     assert "| 0 | two_level | tuned online |" in (tmp_path / "alpha-online.md").read_text()
+    assert all(r["alpha_tuning_s"] == 0.0 for r in rows if not r["tuned_at"])
+
+
+def test_paper_alpha_online_tables_the_first_tunings_scores():
+    from paper import alpha_online
+
+    base = {"seed": 0, "layout": "two_level", "token_hit_rate": 0.5, "compute_saved_pflop": 1.0,
+            "ttft_p50_ms": 10.0, "ttft_p90_ms": 20.0, "wall_s": 2.0}  # fmt: skip
+    rows = [
+        dict(base, setting="alpha 1.0", tuned_at=[], choices=[], alpha_tuning_s=0.0, scores=[]),
+        dict(base, setting="whole", tuned_at=[9], choices=[0.1], alpha_tuning_s=1.5,
+             scores=[{"0": 1.5, "0.1": 1.66, "2": 1.6}]),
+        dict(base, setting="coarse", tuned_at=[9], choices=[2.0], alpha_tuning_s=0.5,
+             scores=[{"0": 1.5, "2": 1.6}, {"0": 1.0}]),
+    ]  # fmt: skip
+    meta = {"what": "w", "date": "d", "machine": "m", "cpus": 2, "commit": "c" * 12, "argv": []}
+    text = alpha_online.table(rows, meta)
+    assert "| 0 | two_level | whole | 50.0% | 1.00 | 10 / 20 | 9: 0.1 | 2.0 | 1.5 |" in text
+    # the first tuning's scores only, one column per alpha any search tried, blank where not
+    assert "| seed | layout | alpha | 0 | 0.1 | 2 |" in text
+    assert "| 0 | two_level | whole | 1.500 | 1.660 | 1.600 |" in text
+    assert "| 0 | two_level | coarse | 1.500 |  | 1.600 |" in text
+    assert "| 0 | two_level | alpha 1.0 | 1.500" not in text
 
 
 def test_the_simulator_tunes_once_by_default(small):
@@ -170,6 +193,10 @@ def test_the_simulator_tunes_once_by_default(small):
     assert once.alpha_choices[0] == again.alpha_choices[0] == once.marconi_alpha
     assert len(again.alpha_choices) == len(again.alpha_tuned_at)
     assert again.alpha_choices[-1] == again.marconi_alpha
+    # the scores: 9 alphas tried, the choice the best of them
+    (scores,) = once.alpha_scores
+    assert len(scores) == 9 and scores[once.alpha_choices[0]] == max(scores.values())
+    assert len(again.alpha_scores) == len(again.alpha_tuned_at)
 
 
 def test_hash_ladder_tunes_too(small):
