@@ -646,7 +646,19 @@ ALLOCATOR_FLAGS: dict[str, str] = {
     "hash_block_size": "hash_block_size",
     "eviction": "eviction",
     "partial_hit_points": "partial_hit_points",
+    "marconi_alpha": "marconi_alpha",
 }
+
+
+def _marconi_alpha(value: str) -> float | str:
+    """``--marconi-alpha``: ``auto`` or a number (its range is the options' to check)."""
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        message = f"must be 'auto' or a number >= 0, got {value!r}"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def _allocator_options(
@@ -710,7 +722,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             eviction=config.allocator.resolved_eviction(),
             hash_block_size=unit,
             partial_hit_points=config.allocator.resolved_partial_hit_points(),
+            marconi_alpha=config.allocator.marconi_alpha,
         )
+        summary.update(_alpha_result(result))
         # the plan's capacity, in plan's and advise's names (README, "JSON output")
         summary.update(
             token_capacity=plan.capacity.token_capacity,
@@ -746,6 +760,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"written); held on average: states {summary['state_gib_mean']:.1f} GiB, KV "
         f"{summary['kv_gib_mean']:.1f} GiB"
     )
+    alpha_line = _alpha_line(_alpha_result(result))
+    if alpha_line:
+        print(alpha_line)
     if "reachable_gib_mean" in summary:
         print(
             f"pool on average (memory_breakdown): cached and reachable "
@@ -754,6 +771,34 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{summary['owned_empty_gib_mean']:.2f} GiB, free {summary['free_gib_mean']:.2f} GiB"
         )
     return 0
+
+
+def _alpha_result(result) -> dict:
+    """What a run's Marconi eviction weighed: alpha at the end, when it was tuned (finished
+    requests), what each tuning chose and the wall time the tuning replays took (empty under
+    LRU eviction)."""
+    if result.marconi_alpha is None:
+        return {}
+    return {
+        "marconi_alpha": result.marconi_alpha,
+        "alpha_tuned_at": list(result.alpha_tuned_at),
+        "alpha_choices": list(result.alpha_choices),
+        "alpha_tuning_s": round(result.alpha_tuning_s, 3),
+    }
+
+
+def _alpha_line(alpha: dict) -> str | None:
+    if not alpha:
+        return None
+    if not alpha["alpha_tuned_at"]:
+        return f"Marconi's alpha {alpha['marconi_alpha']:g} throughout (not tuned in this run)"
+    tunings = ", ".join(
+        f"{a:g} after {n:,}" for n, a in zip(alpha["alpha_tuned_at"], alpha["alpha_choices"])
+    )
+    return (
+        f"Marconi's alpha tuned online: {tunings} finished requests "
+        f"({alpha['alpha_tuning_s']:.1f} s of replays, no simulated time)"
+    )
 
 
 def _show_progress(args: argparse.Namespace) -> bool:
@@ -1216,6 +1261,14 @@ def build_parser() -> argparse.ArgumentParser:
         "tail, as vLLM keys them: what vLLM serves with --prefix-match-unit below the block or "
         "decode context parallelism) (default: auto, the policy's own: keys for align, units "
         "for the others)",
+    )
+    p.add_argument(
+        "--marconi-alpha",
+        type=_marconi_alpha,
+        default="auto",
+        help="the weight of prefill FLOPs saved against recency in Marconi's eviction: a number "
+        "fixes it; auto (the default) tunes it online once, as Marconi does, by replaying the "
+        "first window of finished requests",
     )
     p.add_argument(
         "--progress",

@@ -462,3 +462,39 @@ def test_simulate_reserves_the_state_slots_its_policy_holds(capsys):
     assert capacity() == capacity("--policy", "align") == planned(2)
     assert capacity("--policy", "last") == planned(1)
     assert capacity("--state-slots-per-seq", "1") == planned(1)
+
+
+def test_simulate_says_what_marconis_alpha_was(capsys):
+    """``--marconi-alpha`` fixes Marconi's alpha or (``auto``, the default) lets the run tune it
+    once; simulate says which, when and what the tuning chose, in text and JSON. A number where
+    nothing evicts by Marconi's utility, a negative one or a word is refused, naming the flag."""
+    argv = ["simulate", "--model", "qwen3.5-4b", "--gpu-memory", "3GiB", "--max-num-seqs", "16",
+            "--trace", "multi_turn_chat", "--requests", "400", "--layout", "two_level",
+            "--policy", "marconi"]  # fmt: skip
+    assert main(argv) == 0
+    tuned = [line for line in capsys.readouterr().out.splitlines() if "Marconi's alpha" in line]
+    assert len(tuned) == 1 and tuned[0].startswith("Marconi's alpha tuned online: ")
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["result"]
+    (at,) = result["alpha_tuned_at"]
+    assert f"{result['marconi_alpha']:g} after {at:,} finished requests" in tuned[0]
+    assert result["alpha_choices"] == [result["marconi_alpha"]] and result["alpha_tuning_s"] > 0
+    assert main([*argv, "--marconi-alpha", "1.5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["marconi_alpha"] == 1.5 and out["result"]["marconi_alpha"] == 1.5
+    assert out["result"]["alpha_tuned_at"] == [] and out["result"]["alpha_tuning_s"] == 0.0
+    # LRU eviction: no alpha line, no alpha fields
+    assert main([*argv[:-1], "last"]) == 0
+    assert "Marconi's alpha" not in capsys.readouterr().out
+    for more, message in [
+        (["--policy", "last", "--marconi-alpha", "0.5"], "--marconi-alpha 0.5: marconi_alpha"),
+        (["--marconi-alpha", "-1"], "must be 'auto' or a number >= 0, got -1.0"),
+        (["--marconi-alpha", "x"], "must be 'auto' or a number >= 0, got 'x'"),
+    ]:
+        code = None
+        try:
+            code = main([*argv, *more])
+        except SystemExit as exc:  # argparse's own refusal of a word
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err
