@@ -233,6 +233,20 @@ _HOPPER_PATH_VERIFIED_SMALL_PAGES: dict[tuple[str, int], dict[PrefillConfig, tup
 #: sm_90+); the others are marked unmeasured and say what they are inferred from.
 _TABLE: tuple[PrefillRule, ...] = (
     PrefillRule(
+        _P(32, 32, 8, 3),
+        "unmeasured: relative-bias launches at GQA 3+, d <= 128, 16-bit caches, before Hopper, "
+        "up to Triton 3.6: its ptxas holds 64 x 16 on 8 warps (the row below) to 255 registers "
+        "and spills 16 B at GQA 4 with a window on sm_80; 32 x 32 on 8 warps compiles to "
+        "179-180 registers with no spill (paper/results/compile-prefill-d256-triton-versions). "
+        "Triton 3.8 compiles 64 x 16 to 188-195 registers",
+        arch=(80, 89),
+        head_dim=(16, 128),
+        group=(3, 32),
+        caches=("16bit",),
+        triton=(3, 6),
+        rel=True,
+    ),
+    PrefillRule(
         _P(64, 16, 8, 3),
         "unmeasured: relative-bias launches (Inkling: d 128, GQA 4 and 8), the tile that "
         "compiles without spills with the bias (compile check: 163-194 registers at d 128 on "
