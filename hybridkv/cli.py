@@ -724,7 +724,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             partial_hit_points=config.allocator.resolved_partial_hit_points(),
             marconi_alpha=config.allocator.marconi_alpha,
         )
-        summary.update(_alpha_result(result))
+        summary.update(result.alpha_summary())
         # the plan's capacity, in plan's and advise's names (README, "JSON output")
         summary.update(
             token_capacity=plan.capacity.token_capacity,
@@ -760,7 +760,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"written); held on average: states {summary['state_gib_mean']:.1f} GiB, KV "
         f"{summary['kv_gib_mean']:.1f} GiB"
     )
-    alpha_line = _alpha_line(_alpha_result(result))
+    alpha_line = _alpha_line(result.alpha_summary())
     if alpha_line:
         print(alpha_line)
     if "reachable_gib_mean" in summary:
@@ -771,20 +771,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{summary['owned_empty_gib_mean']:.2f} GiB, free {summary['free_gib_mean']:.2f} GiB"
         )
     return 0
-
-
-def _alpha_result(result) -> dict:
-    """What a run's Marconi eviction weighed: alpha at the end, when it was tuned (finished
-    requests), what each tuning chose and the wall time the tuning replays took (empty under
-    LRU eviction)."""
-    if result.marconi_alpha is None:
-        return {}
-    return {
-        "marconi_alpha": result.marconi_alpha,
-        "alpha_tuned_at": list(result.alpha_tuned_at),
-        "alpha_choices": list(result.alpha_choices),
-        "alpha_tuning_s": round(result.alpha_tuning_s, 3),
-    }
 
 
 def _alpha_line(alpha: dict) -> str | None:

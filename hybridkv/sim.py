@@ -206,6 +206,19 @@ class SimResult:
     #: wall time, outside its simulated time)
     alpha_tuning_s: float = 0.0
 
+    def alpha_summary(self) -> dict[str, float | list]:
+        """What the run's Marconi eviction weighed: alpha at the end, when it was tuned
+        (finished requests), what each tuning chose and the wall time of the tuning replays
+        (empty under LRU eviction)."""
+        if self.marconi_alpha is None:
+            return {}
+        return {
+            "marconi_alpha": self.marconi_alpha,
+            "alpha_tuned_at": list(self.alpha_tuned_at),
+            "alpha_choices": list(self.alpha_choices),
+            "alpha_tuning_s": round(self.alpha_tuning_s, 3),
+        }
+
     def breakdown_mean(self) -> dict[str, float]:
         """Mean bytes per breakdown field over the run's breakdown samples."""
         return breakdown_table(list(self.breakdown))
